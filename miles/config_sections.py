@@ -1,0 +1,231 @@
+"""Typed configuration sections.
+
+Field names are Miles' flag names with dashes turned into underscores (`--rollout-batch-size`
+-> `rollout_batch_size`). Each component takes only the section it needs. `miles.config` builds
+these from YAML + CLI, derives the four-knob invariant and validates combinations; the
+`group` metadata is the help group the flag is listed under in `miles train --help`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _f(default, group: str, help: str, **kw):
+    """A dataclass field carrying its CLI help group and text."""
+    meta = {"group": group, "help": help}
+    meta.update(kw.pop("metadata", {}))
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta, **kw)
+    return field(default=default, metadata=meta, **kw)
+
+
+@dataclass
+class ModelConfig:
+    hf_checkpoint: str | None = _f(None, "MODEL", "HF model directory (weights + tokenizer) for engines and trainer")
+    ref_load: str | None = _f(None, "CKPT", "HF directory of the frozen reference model (default: --hf-checkpoint when a KL term needs it)")
+    critic_load: str | None = _f(None, "CKPT", "HF directory to initialise the PPO critic from (default: --hf-checkpoint)")
+    dtype: str = _f("auto", "MODEL", "parameter dtype: auto (bf16 on GPU, fp32 on CPU), bfloat16, float16, float32")
+    trust_remote_code: bool = _f(False, "MODEL", "pass trust_remote_code to transformers")
+
+
+@dataclass
+class DataConfig:
+    prompt_data: str | None = _f(None, "ROLLOUT", "JSONL file of prompts")
+    input_key: str = _f("input", "ROLLOUT", "JSONL key of the prompt (text or chat messages)")
+    label_key: str | None = _f(None, "ROLLOUT", "JSONL key of the label / ground truth")
+    metadata_key: str = _f("metadata", "ROLLOUT", "JSONL key of per-row metadata (dict)")
+    tool_key: str = _f("tools", "ROLLOUT", "JSONL key of tool specs, copied into metadata['tools']")
+    apply_chat_template: bool = _f(False, "ROLLOUT", "render chat prompts with the tokenizer's chat template")
+    rollout_shuffle: bool = _f(False, "ROLLOUT", "shuffle prompts every epoch")
+    rollout_seed: int = _f(42, "ROLLOUT", "seed for shuffling and sampling")
+    rollout_max_prompt_len: int | None = _f(None, "ROLLOUT", "drop prompts longer than this many tokens")
+    skip_bad_rows: bool = _f(False, "ROLLOUT", "skip and count malformed JSONL rows instead of stopping")
+    data_source_path: str | None = _f(None, "ROLLOUT", "import path of a custom data source class")
+    num_epoch: int | None = _f(None, "ROLLOUT", "epochs over the prompt data (derives --num-rollout)")
+
+
+@dataclass
+class RolloutConfig:
+    rollout_batch_size: int | None = _f(None, "ROLLOUT", "prompt groups per rollout step")
+    n_samples_per_prompt: int = _f(1, "ROLLOUT", "trajectories per prompt (group size)")
+    global_batch_size: int | None = _f(None, "ROLLOUT", "samples per optimizer step")
+    num_steps_per_rollout: int | None = _f(None, "ROLLOUT", "optimizer steps per rollout step")
+    num_rollout: int | None = _f(None, "ROLLOUT", "number of rollout steps")
+    start_rollout_id: int | None = _f(None, "ROLLOUT", "first step (default: from checkpoint or 0)")
+    rollout_temperature: float = _f(1.0, "ROLLOUT", "sampling temperature")
+    rollout_top_p: float = _f(1.0, "ROLLOUT", "nucleus sampling p")
+    rollout_top_k: int = _f(-1, "ROLLOUT", "top-k (-1: off)")
+    rollout_min_p: float = _f(0.0, "ROLLOUT", "min-p (0: off)")
+    rollout_max_response_len: int = _f(256, "ROLLOUT", "max new tokens per response")
+    rollout_max_context_len: int | None = _f(None, "ROLLOUT", "cap prompt + response length")
+    rollout_stop: list[str] = _f([], "ROLLOUT", "stop strings", metadata={"nargs": "*"})
+    rollout_stop_token_ids: list[int] = _f([], "ROLLOUT", "stop token ids", metadata={"nargs": "*"})
+    rollout_skip_special_tokens: bool = _f(False, "ROLLOUT", "skip special tokens when decoding")
+    over_sampling_batch_size: int | None = _f(None, "ROLLOUT", "groups submitted per refill (default: rollout_batch_size)")
+    dynamic_sampling_filter_path: str | None = _f(None, "ROLLOUT", "import path of a group filter (e.g. miles.rollout.filters.check_reward_nonzero_std)")
+    rollout_submission_granularity: str | None = _f(None, "ROLLOUT", "group | sample (default: group in sync, sample in fully async)")
+    rollout_function_path: str | None = _f(None, "ROLLOUT", "import path of a custom rollout function/class")
+    custom_generate_function_path: str | None = _f(None, "ROLLOUT", "import path of a custom generate function")
+    custom_agent_function_path: str | None = _f(None, "ROLLOUT", "import path of an agent function (session server)")
+    rollout_sample_filter_path: str | None = _f(None, "ROLLOUT", "fn(args, groups) marking remove_sample in place")
+    partial_rollout: bool = _f(False, "ROLLOUT", "keep partial groups at abort and resume them next step")
+    recompute_logprobs_via_prefill: bool = _f(False, "ROLLOUT", "re-score sampled tokens with a prefill pass")
+    sglang_server_concurrency: int = _f(512, "ROLLOUT", "max concurrent requests per engine")
+    reward_phase: str = _f("inline", "ROLLOUT", "inline (score as each sample finishes) | separate (generate all, then score)")
+    use_session_server: bool = _f(False, "ROLLOUT", "route multi-turn sessions through the session server (key affinity)")
+
+
+@dataclass
+class RewardConfig:
+    rm_type: str | None = _f(None, "ROLLOUT", "built-in reward: math, gsm8k, deepscaler, f1, exact, remote_rm, boxed_* ...")
+    rm_url: str | None = _f(None, "ROLLOUT", "URL of the remote reward model")
+    reward_key: str | None = _f(None, "ROLLOUT", "key selecting the scalar when a reward is a dict")
+    custom_rm_path: str | None = _f(None, "ROLLOUT", "import path of a custom reward fn(args, sample)")
+    group_rm: bool = _f(False, "ROLLOUT", "score whole groups with --custom-rm-path called on a list")
+    group_reward_path: str | None = _f(None, "ROLLOUT", "import path of fn(args, samples)->list[float] seeing the whole group")
+    rm_concurrency: int = _f(64, "ROLLOUT", "max concurrent remote reward calls")
+    rm_timeout_s: float = _f(30.0, "ROLLOUT", "timeout of one remote reward call")
+    rm_max_retries: int = _f(3, "ROLLOUT", "retries of a failing remote reward call before the sample is marked failed")
+
+
+@dataclass
+class AlgoConfig:
+    advantage_estimator: str = _f("grpo", "GRPO", "grpo | gspo | reinforce_plus_plus | reinforce_plus_plus_baseline | ppo")
+    loss_type: str = _f("policy_loss", "GRPO", "policy_loss | sft_loss | custom_loss")
+    custom_loss_function_path: str | None = _f(None, "GRPO", "import path of a custom loss")
+    eps_clip: float = _f(0.2, "GRPO", "PPO clip epsilon (low)")
+    eps_clip_high: float | None = _f(None, "GRPO", "PPO clip epsilon (high; default eps_clip)")
+    eps_clip_c: float | None = _f(None, "GRPO", "dual-clip constant c > 1")
+    use_kl_loss: bool = _f(False, "GRPO", "add a KL(actor || ref) loss term")
+    kl_loss_coef: float = _f(0.0, "GRPO", "coefficient of the KL loss")
+    kl_loss_type: str = _f("k1", "GRPO", "k1 | k2 | k3 | low_var_kl")
+    kl_coef: float = _f(0.0, "GRPO", "KL-in-reward coefficient (reward shaping)")
+    entropy_coef: float = _f(0.0, "GRPO", "entropy bonus coefficient")
+    gamma: float = _f(1.0, "GRPO", "discount")
+    lambd: float = _f(1.0, "GRPO", "GAE lambda")
+    normalize_advantages: bool = _f(False, "GRPO", "masked whitening of advantages across data-parallel ranks")
+    disable_grpo_std_normalization: bool = _f(False, "GRPO", "Dr.GRPO: center rewards without dividing by the group std")
+    disable_rewards_normalization: bool = _f(False, "GRPO", "skip group reward normalization")
+    value_clip: float = _f(0.2, "GRPO", "PPO value clip")
+    use_rollout_logprobs: bool = _f(False, "GRPO", "use rollout log-probs as the old policy (skip actor forward)")
+    use_tis: bool = _f(False, "GRPO", "truncated importance sampling on train/rollout ratio")
+    tis_mode: str = _f("clamp", "GRPO", "clamp (TIS) | clip_or_pop (zero weight outside [lo, hi])")
+    tis_clip: float = _f(2.0, "GRPO", "TIS upper bound")
+    tis_clip_low: float = _f(0.0, "GRPO", "TIS lower bound")
+    custom_tis_function_path: str | None = _f(None, "GRPO", "import path of a custom correction")
+    calculate_per_token_loss: bool = _f(False, "GRPO", "aggregate as a global token mean")
+    loss_aggregation: str | None = _f(None, "GRPO", "sample_mean (default) | token_mean | seq_mean_token_sum")
+    use_opd: bool = _f(False, "GRPO", "on-policy distillation penalty in the advantage")
+    opd_kl_coef: float = _f(1.0, "GRPO", "OPD coefficient")
+    opd_log_prob_top_k: int = _f(0, "GRPO", "top-K OPD variant (0: sampled-token estimate)")
+    opd_teacher_url: str | None = _f(None, "GRPO", "engine URL of the served teacher")
+
+
+@dataclass
+class TrainConfig:
+    train_backend: str = _f("fsdp", "PERF", "fsdp | megatron")
+    lr: float = _f(1e-6, "OPTIMIZER", "learning rate")
+    min_lr: float = _f(0.0, "OPTIMIZER", "floor of the decay schedule")
+    lr_decay_style: str = _f("constant", "OPTIMIZER", "constant | linear | cosine")
+    lr_warmup_iters: int = _f(0, "OPTIMIZER", "warm-up optimizer steps")
+    lr_decay_iters: int | None = _f(None, "OPTIMIZER", "decay horizon in optimizer steps (default: whole run)")
+    weight_decay: float = _f(0.0, "OPTIMIZER", "AdamW weight decay")
+    adam_beta1: float = _f(0.9, "OPTIMIZER", "AdamW beta1")
+    adam_beta2: float = _f(0.95, "OPTIMIZER", "AdamW beta2")
+    adam_eps: float = _f(1e-8, "OPTIMIZER", "AdamW epsilon")
+    clip_grad: float = _f(1.0, "OPTIMIZER", "max global grad norm (0: off)")
+    seed: int = _f(1234, "OPTIMIZER", "training seed")
+    micro_batch_size: int = _f(1, "PERF", "samples per micro-batch without dynamic batching")
+    use_dynamic_batch_size: bool = _f(False, "PERF", "pack micro-batches up to --max-tokens-per-gpu")
+    max_tokens_per_gpu: int | None = _f(None, "PERF", "token budget of one packed micro-batch")
+    gradient_checkpointing: bool = _f(False, "PERF", "activation checkpointing")
+    actor_num_nodes: int = _f(1, "PERF", "trainer nodes")
+    actor_num_gpus_per_node: int = _f(1, "PERF", "trainer ranks per node (processes on CPU)")
+    critic_lr: float | None = _f(None, "OPTIMIZER", "critic learning rate (default lr)")
+    num_critic_only_steps: int = _f(0, "GRPO", "critic warm-up steps")
+    load: str | None = _f(None, "CKPT", "checkpoint directory to resume from")
+    save: str | None = _f(None, "CKPT", "checkpoint directory")
+    save_interval: int | None = _f(None, "CKPT", "save every N rollout steps")
+    save_hf: str | None = _f(None, "CKPT", "HF export directory template, may contain {rollout_id}")
+    auto_resume: bool = _f(False, "CKPT", "resume from the latest complete checkpoint under --save")
+    no_save_optim: bool = _f(False, "CKPT", "do not save optimizer state")
+    offload_train: bool | None = _f(None, "PERF", "offload trainer state while engines generate (default: on when colocated)")
+
+
+@dataclass
+class WeightsConfig:
+    update_weight_transfer_mode: str = _f("broadcast", "PERF", "broadcast | p2p | disk-delta")
+    update_weight_buffer_size: int = _f(512 * 1024**2, "PERF", "bucket size in bytes")
+    update_weights_interval: int = _f(1, "PERF", "push weights every N steps")
+    update_weight_disk_dir: str | None = _f(None, "PERF", "shared directory for disk-delta versions")
+    update_weight_delta_encoding: str = _f("xor", "PERF", "xor | overwrite")
+    update_weight_digest: str = _f("xxh3-128", "PERF", "per-tensor digest: xxh3-128 | blake2b | adler32")
+    pause_generation_mode: str = _f("retract", "PERF", "abort | in_place | retract")
+    check_weight_update_equal: bool = _f(False, "PERF", "verify every engine tensor against the trainer after the first update")
+    weight_sync_timeout_s: float = _f(300.0, "PERF", "timeout of every rendezvous/collective of the weight path")
+
+
+@dataclass
+class EngineConfig:
+    engine: str = _f("embedded", "SGLANG", "embedded | sglang")
+    rollout_num_engines: int = _f(1, "SGLANG", "number of rollout engines")
+    rollout_num_gpus_per_engine: int = _f(1, "SGLANG", "GPUs per engine (SGLang tp size)")
+    rollout_num_gpus: int | None = _f(None, "SGLANG", "total rollout GPUs")
+    colocate: bool = _f(False, "SGLANG", "trainer and engines share devices")
+    max_running_requests: int = _f(64, "SGLANG", "embedded engine: max requests in the running batch")
+    max_total_tokens: int | None = _f(None, "SGLANG", "embedded engine: KV cache capacity in tokens")
+    deterministic: bool = _f(False, "SGLANG", "deterministic engine (fixed per-request seeds, batch-invariant ops)")
+    rollout_external_engine_addrs: list[str] = _f([], "SGLANG", "use already running engines at these URLs", metadata={"nargs": "*"})
+    sglang_args: dict = _f({}, "SGLANG", "--sglang-* passthrough flags for sglang.launch_server", metadata={"cli": False})
+
+
+@dataclass
+class EvalConfig:
+    eval_interval: int | None = _f(None, "EVAL", "evaluate every N steps")
+    eval_prompt_data: list[str] = _f([], "EVAL", "name path [name path ...]", metadata={"nargs": "*"})
+    n_samples_per_eval_prompt: int = _f(1, "EVAL", "samples per eval prompt")
+    eval_temperature: float | None = _f(None, "EVAL", "eval sampling temperature (default rollout's)")
+    eval_top_p: float | None = _f(None, "EVAL", "eval top-p")
+    eval_top_k: int | None = _f(None, "EVAL", "eval top-k")
+    eval_max_response_len: int | None = _f(None, "EVAL", "eval max new tokens")
+    skip_eval_before_train: bool = _f(False, "EVAL", "no eval at step 0")
+    eval_mode: str = _f("shared", "EVAL", "shared | dedicated | external (fully async)")
+    eval_num_engines: int = _f(0, "EVAL", "dedicated eval engines")
+    eval_external_command: str | None = _f(None, "EVAL", "external eval command, given a checkpoint directory")
+    eval_max_in_flight: int = _f(2, "EVAL", "outstanding async evals before new ones are skipped")
+
+
+@dataclass
+class AsyncConfig:
+    fully_async: bool = _f(False, "ROLLOUT", "fully asynchronous RL (disaggregated only)")
+    async_max_concurrent_samples: int | None = _f(None, "ROLLOUT", "trajectories kept generating")
+    async_data_buffer_capacity_factor: float = _f(2.0, "ROLLOUT", "buffer capacity = factor x rollout_batch_size groups")
+    custom_async_data_buffer_path: str | None = _f(None, "ROLLOUT", "import path of a custom data buffer")
+    max_weight_staleness: int | None = _f(None, "ROLLOUT", "drop (or pace) groups staler than this")
+    async_unused_samples_handler: str = _f("drop", "ROLLOUT", "retry | drop")
+    async_staleness_policy: str = _f("drop", "ROLLOUT", "drop | pace")
+
+
+@dataclass
+class RuntimeConfig:
+    output_dir: str | None = _f(None, "RUNTIME", "run directory (default runs/<name>-<timestamp>)")
+    run_name: str = _f("miles", "RUNTIME", "run name")
+    heartbeat_interval_s: float = _f(1.0, "RUNTIME", "worker heartbeat period")
+    heartbeat_timeout_s: float = _f(30.0, "RUNTIME", "declare a worker hung after this silence")
+    rpc_timeout_s: float = _f(600.0, "RUNTIME", "default RPC timeout")
+    controller_host: str = _f("127.0.0.1", "RUNTIME", "controller bind address")
+    controller_port: int = _f(0, "RUNTIME", "controller port (0: free port, or IPC when single node)")
+    profile_steps: list[int] = _f([], "RUNTIME", "steps traced with torch.profiler", metadata={"nargs": "*"})
+    py_spy: bool = _f(False, "RUNTIME", "sample workers with py-spy")
+    debug_rollout_only: bool = _f(False, "RUNTIME", "skip training")
+    debug_train_only: bool = _f(False, "RUNTIME", "skip rollout (needs saved rollout data)")
+
+
+@dataclass
+class LoggingConfig:
+    use_wandb: bool = _f(False, "LOGGING", "log to Weights & Biases")
+    wandb_project: str | None = _f(None, "LOGGING", "W&B project")
+    wandb_group: str | None = _f(None, "LOGGING", "W&B group")
+    use_tensorboard: bool = _f(True, "LOGGING", "TensorBoard event files in the run directory")
+    progress_bar: bool = _f(True, "LOGGING", "live progress bar")
