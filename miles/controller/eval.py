@@ -1,0 +1,87 @@
+"""In-loop evaluation on the shared engines: scores recorded against the weight version they measured."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import replace
+
+import numpy as np
+
+from miles.controller.rollout_manager import GroupRunner, sampling_from_config
+from miles.rollout.data_source import JsonlDataSource
+from miles.rollout.sample import SampleStatus
+from miles.rollout.train_data import reward_value
+
+logger = logging.getLogger(__name__)
+
+
+def parse_eval_datasets(items: list[str]) -> list[tuple[str, str]]:
+    if len(items) % 2:
+        raise ValueError(f"--eval-prompt-data takes pairs 'name path', got {items!r}")
+    return [(items[i], items[i + 1]) for i in range(0, len(items), 2)]
+
+
+class Evaluator:
+    def __init__(self, cfg, run):
+        self.cfg = cfg
+        self.run = run
+        self.datasets = parse_eval_datasets(cfg.eval.eval_prompt_data)
+        e = cfg.eval
+        self.sampling = sampling_from_config(cfg.rollout, {
+            "temperature": e.eval_temperature, "top_p": e.eval_top_p, "top_k": e.eval_top_k,
+            "max_new_tokens": e.eval_max_response_len})
+
+    def due(self, step: int, *, before_train: bool = False) -> bool:
+        if not self.datasets or not self.cfg.eval.eval_interval:
+            return False
+        if before_train:
+            return not self.cfg.eval.skip_eval_before_train
+        return step % self.cfg.eval.eval_interval == 0 or step == self.cfg.rollout.num_rollout
+
+    async def maybe_eval(self, step: int, *, before_train: bool = False, pause=None) -> dict[str, float]:
+        """Evaluate when due. `pause` (the async producer) stops new generation while eval runs."""
+        if not self.due(step, before_train=before_train):
+            return {}
+        if pause is not None:
+            pause.pause()
+        try:
+            return await self._eval_all(step, before_train)
+        finally:
+            if pause is not None:
+                pause.resume()
+
+    async def _eval_all(self, step: int, before_train: bool) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for name, path in self.datasets:
+            try:
+                out.update(await self.run._wait("eval_time", self.evaluate(name, path)))
+            except Exception as e:  # noqa: BLE001 - a failed eval is reported and training goes on
+                logger.warning("eval %s at step %d failed, skipped: %s", name, step, e)
+                out[f"eval/{name}/skipped"] = 1.0
+        if before_train and out:
+            self.run.sink.log(step - 1 if step > 0 else -1, out)
+            return {}
+        return out
+
+    async def evaluate(self, name: str, path: str) -> dict[str, float]:
+        data_cfg = replace(self.cfg.data, prompt_data=path, rollout_shuffle=False)
+        source = JsonlDataSource(data_cfg, n_samples_per_prompt=self.cfg.eval.n_samples_per_eval_prompt,
+                                 tokenizer=self.run.tokenizer)
+        groups = source.get_samples(len(source))
+        args = self.run.args
+        runner = GroupRunner(args, self.run.router, self.run.tokenizer, self.sampling)
+        version = self.run.weight_version
+        done = await asyncio.gather(*(runner.run(g) for g in groups))
+        samples = [s for g in done for s in g]
+        scored = [s for s in samples if s.status != SampleStatus.FAILED and s.reward is not None]
+        rewards = np.array([reward_value(s, self.cfg.reward.reward_key) for s in scored], dtype=np.float64)
+        versions = [v for s in samples for v in s.weight_versions]
+        return {
+            f"eval/{name}/reward_mean": float(rewards.mean()) if rewards.size else float("nan"),
+            f"eval/{name}/num_samples": float(len(samples)),
+            f"eval/{name}/reward_failed": float(len(samples) - len(scored)),
+            f"eval/{name}/weight_version": float(version),
+            f"eval/{name}/mixed_version_frac": float(np.mean([v != version for v in versions])) if versions else 0.0,
+            f"eval/{name}/truncated_frac": float(np.mean([s.status == SampleStatus.TRUNCATED for s in samples])),
+        }

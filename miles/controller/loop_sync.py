@@ -1,0 +1,52 @@
+"""The synchronous RL loop: generate → train → save → offload → push weights → eval."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from miles.controller.eval import Evaluator
+from miles.controller.rollout_manager import SyncRolloutManager
+from miles.controller.run import MilesRun
+from miles.utils.progress import StepProgress
+
+logger = logging.getLogger(__name__)
+
+
+async def train(cfg) -> str:
+    run = await MilesRun.start(cfg)
+    async with run:
+        rollout = SyncRolloutManager(run.args, cfg.rollout, run.router, run.data_source, run.tokenizer,
+                                     seed=cfg.data.rollout_seed if cfg.engine.deterministic else None)
+        evaluator = Evaluator(cfg, run)
+        await run.push_weights(version=run.weight_version)  # engines start from the trainer's weights
+        await evaluator.maybe_eval(run.start_rollout_id, before_train=True)
+        with StepProgress(cfg, start=run.start_rollout_id) as progress:
+            for rollout_id in range(run.start_rollout_id, cfg.rollout.num_rollout):
+                step_start = run.begin_step()
+                await run.offload_trainer()
+                result = await run._wait("rollout/generate_time", rollout.generate(rollout_id))
+                await run.release_engines()
+                await run.onload_trainer()
+                train_metrics = await run.train(rollout_id, run.to_train_batch(result.groups))
+                await run.maybe_save(rollout_id)
+                await run.resume_engines()
+                await run.push_weights(version=rollout_id + 1)
+                eval_metrics = await evaluator.maybe_eval(rollout_id + 1)
+                progress.update(run.log_step(rollout_id, step_start, result.metrics, train_metrics, eval_metrics))
+    return cfg.runtime.output_dir
+
+
+def run(cfg) -> int:
+    """`miles train` entry for synchronous runs."""
+    from miles.utils.progress import print_reward_curve
+
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    out_dir = asyncio.run(train(cfg))
+    print_reward_curve(out_dir)
+    return 0

@@ -1,0 +1,70 @@
+"""Placement plan: which process plays which role on which node and device."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import asdict, dataclass, fields, is_dataclass
+
+from miles.controller.runtime import WorkerSpec
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass(slots=True)
+class Placement:
+    trainer_specs: list[WorkerSpec]
+    rollout_specs: list[WorkerSpec]
+    device: str
+    colocated: bool
+
+    @property
+    def specs(self) -> list[WorkerSpec]:
+        return self.trainer_specs + self.rollout_specs
+
+
+def sections_dict(cfg) -> dict[str, dict]:
+    """Every config section as a plain dict (msgpack-able), keyed by section name."""
+    return {f.name: asdict(getattr(cfg, f.name)) for f in fields(cfg) if is_dataclass(getattr(cfg, f.name))}
+
+
+def plan_placement(cfg, *, device: str, num_nodes: int = 1, master_addr: str = "127.0.0.1",
+                   gpus_per_node: int | None = None) -> Placement:
+    """Trainer ranks first, then engines; on GPU, colocated engines share the trainers' devices."""
+    train, engine = cfg.train, cfg.engine
+    dp = train.actor_num_nodes * train.actor_num_gpus_per_node
+    per_node = gpus_per_node or train.actor_num_gpus_per_node
+    master_port = free_port() if num_nodes == 1 else 29600
+    sections = sections_dict(cfg)
+    trainers = []
+    for rank in range(dp):
+        node = rank // train.actor_num_gpus_per_node
+        local = rank % train.actor_num_gpus_per_node
+        env = {"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "RANK": str(rank),
+               "WORLD_SIZE": str(dp), "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(train.actor_num_gpus_per_node)}
+        if device == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = str(local)
+            env["LOCAL_RANK"] = "0"
+        trainers.append(WorkerSpec(role="trainer", rank=rank, entry="miles.workers.trainer_worker:TrainerWorker",
+                                   node=node, env=env, init_kwargs={"sections": sections, "device": device}))
+    rollouts = []
+    gpus_per_engine = engine.rollout_num_gpus_per_engine
+    for i in range(engine.rollout_num_engines):
+        env: dict[str, str] = {}
+        if device == "cuda":
+            first = i * gpus_per_engine if engine.colocate else dp + i * gpus_per_engine
+            node, local = divmod(first, per_node)
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(local + k) for k in range(gpus_per_engine))
+        else:
+            node = 0
+        rollouts.append(WorkerSpec(
+            role="rollout", rank=i, entry="miles.workers.rollout_worker:RolloutWorker", node=node, env=env,
+            init_kwargs={"engine": engine.engine, "model_path": cfg.model.hf_checkpoint, "device": device,
+                         "dtype": cfg.model.dtype, "max_running_requests": engine.max_running_requests,
+                         "max_total_tokens": engine.max_total_tokens, "seed": cfg.data.rollout_seed + i,
+                         "deterministic": engine.deterministic, "sglang_args": engine.sglang_args,
+                         "tp_size": gpus_per_engine}))
+    return Placement(trainers, rollouts, device, engine.colocate)

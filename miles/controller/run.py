@@ -1,0 +1,234 @@
+"""MilesRun: everything the loop drivers need behind a handful of awaitable calls.
+
+The drivers (`loop_sync`, `loop_async`) read like the paper's pseudocode; this module owns the
+machinery: spawning workers, the router, weight pushes, checkpoints, offload, eval, metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from miles.controller.placement import Placement, plan_placement
+from miles.controller.router import Router
+from miles.controller.runtime import Runtime
+from miles.engines.client import EngineClient
+from miles.rollout.data_source import load_data_source
+from miles.rollout.sample import Sample
+from miles.rollout.train_data import TrainBatch, samples_to_train_batch, split_by_dp
+from miles.utils.metrics import MetricsSink
+from miles.utils.timer import StepTimers
+
+logger = logging.getLogger(__name__)
+
+
+def _device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class MilesRun:
+    def __init__(self, cfg, runtime: Runtime, placement: Placement, router: Router, engines: list[EngineClient],
+                 tokenizer, sink: MetricsSink):
+        self.cfg = cfg
+        self.args = cfg.flat()
+        self.runtime = runtime
+        self.placement = placement
+        self.router = router
+        self.engines = engines
+        self.tokenizer = tokenizer
+        self.sink = sink
+        self.timers = StepTimers()
+        self.data_source = load_data_source(cfg.data, n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
+                                            tokenizer=tokenizer)
+        self.weight_version = 0
+        self.start_rollout_id = 0
+        self.engine_versions: list[int] = [0] * len(engines)
+        self._worker_wait_s = 0.0
+        # fully async runs save the prompts of buffered and in-flight groups with each checkpoint
+        self.pending_state_fn = None
+
+    # ---- start / stop ----------------------------------------------------------------
+    @classmethod
+    async def start(cls, cfg) -> MilesRun:
+        from transformers import AutoTokenizer
+
+        device = _device()
+        run_dir = cfg.runtime.output_dir
+        os.makedirs(run_dir, exist_ok=True)
+        placement = plan_placement(cfg, device=device)
+        runtime = await Runtime.start(placement.specs, run_dir=run_dir,
+                                      heartbeat_interval_s=cfg.runtime.heartbeat_interval_s,
+                                      heartbeat_timeout_s=cfg.runtime.heartbeat_timeout_s)
+        try:
+            await runtime.call_all("trainer", "setup", timeout_s=cfg.runtime.rpc_timeout_s)
+            urls = [(await w.call("info"))["url"] for w in runtime.workers("rollout")]
+            urls += list(cfg.engine.rollout_external_engine_addrs)
+            engines = [EngineClient(u) for u in urls]
+            router = Router(engines, session_mode=cfg.rollout.use_session_server)
+            tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint,
+                                                      trust_remote_code=cfg.model.trust_remote_code)
+            sink = MetricsSink(run_dir, tensorboard=cfg.logging.use_tensorboard,
+                               wandb_project=cfg.logging.wandb_project if cfg.logging.use_wandb else None,
+                               wandb_group=cfg.logging.wandb_group, run_name=cfg.runtime.run_name)
+            run = cls(cfg, runtime, placement, router, engines, tokenizer, sink)
+            await runtime.call_all("trainer", "connect_engines", urls, mode=cfg.weights.update_weight_transfer_mode,
+                                   colocated=cfg.engine.colocate)
+            await run._maybe_resume()
+            return run
+        except BaseException:
+            await runtime.shutdown()
+            raise
+
+    async def close(self) -> None:
+        try:
+            await self.runtime.call_all("trainer", "close_weights", timeout_s=30)
+        except Exception as e:  # noqa: BLE001 - best effort on the way out
+            logger.warning("closing weight sync failed: %s", e)
+        for e in self.engines:
+            await e.close()
+        self.sink.close()
+        await self.runtime.shutdown()
+
+    async def __aenter__(self) -> MilesRun:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    # ---- waiting on workers ------------------------------------------------------------
+    async def _wait(self, name: str, aw):
+        """Await worker work, timing it as phase `name` and as time spent waiting on workers."""
+        start = time.perf_counter()
+        try:
+            return await aw
+        finally:
+            dt = time.perf_counter() - start
+            self.timers.add(name, dt)
+            self._worker_wait_s += dt
+
+    # ---- the loop's verbs ------------------------------------------------------------
+    async def push_weights(self, version: int) -> None:
+        """Pause engines, move the trainer's weights with the configured transport, continue."""
+        mode = self.cfg.weights.pause_generation_mode
+        await self._wait("update_weights_time", self._push(version, mode))
+
+    async def _push(self, version: int, mode: str) -> None:
+        await self.router.broadcast("pause_generation", mode=mode)
+        try:
+            results = await self.runtime.call_all("trainer", "push_weights", version,
+                                                  timeout_s=self.cfg.weights.weight_sync_timeout_s)
+            self.weight_version = version
+            versions = await asyncio.gather(*(e.get_weight_version() for e in self.engines))
+            self.engine_versions = [int(v) for v in versions]
+            if any(v != version for v in self.engine_versions):
+                raise RuntimeError(f"after pushing weight version {version} the engines report {self.engine_versions}")
+            if self.cfg.weights.check_weight_update_equal and version == 0:
+                report = await self.runtime.worker("trainer", 0).call("check_weights")
+                logger.info("weight update verified: %s", report)
+            self._last_push_metrics = results[0]
+        finally:
+            await self.router.broadcast("continue_generation")
+
+    def to_train_batch(self, groups: list[list[Sample]]) -> list[TrainBatch]:
+        with self.timers("rollout/convert_time"):
+            samples = [s for g in groups for s in g]
+            algo = self.cfg.algo
+            batch = samples_to_train_batch(
+                samples, reward_key=self.cfg.reward.reward_key, estimator=algo.advantage_estimator,
+                std_normalization=not algo.disable_grpo_std_normalization,
+                disable_rewards_normalization=algo.disable_rewards_normalization)
+            return split_by_dp(batch, len(self.placement.trainer_specs))
+
+    async def train(self, rollout_id: int, shards: list[TrainBatch]) -> dict[str, float]:
+        calls = [w.call("train", shard.to_dict(), rollout_id, timeout_s=self.cfg.runtime.rpc_timeout_s)
+                 for w, shard in zip(self.runtime.workers("trainer"), shards, strict=True)]
+        results = await self._wait("train_time", asyncio.gather(*calls))
+        return results[0]
+
+    async def offload_trainer(self) -> None:
+        if self.placement.colocated and self.cfg.train.offload_train:
+            await self._wait("offload_time", self.runtime.call_all("trainer", "offload"))
+
+    async def onload_trainer(self) -> None:
+        if self.placement.colocated and self.cfg.train.offload_train:
+            await self._wait("offload_time", self.runtime.call_all("trainer", "onload"))
+
+    async def release_engines(self) -> None:
+        if self.placement.colocated:
+            await self._wait("offload_time", self.router.broadcast("release_memory_occupation"))
+
+    async def resume_engines(self) -> None:
+        if self.placement.colocated:
+            await self._wait("offload_time", self.router.broadcast("resume_memory_occupation"))
+
+    # ---- checkpoints -----------------------------------------------------------------
+    def _ckpt_dir(self, step: int) -> str:
+        return os.path.join(self.cfg.train.save, f"iter_{step:07d}")
+
+    async def maybe_save(self, rollout_id: int, *, force: bool = False) -> None:
+        t = self.cfg.train
+        if not t.save:
+            return
+        last = self.cfg.rollout.num_rollout - 1
+        if not force and not (t.save_interval and (rollout_id + 1) % t.save_interval == 0) and rollout_id != last:
+            return
+        extra = {"rollout_id": rollout_id, "weight_version": self.weight_version,
+                 "data_source": self.data_source.state_dict(),
+                 "pending_groups": self.pending_state_fn() if self.pending_state_fn else []}
+        await self._wait("save_time", self.runtime.call_all("trainer", "save", self._ckpt_dir(rollout_id), extra,
+                                                           timeout_s=self.cfg.runtime.rpc_timeout_s))
+        if t.save_hf:
+            path = t.save_hf.format(rollout_id=rollout_id)
+            await self._wait("save_time", self.runtime.call_all("trainer", "export_hf", path))
+
+    async def _maybe_resume(self) -> None:
+        from miles.trainer.checkpoint import latest_complete_checkpoint
+
+        t = self.cfg.train
+        path = None
+        if t.load:
+            path = latest_complete_checkpoint(t.load) or (t.load if os.path.isdir(t.load) else None)
+        elif t.auto_resume and t.save:
+            path = latest_complete_checkpoint(t.save)
+        if path is None:
+            self.start_rollout_id = self.cfg.rollout.start_rollout_id or 0
+            return
+        extras = await self.runtime.call_all("trainer", "load", path, timeout_s=self.cfg.runtime.rpc_timeout_s)
+        extra = extras[0]
+        self.data_source.load_state_dict(extra["data_source"])
+        pending = extra.get("pending_groups") or []
+        if pending:  # prompts that were generating or buffered at save time: regenerate, never lose
+            self.data_source.add_samples([[Sample.from_dict(d) for d in g] for g in pending])
+        self.weight_version = int(extra.get("weight_version", 0))
+        self.start_rollout_id = int(extra["rollout_id"]) + 1
+        logger.info("resumed from %s at rollout %d", path, self.start_rollout_id)
+
+    # ---- metrics ---------------------------------------------------------------------
+    def begin_step(self) -> float:
+        self._worker_wait_s = 0.0
+        return time.perf_counter()
+
+    def log_step(self, rollout_id: int, step_start: float, *parts: dict[str, float]) -> dict[str, float]:
+        step_time = time.perf_counter() - step_start
+        metrics: dict[str, float] = {}
+        for p in parts:
+            metrics.update(p)
+        metrics.update(self.timers.pop_all())
+        metrics["perf/step_time"] = step_time
+        metrics["perf/controller_overhead"] = max(0.0, step_time - self._worker_wait_s)
+        metrics["perf/controller_overhead_fraction"] = metrics["perf/controller_overhead"] / max(step_time, 1e-9)
+        metrics["rollout/weight_version"] = float(self.weight_version)
+        self.sink.log(rollout_id, metrics)
+        return metrics
+
+
+def summarise_rewards(values: list[float]) -> dict[str, float]:
+    arr = np.asarray(values, dtype=np.float64)
+    return {"mean": float(arr.mean()) if arr.size else float("nan")}

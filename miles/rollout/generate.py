@@ -1,0 +1,90 @@
+"""Single-turn generation of one Sample through the router, token-in token-out."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from miles.rollout.sample import Sample, SampleStatus
+
+
+@dataclass(slots=True)
+class SamplingDefaults:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    max_new_tokens: int = 256
+    max_context_len: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    skip_special_tokens: bool = False
+
+    def to_payload(self, prompt_len: int, *, seed: int | None = None) -> dict[str, Any]:
+        max_new = self.max_new_tokens
+        if self.max_context_len is not None:
+            max_new = max(0, min(max_new, self.max_context_len - prompt_len))
+        params: dict[str, Any] = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "max_new_tokens": max_new,
+            "skip_special_tokens": self.skip_special_tokens,
+            "no_stop_trim": True,
+            "spaces_between_special_tokens": False,
+        }
+        if self.stop:
+            params["stop"] = list(self.stop)
+        if self.stop_token_ids:
+            params["stop_token_ids"] = list(self.stop_token_ids)
+        if seed is not None:
+            params["sampling_seed"] = seed
+        return params
+
+
+def prompt_token_ids(sample: Sample, tokenizer) -> list[int]:
+    if sample.tokens:
+        return list(sample.tokens[: sample.prompt_length])
+    if isinstance(sample.prompt, list):
+        return list(tokenizer.apply_chat_template(sample.prompt, tokenize=True, add_generation_prompt=True))
+    return list(tokenizer(sample.prompt, add_special_tokens=False)["input_ids"])
+
+
+def apply_generate_output(sample: Sample, prompt_ids: list[int], out: dict[str, Any]) -> Sample:
+    """Fill a sample from one SGLang-shaped /generate response (the engine's exact token ids)."""
+    meta = out["meta_info"]
+    logprobs = meta.get("output_token_logprobs") or []
+    output_ids = out.get("output_ids")
+    if output_ids is None:  # SGLang returns ids through the logprob triples when output_ids is absent
+        output_ids = [int(t[1]) for t in logprobs]
+    versions = meta.get("output_token_weight_versions")
+    if versions is None:
+        versions = [int(meta.get("weight_version") or 0)] * len(output_ids)
+    sample.tokens = list(prompt_ids) + [int(t) for t in output_ids]
+    sample.response = out.get("text", "")
+    sample.response_length = len(output_ids)
+    sample.rollout_log_probs = [float(t[0]) for t in logprobs] if logprobs else [0.0] * len(output_ids)
+    sample.weight_versions = [int(v) for v in versions]
+    sample.loss_mask = [1] * len(output_ids)
+    sample.status_from_finish_reason((meta.get("finish_reason") or {}).get("type", "stop"))
+    return sample
+
+
+async def generate_sample(router, sample: Sample, tokenizer, sampling: SamplingDefaults, *,
+                          seed: int | None = None) -> Sample:
+    """One trajectory: tokens in, tokens + log-probs + per-token weight versions out."""
+    if sample.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED):
+        return sample
+    prompt_ids = prompt_token_ids(sample, tokenizer)
+    rid = uuid.uuid4().hex
+    sample.metadata["rid"] = rid
+    payload = {
+        "input_ids": prompt_ids,
+        "sampling_params": sampling.to_payload(len(prompt_ids), seed=seed),
+        "return_logprob": True,
+        "rid": rid,
+    }
+    out = await router.generate(payload)
+    return apply_generate_output(sample, prompt_ids, out)

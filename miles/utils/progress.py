@@ -1,0 +1,60 @@
+"""A live progress line per step and the reward curve printed at the end of a run."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+logger = logging.getLogger(__name__)
+
+
+class StepProgress:
+    """rich progress bar showing the latest reward and step time; plain log lines without a TTY."""
+
+    def __init__(self, cfg, *, start: int = 0):
+        self.total = cfg.rollout.num_rollout
+        self.start = start
+        self.enabled = cfg.logging.progress_bar and sys.stderr.isatty()
+        self._progress = None
+        self._task = None
+
+    def __enter__(self) -> StepProgress:
+        if self.enabled:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._progress = Progress(TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
+                                      TextColumn("{task.description}"), TimeRemainingColumn())
+            self._progress.start()
+            self._task = self._progress.add_task("", total=self.total, completed=self.start)
+        return self
+
+    def update(self, metrics: dict[str, float]) -> None:
+        desc = (f"reward {metrics.get('rollout/reward_mean', float('nan')):.3f}  "
+                f"step {metrics.get('perf/step_time', 0.0):.1f}s")
+        if self._progress is not None:
+            self._progress.update(self._task, advance=1, description=desc)
+        else:
+            logger.info("%s", desc)
+
+    def __exit__(self, *exc) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+
+def print_reward_curve(run_dir: str, key: str = "rollout/reward_mean") -> None:
+    """Print the reward curve in the terminal and write PNG curves next to the metrics."""
+    from miles.utils.metrics import read_metrics
+    from miles.utils.plot import ascii_curve, plot_run
+
+    rows = read_metrics(run_dir)
+    values = [r[key] for r in rows if r.get(key) is not None]
+    print(f"\nreward curve ({key}, {len(values)} steps) — run directory: {run_dir}")
+    if values:
+        print(ascii_curve(values, width=60, height=12))
+        print(f"first {values[0]:.3f}  last {values[-1]:.3f}  max {max(values):.3f}")
+    try:
+        paths = plot_run(run_dir)
+        print("plots: " + ", ".join(os.path.relpath(p) for p in paths))
+    except Exception as e:  # noqa: BLE001 - plotting must not fail a finished run
+        logger.warning("could not write plots: %s", e)

@@ -1,0 +1,71 @@
+"""A rollout engine process: the embedded engine (or a real SGLang server) behind the SGLang HTTP protocol."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from miles.workers.base import Worker
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutWorker(Worker):
+    def __init__(self, ctx, *, engine: str, model_path: str, device: str = "cpu", dtype: str = "auto",
+                 max_running_requests: int = 64, max_total_tokens: int | None = None, seed: int = 0,
+                 deterministic: bool = False, host: str = "127.0.0.1", sglang_args: dict | None = None,
+                 tp_size: int = 1):
+        super().__init__(ctx)
+        self.kind = engine
+        self.model_path = model_path
+        self.device = device
+        self.dtype = dtype
+        self.max_running_requests = max_running_requests
+        self.max_total_tokens = max_total_tokens
+        self.seed = seed
+        self.deterministic = deterministic
+        self.host = host
+        self.sglang_args = sglang_args or {}
+        self.tp_size = tp_size
+        self._engine = None
+        self._http = None
+        self._sglang = None
+
+    async def on_start(self) -> None:
+        import torch
+
+        torch.set_num_threads(max(1, int(os.environ.get("MILES_TORCH_THREADS", "1"))))
+        if self.kind == "sglang":
+            from miles.engines.sglang_engine import SGLangServer
+
+            self._sglang = SGLangServer(self.model_path, port=0, host=self.host, sglang_args=self.sglang_args,
+                                        tp_size=self.tp_size)
+            await self._sglang.start()
+            await self._sglang.wait_healthy()
+            return
+        from miles.engines.embedded.engine import EmbeddedEngine
+        from miles.engines.http_front import start_http_server
+        from miles.weights.receiver import WeightReceiver
+
+        self._engine = EmbeddedEngine(self.model_path, device=self.device, dtype=self.dtype,
+                                      max_running_requests=self.max_running_requests,
+                                      max_total_tokens=self.max_total_tokens, seed=self.seed,
+                                      deterministic=self.deterministic)
+        await self._engine.start()
+        self._http = await start_http_server(self._engine, self.host, 0, receiver=WeightReceiver(self._engine))
+        logger.info("embedded engine serving at %s", self._http.url)
+
+    def url(self) -> str:
+        return self._sglang.url if self._sglang is not None else self._http.url
+
+    def info(self) -> dict[str, Any]:
+        return {"url": self.url(), "kind": self.kind, "pid": os.getpid()}
+
+    async def on_stop(self) -> None:
+        if self._http is not None:
+            await self._http.stop()
+        if self._engine is not None:
+            await self._engine.shutdown()
+        if self._sglang is not None:
+            await self._sglang.stop()

@@ -1,0 +1,106 @@
+"""A trainer rank: one process of the training world, owning a TrainBackend and the sending side of weight sync."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from miles.config_sections import AlgoConfig, ModelConfig, RolloutConfig, TrainConfig, WeightsConfig
+from miles.rollout.train_data import TrainBatch
+from miles.workers.base import Worker
+
+logger = logging.getLogger(__name__)
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    return None if name in (None, "auto") else getattr(torch, name)
+
+
+class TrainerWorker(Worker):
+    def __init__(self, ctx, *, sections: dict[str, dict[str, Any]], device: str = "cpu"):
+        super().__init__(ctx)
+        self.model_cfg = ModelConfig(**sections["model"])
+        self.train_cfg = TrainConfig(**sections["train"])
+        self.algo_cfg = AlgoConfig(**sections["algo"])
+        self.rollout_cfg = RolloutConfig(**sections["rollout"])
+        self.weights_cfg = WeightsConfig(**sections["weights"])
+        self.device = device
+        self.backend = None
+        self.updater = None
+
+    # ---- lifecycle -------------------------------------------------------------------
+    def setup(self) -> dict[str, Any]:
+        """Join the training world (env set by the runtime) and build the backend."""
+        torch.set_num_threads(max(1, int(os.environ.get("MILES_TORCH_THREADS", "1"))))
+        if self.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count()))
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if self.device == "cuda" else "gloo")
+        from miles.trainer.backend import create_backend
+
+        self.backend = create_backend(self.train_cfg.train_backend, model=self.model_cfg, train=self.train_cfg,
+                                      algo=self.algo_cfg, rollout=self.rollout_cfg)
+        self.backend.setup()
+        return {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
+
+    # ---- training --------------------------------------------------------------------
+    def train(self, batch: dict[str, np.ndarray], rollout_id: int) -> dict[str, float]:
+        return self.backend.train(TrainBatch.from_dict(batch), rollout_id)
+
+    def compute_log_probs(self, batch: dict[str, np.ndarray], which: str = "actor") -> dict[str, np.ndarray]:
+        logp, ent = self.backend.compute_log_probs(TrainBatch.from_dict(batch), which)
+        return {"log_probs": logp, "entropy": ent}
+
+    # ---- weights ---------------------------------------------------------------------
+    def connect_engines(self, engine_urls: list[str], *, mode: str | None = None, colocated: bool = False,
+                        master_address: str = "127.0.0.1") -> dict[str, Any]:
+        from miles.engines.client import EngineClient
+        from miles.weights.updater import create_updater
+
+        mode = "colocated" if colocated else (mode or self.weights_cfg.update_weight_transfer_mode)
+        engines = [EngineClient(u) for u in engine_urls]
+        self.updater = create_updater(mode, self.weights_cfg)
+        return self.updater.connect(engines, trainer_rank=dist.get_rank(), trainer_world_size=dist.get_world_size(),
+                                    master_address=master_address) or {}
+
+    def push_weights(self, version: int) -> dict[str, float]:
+        start = time.perf_counter()
+        dtype = _dtype(self.model_cfg.dtype) if self.device == "cpu" else torch.bfloat16
+        metrics = self.updater.update(self.backend.named_hf_tensors(dtype), version) or {}
+        self.backend.weight_version = version
+        metrics["perf/update_weights_time"] = time.perf_counter() - start
+        return metrics
+
+    def check_weights(self) -> dict[str, Any]:
+        dtype = _dtype(self.model_cfg.dtype) if self.device == "cpu" else torch.bfloat16
+        return self.updater.verify(self.backend.named_hf_tensors(dtype))
+
+    def close_weights(self) -> None:
+        if self.updater is not None:
+            self.updater.close()
+
+    # ---- state -----------------------------------------------------------------------
+    def save(self, path: str, extra_state: dict[str, Any]) -> None:
+        self.backend.save(path, extra_state)
+
+    def load(self, path: str) -> dict[str, Any]:
+        return self.backend.load(path)
+
+    def export_hf(self, path: str) -> None:
+        self.backend.export_hf(path)
+
+    def offload(self) -> None:
+        self.backend.offload()
+
+    def onload(self) -> None:
+        self.backend.onload()
+
+    async def on_stop(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
