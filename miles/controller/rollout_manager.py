@@ -20,6 +20,7 @@ from miles.rollout.filters import DynamicFilterOutput, apply_filter
 from miles.rollout.generate import SamplingDefaults, generate_sample
 from miles.rollout.rm_hub import RewardFailed, async_rm, batched_async_rm
 from miles.rollout.sample import Sample, SampleStatus
+from miles.rollout.train_data import reward_value
 from miles.utils.misc import load_function
 
 logger = logging.getLogger(__name__)
@@ -159,7 +160,10 @@ class SyncRolloutManager:
         accepted.sort(key=lambda g: min(s.index for s in g))
         if self.sample_filter_fn is not None:
             self.sample_filter_fn(self.args, accepted)
-        return RolloutResult(accepted, self._metrics(accepted, drops, submitted))
+        metrics = self._metrics(accepted, drops, submitted, self.args.reward_key)
+        metrics["rollout/reward_failed_samples"] = float(self.runner.reward_failures)
+        self.runner.reward_failures = 0
+        return RolloutResult(accepted, metrics)
 
     def _drop(self, group: list[Sample], drops: Counter[str]) -> bool:
         reason = group_drop_reason(group)
@@ -189,10 +193,10 @@ class SyncRolloutManager:
             self.data_source.add_samples(leftovers)
 
     @staticmethod
-    def _metrics(groups: list[list[Sample]], drops: Counter[str], submitted: int) -> dict[str, float]:
+    def _metrics(groups: list[list[Sample]], drops: Counter[str], submitted: int,
+                 reward_key: str | None = None) -> dict[str, float]:
         samples = [s for g in groups for s in g]
-        raw = np.array([s.metadata.get("raw_reward", s.reward) if not isinstance(s.reward, dict) else 0.0
-                        for s in samples], dtype=np.float64)
+        raw = np.array([reward_value(s, reward_key) for s in samples], dtype=np.float64)
         lengths = np.array([s.response_length for s in samples], dtype=np.float64)
         m = {
             "rollout/reward_mean": float(raw.mean()) if len(raw) else float("nan"),

@@ -1,0 +1,326 @@
+"""Prompt sources: where the rollout loop gets its groups of prompt samples.
+
+`JsonlDataSource` reads `--prompt-data` once, validates every row (a malformed row stops the run
+with `file:line` and what is wrong, or is skipped and counted with `--skip-bad-rows`), then
+serves prompts epoch by epoch, reshuffled per epoch with `rollout_seed + epoch`. Every prompt
+becomes a group of `n_samples_per_prompt` Samples sharing `group_index`. Groups handed back with
+`add_samples` are served first. `state_dict()` holds the epoch, the offset inside it, the id
+counters and the handed-back groups, so a resumed run continues at the exact prompt.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from miles.config_sections import DataConfig
+from miles.rollout.sample import Sample
+from miles.utils.misc import load_function
+
+logger = logging.getLogger(__name__)
+
+_STATE_VERSION = 1
+
+
+class DataRowError(ValueError):
+    """A prompt row that cannot be used; the message starts with `file:line`."""
+
+
+class DataSource(ABC):
+    """What the rollout loop draws prompt groups from."""
+
+    @abstractmethod
+    def get_samples(self, num_groups: int) -> list[list[Sample]]: ...
+
+    @abstractmethod
+    def add_samples(self, groups: list[list[Sample]]) -> None: ...
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def __len__(self) -> int:
+        raise TypeError(f"{type(self).__name__} does not know its number of prompts")
+
+
+@dataclass(slots=True)
+class PromptRow:
+    """One validated row: what every sample of its group starts from."""
+
+    prompt: str | list[dict[str, Any]]
+    label: str | None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    tokens: list[int] = field(default_factory=list)
+
+
+# ---- row parsing --------------------------------------------------------------------------
+
+
+def _check_messages(value: list, key: str) -> None:
+    for i, msg in enumerate(value):
+        if not isinstance(msg, dict) or "role" not in msg or "content" not in msg:
+            raise ValueError(f"{key!r}[{i}] must be a message dict with 'role' and 'content', got {msg!r:.120}")
+
+
+def _label_text(value: Any) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    return json.dumps(value, ensure_ascii=False)  # structured labels travel as JSON text
+
+
+def _metadata_of(row: dict[str, Any], data: DataConfig) -> dict[str, Any]:
+    metadata = row.get(data.metadata_key, {})
+    if isinstance(metadata, str):  # some datasets store the metadata column as JSON text
+        try:
+            metadata = json.loads(metadata)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{data.metadata_key!r} is a string but not JSON ({e.msg})") from e
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, dict):
+        raise ValueError(f"{data.metadata_key!r} must be an object, got {type(metadata).__name__}")
+    metadata = dict(metadata)
+    if data.tool_key in row and row[data.tool_key] is not None:
+        tools = row[data.tool_key]
+        if isinstance(tools, str):
+            tools = json.loads(tools)
+        if not isinstance(tools, list):
+            raise ValueError(f"{data.tool_key!r} must be a list of tool specs, got {type(tools).__name__}")
+        metadata["tools"] = tools
+    return metadata
+
+
+def parse_row(line: str, data: DataConfig) -> PromptRow:
+    """Validate one JSONL line; ValueError says what is wrong and how to fix it."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e.msg} at column {e.colno})") from e
+    if not isinstance(row, dict):
+        raise ValueError(f"a row must be a JSON object, got {type(row).__name__}")
+    if data.input_key not in row:
+        raise ValueError(f"missing prompt key {data.input_key!r} (keys: {sorted(row)}); set --input-key")
+    prompt = row[data.input_key]
+    if isinstance(prompt, list):
+        _check_messages(prompt, data.input_key)
+    elif not isinstance(prompt, str):
+        raise ValueError(f"{data.input_key!r} must be text or a list of messages, got {type(prompt).__name__}")
+    if not prompt:
+        raise ValueError(f"{data.input_key!r} is empty")
+    label = None
+    if data.label_key:
+        if data.label_key not in row:
+            raise ValueError(f"missing label key {data.label_key!r} (keys: {sorted(row)}); set --label-key")
+        label = _label_text(row[data.label_key])
+    return PromptRow(prompt=prompt, label=label, metadata=_metadata_of(row, data))
+
+
+def render_prompt(row: PromptRow, data: DataConfig, tokenizer: Any) -> None:
+    """Apply the chat template (when asked) and tokenize, in place."""
+    if data.apply_chat_template:
+        if tokenizer is None:
+            raise ValueError("--apply-chat-template needs a tokenizer (from --hf-checkpoint)")
+        messages = [{"role": "user", "content": row.prompt}] if isinstance(row.prompt, str) else row.prompt
+        try:
+            row.prompt = tokenizer.apply_chat_template(
+                messages, tools=row.metadata.get("tools"), tokenize=False, add_generation_prompt=True
+            )
+        except Exception as e:  # noqa: BLE001 - templates raise jinja errors for bad roles/content
+            raise ValueError(f"the chat template rejected the messages: {type(e).__name__}: {e}") from e
+    if tokenizer is not None and isinstance(row.prompt, str):
+        # A rendered chat template already holds its special tokens; plain text gets the
+        # tokenizer's defaults (BOS), as an engine given the text would add them.
+        row.tokens = list(tokenizer(row.prompt, add_special_tokens=not data.apply_chat_template)["input_ids"])
+
+
+# ---- the JSONL source ---------------------------------------------------------------------
+
+
+class JsonlDataSource(DataSource):
+    def __init__(
+        self, data: DataConfig, *, n_samples_per_prompt: int, tokenizer: Any = None, path: str | None = None
+    ) -> None:
+        if n_samples_per_prompt < 1:
+            raise ValueError(f"n_samples_per_prompt={n_samples_per_prompt} must be >= 1")
+        self.data = data
+        self.n_samples_per_prompt = n_samples_per_prompt
+        self.path = path or data.prompt_data
+        if not self.path:
+            raise ValueError("no prompt data: set --prompt-data to a JSONL file")
+        if data.apply_chat_template and tokenizer is None:
+            raise ValueError("--apply-chat-template needs a tokenizer (from --hf-checkpoint)")
+        if data.rollout_max_prompt_len is not None and tokenizer is None:
+            logger.warning(
+                "--rollout-max-prompt-len=%s is ignored: no tokenizer to count prompt tokens",
+                data.rollout_max_prompt_len,
+            )
+        self.bad_rows = 0
+        self.long_prompts_dropped = 0
+        self.rows = self._load(Path(self.path), tokenizer)
+        self.epoch = 0
+        self.offset = 0  # position inside this epoch's order
+        self.next_group_index = 0
+        self.next_sample_index = 0
+        self._buffer: deque[list[Sample]] = deque()
+        self._order = self._epoch_order(0)
+
+    def _load(self, path: Path, tokenizer: Any) -> list[PromptRow]:
+        if not path.is_file():
+            raise FileNotFoundError(f"--prompt-data {str(path)!r} does not exist or is not a file")
+        rows: list[PromptRow] = []
+        with path.open(encoding="utf-8") as f:
+            for line_no, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue  # blank lines (e.g. a trailing newline) are not rows
+                row = self._parse_or_skip(path, line_no, line, tokenizer)
+                if row is None:
+                    continue
+                limit = self.data.rollout_max_prompt_len
+                if limit is not None and row.tokens and len(row.tokens) > limit:
+                    self.long_prompts_dropped += 1
+                    continue
+                rows.append(row)
+        if self.bad_rows or self.long_prompts_dropped:
+            logger.warning(
+                "%s: skipped %d malformed rows and %d prompts longer than --rollout-max-prompt-len=%s",
+                path,
+                self.bad_rows,
+                self.long_prompts_dropped,
+                self.data.rollout_max_prompt_len,
+            )
+        if not rows:
+            raise ValueError(f"--prompt-data {str(path)!r} has no usable rows ({self.bad_rows} malformed)")
+        logger.info("loaded %d prompts from %s", len(rows), path)
+        return rows
+
+    def _parse_or_skip(self, path: Path, line_no: int, line: str, tokenizer: Any) -> PromptRow | None:
+        try:
+            row = parse_row(line, self.data)
+            render_prompt(row, self.data, tokenizer)
+            return row
+        except ValueError as e:
+            message = f"{path}:{line_no}: {e}"
+            if not self.data.skip_bad_rows:
+                raise DataRowError(f"{message} (or pass --skip-bad-rows to skip and count such rows)") from e
+            self.bad_rows += 1
+            logger.warning("skipping malformed row %s", message)
+            return None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        if not self.data.rollout_shuffle:
+            return np.arange(len(self.rows))
+        return np.random.default_rng(self.data.rollout_seed + epoch).permutation(len(self.rows))
+
+    def _next_row(self) -> PromptRow:
+        if self.offset >= len(self._order):
+            self.epoch += 1
+            self.offset = 0
+            self._order = self._epoch_order(self.epoch)
+        row = self.rows[int(self._order[self.offset])]
+        self.offset += 1
+        return row
+
+    def _make_group(self, row: PromptRow) -> list[Sample]:
+        group_index = self.next_group_index
+        self.next_group_index += 1
+        group = []
+        for _ in range(self.n_samples_per_prompt):
+            group.append(
+                Sample(
+                    prompt=copy.deepcopy(row.prompt),
+                    tokens=list(row.tokens),
+                    label=row.label,
+                    metadata=copy.deepcopy(row.metadata),
+                    group_index=group_index,
+                    index=self.next_sample_index,
+                )
+            )
+            self.next_sample_index += 1
+        return group
+
+    def get_samples(self, num_groups: int) -> list[list[Sample]]:
+        """`num_groups` groups: handed-back groups first (FIFO), then fresh prompts."""
+        groups: list[list[Sample]] = []
+        while self._buffer and len(groups) < num_groups:
+            groups.append(self._buffer.popleft())
+        while len(groups) < num_groups:
+            groups.append(self._make_group(self._next_row()))
+        return groups
+
+    def add_samples(self, groups: list[list[Sample]]) -> None:
+        """Hand groups back (aborted or recycled); they are served before fresh prompts."""
+        for group in groups:
+            if len(group) != self.n_samples_per_prompt:
+                raise ValueError(
+                    f"group {group[0].group_index if group else None} has {len(group)} samples; "
+                    f"handed-back groups must keep n_samples_per_prompt={self.n_samples_per_prompt}"
+                )
+            self._buffer.append(group)
+
+    @property
+    def buffer_length(self) -> int:
+        return len(self._buffer)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain JSON-able state (no tensors, no pickle)."""
+        return {
+            "version": _STATE_VERSION,
+            "epoch": self.epoch,
+            "offset": self.offset,
+            "next_group_index": self.next_group_index,
+            "next_sample_index": self.next_sample_index,
+            "num_prompts": len(self.rows),
+            "rollout_shuffle": self.data.rollout_shuffle,
+            "rollout_seed": self.data.rollout_seed,
+            "buffer": [[s.to_dict() for s in group] for group in self._buffer],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("num_prompts") != len(self.rows):
+            raise ValueError(
+                f"data source state is for {state.get('num_prompts')} prompts but {self.path!r} has {len(self.rows)}; "
+                "resume with the same --prompt-data (and --rollout-max-prompt-len / --skip-bad-rows)"
+            )
+        for key in ("rollout_shuffle", "rollout_seed"):
+            if state.get(key) != getattr(self.data, key):
+                logger.warning(
+                    "resuming with --%s=%s but the state used %s",
+                    key.replace("_", "-"),
+                    getattr(self.data, key),
+                    state.get(key),
+                )
+        self.epoch = int(state["epoch"])
+        self.offset = int(state["offset"])
+        self.next_group_index = int(state["next_group_index"])
+        self.next_sample_index = int(state["next_sample_index"])
+        self._order = self._epoch_order(self.epoch)
+        self._buffer = deque([Sample.from_dict(d) for d in group] for group in state.get("buffer", []))
+
+
+def load_data_source(data: DataConfig, *, n_samples_per_prompt: int, tokenizer: Any = None) -> DataSource:
+    """The JSONL source, or the class named by `--data-source-path` (same constructor keywords)."""
+    if not data.data_source_path:
+        return JsonlDataSource(data, n_samples_per_prompt=n_samples_per_prompt, tokenizer=tokenizer)
+    cls = load_function(data.data_source_path)
+    source = cls(data, n_samples_per_prompt=n_samples_per_prompt, tokenizer=tokenizer)
+    missing = [m for m in ("get_samples", "add_samples", "state_dict", "load_state_dict") if not hasattr(source, m)]
+    if missing:
+        raise TypeError(
+            f"--data-source-path {data.data_source_path!r} built {type(source).__name__}, which lacks {missing}"
+        )
+    return source
