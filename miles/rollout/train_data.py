@@ -21,6 +21,16 @@ _PER_SAMPLE = ("seq_lens", "response_lengths", "rewards", "raw_rewards", "group_
 _PER_TOKEN = ("loss_masks", "rollout_log_probs", "weight_versions", "teacher_log_probs")
 
 
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of arange(start, start + length) for every pair, without a Python loop."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    offsets = np.repeat(np.asarray(starts, dtype=np.int64) - np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths)
+    return np.arange(total, dtype=np.int64) + offsets
+
+
 @dataclass(slots=True)
 class TrainBatch:
     tokens: np.ndarray  # int64 [sum(seq_lens)]
@@ -62,12 +72,8 @@ class TrainBatch:
     def select(self, idx: list[int] | np.ndarray) -> TrainBatch:
         """A new batch with samples `idx`, in that order."""
         idx = np.asarray(idx, dtype=np.int64)
-        seq_off = np.concatenate([[0], np.cumsum(self.seq_lens)])
-        resp_off = np.concatenate([[0], np.cumsum(self.response_lengths)])
-        tok_sel = np.concatenate([np.arange(seq_off[i], seq_off[i + 1]) for i in idx]) if len(idx) else np.zeros(0, np.int64)
-        rsp_sel = (
-            np.concatenate([np.arange(resp_off[i], resp_off[i + 1]) for i in idx]) if len(idx) else np.zeros(0, np.int64)
-        )
+        tok_sel = _ranges(np.concatenate([[0], np.cumsum(self.seq_lens)])[idx], self.seq_lens[idx])
+        rsp_sel = _ranges(np.concatenate([[0], np.cumsum(self.response_lengths)])[idx], self.response_lengths[idx])
         out = {}
         for f in fields(self):
             v = getattr(self, f.name)
