@@ -1,0 +1,386 @@
+"""HTTP front of the embedded engine: SGLang's server endpoints and JSON payloads.
+
+Every endpoint Miles calls on an SGLang server is answered here with the same method, body and
+reply shape, so `EngineClient` (and any SGLang client) cannot tell the two apart. Generation and
+control map one-to-one onto `EmbeddedEngine`; weight-update endpoints go to the engine-side
+`WeightReceiver`. Deliberate differences from SGLang are listed in docs/engines.md.
+
+Errors: a ValueError (bad input) becomes HTTP 400, anything else 500, both with
+{"error": message, "success": false, "message": message}, which carries both our contract's
+`error` key and the `success`/`message` pair SGLang's weight endpoints answer with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import inspect
+import json
+import logging
+import signal
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from miles.engines.sglang_protocol import PAUSE_MODES, parse_generate_body
+
+logger = logging.getLogger(__name__)
+
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+# Memory tags SGLang knows that the embedded engine has no use for (it captures no CUDA graphs).
+IGNORED_MEMORY_TAGS = frozenset({"cuda_graph"})
+
+
+class ReceiverUnavailable(RuntimeError):
+    """The weight receiver module cannot be imported (answered with HTTP 501)."""
+
+
+def _json_error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message, "success": False, "message": message}, status=status)
+
+
+@web.middleware
+async def _error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except web.HTTPException:
+        raise
+    except ReceiverUnavailable as exc:
+        return _json_error(501, str(exc))
+    except ValueError as exc:  # includes malformed JSON (JSONDecodeError)
+        logger.info("%s %s rejected: %s", request.method, request.path, exc)
+        return _json_error(400, str(exc))
+    except Exception as exc:
+        logger.exception("%s %s failed", request.method, request.path)
+        return _json_error(500, f"{type(exc).__name__}: {exc}")
+
+
+async def _json_body(request: web.Request) -> dict:
+    if not request.can_read_body:
+        return {}
+    raw = await request.read()
+    if not raw.strip():
+        return {}
+    body = json.loads(raw)
+    if body is None:
+        return {}
+    if not isinstance(body, dict):
+        raise ValueError(f"{request.path} expects a JSON object body, got {type(body).__name__}")
+    return body
+
+
+class EngineFront:
+    """Request handlers bound to one engine (and, lazily, its weight receiver)."""
+
+    def __init__(self, engine: Any, receiver: Any = None) -> None:
+        self.engine = engine
+        self._receiver = receiver
+        self.paused = False
+
+    # -- generation -------------------------------------------------------------------------------
+
+    async def generate(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        calls, is_batch = parse_generate_body(body)
+        try:
+            results = await asyncio.gather(*(self.engine.generate(**call) for call in calls))
+        except BaseException:
+            # The client went away, or one prompt of a batch failed: free the engine's slots
+            # instead of finishing work nobody will read.
+            for call in calls:
+                try:
+                    self.engine.abort(call["rid"])
+                except Exception:
+                    logger.exception("aborting %s after a failed /generate failed too", call["rid"])
+            raise
+        if body.get("return_text_in_logprobs"):
+            for result in results:
+                for out in result if isinstance(result, list) else [result]:
+                    self._add_logprob_texts(out["meta_info"])
+        if not is_batch:
+            return web.json_response(results[0])
+        flat = [out for result in results for out in (result if isinstance(result, list) else [result])]
+        return web.json_response(flat)
+
+    def _add_logprob_texts(self, meta_info: dict) -> None:
+        tokenizer = self.engine.tokenizer
+        for key in ("output_token_logprobs", "input_token_logprobs"):
+            for entry in meta_info.get(key) or []:
+                entry[2] = tokenizer.decode([entry[1]])
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        rid, abort_all = body.get("rid") or None, bool(body.get("abort_all", False))
+        if rid is None and not abort_all:
+            raise ValueError("/abort_request needs 'rid' or 'abort_all': true")
+        self.engine.abort(rid=rid, abort_all=abort_all)
+        return web.Response(status=200)
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        mode = (await _json_body(request)).get("mode", "abort")  # SGLang's default mode
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"/pause_generation mode={mode!r}; expected one of {list(PAUSE_MODES)}")
+        await self.engine.pause_generation(mode)
+        self.paused = True
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        await self.engine.continue_generation()
+        self.paused = False
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        if self.engine.flush_cache():
+            return web.Response(text="Cache flushed.\n", status=200)
+        return web.Response(text="Cache not flushed: requests are still running or waiting.\n", status=400)
+
+    async def release_memory_occupation(self, request: web.Request) -> web.Response:
+        tags = self._memory_tags(await _json_body(request))
+        if tags != []:
+            self.engine.release_memory_occupation(tags)
+        return web.json_response({"success": True, "message": f"released {tags or 'all'}"})
+
+    async def resume_memory_occupation(self, request: web.Request) -> web.Response:
+        tags = self._memory_tags(await _json_body(request))
+        if tags != []:
+            self.engine.resume_memory_occupation(tags)
+        return web.json_response({"success": True, "message": f"resumed {tags or 'all'}"})
+
+    @staticmethod
+    def _memory_tags(body: dict) -> list[str] | None:
+        """None = every tag (SGLang's null); [] = nothing left to do once SGLang-only tags are dropped."""
+        tags = body.get("tags")
+        if tags is None:
+            return None
+        if not isinstance(tags, list):
+            raise ValueError(f"memory occupation 'tags' must be a list or null, got {tags!r}")
+        return [t for t in tags if t not in IGNORED_MEMORY_TAGS]
+
+    # -- info and health --------------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        # A busy or deliberately paused engine is alive; a one-token probe would only queue behind it.
+        if self.paused or self.engine.num_active_requests > 0:
+            return web.Response(status=200)
+        rid = f"HEALTH_CHECK_{uuid.uuid4().hex}"
+        probe = self.engine.generate(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0.0}, rid=rid)
+        try:
+            await asyncio.wait_for(probe, timeout=HEALTH_GENERATE_TIMEOUT_S)
+        except Exception:
+            logger.exception("health_generate probe failed")
+            self.engine.abort(rid)
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    def _model_info(self) -> dict:
+        info = dict(self.engine.model_info())
+        info["weight_version"] = str(info.get("weight_version", self.engine.weight_version))
+        return info
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response(self._model_info())
+
+    async def get_weight_version(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": str(self.engine.weight_version)})
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        info = self._model_info()
+        for name in ("max_running_requests", "max_total_tokens", "device", "dtype", "seed", "deterministic"):
+            value = getattr(self.engine, name, None)
+            if isinstance(value, (int, float, str, bool)):
+                info[name] = value
+        info.update(
+            version="miles-embedded",
+            tp_size=1,
+            internal_states=[{"num_active_requests": self.engine.num_active_requests, "paused": self.paused}],
+        )
+        return web.json_response(info)
+
+    # -- weights (engine-side receiver) -----------------------------------------------------------
+
+    def receiver(self) -> Any:
+        if self._receiver is None:
+            try:
+                from miles.weights.receiver import WeightReceiver
+            except ImportError as exc:
+                raise ReceiverUnavailable(
+                    f"weight updates are unavailable: miles.weights.receiver cannot be imported ({exc})"
+                ) from exc
+            self._receiver = WeightReceiver(self.engine)
+        return self._receiver
+
+    def weights_route(self, method_name: str) -> Any:
+        async def handler(request: web.Request) -> web.Response:
+            body = await _json_body(request)
+            method = getattr(self.receiver(), method_name)
+            try:
+                inspect.signature(method).bind(**body)
+            except TypeError as exc:
+                raise ValueError(f"/{method_name} payload {sorted(body)} does not match: {exc}") from exc
+            result = await method(**body)
+            content = {"success": True, "message": f"{method_name} done"}
+            if isinstance(result, dict):
+                content.update(result)
+            return web.json_response(content)
+
+        return handler
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        if "new_version" not in body:
+            raise ValueError("/update_weight_version needs 'new_version'")
+        new_version = str(body["new_version"])
+        if body.get("abort_all_requests"):
+            self.engine.abort(abort_all=True)
+        try:
+            receiver = self.receiver()
+        except ReceiverUnavailable:
+            receiver = None
+        if receiver is not None:
+            await receiver.update_weight_version(new_version)
+        else:  # the version is engine state; setting it needs no transport
+            self.engine.weight_version = _int_version(new_version)
+        return web.json_response(
+            {"success": True, "message": f"Weight version updated to {new_version}", "new_version": new_version}
+        )
+
+
+def _int_version(version: str) -> int:
+    try:
+        return int(version)
+    except ValueError as exc:
+        raise ValueError(f"weight version {version!r} is not an integer; miles versions are 0, 1, 2, ...") from exc
+
+
+WEIGHT_ENDPOINTS = (
+    "init_weights_update_group",
+    "destroy_weights_update_group",
+    "update_weights_from_distributed",
+    "update_weights_from_tensor",
+    "update_weights_from_disk",
+    "pull_weights",
+    "weights_checker",
+)
+
+
+FRONT_KEY = web.AppKey("front", EngineFront)
+
+
+def build_app(engine: Any, receiver: Any = None) -> web.Application:
+    """The aiohttp application serving `engine` with SGLang's endpoints."""
+    front = EngineFront(engine, receiver)
+    app = web.Application(middlewares=[_error_middleware], client_max_size=1024**3)
+    app[FRONT_KEY] = front
+    add = app.router.add_route
+    for method in ("POST", "PUT"):
+        add(method, "/generate", front.generate)
+    add("POST", "/abort_request", front.abort_request)
+    add("POST", "/pause_generation", front.pause_generation)
+    add("POST", "/continue_generation", front.continue_generation)
+    for method in ("GET", "POST"):
+        add(method, "/flush_cache", front.flush_cache)
+        add(method, "/release_memory_occupation", front.release_memory_occupation)
+        add(method, "/resume_memory_occupation", front.resume_memory_occupation)
+    add("GET", "/health", front.health)
+    add("GET", "/health_generate", front.health_generate)
+    add("GET", "/model_info", front.model_info)
+    add("GET", "/get_model_info", front.model_info)
+    add("GET", "/get_weight_version", front.get_weight_version)
+    add("GET", "/server_info", front.server_info)
+    add("GET", "/get_server_info", front.server_info)
+    add("POST", "/update_weight_version", front.update_weight_version)
+    for name in WEIGHT_ENDPOINTS:
+        add("POST", f"/{name}", front.weights_route(name))
+    return app
+
+
+@dataclass(slots=True)
+class HttpServerHandle:
+    runner: web.AppRunner
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+
+async def start_http_server(engine: Any, host: str, port: int, receiver: Any = None) -> HttpServerHandle:
+    """Serve `engine` on host:port (port 0 picks a free one) on the running loop."""
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts the request.
+    runner = web.AppRunner(
+        build_app(engine, receiver), handler_cancellation=True, access_log=None, shutdown_timeout=5.0
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=4096)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise OSError(f"cannot listen on {host}:{port}: {exc}; pick another --port (0 picks a free one)") from exc
+    bound_port = runner.addresses[0][1]
+    logger.info("engine HTTP front listening on http://%s:%d", host, bound_port)
+    return HttpServerHandle(runner=runner, host=host, port=bound_port)
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="miles engine serve", description="Serve the embedded engine over HTTP.")
+    parser.add_argument("--model-path", required=True, help="HF model directory (weights + tokenizer)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000, help="0 picks a free port")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--max-running-requests", type=int, default=64)
+    parser.add_argument("--max-total-tokens", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--deterministic", action="store_true")
+    return parser.parse_args(argv)
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    from miles.engines.embedded.engine import EmbeddedEngine
+
+    engine = EmbeddedEngine(
+        args.model_path,
+        device=args.device,
+        dtype=args.dtype,
+        max_running_requests=args.max_running_requests,
+        max_total_tokens=args.max_total_tokens,
+        seed=args.seed,
+        deterministic=args.deterministic,
+    )
+    await engine.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    handle = None
+    try:
+        handle = await start_http_server(engine, args.host, args.port)
+        # One parseable line on stdout: launchers read the bound port from it.
+        print(f"miles engine serving {args.model_path} on {handle.url}", flush=True)
+        await stop.wait()
+    finally:
+        if handle is not None:
+            await handle.stop()
+        await engine.shutdown()
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    """`miles engine serve`: run the embedded engine's HTTP front until SIGINT/SIGTERM."""
+    args = _parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(_serve(args))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(serve_main())
