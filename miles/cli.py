@@ -1,0 +1,198 @@
+"""The `miles` command.
+
+Each subcommand imports its implementation only when it runs, so `miles --help` stays instant.
+Configuration errors exit with status 2 and a message on stderr, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import inspect
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+EXIT_USAGE = 2
+
+COMMANDS = {
+    "train": "train with RL: miles train --config FILE [--flag value ...] (see miles train --help)",
+    "tiny-model": "write a tiny randomly initialised HF model: miles tiny-model OUT_DIR [--arch ...]",
+    "engine": "run a rollout engine: miles engine serve --model-path DIR --port N",
+    "config": "print the configuration reference: miles config --markdown",
+    "plot": "plot the curves of a run: miles plot RUN_DIR",
+    "sweep": "expand, list, run or submit a grid sweep: miles sweep SWEEP.yaml [--list | --task-id N | --submit]",
+    "convert": "convert a checkpoint: miles convert gguf SRC.gguf OUT_DIR",
+}
+
+
+class UsageError(Exception):
+    """A problem the user fixes on the command line; printed without a traceback."""
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="miles", description="RL post-training for LLMs (no Ray).")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, text in COMMANDS.items():
+        sub.add_parser(name, help=text, add_help=False)
+    return parser
+
+
+def _import_entry(module: str, attr: str, missing_message: str) -> Callable[..., Any]:
+    """Import module:attr; a missing module (not a broken one) becomes a UsageError."""
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name is not None and (module == e.name or module.startswith(e.name + ".")):
+            raise UsageError(missing_message) from None
+        raise
+    return getattr(mod, attr)
+
+
+def _result_code(result: Any) -> int:
+    if inspect.iscoroutine(result):
+        result = asyncio.run(result)
+    return result if isinstance(result, int) else 0
+
+
+# ---------------------------------------------------------------- subcommands
+
+
+def cmd_train(argv: list[str], base: dict[str, Any] | None = None) -> int:
+    from pathlib import Path
+
+    from miles.config import load_config, save_config
+
+    cfg = load_config(argv, base=base)
+    loop = "miles.controller.loop_async" if cfg.async_.fully_async else "miles.controller.loop_sync"
+    run = _import_entry(loop, "run", "miles train: the training loop is not available yet")
+    # The resolved config (derived knobs included) next to the run's metrics: `--config` reruns it.
+    save_config(cfg, Path(cfg.runtime.output_dir) / "config.yaml")
+    logger.info("starting %s with output_dir=%s", loop, cfg.runtime.output_dir)
+    return _result_code(run(cfg))
+
+
+def cmd_tiny_model(argv: list[str]) -> int:
+    main = _import_entry("miles.engines.tiny_model", "main", "miles tiny-model: not available yet")
+    return _result_code(main(argv))
+
+
+def cmd_engine(argv: list[str]) -> int:
+    if not argv or argv[0] != "serve":
+        raise UsageError("usage: miles engine serve --model-path DIR --port N [...]")
+    serve = _import_entry("miles.engines.http_front", "serve_main", "miles engine serve: not available yet")
+    return _result_code(serve(argv[1:]))
+
+
+def cmd_config(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="miles config", description="Print the configuration reference.")
+    parser.add_argument("--markdown", action="store_true", help="Markdown tables (docs/config.md is this output)")
+    args = parser.parse_args(argv)
+    from miles.config import build_parser, render_markdown
+
+    if args.markdown:
+        sys.stdout.write(render_markdown())
+    else:
+        build_parser().print_help()
+    return 0
+
+
+def cmd_plot(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="miles plot", description="Write PNG curves of RUN_DIR/metrics.jsonl.")
+    parser.add_argument("run_dir")
+    args = parser.parse_args(argv)
+    from miles.utils.plot import plot_run, reward_curve
+
+    try:
+        written = plot_run(args.run_dir)
+    except FileNotFoundError as e:
+        raise UsageError(str(e)) from None
+    curve = reward_curve(args.run_dir)
+    if curve:
+        print("rollout/reward_mean")
+        print(curve)
+    for path in written:
+        print(path)
+    return 0
+
+
+def cmd_sweep(argv: list[str]) -> int:
+    from miles.sweep import main as sweep_main
+
+    return sweep_main(argv)
+
+
+def cmd_convert(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="miles convert", description="Convert a checkpoint to a plain HF directory.")
+    sub = parser.add_subparsers(dest="format", required=True)
+    gguf = sub.add_parser("gguf", help="GGUF file -> HF directory (weights dequantized, with tokenizer)")
+    gguf.add_argument("src", help="path of the .gguf file")
+    gguf.add_argument("out_dir")
+    gguf.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    args = parser.parse_args(argv)
+    return convert_gguf(args.src, args.out_dir, args.dtype)
+
+
+def convert_gguf(src: str, out_dir: str, dtype: str = "bfloat16") -> int:
+    import importlib.util
+    from pathlib import Path
+
+    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UsageError(
+            f"miles convert gguf needs {' and '.join(missing)}, which are not installed; run: pip install 'miles[gguf]'"
+        )
+    path = Path(src)
+    if not path.is_file():
+        raise UsageError(f"miles convert gguf: {src} is not a file")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype))
+    # The weights are dequantized on load; keeping the GGUF quantization entry would make
+    # loaders look for a quantizer that the saved tensors no longer need.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    print(f"wrote {out_dir}")
+    return 0
+
+
+HANDLERS: dict[str, Callable[[list[str]], int]] = {
+    "train": cmd_train,
+    "tiny-model": cmd_tiny_model,
+    "engine": cmd_engine,
+    "config": cmd_config,
+    "plot": cmd_plot,
+    "sweep": cmd_sweep,
+    "convert": cmd_convert,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] not in HANDLERS:
+        parser = _top_parser()
+        if not argv:
+            parser.print_help()
+            return EXIT_USAGE
+        parser.parse_args(argv[:1])  # prints help (exit 0) or "invalid choice" (exit 2)
+        return EXIT_USAGE
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from miles.config import ConfigError
+
+    try:
+        return HANDLERS[argv[0]](argv[1:])
+    except (ConfigError, UsageError) as e:
+        print(e, file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,275 @@
+"""YAML + command line -> `MilesConfig`.
+
+Every field of the sections in `miles/config_sections.py` is a flag (`rollout_batch_size` ->
+`--rollout-batch-size`) and a YAML key (flat, with dashes or underscores, or nested under its
+section). The command line wins over the YAML file. Unknown `--sglang-*` flags are kept in
+`engine.sglang_args` for `sglang.launch_server`. After parsing, `miles.config_checks` derives
+the four-knob invariant and the defaults that depend on other flags, and collects every
+invalid combination into one `ConfigError`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from miles.config_checks import derive_num_rollout, finalize  # noqa: F401 - derive_num_rollout re-exported
+from miles.config_fields import (  # noqa: F401 - re-exported: `from miles.config import ConfigError, FIELDS`
+    FIELDS,
+    GROUP_DESCRIPTIONS,
+    GROUP_ORDER,
+    SECTIONS,
+    ConfigError,
+    FieldSpec,
+    closest_flag,
+    convert,
+    groups,
+    parse_scalar,
+    render_markdown,
+    unknown_flag_message,
+)
+from miles.config_sections import (
+    AlgoConfig,
+    AsyncConfig,
+    DataConfig,
+    EngineConfig,
+    EvalConfig,
+    LoggingConfig,
+    ModelConfig,
+    RewardConfig,
+    RolloutConfig,
+    RuntimeConfig,
+    TrainConfig,
+    WeightsConfig,
+)
+
+logger = logging.getLogger(__name__)
+
+SGLANG_PREFIX = "--sglang-"
+
+
+@dataclass
+class MilesConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    async_: AsyncConfig = field(default_factory=AsyncConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel trainer ranks."""
+        return self.train.actor_num_nodes * self.train.actor_num_gpus_per_node
+
+    def get(self, name: str) -> Any:
+        return getattr(getattr(self, FIELDS[name].section), name)
+
+    def set(self, name: str, value: Any) -> None:
+        setattr(getattr(self, FIELDS[name].section), name, value)
+
+    def flat(self) -> argparse.Namespace:
+        """A snapshot with every field at top level, for plug-ins written against Miles' `args`."""
+        return argparse.Namespace(**{name: self.get(name) for name in FIELDS})
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Nested by section (YAML-ready; `load_config(["--config", f])` reads it back)."""
+        return {section.rstrip("_"): asdict(getattr(self, section)) for section in SECTIONS}
+
+
+# ---------------------------------------------------------------- command line
+
+
+def build_parser(prog: str = "miles train") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        usage=f"{prog} [--config FILE] [--flag VALUE ...] [--sglang-<name> VALUE ...]",
+        description="Train with RL. Flags override the YAML file given with --config; "
+        "unknown --sglang-* flags are passed to sglang.launch_server.",
+        allow_abbrev=False,
+        exit_on_error=False,
+    )
+    parser.add_argument("--config", metavar="FILE", help="YAML file of flags (flat or nested by section)")
+    for group, specs in groups().items():
+        arg_group = parser.add_argument_group(group, GROUP_DESCRIPTIONS.get(group))
+        for spec in specs:
+            if not spec.cli:
+                continue
+            text = spec.help if "default" in spec.help else f"{spec.help} (default: {spec.default!r})"
+            text = text.replace("%", "%%")  # argparse %-formats help
+            if spec.base is bool:
+                arg_group.add_argument(
+                    spec.flag,
+                    dest=spec.name,
+                    action=argparse.BooleanOptionalAction,
+                    default=argparse.SUPPRESS,
+                    help=text,
+                )
+            else:
+                metavar = spec.elem.__name__.upper() if spec.base is list else spec.base.__name__.upper()
+                arg_group.add_argument(
+                    spec.flag, dest=spec.name, nargs=spec.nargs, default=argparse.SUPPRESS, metavar=metavar, help=text
+                )
+    return parser
+
+
+def split_sglang_passthrough(argv: list[str], known: set[str]) -> tuple[list[str], dict[str, Any]]:
+    """Pull `--sglang-<x> [VALUE]` flags Miles does not own out of argv."""
+    rest: list[str] = []
+    passthrough: dict[str, Any] = {}
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        name, eq, inline = token.partition("=")
+        if token.startswith(SGLANG_PREFIX) and name not in known:
+            key = name[len(SGLANG_PREFIX) :].replace("-", "_")
+            if eq:
+                passthrough[key] = parse_scalar(inline)
+            elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                passthrough[key] = parse_scalar(argv[i + 1])
+                i += 1
+            else:
+                passthrough[key] = True
+        else:
+            rest.append(token)
+        i += 1
+    return rest, passthrough
+
+
+def parse_cli(argv: list[str], prog: str = "miles train") -> tuple[str | None, dict[str, Any], dict[str, Any]]:
+    """-> (config file, {field: raw value} of the flags given, sglang passthrough)."""
+    parser = build_parser(prog)
+    argv, passthrough = split_sglang_passthrough(list(argv), set(parser._option_string_actions))
+    try:
+        namespace, extras = parser.parse_known_args(argv)
+    except argparse.ArgumentError as e:
+        raise ConfigError(str(e)) from None
+    errors, i = [], 0
+    while i < len(extras):
+        token = extras[i]
+        if token.startswith("-"):
+            errors.append(unknown_flag_message(token.partition("=")[0]))
+            if i + 1 < len(extras) and not extras[i + 1].startswith("-"):
+                i += 1  # the unknown flag's value
+        else:
+            errors.append(f"unexpected argument {token!r}; settings are given as --flag value")
+        i += 1
+    if errors:
+        raise ConfigError(errors)
+    given = vars(namespace)
+    config_path = given.pop("config", None)
+    return config_path, given, passthrough
+
+
+# ---------------------------------------------------------------- YAML
+
+
+def _key_to_field(key: str) -> str:
+    return str(key).lstrip("-").replace("-", "_")
+
+
+def flatten_yaml(data: dict[str, Any], source: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """YAML mapping (flat and/or nested by section) -> ({field: raw value}, sglang passthrough)."""
+    values: dict[str, Any] = {}
+    passthrough: dict[str, Any] = {}
+    errors: list[str] = []
+    section_names = {s.rstrip("_"): s for s in SECTIONS} | {s: s for s in SECTIONS}
+
+    def take(key: str, value: Any, section: str | None) -> None:
+        name = _key_to_field(key)
+        if name == "sglang_args" and isinstance(value, dict):
+            passthrough.update({_key_to_field(k): v for k, v in value.items()})
+        elif name in FIELDS:
+            owner = FIELDS[name].section
+            if section is not None and owner != section:
+                errors.append(
+                    f"{source}: key {key!r} is under section {section!r} but belongs to {owner.rstrip('_')!r}"
+                )
+            else:
+                values[name] = value
+        elif name.startswith("sglang_"):
+            passthrough[name[len("sglang_") :]] = value
+        else:
+            errors.append(unknown_flag_message("--" + name.replace("_", "-"), f" (key {key!r} in {source})"))
+
+    for key, value in data.items():
+        name = _key_to_field(key)
+        if name in section_names and isinstance(value, dict):
+            for sub_key, sub_value in value.items():
+                take(sub_key, sub_value, section_names[name])
+        elif name == "sglang" and isinstance(value, dict):
+            passthrough.update({_key_to_field(k): v for k, v in value.items()})
+        else:
+            take(key, value, None)
+    if errors:
+        raise ConfigError(errors)
+    return values, passthrough
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--config {path}: file not found")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config {path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of flag: value, got {type(data).__name__}")
+    return data
+
+
+# ---------------------------------------------------------------- assembly
+
+
+def build_config(values: dict[str, Any], sglang_args: dict[str, Any]) -> MilesConfig:
+    """Typed sections from already-merged raw values (no derivation, no validation)."""
+    cfg = MilesConfig()
+    for name, raw in values.items():
+        spec = FIELDS[name]
+        cfg.set(name, convert(spec, raw, spec.flag))
+    cfg.engine.sglang_args = dict(sglang_args)
+    return cfg
+
+
+def load_config(argv: list[str], *, base: dict[str, Any] | None = None, for_train: bool = True) -> MilesConfig:
+    """Parse `miles train` arguments: defaults < `base` mapping < `--config` YAML < command line.
+
+    `for_train` adds the checks that only a training run needs (model, data, reward, length).
+    Raises ConfigError listing every problem found.
+    """
+    config_path, cli_values, cli_sglang = parse_cli(argv)
+    values: dict[str, Any] = {}
+    sglang: dict[str, Any] = {}
+    layers = [(base or {}, "base mapping")]
+    if config_path:
+        layers.append((read_yaml(config_path), f"--config {config_path}"))
+    for data, source in layers:
+        layer_values, layer_sglang = flatten_yaml(data, source)
+        for name, raw in layer_values.items():
+            values[name] = convert(FIELDS[name], raw, f"{source}: {name}")
+        sglang.update(layer_sglang)
+    values.update(cli_values)
+    sglang.update(cli_sglang)
+    cfg = build_config(values, sglang)
+    explicit = {name for name, raw in values.items() if raw is not None}
+    finalize(cfg, explicit, for_train=for_train)
+    logger.debug("config resolved: %s", cfg.to_dict())
+    return cfg
+
+
+def save_config(cfg: MilesConfig, path: str | Path) -> None:
+    """Write the resolved config as nested YAML (readable back with --config)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -1,0 +1,305 @@
+"""Derivations and start-up validation of a parsed `MilesConfig`.
+
+Three passes, in order: the four-knob batch invariant, the defaults that depend on other flags,
+then every invalid combination. Problems are collected and raised together as one ConfigError,
+each naming the flags involved, the values seen and what to change.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from miles.config_fields import FIELDS, ConfigError
+
+if TYPE_CHECKING:
+    from miles.config import MilesConfig
+
+logger = logging.getLogger(__name__)
+
+KNOBS = ("rollout_batch_size", "n_samples_per_prompt", "global_batch_size", "num_steps_per_rollout")
+EQUATION = "rollout_batch_size × n_samples_per_prompt = global_batch_size × num_steps_per_rollout"
+
+ENUM_CHOICES: dict[str, tuple[str, ...]] = {
+    "advantage_estimator": ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"),
+    "loss_type": ("policy_loss", "sft_loss", "custom_loss"),
+    "kl_loss_type": ("k1", "k2", "k3", "low_var_kl"),
+    "tis_mode": ("clamp", "clip_or_pop"),
+    "loss_aggregation": ("sample_mean", "token_mean", "seq_mean_token_sum"),
+    "pause_generation_mode": ("abort", "in_place", "retract"),
+    "update_weight_transfer_mode": ("broadcast", "p2p", "disk-delta"),
+    "update_weight_delta_encoding": ("xor", "overwrite"),
+    "update_weight_digest": ("xxh3-128", "blake2b", "adler32"),
+    "engine": ("embedded", "sglang"),
+    "train_backend": ("fsdp", "megatron"),
+    "lr_decay_style": ("constant", "linear", "cosine"),
+    "dtype": ("auto", "bfloat16", "float16", "float32"),
+    "reward_phase": ("inline", "separate"),
+    "rollout_submission_granularity": ("group", "sample"),
+    "eval_mode": ("shared", "dedicated", "external"),
+    "async_unused_samples_handler": ("retry", "drop"),
+    "async_staleness_policy": ("drop", "pace"),
+}
+
+
+def flag(name: str) -> str:
+    return FIELDS[name].flag
+
+
+# ---------------------------------------------------------------- four-knob invariant
+
+
+def resolve_batch_knobs(cfg: MilesConfig, explicit: set[str]) -> list[str]:
+    """Fill the missing knob of rbs × n = gbs × steps, or report why it cannot hold."""
+    r = cfg.rollout
+    known = {
+        k: getattr(r, k) for k in KNOBS if getattr(r, k) is not None and (k in explicit or k != "n_samples_per_prompt")
+    }
+    bad = [f"{flag(k)}={v} must be a positive integer" for k, v in known.items() if v <= 0]
+    if bad:
+        return bad
+    # Too few to derive anything: take the group size's default (1), then one optimizer step per rollout.
+    for knob, default in (("n_samples_per_prompt", 1), ("num_steps_per_rollout", 1)):
+        if len(known) < 3 and knob not in known:
+            known[knob] = default
+    for knob in ("n_samples_per_prompt", "num_steps_per_rollout"):
+        if knob in known:
+            setattr(r, knob, known[knob])
+    if len(known) < 3:
+        return []  # neither rollout_batch_size nor global_batch_size: reported by the train checks
+    if len(known) == 4:
+        return _check_four(known)
+    missing = next(k for k in KNOBS if k not in known)
+    value, error = _derive_knob(missing, known)
+    if error:
+        return [error]
+    setattr(r, missing, value)
+    logger.info("derived %s=%d from %s", missing, value, EQUATION)
+    return []
+
+
+def _check_four(k: dict[str, int]) -> list[str]:
+    rbs, n, gbs, steps = (k[name] for name in KNOBS)
+    if rbs * n == gbs * steps:
+        return []
+    return [
+        f"the batch knobs are inconsistent: rollout_batch_size={rbs} × n_samples_per_prompt={n} = {rbs * n}, but "
+        f"global_batch_size={gbs} × num_steps_per_rollout={steps} = {gbs * steps}; {EQUATION} must hold. "
+        "Give only three of --rollout-batch-size, --n-samples-per-prompt, --global-batch-size, "
+        "--num-steps-per-rollout and the fourth is derived"
+    ]
+
+
+# missing knob -> (the two knobs of the other side of the equation, the knob sharing its side)
+_DERIVE = {
+    "global_batch_size": (("rollout_batch_size", "n_samples_per_prompt"), "num_steps_per_rollout"),
+    "num_steps_per_rollout": (("rollout_batch_size", "n_samples_per_prompt"), "global_batch_size"),
+    "rollout_batch_size": (("global_batch_size", "num_steps_per_rollout"), "n_samples_per_prompt"),
+    "n_samples_per_prompt": (("global_batch_size", "num_steps_per_rollout"), "rollout_batch_size"),
+}
+
+
+def _derive_knob(missing: str, k: dict[str, int]) -> tuple[int, str | None]:
+    (a, b), divisor_name = _DERIVE[missing]
+    total, divisor = k[a] * k[b], k[divisor_name]
+    if total % divisor:
+        return 0, (
+            f"cannot derive {missing} from {EQUATION}: {a} × {b} = {k[a]} × {k[b]} = {total} is not divisible by "
+            f"{divisor_name}={divisor}; set {flag(divisor_name)} to a divisor of {total}, or give {flag(missing)}"
+        )
+    return total // divisor, None
+
+
+def derive_num_rollout(cfg: MilesConfig, dataset_len: int) -> int:
+    """num_rollout = num_epoch × dataset_len // rollout_batch_size, once the dataset length is known."""
+    if cfg.rollout.num_rollout is not None:
+        return cfg.rollout.num_rollout
+    epochs, rbs = cfg.data.num_epoch, cfg.rollout.rollout_batch_size
+    if epochs is None or rbs is None:
+        raise ConfigError("cannot derive --num-rollout: give --num-rollout, or --num-epoch with --rollout-batch-size")
+    steps = epochs * dataset_len // rbs
+    if steps < 1:
+        raise ConfigError(
+            f"--num-epoch={epochs} over {dataset_len} prompts with --rollout-batch-size={rbs} gives 0 rollout steps; "
+            f"lower --rollout-batch-size to at most {epochs * dataset_len} or raise --num-epoch"
+        )
+    cfg.rollout.num_rollout = steps
+    return steps
+
+
+# ---------------------------------------------------------------- derived defaults
+
+
+def apply_derivations(cfg: MilesConfig, explicit: set[str]) -> None:
+    r, a = cfg.rollout, cfg.algo
+    if a.eps_clip_high is None:
+        a.eps_clip_high = a.eps_clip
+    if r.over_sampling_batch_size is None:
+        r.over_sampling_batch_size = r.rollout_batch_size
+    if r.n_samples_per_prompt == 1 and not a.disable_grpo_std_normalization:
+        a.disable_grpo_std_normalization = True  # the std of a single sample is 0
+    if r.rollout_submission_granularity is None:
+        r.rollout_submission_granularity = "sample" if cfg.async_.fully_async else "group"
+    if cfg.train.offload_train is None:
+        cfg.train.offload_train = cfg.engine.colocate
+    if a.loss_aggregation is None:
+        a.loss_aggregation = "token_mean" if a.calculate_per_token_loss else "sample_mean"
+    if cfg.model.ref_load is None and (a.use_kl_loss or a.kl_coef != 0):
+        cfg.model.ref_load = cfg.model.hf_checkpoint
+    if a.advantage_estimator == "ppo" and cfg.model.critic_load is None:
+        cfg.model.critic_load = cfg.model.hf_checkpoint
+    if cfg.train.critic_lr is None:
+        cfg.train.critic_lr = cfg.train.lr
+    if cfg.data.rollout_max_prompt_len is None and r.rollout_max_context_len is not None:
+        cfg.data.rollout_max_prompt_len = r.rollout_max_context_len - 1
+    if cfg.runtime.output_dir is None:
+        cfg.runtime.output_dir = f"runs/{cfg.runtime.run_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+# ---------------------------------------------------------------- validation
+
+
+def check_enums(cfg: MilesConfig) -> list[str]:
+    errors = []
+    for name, choices in ENUM_CHOICES.items():
+        value = cfg.get(name)
+        if value is None or value in choices:
+            continue
+        near = difflib.get_close_matches(str(value), choices, n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        errors.append(f"{flag(name)}={value!r} is not one of {', '.join(choices)}{hint}")
+    return errors
+
+
+def _lora_rank(cfg: MilesConfig) -> int:
+    """LoRA rank if a `lora_rank` field exists in any section (LoRA support adds it), else 0."""
+    return (cfg.get("lora_rank") or 0) if "lora_rank" in FIELDS else 0
+
+
+def check_modes(cfg: MilesConfig) -> list[str]:
+    """Combinations of colocation, async, pause and transfer modes that cannot work together."""
+    e: list[str] = []
+    fully_async, colocate = cfg.async_.fully_async, cfg.engine.colocate
+    pause, transfer = cfg.weights.pause_generation_mode, cfg.weights.update_weight_transfer_mode
+    if fully_async and colocate:
+        e.append("--fully-async needs separate trainer and engine devices; drop --colocate or --fully-async")
+    if pause == "abort" and cfg.rollout.use_session_server:
+        e.append(
+            "--pause-generation-mode=abort loses session turns with --use-session-server; use --pause-generation-mode retract or in_place"
+        )
+    if fully_async and pause == "abort":
+        e.append("--fully-async with --pause-generation-mode=abort drops in-flight samples; use retract or in_place")
+    if fully_async and cfg.rollout.partial_rollout:
+        e.append("--fully-async already keeps unfinished samples; drop --partial-rollout")
+    if transfer == "disk-delta" and colocate:
+        e.append("--update-weight-transfer-mode=disk-delta is for separate devices; with --colocate use broadcast")
+    if transfer == "disk-delta" and _lora_rank(cfg) > 0:
+        e.append("--update-weight-transfer-mode=disk-delta does not support LoRA (--lora-rank > 0); use broadcast")
+    if transfer == "p2p" and colocate:
+        e.append("--update-weight-transfer-mode=p2p is for separate devices; with --colocate use broadcast")
+    return e
+
+
+# Set by the engine launcher from Miles' own flags; a passthrough copy would conflict.
+SGLANG_RESERVED = {
+    "model_path": "--hf-checkpoint",
+    "host": "the launcher",
+    "port": "the launcher",
+    "tp_size": "--rollout-num-gpus-per-engine",
+    "tp": "--rollout-num-gpus-per-engine",
+}
+
+
+def check_sglang_passthrough(cfg: MilesConfig) -> list[str]:
+    return [
+        f"--sglang-{key.replace('_', '-')} is set by Miles from {owner}; drop the passthrough flag"
+        for key, owner in SGLANG_RESERVED.items()
+        if key in cfg.engine.sglang_args
+    ]
+
+
+def check_batching(cfg: MilesConfig) -> list[str]:
+    e: list[str] = []
+    r, t = cfg.rollout, cfg.train
+    dp, gbs = cfg.dp_size, r.global_batch_size
+    dp_text = f"data-parallel size {dp} (--actor-num-nodes={t.actor_num_nodes} × --actor-num-gpus-per-node={t.actor_num_gpus_per_node})"
+    if gbs is not None and gbs < dp:
+        e.append(f"--global-batch-size={gbs} is smaller than the {dp_text}; raise it to at least {dp}")
+    elif gbs is not None and gbs % dp:
+        e.append(f"--global-batch-size={gbs} is not divisible by the {dp_text}; pick a multiple of {dp}")
+    if t.use_dynamic_batch_size and t.max_tokens_per_gpu is None:
+        e.append("--use-dynamic-batch-size needs --max-tokens-per-gpu (the token budget of one packed micro-batch)")
+    osb, rbs = r.over_sampling_batch_size, r.rollout_batch_size
+    if osb is not None and rbs is not None and osb < rbs:
+        e.append(
+            f"--over-sampling-batch-size={osb} is smaller than --rollout-batch-size={rbs}; raise it to at least {rbs}"
+        )
+    prompt_len, ctx = cfg.data.rollout_max_prompt_len, r.rollout_max_context_len
+    if prompt_len is not None and ctx is not None and prompt_len > ctx - 1:
+        e.append(
+            f"--rollout-max-prompt-len={prompt_len} leaves no room to generate within --rollout-max-context-len={ctx}; "
+            f"set it to at most {ctx - 1}"
+        )
+    if len(cfg.eval.eval_prompt_data) % 2:
+        e.append(f"--eval-prompt-data takes name/path pairs, got {len(cfg.eval.eval_prompt_data)} values")
+    return e
+
+
+def check_algo(cfg: MilesConfig) -> list[str]:
+    e: list[str] = []
+    a = cfg.algo
+    if a.advantage_estimator.startswith("reinforce_plus_plus") and not a.normalize_advantages:
+        e.append(f"--advantage-estimator={a.advantage_estimator} needs --normalize-advantages")
+    if a.use_rollout_logprobs and a.use_tis:
+        e.append(
+            "--use-rollout-logprobs and --use-tis exclude each other (TIS corrects the rollout log-probs); drop one"
+        )
+    if a.kl_coef != 0 and a.kl_loss_coef != 0:
+        e.append(
+            f"--kl-coef={a.kl_coef} (KL in the reward) and --kl-loss-coef={a.kl_loss_coef} (KL loss) are both non-zero; keep one"
+        )
+    if a.advantage_estimator == "ppo" and a.kl_coef != 0:
+        e.append(
+            f"--advantage-estimator=ppo does not take --kl-coef={a.kl_coef}; use --use-kl-loss --kl-loss-coef instead"
+        )
+    if a.eps_clip_c is not None and a.eps_clip_c <= 1:
+        e.append(f"--eps-clip-c={a.eps_clip_c} must be greater than 1 (dual-clip bound), e.g. 3.0")
+    if a.calculate_per_token_loss and a.loss_aggregation != "token_mean":
+        e.append(f"--calculate-per-token-loss means token_mean, but --loss-aggregation={a.loss_aggregation}; drop one")
+    if a.loss_type == "custom_loss" and not a.custom_loss_function_path:
+        e.append("--loss-type=custom_loss needs --custom-loss-function-path")
+    if cfg.reward.group_rm and not cfg.reward.custom_rm_path:
+        e.append("--group-rm scores groups with --custom-rm-path; set --custom-rm-path")
+    return e
+
+
+def check_train_inputs(cfg: MilesConfig) -> list[str]:
+    """What a training run cannot start without."""
+    e: list[str] = []
+    if not cfg.model.hf_checkpoint:
+        e.append("--hf-checkpoint is required (HF model directory for the engines and the trainer)")
+    if not cfg.data.prompt_data and not cfg.data.data_source_path:
+        e.append("--prompt-data is required (JSONL of prompts), or --data-source-path for a custom source")
+    rw = cfg.reward
+    has_reward = rw.rm_type or rw.custom_rm_path or rw.group_reward_path or cfg.rollout.rollout_function_path
+    if not has_reward and cfg.algo.loss_type != "sft_loss":
+        e.append("no reward: set --rm-type (e.g. math) or --custom-rm-path pkg.module:fn")
+    if cfg.rollout.rollout_batch_size is None:
+        e.append("--rollout-batch-size is required (prompt groups per rollout step), or --global-batch-size")
+    if cfg.rollout.num_rollout is None and cfg.data.num_epoch is None:
+        e.append("give --num-rollout (rollout steps) or --num-epoch (passes over --prompt-data)")
+    return e
+
+
+def finalize(cfg: MilesConfig, explicit: set[str], *, for_train: bool = True) -> None:
+    """Derive, then validate; raise one ConfigError listing every problem."""
+    errors = resolve_batch_knobs(cfg, explicit)
+    apply_derivations(cfg, explicit)
+    errors += check_enums(cfg) + check_modes(cfg) + check_batching(cfg) + check_algo(cfg)
+    errors += check_sglang_passthrough(cfg)
+    if for_train:
+        errors += check_train_inputs(cfg)
+    if errors:
+        raise ConfigError(errors)

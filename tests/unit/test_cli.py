@@ -1,0 +1,193 @@
+"""The `miles` command: dispatch, help groups, exit codes, plotting."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import yaml
+
+from miles.cli import main
+from miles.config import render_markdown
+from miles.utils.plot import ascii_curve
+
+TRAIN = [
+    "train",
+    "--hf-checkpoint",
+    "/m",
+    "--prompt-data",
+    "/p.jsonl",
+    "--rm-type",
+    "math",
+    "--num-rollout",
+    "2",
+    "--rollout-batch-size",
+    "4",
+]
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # default run directories (runs/...) land here
+
+
+def fake_module(monkeypatch, name: str, **attrs) -> None:
+    monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(**attrs))
+
+
+def test_top_level_help_is_lazy():
+    code = (
+        "import sys; from miles.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
+        "heavy = [m for m in ('torch', 'transformers', 'matplotlib', 'yaml') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=root)
+    assert proc.returncode == 0, proc.stderr
+    for command in ("train", "tiny-model", "engine", "config", "plot", "sweep", "convert"):
+        assert command in proc.stdout
+
+
+def test_train_help_lists_groups_in_launch_order(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    order = ["MODEL:", "CKPT:", "ROLLOUT:", "EVAL:", "PERF:", "GRPO:", "OPTIMIZER:", "SGLANG:", "RUNTIME:", "LOGGING:"]
+    positions = [out.index(g) for g in order]
+    assert positions == sorted(positions)
+    assert "--rollout-batch-size" in out and "--no-colocate" in out
+    assert "--sglang-args" not in out  # cli=False fields are YAML-only
+
+
+def test_config_error_exits_2_without_traceback(capsys):
+    assert main([*TRAIN, "--rollout-bach-size", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--rollout-bach-size" in err and "--rollout-batch-size" in err and "Traceback" not in err
+
+
+def test_train_without_loop_module(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "miles.controller.loop_sync", None)  # import fails as if absent
+    assert main(TRAIN) == 2
+    assert "miles train: the training loop is not available yet" in capsys.readouterr().err
+
+
+def test_train_dispatches_sync_and_async(monkeypatch):
+    seen = {}
+
+    def sync_run(cfg):
+        seen["sync"] = cfg
+        return 0
+
+    async def async_run(cfg):
+        seen["async"] = cfg
+        return 0
+
+    fake_module(monkeypatch, "miles.controller.loop_sync", run=sync_run)
+    fake_module(monkeypatch, "miles.controller.loop_async", run=async_run)
+    assert main(TRAIN) == 0
+    cfg = seen["sync"]
+    assert cfg.rollout.rollout_batch_size == 4 and "async" not in seen
+    saved = yaml.safe_load((Path(cfg.runtime.output_dir) / "config.yaml").read_text())
+    assert saved["rollout"]["global_batch_size"] == 4 and saved["model"]["hf_checkpoint"] == "/m"
+    assert main([*TRAIN, "--fully-async"]) == 0
+    assert seen["async"].async_.fully_async is True
+
+
+def test_forwarding_subcommands(monkeypatch):
+    calls = []
+    fake_module(monkeypatch, "miles.engines.tiny_model", main=lambda argv: calls.append(("tiny", argv)) or 0)
+    fake_module(monkeypatch, "miles.engines.http_front", serve_main=lambda argv: calls.append(("serve", argv)) or 0)
+    assert main(["tiny-model", "/out", "--arch", "llama", "--layers", "2"]) == 0
+    assert main(["engine", "serve", "--model-path", "/m", "--port", "30000"]) == 0
+    assert calls == [
+        ("tiny", ["/out", "--arch", "llama", "--layers", "2"]),
+        ("serve", ["--model-path", "/m", "--port", "30000"]),
+    ]
+    assert main(["engine", "start"]) == 2
+
+
+def test_config_markdown_prints_the_reference(capsys):
+    assert main(["config", "--markdown"]) == 0
+    assert capsys.readouterr().out == render_markdown()
+
+
+def test_convert_gguf_missing_dependency(monkeypatch, capsys, tmp_path):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real_find_spec(name, *a)
+    )
+    assert main(["convert", "gguf", str(tmp_path / "m.gguf"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "gguf" in err and "pip install 'miles[gguf]'" in err and "Traceback" not in err
+
+
+def test_unknown_command_exits_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["trian"])
+    assert info.value.code == 2
+
+
+# ---------------------------------------------------------------- plots
+
+
+def test_plot_writes_pngs_for_known_keys(tmp_path, capsys):
+    rows = [
+        {"step": 0, "rollout/reward_mean": 0.1, "train/kl_loss": 0.0, "rollout/other": 5},
+        {"step": 1, "rollout/reward_mean": 0.4, "eval/gsm8k": 0.2, "perf/step_time": 3.0},
+        {
+            "step": 2,
+            "rollout/reward_mean": 0.9,
+            "train/train_rollout_kl": 0.01,
+            "rollout/fully_async/avg_staleness": 1.5,
+        },
+    ]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\nnot json\n")
+    assert main(["plot", str(tmp_path)]) == 0
+    names = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert names == sorted(
+        [
+            "rollout_reward_mean.png",
+            "train_kl_loss.png",
+            "eval_gsm8k.png",
+            "perf_step_time.png",
+            "train_train_rollout_kl.png",
+            "rollout_fully_async_avg_staleness.png",
+        ]
+    )
+    assert all((tmp_path / "plots" / n).read_bytes()[:4] == b"\x89PNG" for n in names)
+    assert "rollout/reward_mean" in capsys.readouterr().out
+
+
+def test_plot_missing_metrics_exits_2(tmp_path, capsys):
+    assert main(["plot", str(tmp_path)]) == 2
+    assert "metrics.jsonl not found" in capsys.readouterr().err
+
+
+def _grid(text: str) -> list[str]:
+    return [line.split("|", 1)[1] for line in text.splitlines()]
+
+
+def test_ascii_curve_rising_values():
+    text = ascii_curve(list(range(10)), width=10, height=5)
+    rows = _grid(text)
+    assert len(rows) == 5 and all(len(r) == 10 for r in rows)
+    assert rows[0][9] == "*" and rows[4][0] == "*"  # highest value top-right, lowest bottom-left
+    assert all(sum(r[c] == "*" for r in rows) == 1 for c in range(10))  # one mark per column
+    assert text.splitlines()[0].split("|")[0].strip() == "9" and text.splitlines()[-1].split("|")[0].strip() == "0"
+
+
+def test_ascii_curve_buckets_long_series():
+    text = ascii_curve(list(range(100)), width=10, height=3)
+    # ten buckets of ten values: means 4.5, 14.5, ..., 94.5
+    assert text.splitlines()[0].split("|")[0].strip() == "94.5"
+    assert text.splitlines()[-1].split("|")[0].strip() == "4.5"
+    assert ascii_curve([], 10, 3) == ""
+    assert all(len(r) == 1 for r in _grid(ascii_curve([2.0], 10, 3)))  # flat series: no division by zero
