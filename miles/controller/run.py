@@ -27,6 +27,30 @@ from miles.utils.timer import StepTimers
 logger = logging.getLogger(__name__)
 
 
+def resolve_model_path(cfg) -> None:
+    """`--hf-checkpoint tiny:ARCH[:LAYERSxHIDDEN]` builds a small random model once (smoke tests, the demo)."""
+    spec = cfg.model.hf_checkpoint or ""
+    if not spec.startswith("tiny:"):
+        return
+    from miles.engines.tiny_model import make_tiny_model
+
+    parts = spec.split(":")
+    arch = parts[1] if len(parts) > 1 and parts[1] else "qwen2"
+    layers, hidden = (2, 64)
+    if len(parts) > 2:
+        layers, hidden = (int(x) for x in parts[2].lower().split("x"))
+    out = os.path.join(os.path.expanduser(os.environ.get("MILES_CACHE", "~/.cache/miles")),
+                       f"tiny-{arch}-{layers}x{hidden}-seed{cfg.train.seed}")
+    if not os.path.exists(os.path.join(out, "config.json")):
+        make_tiny_model(out, arch=arch, layers=layers, hidden=hidden, heads=4, kv_heads=2, intermediate=hidden * 2,
+                        seed=cfg.train.seed)
+    cfg.model.hf_checkpoint = out
+    if cfg.model.ref_load and cfg.model.ref_load.startswith("tiny:"):
+        cfg.model.ref_load = out
+    if cfg.model.critic_load and cfg.model.critic_load.startswith("tiny:"):
+        cfg.model.critic_load = out
+
+
 def _device() -> str:
     import torch
 
@@ -62,6 +86,7 @@ class MilesRun:
         device = _device()
         run_dir = cfg.runtime.output_dir
         os.makedirs(run_dir, exist_ok=True)
+        resolve_model_path(cfg)
         placement = plan_placement(cfg, device=device)
         runtime = await Runtime.start(placement.specs, run_dir=run_dir,
                                       heartbeat_interval_s=cfg.runtime.heartbeat_interval_s,
@@ -78,6 +103,10 @@ class MilesRun:
                                wandb_project=cfg.logging.wandb_project if cfg.logging.use_wandb else None,
                                wandb_group=cfg.logging.wandb_group, run_name=cfg.runtime.run_name)
             run = cls(cfg, runtime, placement, router, engines, tokenizer, sink)
+            if cfg.rollout.num_rollout is None:
+                from miles.config import derive_num_rollout
+
+                derive_num_rollout(cfg, len(run.data_source))
             await runtime.call_all("trainer", "connect_engines", urls, mode=cfg.weights.update_weight_transfer_mode,
                                    colocated=cfg.engine.colocate)
             await run._maybe_resume()
