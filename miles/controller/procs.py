@@ -1,0 +1,205 @@
+"""Process plumbing shared by the controller and the node agents: spawn, reap, kill, log tails.
+
+Every worker starts in its own session (``start_new_session``) so that a kill of its process
+group also ends whatever it spawned (engine servers, compile workers). Descendants that moved to
+yet another session are found through psutil before the kill.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+logger = logging.getLogger(__name__)
+
+LOG_TAIL_LINES = 20
+
+
+@dataclasses.dataclass(slots=True)
+class ChildProcess:
+    """A spawned worker process and where its output goes."""
+
+    role: str
+    rank: int
+    popen: subprocess.Popen
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}:{self.rank}"
+
+
+def log_path_for(run_dir: str | os.PathLike, role: str, rank: int) -> Path:
+    return Path(run_dir) / "logs" / f"{role}_{rank}.log"
+
+
+def spawn_worker_process(role: str, rank: int, env: dict[str, str], run_dir: str | os.PathLike) -> ChildProcess:
+    """Start ``python -m miles.workers.main`` with stdout/stderr appended to its per-worker log."""
+    log_path = log_path_for(run_dir, role, rank)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
+    # the child must import the same miles as this process, whatever its working directory
+    package_root = str(Path(__file__).resolve().parents[2])
+    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, full_env.get("PYTHONPATH", "")) if p)
+    with open(log_path, "ab") as log_file:  # the child keeps its own copy of the descriptor
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "miles.workers.main"],
+            env=full_env,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            close_fds=True,
+        )
+    logger.info("spawned %s:%d pid=%d log=%s", role, rank, popen.pid, log_path)
+    return ChildProcess(role, rank, popen, log_path)
+
+
+def read_log_tail(path: str | os.PathLike, lines: int = LOG_TAIL_LINES, max_bytes: int = 64 * 1024) -> str:
+    """Last ``lines`` lines of a log file ('' if it does not exist)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            data = f.read()
+    except OSError:
+        return ""
+    all_lines = data.decode(errors="replace").splitlines()
+    start = len(all_lines) - lines
+    # a crash usually ends in a traceback longer than the tail: show it whole (bounded)
+    for i in range(len(all_lines) - 1, max(-1, len(all_lines) - 4 * lines), -1):
+        if all_lines[i].startswith("Traceback (most recent call last)"):
+            start = min(start, max(i - 1, len(all_lines) - 4 * lines))
+            break
+    return "\n".join(all_lines[max(0, start) :])
+
+
+def describe_exit(returncode: int | None) -> tuple[int | None, str | None]:
+    """(exit code, signal name) from a Popen returncode; negative codes mean 'killed by signal'."""
+    if returncode is None:
+        return None, None
+    if returncode < 0:
+        try:
+            return None, signal.Signals(-returncode).name
+        except ValueError:
+            return None, f"signal {-returncode}"
+    return returncode, None
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def run_processes(run_id: str) -> list[psutil.Process]:
+    """Live processes of this user tagged MILES_RUN_ID=run_id (workers and whatever they spawned, even
+    orphans whose worker died first and that re-parented to init)."""
+    found = []
+    me, uid = os.getpid(), os.getuid()
+    for p in psutil.process_iter(["uids"]):
+        try:
+            if p.pid == me or p.info["uids"] is None or p.info["uids"].real != uid:
+                continue
+            if p.environ().get("MILES_RUN_ID") == run_id and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
+
+
+def kill_tree(children: list[ChildProcess], *, grace_s: float = 3.0, run_id: str | None = None) -> None:
+    """SIGTERM every child's process group and descendants, wait ``grace_s``, then SIGKILL what is left.
+
+    Blocking (used from atexit and signal paths as well as from the async shutdown, via a thread).
+    """
+    child_pids = {c.pid for c in children}
+    extra = [p for c in children if c.popen.poll() is None for p in descendants(c.pid)]
+    if run_id is not None:
+        known = {p.pid for p in extra} | child_pids
+        extra += [p for p in run_processes(run_id) if p.pid not in known]
+    if not children and not extra:
+        return
+    _signal_all(children, extra, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and _any_alive(children, extra):
+        time.sleep(0.05)
+    if _any_alive(children, extra):
+        _signal_all(children, extra, signal.SIGKILL)
+    for c in children:
+        try:
+            c.popen.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            logger.error("%s pid=%d survived SIGKILL for 5 s (uninterruptible sleep?)", c.name, c.pid)
+    psutil.wait_procs(extra, timeout=2.0)
+
+
+def _signal_all(children: list[ChildProcess], extra: list[psutil.Process], sig: signal.Signals) -> None:
+    for c in children:
+        try:
+            os.killpg(c.pid, sig)  # pgid == pid thanks to start_new_session
+        except (ProcessLookupError, PermissionError):
+            pass
+    for p in extra:
+        try:
+            p.send_signal(sig)
+        except psutil.Error:
+            pass
+
+
+def _any_alive(children: list[ChildProcess], extra: list[psutil.Process]) -> bool:
+    if any(c.popen.poll() is None for c in children):
+        return True
+    return any(_alive(p) for p in extra)
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def kill_own_descendants(grace_s: float = 2.0) -> None:
+    """Used by a worker on its way out: end everything it spawned itself."""
+    procs = descendants(os.getpid())
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+
+
+def die_with_parent(expected_ppid: int) -> None:
+    """Ask Linux to SIGTERM this process when its parent dies; exit now if it already has."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            pr_set_pdeathsig = 1
+            libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+        except OSError:
+            logger.warning("prctl(PR_SET_PDEATHSIG) unavailable; relying on the parent-pid poll")
+    if expected_ppid and os.getppid() != expected_ppid:
+        logger.error("parent pid %d is already gone; exiting", expected_ppid)
+        os._exit(3)

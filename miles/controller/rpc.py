@@ -1,0 +1,421 @@
+"""Async RPC over ZeroMQ: ROUTER in the controller, DEALER in each worker.
+
+Envelope (frame 0, msgpack via :mod:`miles.controller.codec`): ``[kind, request_id, method,
+deadline_unix, payload]``; tensors and arrays ride in further frames. On TCP a leading frame holds
+an HMAC-SHA256 signature of all others under the per-run secret; unsigned or mis-signed messages
+are dropped and counted in :class:`RpcStats`.
+
+Both ends can call and serve: the controller calls worker methods; workers call the controller to
+register. Replies resolve asyncio futures keyed by request id, so thousands of calls can be in
+flight; a reply whose id is unknown (timed out, or forged) is logged and dropped.
+
+Sockets are driven by the event loop's reader callback on the ZMQ file descriptor instead of
+``zmq.asyncio``: one drain loop per wake-up costs less than a future per message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import functools
+import itertools
+import logging
+import time
+import traceback
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+import zmq
+
+from miles.controller import codec
+
+logger = logging.getLogger(__name__)
+
+RequestHandler = Callable[[bytes, str, list, dict], Any]  # (peer, method, args, kwargs) -> value | awaitable
+NotifyHandler = Callable[[bytes, str, Any], None]  # (peer, topic, payload)
+MessageHook = Callable[[bytes], None]  # called with the peer id for every accepted message
+
+
+T = TypeVar("T")
+
+
+def run_event_loop(main: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run`` on uvloop when it is installed (lower per-message overhead), else the default loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
+class Kind(enum.IntEnum):
+    REQUEST = 0
+    REPLY = 1
+    ERROR = 2
+    NOTIFY = 3
+
+
+# plain ints on the hot path: enum arithmetic costs microseconds per message
+_REQUEST, _REPLY, _ERROR, _NOTIFY = (int(k) for k in Kind)
+_EVENTS, _POLLIN, _RCVMORE, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE), int(zmq.NOBLOCK)
+_SNDMORE_NOBLOCK = int(zmq.SNDMORE) | _NOBLOCK
+_ZERO_COPY_MIN_BYTES = 64 * 1024
+
+
+class RemoteError(RuntimeError):
+    """The remote method raised; carries the remote exception type and traceback text."""
+
+    def __init__(self, peer: str, method: str, exc_type: str, message: str, remote_traceback: str) -> None:
+        self.peer, self.method, self.exc_type = peer, method, exc_type
+        self.remote_message, self.remote_traceback = message, remote_traceback
+        super().__init__(
+            f"{peer}.{method}() raised {exc_type}: {message}\n--- remote traceback ---\n{remote_traceback.rstrip()}"
+        )
+
+
+class RpcTimeout(TimeoutError):
+    """No reply within the call's timeout."""
+
+
+class RpcClosed(ConnectionError):
+    """The endpoint was closed while the call was pending, or the peer cannot be reached."""
+
+
+@dataclasses.dataclass(slots=True)
+class RpcStats:
+    sent: int = 0
+    received: int = 0
+    dropped_unsigned: int = 0
+    dropped_bad_signature: int = 0
+    dropped_unknown_reply: int = 0
+    dropped_malformed: int = 0
+
+
+@dataclasses.dataclass(slots=True)
+class _Pending:
+    future: asyncio.Future
+    peer: bytes
+    method: str
+    timer: asyncio.TimerHandle | None
+
+
+class _Endpoint:
+    """Shared machinery; subclasses say how a peer id maps onto socket frames."""
+
+    _is_router = False
+
+    def __init__(self, sock: zmq.Socket, *, secret: bytes | None, name: str) -> None:
+        self._sock = sock
+        self._secret = secret
+        self.name = name
+        self.stats = RpcStats()
+        self._loop = asyncio.get_running_loop()
+        self._pending: dict[int, _Pending] = {}
+        self._ids = itertools.count(1)
+        self._tasks: set[asyncio.Task] = set()
+        self._drain_scheduled = False
+        self._closed = False
+        self._n_small_frames = int(self._is_router) + int(secret is not None) + 1
+        self.request_handler: RequestHandler | None = None
+        self.notify_handler: NotifyHandler | None = None
+        self.on_message: MessageHook | None = None
+        self._loop.add_reader(sock.getsockopt(zmq.FD), self._drain)
+        # the fd only signals after a read found the queue empty: look once so later arrivals wake us
+        self._schedule_drain()
+
+    # ---------------------------------------------------------------- sending
+    def _send(self, peer: bytes, envelope: list) -> None:
+        frames = codec.encode(envelope)
+        if self._secret is not None:
+            frames.insert(0, codec.sign(self._secret, frames))
+        if self._is_router:
+            frames.insert(0, peer)
+        try:
+            send = self._sock.send
+            last = len(frames) - 1
+            for i, frame in enumerate(frames):
+                # small frames are copied (cheaper than tracking); large buffers go zero-copy
+                send(frame, _NOBLOCK if i == last else _SNDMORE_NOBLOCK, copy=len(frame) < _ZERO_COPY_MIN_BYTES)
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EHOSTUNREACH:
+                raise RpcClosed(f"{self.name}: peer {peer!r} is not connected (never registered or gone)") from e
+            raise
+        self.stats.sent += 1
+        self._schedule_drain()
+
+    def _schedule_drain(self) -> None:
+        # the ZMQ fd is edge-triggered and a send can swallow the edge: re-check once per loop turn
+        if not self._drain_scheduled and not self._closed:
+            self._drain_scheduled = True
+            self._loop.call_soon(self._drain)
+
+    def notify(self, peer: bytes, topic: str, payload: Any = None) -> None:
+        """Fire-and-forget message (heartbeats, events)."""
+        self._send(peer, [_NOTIFY, 0, topic, 0.0, payload])
+
+    async def call(
+        self,
+        peer: bytes,
+        method: str,
+        args: list | tuple = (),
+        kwargs: dict | None = None,
+        timeout_s: float | None = None,
+    ) -> Any:
+        """Call ``method`` on ``peer``; raises RemoteError, RpcTimeout or RpcClosed."""
+        if self._closed:
+            raise RpcClosed(f"{self.name}: endpoint is closed; cannot call {method!r}")
+        req_id = next(self._ids)
+        deadline = time.time() + timeout_s if timeout_s else 0.0
+        future = self._loop.create_future()
+        timer = self._loop.call_later(timeout_s, self._expire, req_id, timeout_s) if timeout_s else None
+        self._pending[req_id] = _Pending(future, peer, method, timer)
+        try:
+            self._send(peer, [_REQUEST, req_id, method, deadline, [list(args), kwargs or {}]])
+        except BaseException:
+            self._pop_pending(req_id)
+            raise
+        return await future
+
+    def _pop_pending(self, req_id: int) -> _Pending | None:
+        pending = self._pending.pop(req_id, None)
+        if pending is not None and pending.timer is not None:
+            pending.timer.cancel()
+        return pending
+
+    def _expire(self, req_id: int, timeout_s: float) -> None:
+        pending = self._pop_pending(req_id)
+        if pending is not None and not pending.future.done():
+            pending.future.set_exception(
+                RpcTimeout(
+                    f"{self.name}: {_peer_name(pending.peer)}.{pending.method}() got no reply within "
+                    f"{timeout_s:g} s; raise timeout_s if the method is legitimately slow"
+                )
+            )
+
+    def fail_pending(self, exc: BaseException, peer: bytes | None = None) -> int:
+        """Fail every pending call (of ``peer`` only, if given) with ``exc``; returns how many."""
+        ids = [i for i, p in self._pending.items() if peer is None or p.peer == peer]
+        for req_id in ids:
+            pending = self._pop_pending(req_id)
+            if pending is not None and not pending.future.done():
+                pending.future.set_exception(exc)
+        return len(ids)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    # ---------------------------------------------------------------- receiving
+    def _drain(self) -> None:
+        self._drain_scheduled = False
+        sock = self._sock
+        while not self._closed:
+            # checking EVENTS is much cheaper than provoking zmq.Again on an empty socket
+            try:
+                if not sock.getsockopt(_EVENTS) & _POLLIN:
+                    return
+                frames = self._recv_message()
+            except zmq.ZMQError:
+                if self._closed:
+                    return
+                raise
+            try:
+                self._dispatch(frames)
+            except Exception:  # noqa: BLE001 - one bad message must not kill the endpoint
+                self.stats.dropped_malformed += 1
+                logger.exception("%s: dropped a malformed message", self.name)
+
+    def _recv_message(self) -> list:
+        """Small leading frames (routing id, signature, header) as bytes; payload frames zero-copy."""
+        sock = self._sock
+        frames: list = [sock.recv(_NOBLOCK)]
+        while sock.getsockopt(_RCVMORE):
+            frames.append(sock.recv(copy=len(frames) < self._n_small_frames))
+        return frames
+
+    def _dispatch(self, frames: list) -> None:
+        peer = frames[0] if self._is_router else b""
+        body = frames[1:] if self._is_router else frames
+        if self._secret is not None:
+            if len(body) < 2 or not isinstance(body[0], bytes) or len(body[0]) != codec.SIGNATURE_BYTES:
+                self.stats.dropped_unsigned += 1
+                logger.warning(
+                    "%s: dropped an unsigned message from %r (%d so far)", self.name, peer, self.stats.dropped_unsigned
+                )
+                return
+            if not codec.verify(self._secret, body[0], [f if isinstance(f, bytes) else f.buffer for f in body[1:]]):
+                self.stats.dropped_bad_signature += 1
+                logger.warning(
+                    "%s: dropped a mis-signed message from %r (%d so far); is MILES_RUN_SECRET the same "
+                    "on every node?",
+                    self.name,
+                    peer,
+                    self.stats.dropped_bad_signature,
+                )
+                return
+            body = body[1:]
+        kind, req_id, method, deadline, payload = codec.decode(body)
+        self.stats.received += 1
+        if self.on_message is not None:
+            self.on_message(peer)
+        if kind == _REPLY or kind == _ERROR:
+            self._resolve(peer, req_id, kind, payload)
+        elif kind == _REQUEST:
+            self._serve(peer, req_id, method, deadline, payload)
+        elif kind == _NOTIFY:
+            if self.notify_handler is not None:
+                self.notify_handler(peer, method, payload)
+        else:
+            self.stats.dropped_malformed += 1
+
+    def _resolve(self, peer: bytes, req_id: int, kind: int, payload: Any) -> None:
+        pending = self._pop_pending(req_id)
+        if pending is None or (self._is_router and pending.peer != peer):
+            self.stats.dropped_unknown_reply += 1
+            n = self.stats.dropped_unknown_reply
+            if n <= 10 or n % 1000 == 0:
+                logger.warning(
+                    "%s: dropped a reply for unknown request id %s from %r (late after timeout, or forged; %d so far)",
+                    self.name,
+                    req_id,
+                    peer,
+                    n,
+                )
+            return
+        if pending.future.done():
+            return
+        if kind == _REPLY:
+            pending.future.set_result(payload)
+        else:
+            pending.future.set_exception(
+                RemoteError(
+                    _peer_name(peer) if self._is_router else "controller",
+                    pending.method,
+                    payload.get("type", "?"),
+                    payload.get("message", ""),
+                    payload.get("traceback", ""),
+                )
+            )
+
+    def _serve(self, peer: bytes, req_id: int, method: str, deadline: float, payload: list) -> None:
+        if deadline and time.time() > deadline:
+            self._reply_error(peer, req_id, TimeoutError(f"deadline passed before {method!r} started"), "")
+            return
+        args, kwargs = payload
+        try:
+            if self.request_handler is None:
+                raise LookupError(f"{self.name} serves no methods")
+            result = self.request_handler(peer, method, args, kwargs)
+        except Exception as e:  # noqa: BLE001 - every failure goes back to the caller
+            self._reply_error(peer, req_id, e, traceback.format_exc())
+            return
+        if asyncio.iscoroutine(result):
+            task = self._loop.create_task(result)
+            self._tasks.add(task)
+            task.add_done_callback(functools.partial(self._on_done, peer, req_id))
+        elif isinstance(result, asyncio.Future):  # e.g. run_in_executor: no task needed
+            result.add_done_callback(functools.partial(self._on_done, peer, req_id))
+        elif isinstance(result, Awaitable):
+            task = self._loop.create_task(_await(result))
+            self._tasks.add(task)
+            task.add_done_callback(functools.partial(self._on_done, peer, req_id))
+        else:
+            self._reply(peer, req_id, result)
+
+    def _on_done(self, peer: bytes, req_id: int, fut: asyncio.Future) -> None:
+        self._tasks.discard(fut)  # type: ignore[arg-type]
+        if fut.cancelled():
+            self._reply_error(peer, req_id, RuntimeError("cancelled: the worker is shutting down"), "")
+            return
+        exc = fut.exception()
+        if exc is None:
+            self._reply(peer, req_id, fut.result())
+        else:
+            tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            self._reply_error(peer, req_id, exc, tb)
+
+    def _reply(self, peer: bytes, req_id: int, result: Any) -> None:
+        if self._closed:
+            return
+        try:
+            self._send(peer, [_REPLY, req_id, "", 0.0, result])
+        except codec.CodecError as e:
+            self._reply_error(peer, req_id, e, traceback.format_exc())
+        except RpcClosed:
+            logger.warning("%s: caller %r left before its reply", self.name, peer)
+
+    def _reply_error(self, peer: bytes, req_id: int, exc: BaseException, tb: str) -> None:
+        if self._closed:
+            return
+        payload = {"type": type(exc).__qualname__, "message": str(exc), "traceback": tb}
+        try:
+            self._send(peer, [_ERROR, req_id, "", 0.0, payload])
+        except RpcClosed:
+            logger.warning("%s: caller %r left before its error reply", self.name, peer)
+
+    # ---------------------------------------------------------------- lifecycle
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.fail_pending(RpcClosed(f"{self.name}: endpoint closed"))
+        for task in list(self._tasks):
+            task.cancel()
+        try:
+            self._loop.remove_reader(self._sock.getsockopt(zmq.FD))
+        except (zmq.ZMQError, ValueError, RuntimeError):
+            pass
+        self._sock.close(linger=0)
+
+
+async def _await(awaitable: Awaitable) -> Any:
+    return await awaitable
+
+
+def _new_socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    # unlimited queues, set before bind/connect (pipes keep the values they were created with):
+    # thousands of calls in flight must neither block nor be dropped
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.LINGER, 0)
+    return sock
+
+
+def _peer_name(peer: bytes) -> str:
+    return peer.decode(errors="replace") if peer else "controller"
+
+
+class RouterEndpoint(_Endpoint):
+    """Controller side: one bound ROUTER socket; peers are addressed by their ZMQ routing id."""
+
+    _is_router = True
+
+    def __init__(self, ctx: zmq.Context, address: str, *, secret: bytes | None = None, name: str = "controller"):
+        sock = _new_socket(ctx, zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer -> error instead of a silent drop
+        # no ROUTER_HANDOVER: a second connection claiming a live worker's id must not hijack its traffic
+        if address.startswith("tcp://") and address.endswith(":0"):
+            port = sock.bind_to_random_port(address.rsplit(":", 1)[0])
+            address = f"{address.rsplit(':', 1)[0]}:{port}"
+        else:
+            sock.bind(address)
+        self.address = address
+        super().__init__(sock, secret=secret, name=name)
+
+
+class DealerEndpoint(_Endpoint):
+    """Worker side: one DEALER connected to the controller; the peer argument is ignored."""
+
+    def __init__(self, ctx: zmq.Context, address: str, identity: str, *, secret: bytes | None = None):
+        sock = _new_socket(ctx, zmq.DEALER)
+        sock.setsockopt(zmq.ROUTING_ID, identity.encode())
+        sock.connect(address)
+        super().__init__(sock, secret=secret, name=identity)
+
+    async def call_controller(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
+        return await self.call(b"", method, args, kwargs, timeout_s)
+
+    def notify_controller(self, topic: str, payload: Any = None) -> None:
+        self.notify(b"", topic, payload)
