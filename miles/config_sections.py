@@ -140,6 +140,7 @@ class TrainConfig:
     use_dynamic_batch_size: bool = _f(False, "PERF", "pack micro-batches up to --max-tokens-per-gpu")
     max_tokens_per_gpu: int | None = _f(None, "PERF", "token budget of one packed micro-batch")
     gradient_checkpointing: bool = _f(False, "PERF", "activation checkpointing")
+    compile: bool = _f(False, "PERF", "torch.compile each transformer block (fewer kernel launches; the first steps pay the compile)")
     actor_num_nodes: int = _f(1, "PERF", "trainer nodes")
     actor_num_gpus_per_node: int = _f(1, "PERF", "trainer ranks per node (processes on CPU)")
     critic_lr: float | None = _f(None, "OPTIMIZER", "critic learning rate (default lr)")

@@ -32,12 +32,12 @@ def sections_dict(cfg) -> dict[str, dict]:
 
 
 def plan_placement(cfg, *, device: str, num_nodes: int = 1, master_addr: str = "127.0.0.1",
-                   gpus_per_node: int | None = None) -> Placement:
+                   master_port: int | None = None, gpus_per_node: int | None = None) -> Placement:
     """Trainer ranks first, then engines; on GPU, colocated engines share the trainers' devices."""
     train, engine = cfg.train, cfg.engine
     dp = train.actor_num_nodes * train.actor_num_gpus_per_node
     per_node = gpus_per_node or train.actor_num_gpus_per_node
-    master_port = free_port() if num_nodes == 1 else 29600
+    master_port = master_port or free_port()
     sections = sections_dict(cfg)
     trainers = []
     for rank in range(dp):
@@ -58,8 +58,8 @@ def plan_placement(cfg, *, device: str, num_nodes: int = 1, master_addr: str = "
             first = i * gpus_per_engine if engine.colocate else dp + i * gpus_per_engine
             node, local = divmod(first, per_node)
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(local + k) for k in range(gpus_per_engine))
-        else:
-            node = 0
+        else:  # CPU: engines go after the trainer ranks' nodes, round-robin over the nodes
+            node = (dp // max(1, train.actor_num_gpus_per_node) + i) % max(1, num_nodes) if num_nodes > 1 else 0
         rollouts.append(WorkerSpec(
             role="rollout", rank=i, entry="miles.workers.rollout_worker:RolloutWorker", node=node, env=env,
             init_kwargs={"engine": engine.engine, "model_path": cfg.model.hf_checkpoint, "device": device,
@@ -67,4 +67,7 @@ def plan_placement(cfg, *, device: str, num_nodes: int = 1, master_addr: str = "
                          "max_total_tokens": engine.max_total_tokens, "seed": cfg.data.rollout_seed + i,
                          "deterministic": engine.deterministic, "sglang_args": engine.sglang_args,
                          "tp_size": gpus_per_engine}))
+    if num_nodes > 1:
+        for spec in trainers + rollouts:
+            spec.env["MILES_NUM_NODES"] = str(num_nodes)
     return Placement(trainers, rollouts, device, engine.colocate)

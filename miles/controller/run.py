@@ -18,6 +18,7 @@ from miles.controller.placement import Placement, plan_placement
 from miles.controller.router import Router
 from miles.controller.runtime import Runtime
 from miles.engines.client import EngineClient
+from miles.launch import launch_env, runtime_options
 from miles.rollout.data_source import load_data_source
 from miles.rollout.sample import Sample
 from miles.rollout.train_data import TrainBatch, samples_to_train_batch, split_by_dp
@@ -87,10 +88,15 @@ class MilesRun:
         run_dir = cfg.runtime.output_dir
         os.makedirs(run_dir, exist_ok=True)
         resolve_model_path(cfg)
-        placement = plan_placement(cfg, device=device)
+        le = launch_env()
+        multi_node = le.num_nodes > 1
+        placement = plan_placement(cfg, device=device, num_nodes=le.num_nodes,
+                                   master_addr=le.master_addr if multi_node else "127.0.0.1",
+                                   master_port=le.controller_port + 1 if multi_node else None)
         runtime = await Runtime.start(placement.specs, run_dir=run_dir,
                                       heartbeat_interval_s=cfg.runtime.heartbeat_interval_s,
-                                      heartbeat_timeout_s=cfg.runtime.heartbeat_timeout_s)
+                                      heartbeat_timeout_s=cfg.runtime.heartbeat_timeout_s,
+                                      install_signal_handlers=False, **runtime_options(le))
         try:
             await runtime.call_all("trainer", "setup", timeout_s=cfg.runtime.rpc_timeout_s)
             urls = [(await w.call("info"))["url"] for w in runtime.workers("rollout")]
@@ -158,9 +164,6 @@ class MilesRun:
             self.engine_versions = [int(v) for v in versions]
             if any(v != version for v in self.engine_versions):
                 raise RuntimeError(f"after pushing weight version {version} the engines report {self.engine_versions}")
-            if self.cfg.weights.check_weight_update_equal and version == 0:
-                report = await self.runtime.worker("trainer", 0).call("check_weights")
-                logger.info("weight update verified: %s", report)
             self._last_push_metrics = results[0]
         finally:
             await self.router.broadcast("continue_generation")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from typing import Any
 
 from miles.workers.base import Worker
@@ -25,7 +26,8 @@ class RolloutWorker(Worker):
         self.max_total_tokens = max_total_tokens
         self.seed = seed
         self.deterministic = deterministic
-        self.host = host
+        # several nodes: listen on every interface so the controller and trainers elsewhere can reach us
+        self.host = "0.0.0.0" if int(os.environ.get("MILES_NUM_NODES", "1")) > 1 else host
         self.sglang_args = sglang_args or {}
         self.tp_size = tp_size
         self._engine = None
@@ -57,7 +59,10 @@ class RolloutWorker(Worker):
         logger.info("embedded engine serving at %s", self._http.url)
 
     def url(self) -> str:
-        return self._sglang.url if self._sglang is not None else self._http.url
+        url = self._sglang.url if self._sglang is not None else self._http.url
+        if "://0.0.0.0:" in url:  # bound on every interface: advertise an address other nodes can reach
+            url = url.replace("0.0.0.0", socket.gethostbyname(socket.gethostname()))
+        return url
 
     def info(self) -> dict[str, Any]:
         return {"url": self.url(), "kind": self.kind, "pid": os.getpid()}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from typing import Any
 
@@ -59,15 +60,20 @@ class TrainerWorker(Worker):
 
     # ---- weights ---------------------------------------------------------------------
     def connect_engines(self, engine_urls: list[str], *, mode: str | None = None, colocated: bool = False,
-                        master_address: str = "127.0.0.1") -> dict[str, Any]:
+                        master_address: str | None = None) -> dict[str, Any]:
         from miles.engines.client import EngineClient
-        from miles.weights.updater import create_updater
+        from miles.weights.updater import make_updater
 
-        mode = "colocated" if colocated else (mode or self.weights_cfg.update_weight_transfer_mode)
+        if master_address is None:  # the weight-sync group's rendezvous lives on this (source) rank's host
+            multi_node = int(os.environ.get("MILES_NUM_NODES", "1")) > 1
+            master_address = socket.gethostbyname(socket.gethostname()) if multi_node else "127.0.0.1"
+        if mode is not None:
+            self.weights_cfg.update_weight_transfer_mode = mode
         engines = [EngineClient(u) for u in engine_urls]
-        self.updater = create_updater(mode, self.weights_cfg)
-        return self.updater.connect(engines, trainer_rank=dist.get_rank(), trainer_world_size=dist.get_world_size(),
-                                    master_address=master_address) or {}
+        self.updater = make_updater(self.weights_cfg, colocate=colocated)
+        self.updater.connect(engines, trainer_rank=dist.get_rank(), trainer_world_size=dist.get_world_size(),
+                             master_address=master_address, barrier=dist.barrier)
+        return {"mode": self.updater.mode}
 
     def push_weights(self, version: int) -> dict[str, float]:
         start = time.perf_counter()
@@ -76,10 +82,6 @@ class TrainerWorker(Worker):
         self.backend.weight_version = version
         metrics["perf/update_weights_time"] = time.perf_counter() - start
         return metrics
-
-    def check_weights(self) -> dict[str, Any]:
-        dtype = _dtype(self.model_cfg.dtype) if self.device == "cpu" else torch.bfloat16
-        return self.updater.verify(self.backend.named_hf_tensors(dtype))
 
     def close_weights(self) -> None:
         if self.updater is not None:

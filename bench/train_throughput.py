@@ -1,0 +1,257 @@
+"""Training tokens/s: the FSDP backend vs a plain transformers + AdamW loop, side by side.
+
+Both train the same randomly initialised Qwen2-shaped model on the same batch (next-token
+NLL over every token, token mean), alternating one timed step each per repetition; medians are
+reported. The plain loop is what one would write by hand: fp32 master weights, bf16 autocast on
+GPU, fused AdamW on GPU, gradient checkpointing when asked. The FSDP side runs as a 1-rank
+process group through the public backend API (`train()` with the SFT loss).
+
+    python bench/train_throughput.py                      # CPU, small model
+    python bench/train_throughput.py --device cuda --model qwen2-0.5b --seq-len 2048 --batch-size 8 \
+        --gradient-checkpointing
+
+MFU (GPU) = tokens/s x (6 N + 12 L d s) / peak, N = parameters (embeddings included),
+L layers, d hidden size, s sequence length; peak 989 TFLOP/s (H200/H100 dense bf16).
+Ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from miles.config_sections import AlgoConfig, ModelConfig, RolloutConfig, TrainConfig  # noqa: E402
+from miles.rollout.train_data import TrainBatch  # noqa: E402
+
+SHAPES = {
+    # Qwen2-0.5B: 24 layers, d=896, 14 heads (2 KV), MLP 4864, vocab 151936, tied embeddings
+    "qwen2-0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+    ),
+    "small": dict(
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=8192,
+    ),
+}
+PEAK_FLOPS = {"cuda": 989e12}
+
+
+def build_model_dir(shape: str, root: str, seq_len: int) -> tuple[str, object]:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        **SHAPES[shape], max_position_embeddings=max(seq_len, 4096), tie_word_embeddings=True, dtype="bfloat16"
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg)
+    path = os.path.join(root, shape)
+    model.save_pretrained(path)
+    return path, cfg
+
+
+def make_batch(batch_size: int, seq_len: int, vocab: int) -> TrainBatch:
+    rng = np.random.default_rng(0)
+    n = batch_size
+    resp = seq_len - 1  # every token after the first is trained on, as in the plain loop
+    return TrainBatch(
+        tokens=rng.integers(0, vocab, size=n * seq_len),
+        seq_lens=np.full(n, seq_len),
+        response_lengths=np.full(n, resp),
+        loss_masks=np.ones(n * resp, np.float32),
+        rewards=np.zeros(n, np.float32),
+        raw_rewards=np.zeros(n, np.float32),
+        group_index=np.arange(n),
+        sample_index=np.arange(n),
+        truncated=np.zeros(n, np.int8),
+    )
+
+
+class PlainLoop:
+    def __init__(self, path: str, device: torch.device, args: argparse.Namespace) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.device = device
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").to(
+            device
+        )
+        self.model.config.use_cache = False
+        if args.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model.train()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5, betas=(0.9, 0.95), fused=device.type == "cuda")
+
+    def step(self, input_ids: torch.Tensor) -> None:
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+            loss = self.model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+
+def build_fsdp(path: str, batch_size: int, args: argparse.Namespace):
+    from miles.trainer.backend import create_backend
+
+    be = create_backend(
+        "fsdp",
+        model=ModelConfig(hf_checkpoint=path),
+        train=TrainConfig(
+            lr=1e-5,
+            clip_grad=1.0,
+            micro_batch_size=args.micro_batch_size or batch_size,
+            gradient_checkpointing=args.gradient_checkpointing,
+            compile=args.compile,
+        ),
+        algo=AlgoConfig(loss_type="sft_loss", calculate_per_token_loss=True),
+        rollout=RolloutConfig(global_batch_size=batch_size),
+    )
+    be.setup()
+    return be
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: torch.device) -> float:
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def init_single_rank(device: torch.device) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+
+
+def profile_steps(out_dir: str, device: torch.device, steps: dict) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(out_dir, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sort_key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    for name, fn in steps.items():
+        with profile(activities=activities) as prof:
+            for _ in range(2):
+                fn()
+            sync(device)
+        with open(os.path.join(out_dir, f"profile_{name}.txt"), "w") as f:
+            f.write(prof.key_averages().table(sort_by=sort_key, row_limit=40, max_name_column_width=80))
+            f.write("\n\n")
+            f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=80))
+
+
+def flops_per_token(cfg, n_params: int, seq_len: int) -> float:
+    return 6.0 * n_params + 12.0 * cfg.num_hidden_layers * cfg.hidden_size * seq_len
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--model", default=None, choices=list(SHAPES), help="default: small on CPU, qwen2-0.5b on CUDA")
+    ap.add_argument("--seq-len", type=int, default=None, help="default: 256 on CPU, 2048 on CUDA")
+    ap.add_argument("--batch-size", type=int, default=None, help="default: 4 on CPU, 8 on CUDA")
+    ap.add_argument("--micro-batch-size", type=int, default=None, help="FSDP micro-batch (default: whole batch)")
+    ap.add_argument("--gradient-checkpointing", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="FSDP side: torch.compile each transformer block")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    ap.add_argument(
+        "--profile-dir", default=None, help="also write torch.profiler tables of 2 steps of each side here"
+    )
+    args = ap.parse_args()
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("--device cuda but torch.cuda.is_available() is False")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    shape = args.model or ("qwen2-0.5b" if cuda else "small")
+    seq_len = args.seq_len or (2048 if cuda else 256)
+    batch_size = args.batch_size or (8 if cuda else 4)
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    init_single_rank(device)
+
+    with tempfile.TemporaryDirectory() as root:
+        path, cfg = build_model_dir(shape, root, seq_len)
+        batch = make_batch(batch_size, seq_len, cfg.vocab_size)
+        input_ids = torch.from_numpy(batch.tokens.reshape(batch_size, seq_len)).to(device)
+        plain = PlainLoop(path, device, args)
+        fsdp = build_fsdp(path, batch_size, args)
+        n_params = sum(p.numel() for p in plain.model.parameters())
+        tokens = batch_size * seq_len
+        rid = iter(range(10**6))
+        for _ in range(args.warmup):
+            plain.step(input_ids)
+            fsdp.train(batch, next(rid))
+        t_plain, t_fsdp = [], []
+        for _ in range(args.reps):
+            t_plain.append(timed(lambda: plain.step(input_ids), device))
+            t_fsdp.append(timed(lambda: fsdp.train(batch, next(rid)), device))
+        if args.profile_dir:
+            profile_steps(
+                args.profile_dir,
+                device,
+                {"plain": lambda: plain.step(input_ids), "fsdp": lambda: fsdp.train(batch, next(rid))},
+            )
+    plain_tok_s = tokens / statistics.median(t_plain)
+    fsdp_tok_s = tokens / statistics.median(t_fsdp)
+    result = {
+        "fsdp_tok_s": round(fsdp_tok_s, 1),
+        "plain_tok_s": round(plain_tok_s, 1),
+        "ratio": round(fsdp_tok_s / plain_tok_s, 3),
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "model": shape,
+        "params": n_params,
+        "seq_len": seq_len,
+        "batch_size": batch_size,
+        "gradient_checkpointing": args.gradient_checkpointing,
+        "compile": args.compile,
+        "reps": args.reps,
+        "attn": fsdp.attn_impl,
+    }
+    if cuda:
+        fpt = flops_per_token(cfg, n_params, seq_len)
+        result["mfu"] = round(fsdp_tok_s * fpt / PEAK_FLOPS["cuda"], 4)
+        result["plain_mfu"] = round(plain_tok_s * fpt / PEAK_FLOPS["cuda"], 4)
+        result["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    print(
+        f"plain {plain_tok_s:,.0f} tok/s | fsdp {fsdp_tok_s:,.0f} tok/s | ratio {result['ratio']:.3f}"
+        + (f" | mfu {result['mfu']:.1%} (plain {result['plain_mfu']:.1%})" if cuda else ""),
+        file=sys.stderr,
+    )
+    dist.destroy_process_group()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,334 @@
+"""FSDP2 trainer backend (`--train-backend fsdp`).
+
+Every decoder layer and then the root module are wrapped with `fully_shard`; parameters are
+kept in fp32 (the optimizer's master copy) and, on GPU, gathered in bf16 for compute with fp32
+gradient reduction. Losses arrive already divided by step-wide denominators, so gradients are
+*summed* over data-parallel ranks (FSDP's divide factor set to 1), which makes a DP run equal
+to one process training on the concatenated batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import resource
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from miles.config_sections import AlgoConfig, ModelConfig, RolloutConfig, TrainConfig
+from miles.rollout.train_data import TrainBatch
+from miles.trainer import checkpoint as ckpt
+from miles.trainer.backend import register_backend
+from miles.trainer.forward import dummy_batch, forward_micro_batch, response_values, token_index
+from miles.trainer.hf_io import (
+    load_causal_lm,
+    load_value_model,
+    pick_attn_implementation,
+    resolve_compute_dtype,
+    source_dtype,
+    write_hf_dir,
+)
+from miles.trainer.lr_schedule import LRSchedule, LRScheduler
+from miles.trainer.offload import HostOffloader, module_tensors, optimizer_tensors
+from miles.trainer.packing import pack_sequences, plan_micro_batches
+
+logger = logging.getLogger(__name__)
+
+
+def _all_reduce(values: list[float], device: torch.device, op=dist.ReduceOp.SUM) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def shard_model(
+    model: nn.Module, mesh, mp_policy: MixedPrecisionPolicy | None, *, compile_blocks: bool = False
+) -> nn.Module:
+    """fully_shard each transformer block (HF `_no_split_modules`), then the root.
+
+    With one rank there is nothing to save by freeing gathered parameters after forward, so they
+    stay gathered until backward instead of being gathered twice.
+    """
+    block_names = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in block_names]
+    if not blocks:
+        raise ValueError(
+            f"{type(model).__name__} declares no _no_split_modules; cannot find transformer blocks to shard"
+        )
+    kw = {"mesh": mesh, "reshard_after_forward": mesh.size() > 1} | ({"mp_policy": mp_policy} if mp_policy else {})
+    for block in blocks:
+        if compile_blocks:  # in place, so parameter names (HF names) stay as they are
+            block.compile(dynamic=True)
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            # Sum over ranks (losses carry global denominators). Forcing plain SUM collectives avoids
+            # PREMUL_SUM, which gloo lacks, and keeps NCCL on its zero-copy path.
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+@register_backend("fsdp")
+class FSDPBackend:
+    def __init__(self, *, model: ModelConfig, train: TrainConfig, algo: AlgoConfig, rollout: RolloutConfig) -> None:
+        self.model_cfg, self.train_cfg, self.algo, self.rollout = model, train, algo, rollout
+        self.weight_version = 0
+        self.actor: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: LRScheduler | None = None
+        self.ref: nn.Module | None = None
+        self.critic: nn.Module | None = None
+        self.critic_optimizer: torch.optim.Optimizer | None = None
+        self.critic_scheduler: LRScheduler | None = None
+        self._offloaders: dict[str, HostOffloader] = {}
+
+    # ---- setup ------------------------------------------------------------------------------------
+    @property
+    def needs_ref(self) -> bool:
+        return self.algo.use_kl_loss or self.algo.kl_coef != 0.0
+
+    @property
+    def needs_critic(self) -> bool:
+        return self.algo.advantage_estimator == "ppo"
+
+    def setup(self) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised; the trainer worker must call init_process_group first"
+            )
+        if not self.model_cfg.hf_checkpoint:
+            raise ValueError("--hf-checkpoint is required: the FSDP backend loads the policy from a HF directory")
+        # The process group decides: NCCL -> this rank's GPU, gloo -> CPU (also on a GPU host).
+        on_gpu = torch.cuda.is_available() and dist.get_backend() == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        self.dp_size, self.dp_rank = dist.get_world_size(), dist.get_rank()
+        self.dp_group = dist.group.WORLD
+        self.mesh = init_device_mesh(self.device.type, (self.dp_size,))
+        torch.manual_seed(self.train_cfg.seed)
+        compute_dtype = resolve_compute_dtype(self.model_cfg.dtype, self.device.type)
+        self.mp_policy = (
+            MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+            if compute_dtype != torch.float32
+            else None
+        )
+        self.attn_impl = pick_attn_implementation(self.device.type)
+        self.actor, self.optimizer, self.scheduler = self._build_trainable(
+            self.model_cfg.hf_checkpoint, self.train_cfg.lr
+        )
+        if self.needs_ref:
+            self.ref = self._build_frozen(self.model_cfg.ref_load or self.model_cfg.hf_checkpoint)
+        if self.needs_critic:
+            path = self.model_cfg.critic_load or self.model_cfg.hf_checkpoint
+            lr = self.train_cfg.critic_lr if self.train_cfg.critic_lr is not None else self.train_cfg.lr
+            self.critic, self.critic_optimizer, self.critic_scheduler = self._build_trainable(path, lr, critic=True)
+        logger.info(
+            "FSDP backend ready: dp=%d device=%s compute=%s attn=%s ref=%s critic=%s",
+            self.dp_size,
+            self.device,
+            compute_dtype,
+            self.attn_impl,
+            self.ref is not None,
+            self.critic is not None,
+        )
+
+    def _load(self, path: str, critic: bool = False) -> nn.Module:
+        load = load_value_model if critic else load_causal_lm
+        return load(path, attn_implementation=self.attn_impl, trust_remote_code=self.model_cfg.trust_remote_code)
+
+    def _build_trainable(self, path: str, lr: float, critic: bool = False):
+        model = self._load(path, critic)
+        if self.train_cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        shard_model(model, self.mesh, self.mp_policy, compile_blocks=self.train_cfg.compile)
+        model.train()
+        t = self.train_cfg
+        optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=lr,
+            betas=(t.adam_beta1, t.adam_beta2),
+            eps=t.adam_eps,
+            weight_decay=t.weight_decay,
+            fused=self.device.type == "cuda",
+        )
+        schedule = LRSchedule(
+            lr=lr,
+            min_lr=t.min_lr,
+            warmup_iters=t.lr_warmup_iters,
+            decay_style=t.lr_decay_style,
+            decay_iters=t.lr_decay_iters,
+        )
+        return model, optimizer, LRScheduler(optimizer, schedule)
+
+    def _build_frozen(self, path: str) -> nn.Module:
+        model = self._load(path)
+        model.requires_grad_(False)
+        shard_model(model, self.mesh, self.mp_policy)
+        return model.eval()
+
+    # ---- forward-only -----------------------------------------------------------------------------
+    def _schedule(self, batch: TrainBatch) -> list[list[int] | None]:
+        """Micro-batches of `batch`, padded with None (dummy passes) to the max count over ranks."""
+        t = self.train_cfg
+        mbs: list[list[int] | None] = list(
+            plan_micro_batches(
+                batch.seq_lens,
+                micro_batch_size=t.micro_batch_size,
+                use_dynamic_batch_size=t.use_dynamic_batch_size,
+                max_tokens_per_gpu=t.max_tokens_per_gpu,
+            )
+        )
+        n_max = int(_all_reduce([len(mbs)], self.device, dist.ReduceOp.MAX)[0])
+        return mbs + [None] * (n_max - len(mbs))
+
+    @torch.no_grad()
+    def compute_log_probs(self, batch: TrainBatch, which: str = "actor") -> tuple[np.ndarray, np.ndarray]:
+        model = {"actor": self.actor, "ref": self.ref}.get(which)
+        if model is None:
+            raise ValueError(
+                f"compute_log_probs(which={which!r}): no such model here (actor, or ref when a KL term is on)"
+            )
+        was_training = model.training
+        model.eval()
+        n_tok = int(batch.response_lengths.sum())
+        log_probs, entropy = np.zeros(n_tok, np.float32), np.zeros(n_tok, np.float32)
+        with self._onloaded(which):
+            for idx in self._schedule(batch):
+                sub = batch.select(idx) if idx is not None else dummy_batch()
+                lp, ent, _ = forward_micro_batch(
+                    model, sub, self.device, self.rollout.rollout_temperature, compiled=self.train_cfg.compile
+                )
+                if idx is not None:
+                    pos = token_index(batch.response_lengths, idx)
+                    log_probs[pos], entropy[pos] = lp.cpu().numpy(), ent.cpu().numpy()
+        model.train(was_training)
+        return log_probs, entropy
+
+    @torch.no_grad()
+    def _compute_values(self, batch: TrainBatch) -> np.ndarray:
+        values = np.zeros(int(batch.response_lengths.sum()), np.float32)
+        self.critic.eval()
+        for idx in self._schedule(batch):
+            sub = batch.select(idx) if idx is not None else dummy_batch()
+            v = response_values(self.critic, pack_sequences(sub).to(self.device))
+            if idx is not None:
+                values[token_index(batch.response_lengths, idx)] = v.cpu().numpy()
+        self.critic.train()
+        return values
+
+    @contextlib.contextmanager
+    def _onloaded(self, which: str) -> Iterator[None]:
+        """The ref model lives on host between uses once `offload_ref()` was called."""
+        off = self._offloaders.get("ref") if which == "ref" else None
+        if off is not None:
+            off.onload()
+        try:
+            yield
+        finally:
+            if off is not None:
+                self._reshard_all(self.ref)
+                off.offload(module_tensors(self.ref))
+
+    def offload_ref(self) -> None:
+        """Keep the frozen reference model on host; it is brought back only for its forward."""
+        if self.ref is not None and "ref" not in self._offloaders:
+            self._reshard_all(self.ref)
+            self._offloaders["ref"] = HostOffloader("ref")
+            self._offloaders["ref"].offload(module_tensors(self.ref))
+
+    # ---- training ---------------------------------------------------------------------------------
+    def train(self, batch: TrainBatch, rollout_id: int) -> dict[str, float]:
+        from miles.trainer.train_loop import run_rl_step
+
+        return run_rl_step(self, batch, rollout_id)
+
+    # ---- weights out --------------------------------------------------------------------------------
+    def named_hf_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, p in self.actor.named_parameters():
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+            yield name, (full.to(dtype) if dtype is not None else full).detach()
+
+    def export_hf(self, path: str) -> None:
+        cfg = self.actor.config
+        dtype = source_dtype(self.model_cfg.hf_checkpoint)
+        tensors = [(n, t.cpu()) for n, t in self.named_hf_tensors(dtype)]
+        if self.dp_rank == 0:
+            write_hf_dir(path, tensors, config=cfg, source_dir=self.model_cfg.hf_checkpoint)
+        dist.barrier()
+
+    # ---- checkpoints ----------------------------------------------------------------------------------
+    def _ckpt_models(self) -> dict:
+        models = {"actor": (self.actor, self.optimizer)}
+        if self.critic is not None:
+            models["critic"] = (self.critic, self.critic_optimizer)
+        return models
+
+    def save(self, path: str, extra_state: dict) -> None:
+        meta = {
+            "extra_state": extra_state,
+            "weight_version": self.weight_version,
+            "lr_schedule": self.scheduler.state_dict(),
+            "critic_lr_schedule": self.critic_scheduler.state_dict() if self.critic_scheduler else None,
+        }
+        ckpt.save_checkpoint(path, self._ckpt_models(), meta, save_optim=not self.train_cfg.no_save_optim)
+
+    def load(self, path: str) -> dict:
+        resolved = ckpt.resolve_load_path(path)
+        if resolved is None:
+            raise FileNotFoundError(
+                f"no complete checkpoint under {path!r} (looked for iter_*/{ckpt.COMPLETE_MARKER})"
+            )
+        meta = ckpt.load_checkpoint(resolved, self._ckpt_models())
+        self.scheduler.load_state_dict(meta["lr_schedule"])
+        if self.critic_scheduler and meta.get("critic_lr_schedule"):
+            self.critic_scheduler.load_state_dict(meta["critic_lr_schedule"])
+        return meta.get("extra_state", {})
+
+    # ---- offload ------------------------------------------------------------------------------------
+    @staticmethod
+    def _reshard_all(model: nn.Module) -> None:
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
+    def offload(self) -> None:
+        """Weights, gradients and optimizer states of actor (and critic) to host memory.
+
+        The frozen reference model moves to host as well and from then on is brought back only
+        for its own forward pass (`compute_log_probs(which="ref")`).
+        """
+        self.offload_ref()
+        for key, model, optim in (
+            ("actor", self.actor, self.optimizer),
+            ("critic", self.critic, self.critic_optimizer),
+        ):
+            if model is None:
+                continue
+            self._reshard_all(model)
+            off = self._offloaders.setdefault(key, HostOffloader(key))
+            off.offload([*module_tensors(model), *optimizer_tensors(optim)])
+
+    def onload(self) -> None:
+        for key in ("actor", "critic"):
+            if key in self._offloaders and self._offloaders[key].is_offloaded:
+                self._offloaders[key].onload()
+
+    # ---- metrics helpers ---------------------------------------------------------------------------
+    def peak_mem_gb(self) -> float:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**30
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+    @staticmethod
+    def now() -> float:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter()

@@ -1,0 +1,91 @@
+"""Move trainer state to host memory and back, bit-exactly, without changing tensor identity.
+
+Offload copies each tensor *storage* to a host buffer (pinned when CUDA is present) and then
+shrinks the device storage to zero bytes; onload grows it back and copies the bytes in. Because
+the storages themselves are kept, every alias stays valid: FSDP's sharded parameters (views into
+padded shard buffers), the optimizer's references to them, and gradients. Nothing is re-created,
+so no optimizer or FSDP re-registration is needed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    # DTensor -> its local shard; plain tensors as they are.
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                yield v
+
+
+def module_tensors(module: torch.nn.Module, *, grads: bool = True) -> Iterator[torch.Tensor]:
+    for p in module.parameters():
+        yield p
+        if grads and p.grad is not None:
+            yield p.grad
+    yield from module.buffers()
+
+
+class HostOffloader:
+    """Offload/onload a set of tensors by storage. One instance per offloadable component."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._saved: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = []
+
+    @property
+    def is_offloaded(self) -> bool:
+        return bool(self._saved)
+
+    def offload(self, tensors: Iterable[torch.Tensor]) -> int:
+        """Copy the storages of `tensors` to host and free them on the device; returns bytes moved."""
+        if self._saved:
+            raise RuntimeError(f"{self.name}: offload() called twice without onload()")
+        pin = torch.cuda.is_available()
+        seen: set[int] = set()
+        moved = 0
+        for t in tensors:
+            storage = _local(t).untyped_storage()
+            key = storage.data_ptr()
+            if storage.nbytes() == 0 or key in seen:
+                continue
+            seen.add(key)
+            host = torch.UntypedStorage(storage.nbytes(), device="cpu")
+            if pin:
+                host = host.pin_memory()
+            host.copy_(storage, non_blocking=pin)
+            self._saved.append((storage, host))
+            moved += storage.nbytes()
+        if pin:
+            torch.cuda.synchronize()
+        for storage, _ in self._saved:
+            storage.resize_(0)
+        if pin:
+            torch.cuda.empty_cache()
+        logger.info("%s: offloaded %.1f MiB to host", self.name, moved / 2**20)
+        return moved
+
+    def onload(self) -> int:
+        """Restore every offloaded storage in place; returns bytes moved."""
+        moved = 0
+        pin = torch.cuda.is_available()
+        for storage, host in self._saved:
+            storage.resize_(host.nbytes())
+            storage.copy_(host, non_blocking=pin)
+            moved += host.nbytes()
+        if pin:
+            torch.cuda.synchronize()
+        self._saved.clear()
+        logger.info("%s: onloaded %.1f MiB", self.name, moved / 2**20)
+        return moved

@@ -1,0 +1,274 @@
+"""One RL step of the FSDP backend on this rank's shard.
+
+Order (as in Miles): ref log-probs (KL terms) -> old log-probs (unless --use-rollout-logprobs)
+-> values (PPO) -> advantages/returns (collective over DP) -> `num_steps_per_rollout` optimizer
+steps, each over `global_batch_size / dp` consecutive samples of the shard. Each step fixes its
+loss denominators over all DP ranks first, so micro-batch losses sum to the step objective.
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from collections import defaultdict
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from miles.algo.advantages import compute_advantages_and_returns
+from miles.algo.aggregation import StepDenominators
+from miles.algo.losses import LossInputs, get_loss_function, value_loss
+from miles.rollout.train_data import TrainBatch
+from miles.trainer.forward import dummy_batch, forward_micro_batch, response_values, token_index
+from miles.trainer.packing import pack_sequences
+
+if TYPE_CHECKING:
+    from miles.trainer.fsdp import FSDPBackend
+
+logger = logging.getLogger(__name__)
+
+_PER_TOKEN_KEYS = (
+    "loss_mask",
+    "old_log_probs",
+    "rollout_log_probs",
+    "ref_log_probs",
+    "advantages",
+    "returns",
+    "old_values",
+    "teacher_log_probs",
+)
+
+
+def steps_per_rollout(num_local: int, global_batch_size: int | None, dp_size: int, expected: int | None) -> int:
+    """Optimizer steps for a shard of `num_local` samples; checks the four-knob arithmetic."""
+    if global_batch_size is None:
+        return 1
+    if global_batch_size % dp_size:
+        raise ValueError(
+            f"global_batch_size={global_batch_size} is not divisible by dp_size={dp_size}; "
+            f"pick a multiple of {dp_size}"
+        )
+    per_rank = global_batch_size // dp_size
+    if num_local % per_rank:
+        raise ValueError(
+            f"this rank got {num_local} samples, not a multiple of global_batch_size/dp = {per_rank}; "
+            "the controller must shard whole optimizer steps to every rank"
+        )
+    n = num_local // per_rank
+    if expected is not None and expected != n:
+        raise ValueError(f"num_steps_per_rollout={expected} but the shard holds {n} steps of {per_rank} samples")
+    return n
+
+
+def _per_token_tensors(batch: TrainBatch, **cols: np.ndarray | None) -> dict[str, torch.Tensor]:
+    out = {"loss_mask": torch.from_numpy(batch.loss_masks.astype(np.float32))}
+    for key, value in cols.items():
+        if value is not None:
+            out[key] = torch.as_tensor(np.asarray(value, dtype=np.float32))
+    return out
+
+
+def _token_mean(x: np.ndarray, mask: np.ndarray, device: torch.device) -> float:
+    """Masked token mean over all DP ranks."""
+    t = torch.tensor([float((x * mask).sum()), float(mask.sum())], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return float(t[0] / t[1].clamp(min=1.0))
+
+
+def run_rl_step(be: FSDPBackend, batch: TrainBatch, rollout_id: int) -> dict[str, float]:
+    algo, device = be.algo, be.device
+    n_steps = steps_per_rollout(len(batch), be.rollout.global_batch_size, be.dp_size, be.rollout.num_steps_per_rollout)
+    mask = batch.loss_masks.astype(np.float32)
+    metrics: dict[str, float] = {}
+    ref_lp = be.compute_log_probs(batch, "ref")[0] if be.ref is not None else None
+    if algo.use_rollout_logprobs:
+        if batch.rollout_log_probs is None:
+            raise ValueError(
+                "--use-rollout-logprobs needs rollout_log_probs in the TrainBatch; the engine returned none"
+            )
+        old_lp = batch.rollout_log_probs.astype(np.float32)
+    elif algo.loss_type == "sft_loss":
+        old_lp = None  # the SFT loss needs no old policy
+    else:
+        old_lp, entropy = be.compute_log_probs(batch, "actor")
+        metrics["train/entropy"] = _token_mean(entropy, mask, device)
+    if ref_lp is not None and old_lp is not None:
+        metrics["train/ref_kl"] = _token_mean(old_lp - ref_lp, mask, device)
+    values = be._compute_values(batch) if be.critic is not None else None
+
+    def t(x: np.ndarray | None) -> torch.Tensor | None:
+        return None if x is None else torch.as_tensor(np.asarray(x, dtype=np.float32))
+
+    advantages, returns = compute_advantages_and_returns(
+        algo,
+        rewards=torch.as_tensor(batch.rewards, dtype=torch.float32),
+        response_lengths=[int(x) for x in batch.response_lengths],
+        loss_mask=t(mask),
+        log_probs=t(old_lp),
+        ref_log_probs=t(ref_lp),
+        values=t(values),
+        teacher_log_probs=t(batch.teacher_log_probs),
+        dp_group=be.dp_group,
+    )
+    per_token = _per_token_tensors(
+        batch,
+        old_log_probs=old_lp,
+        rollout_log_probs=batch.rollout_log_probs,
+        ref_log_probs=ref_lp,
+        advantages=advantages.cpu().numpy(),
+        returns=returns.cpu().numpy(),
+        old_values=values,
+        teacher_log_probs=batch.teacher_log_probs,
+    )
+    train_actor = rollout_id >= be.train_cfg.num_critic_only_steps or be.critic is None
+    per_rank = len(batch) // n_steps
+    sums: dict[str, float] = defaultdict(float)
+    tokens, t0 = 0, be.now()
+    for step in range(n_steps):
+        idx = list(range(step * per_rank, (step + 1) * per_rank))
+        step_batch = batch.select(idx)
+        pos = _as_index(token_index(batch.response_lengths, idx))
+        step_tok = {k: v[pos] for k, v in per_token.items()}
+        if be.critic is not None:
+            for k, v in _optimizer_step(be, step_batch, step_tok, critic=True).items():
+                sums[f"train/{k}" if k.startswith("value") else f"train/critic_{k}"] += v
+        if train_actor:
+            for k, v in _optimizer_step(be, step_batch, step_tok, critic=False).items():
+                sums[f"train/{k}"] += v
+        tokens += step_batch.num_tokens
+    elapsed = be.now() - t0
+    metrics.update({k: v / n_steps for k, v in sums.items()})
+    total_tokens = _sum_over_ranks(float(tokens), device)
+    metrics["perf/train_tokens_per_s"] = total_tokens / max(elapsed, 1e-9)
+    metrics["perf/peak_mem_gb"] = be.peak_mem_gb()
+    metrics["train/lr"] = be.scheduler.current_lr
+    return metrics
+
+
+def _as_index(pos: slice | np.ndarray) -> slice | torch.Tensor:
+    return pos if isinstance(pos, slice) else torch.from_numpy(pos)
+
+
+def _sum_over_ranks(x: float, device: torch.device) -> float:
+    t = torch.tensor([x], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return float(t.item())
+
+
+def _step_denominators(step_batch: TrainBatch, device: torch.device) -> StepDenominators:
+    t = torch.tensor([len(step_batch), float(step_batch.loss_masks.sum())], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return StepDenominators(num_samples=int(t[0].item()), num_tokens=int(round(t[1].item())))
+
+
+def _optimizer_step(
+    be: FSDPBackend, step_batch: TrainBatch, step_tok: dict[str, torch.Tensor], *, critic: bool
+) -> dict[str, float]:
+    """Forward/backward over micro-batches, clip, AdamW step, LR schedule step; returns summed metrics."""
+    model = be.critic if critic else be.actor
+    optimizer = be.critic_optimizer if critic else be.optimizer
+    scheduler = be.critic_scheduler if critic else be.scheduler
+    loss_fn = value_loss if critic else get_loss_function(be.algo)
+    den = _step_denominators(step_batch, be.device)
+    if be.algo.entropy_coef != 0.0:
+        entropy_mode = "grad"
+    else:  # SFT reports no entropy; skip the extra pass over the logits
+        entropy_mode = "none" if be.algo.loss_type == "sft_loss" else "detached"
+    sums: dict[str, torch.Tensor] = {}
+    for idx in be._schedule(step_batch):
+        sub = step_batch.select(idx) if idx is not None else dummy_batch()
+        if critic:
+            out = response_values(model, pack_sequences(sub).to(be.device))
+        else:
+            out, entropy, _ = forward_micro_batch(
+                model,
+                sub,
+                be.device,
+                be.rollout.rollout_temperature,
+                entropy=entropy_mode,
+                compiled=be.train_cfg.compile,
+            )
+        if idx is None:
+            # Matches the other ranks' collectives; contributes exactly zero to loss and gradients.
+            (out.sum() * 0.0).backward()
+            continue
+        pos = _as_index(token_index(step_batch.response_lengths, idx))
+        tok = {k: v[pos].to(be.device, non_blocking=True) for k, v in step_tok.items()}
+        lengths = [int(x) for x in sub.response_lengths]
+        if critic:
+            inp = LossInputs(
+                log_probs=out.detach(),
+                loss_mask=tok["loss_mask"],
+                response_lengths=lengths,
+                den=den,
+                values=out,
+                old_values=tok.get("old_values"),
+                returns=tok.get("returns"),
+            )
+        else:
+            inp = LossInputs(
+                log_probs=out,
+                loss_mask=tok["loss_mask"],
+                response_lengths=lengths,
+                den=den,
+                old_log_probs=tok.get("old_log_probs"),
+                advantages=tok.get("advantages"),
+                rollout_log_probs=tok.get("rollout_log_probs"),
+                ref_log_probs=tok.get("ref_log_probs"),
+                entropy=entropy,
+                teacher_log_probs=tok.get("teacher_log_probs"),
+            )
+        loss, parts = loss_fn(be.algo, inp)
+        loss.backward()
+        for k, v in parts.items():
+            sums[k] = sums.get(k, 0.0) + v.detach().double()
+    grad_norm = _clip_grad_norm(model, be.train_cfg.clip_grad, be.device)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    out = _reduce_metrics(sums, be.device)
+    out["grad_norm"] = grad_norm
+    return out
+
+
+def _clip_grad_norm(model: torch.nn.Module, max_norm: float, device: torch.device) -> float:
+    """Global grad norm over all shards, and clipping, on the local shards.
+
+    Works on each DTensor's local tensor with foreach kernels plus one all-reduce, instead of
+    per-parameter DTensor dispatch: same result, far less CPU time per step.
+    """
+    grads = [
+        p.grad._local_tensor if hasattr(p.grad, "_local_tensor") else p.grad
+        for p in model.parameters()
+        if p.grad is not None
+    ]
+    grads = [g for g in grads if g.numel()]
+    sq = torch.zeros((), dtype=torch.float32, device=device)
+    if grads:
+        sq = torch.stack(torch._foreach_norm(grads, 2.0)).float().square().sum()
+    if dist.get_world_size() > 1:
+        dist.all_reduce(sq)
+    norm = sq.sqrt()
+    if grads and max_norm > 0:
+        torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0).to(grads[0].dtype))
+    return float(norm.item())
+
+
+def _reduce_metrics(sums: dict[str, torch.Tensor], device: torch.device) -> dict[str, float]:
+    """Sum metric contributions over ranks; every rank must hold the same keys (checked by a digest)."""
+    keys = sorted(sums)
+    digest = float(zlib.crc32("\n".join(keys).encode()))
+    check = torch.tensor([digest, -digest], dtype=torch.float64, device=device)
+    dist.all_reduce(check, op=dist.ReduceOp.MAX)
+    if check[0].item() != -check[1].item():
+        raise RuntimeError(
+            f"loss metrics differ across DP ranks (this rank: {keys}); the loss function must return "
+            "the same metric keys on every rank"
+        )
+    if not keys:
+        return {}
+    t = torch.stack([sums[k].to(device=device, dtype=torch.float64) for k in keys])
+    dist.all_reduce(t)
+    return dict(zip(keys, t.tolist(), strict=True))
