@@ -1,0 +1,209 @@
+"""Generated tokens/s: embedded engine vs `transformers` generate, same model, prompts, lengths, batch.
+
+Both sides sample (temperature 1, no truncation), ignore eos and generate exactly --new-tokens per
+request; each round is timed end to end (prefill included); after one warm-up each, engine and HF rounds
+alternate for --reps repetitions (both see the same machine load) and the medians are compared. On CUDA
+it also reports the decode roofline: HBM bandwidth / bytes read per decode step (all weights once + the
+batch's KV at the mean context length) x batch.
+
+CPU:  python bench/engine_throughput.py --batch 32
+GPU:  python bench/engine_throughput.py --device cuda --batch 256 --prompt-len 128 --new-tokens 256 \
+          --hidden 896 --layers 24 --heads 14 --kv-heads 2 --intermediate 4864 --vocab 151936
+Ends with one JSON line: engine_tok_s, hf_tok_s, ratio, batch, device (+ roofline figures on CUDA).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+
+import torch
+
+from miles.engines.embedded.engine import EmbeddedEngine
+from miles.engines.tiny_model import make_tiny_model
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--arch", default="qwen2")
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--intermediate", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=None)
+    p.add_argument("--model-path", default=None, help="use this HF directory instead of a random model")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="capture decode steps in CUDA graphs (CUDA only)",
+    )
+    p.add_argument("--hbm-gbps", type=float, default=4800.0, help="HBM bandwidth for the roofline (H200: 4800)")
+    p.add_argument("--skip-hf", action="store_true", help="engine only (ratio reported as null)")
+    return p.parse_args(argv)
+
+
+def make_prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (batch, prompt_len), generator=g).tolist()  # ids 0-2 are special
+
+
+class EngineSide:
+    """Engine rounds on a persistent event loop, so they can interleave with HF rounds."""
+
+    def __init__(self, engine: EmbeddedEngine, prompts: list[list[int]]):
+        self.engine, self.prompts = engine, prompts
+        self.loop = asyncio.new_event_loop()
+        self.loop.run_until_complete(engine.start())
+
+    async def _round(self, n_new: int) -> float:
+        params = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": n_new, "ignore_eos": True}
+        start = time.perf_counter()
+        outs = await asyncio.gather(*(self.engine.generate(input_ids=p, sampling_params=params) for p in self.prompts))
+        if self.engine.device.type == "cuda":
+            torch.cuda.synchronize()
+        return sum(o["meta_info"]["completion_tokens"] for o in outs) / (time.perf_counter() - start)
+
+    def round(self, n_new: int) -> float:
+        return self.loop.run_until_complete(self._round(n_new))
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.engine.shutdown())
+        self.loop.close()
+
+
+class HFSide:
+    def __init__(self, model_path: str, device: torch.device, dtype: torch.dtype, prompts: list[list[int]]):
+        from transformers import AutoModelForCausalLM
+
+        self.hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+        self.device = device
+        self.ids = torch.tensor(prompts, device=device)
+        self.mask = torch.ones_like(self.ids)
+
+    @torch.inference_mode()
+    def round(self, n_new: int) -> float:
+        start = time.perf_counter()
+        out = self.hf.generate(
+            self.ids,
+            attention_mask=self.mask,
+            max_new_tokens=n_new,
+            min_new_tokens=n_new,
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        assert out.shape[1] == self.ids.shape[1] + n_new
+        return self.ids.shape[0] * n_new / (time.perf_counter() - start)
+
+
+def measure(sides: dict, new_tokens: int, reps: int) -> dict[str, float]:
+    """Warm every side up, then alternate their rounds so both see the same machine load; medians."""
+    for side in sides.values():
+        side.round(min(new_tokens, 8))  # allocations, CUDA graph capture, cuBLAS heuristics
+    rates: dict[str, list[float]] = {name: [] for name in sides}
+    for _ in range(reps):
+        for name, side in sides.items():
+            rates[name].append(side.round(new_tokens))
+    for name, values in rates.items():
+        print(f"{name} tok/s per rep: {[round(r) for r in values]}")
+    return {name: statistics.median(values) for name, values in rates.items()}
+
+
+def decode_roofline(engine: EmbeddedEngine, batch: int, prompt_len: int, new_tokens: int, hbm_gbps: float) -> float:
+    """Tokens/s if each decode step only had to read every weight once plus the batch's KV from HBM."""
+    s = engine.model.spec
+    weight_bytes = sum(t.numel() * t.element_size() for _, t in engine.named_weights())
+    kv_bytes_per_token = s.num_layers * 2 * s.num_kv_heads * s.head_dim * engine.model.dtype.itemsize
+    step_bytes = weight_bytes + batch * (prompt_len + new_tokens / 2) * kv_bytes_per_token
+    return batch * hbm_gbps * 1e9 / step_bytes
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype_name = "bfloat16" if device.type == "cuda" else "float32"
+    with tempfile.TemporaryDirectory() as tmp:
+        model_path = args.model_path or make_tiny_model(
+            tmp,
+            arch=args.arch,
+            layers=args.layers,
+            hidden=args.hidden,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            intermediate=args.intermediate,
+            vocab=args.vocab,
+            dtype=dtype_name,
+            init_std=0.02,
+        )
+        engine = EmbeddedEngine(
+            model_path,
+            device=args.device,
+            dtype=dtype_name,
+            max_running_requests=args.batch,
+            max_total_tokens=args.batch * (args.prompt_len + args.new_tokens + 8),
+            cuda_graphs=args.cuda_graphs,
+        )
+        prompts = make_prompts(args.batch, args.prompt_len, engine.model.spec.vocab_size)
+        roofline = decode_roofline(engine, args.batch, args.prompt_len, args.new_tokens, args.hbm_gbps)
+        sides = {"engine": EngineSide(engine, prompts)}
+        if not args.skip_hf:
+            sides["hf"] = HFSide(model_path, device, getattr(torch, dtype_name), prompts)
+        try:
+            medians = measure(sides, args.new_tokens, args.reps)
+        finally:
+            sides["engine"].close()
+        engine_tok_s, hf_tok_s = medians["engine"], medians.get("hf")
+    result = {
+        "engine_tok_s": round(engine_tok_s, 1),
+        "hf_tok_s": None if hf_tok_s is None else round(hf_tok_s, 1),
+        "ratio": None if hf_tok_s is None else round(engine_tok_s / hf_tok_s, 2),
+        "batch": args.batch,
+        "device": str(device),
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "shape": {
+            "arch": args.arch,
+            "hidden": args.hidden,
+            "layers": args.layers,
+            "heads": args.heads,
+            "kv_heads": args.kv_heads,
+            "intermediate": args.intermediate,
+            "vocab": args.vocab,
+        },
+    }
+    if device.type == "cuda":
+        result |= {
+            "cuda_graphs": args.cuda_graphs,
+            "roofline_tok_s": round(roofline),
+            "roofline_fraction": round(engine_tok_s / roofline, 3),
+        }
+    if hf_tok_s is not None:
+        print(
+            f"engine {engine_tok_s:,.0f} tok/s vs transformers generate {hf_tok_s:,.0f} tok/s: "
+            f"ratio {engine_tok_s / hf_tok_s:.2f}x"
+        )
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

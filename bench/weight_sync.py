@@ -1,0 +1,257 @@
+"""Weight-sync benchmark: seconds per update and GB/s per transport, against a raw broadcast.
+
+    python bench/weight_sync.py --params 20e6 --engines 2 --reps 3
+    python bench/weight_sync.py --params 200e6 --colocated-params 1.5e9   # on a GPU machine
+
+For a synthetic bf16 model of --params parameters served by --engines fake engine processes:
+- broadcast: BroadcastUpdater.update vs a bare ProcessGroup broadcast of the same bytes to the
+  same engine processes' ranks (the raw baseline, same run, same gloo transport): ratio;
+- p2p: one trainer rank (thread) per engine, each sending to its own engine;
+- disk-delta: one real AdamW step at lr 1e-6 on fp32 masters, cast to bf16, then the update;
+  bytes written / full model bytes;
+- colocated (CUDA only): the handoff of a --colocated-params bf16 model to an engine process on
+  the same GPU, against the device's own copy bandwidth measured in the same run.
+Medians over --reps; ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import threading
+import time
+
+import torch
+
+from miles.config_sections import WeightsConfig
+from miles.weights.broadcast import BroadcastUpdater
+from miles.weights.colocated import ColocatedUpdater
+from miles.weights.delta_updater import DiskDeltaUpdater
+from miles.weights.fake_engine import FakeEngine, HTTPEngineControl, spawn_engines
+from miles.weights.groups import create_sync_group, find_free_port
+from miles.weights.p2p import P2PUpdater
+
+
+def model_spec(params: float, hidden: int = 1024) -> list[tuple[str, list[int], str]]:
+    """Transformer-shaped tensors (attention, MLP, norms) adding up to about `params` parameters."""
+    per_layer = 4 * hidden * hidden + 3 * hidden * 4 * hidden + 2 * hidden
+    layers = max(1, int(params // per_layer))
+    spec = [("model.embed_tokens.weight", [8192, hidden], "bfloat16")]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        spec += [(p + f"self_attn.{n}_proj.weight", [hidden, hidden], "bfloat16") for n in "qkvo"]
+        spec += [
+            (p + "mlp.gate_proj.weight", [4 * hidden, hidden], "bfloat16"),
+            (p + "mlp.up_proj.weight", [4 * hidden, hidden], "bfloat16"),
+            (p + "mlp.down_proj.weight", [hidden, 4 * hidden], "bfloat16"),
+            (p + "input_layernorm.weight", [hidden], "bfloat16"),
+            (p + "post_attention_layernorm.weight", [hidden], "bfloat16"),
+        ]
+    return spec + [("model.norm.weight", [hidden], "bfloat16")]
+
+
+def nbytes_of(spec) -> int:
+    return sum(torch.Size(s).numel() * 2 for _, s, _ in spec)
+
+
+def _stream(master: dict[str, torch.Tensor]):
+    for n, t in master.items():
+        yield n, t.to(torch.bfloat16)
+
+
+def _timed(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_raw_broadcast(engines, nbytes: int, reps: int) -> float:
+    """Bare broadcast of one flat buffer of the model's bytes to every engine process (their receivers join)."""
+    port = find_free_port()
+    world = 1 + len(engines)
+    fut_loop = asyncio.new_event_loop()
+    t = threading.Thread(target=fut_loop.run_forever, daemon=True)
+    t.start()
+
+    async def join() -> None:
+        await asyncio.gather(
+            *(
+                e.init_weights_update_group(
+                    master_address="127.0.0.1",
+                    master_port=port,
+                    rank_offset=1 + i,
+                    world_size=world,
+                    group_name="raw",
+                    backend="gloo",
+                )
+                for i, e in enumerate(engines)
+            )
+        )
+
+    joined = asyncio.run_coroutine_threadsafe(join(), fut_loop)
+    group = create_sync_group("gloo", "127.0.0.1", port, world, 0, "raw", 300)
+    joined.result(60)
+    buf = torch.empty(nbytes // 2, dtype=torch.bfloat16)
+    spec = {"names": ["raw"], "dtypes": ["bfloat16"], "shapes": [[nbytes // 2]], "group_name": "raw"}
+
+    def once() -> None:
+        # The engines post their receive through the same endpoint, but store nothing: `raw` is unknown
+        # to them, so they answer an error after receiving; only the broadcast itself is timed here.
+        async def post() -> None:
+            await asyncio.gather(*(e.update_weights_from_distributed(**spec) for e in engines), return_exceptions=True)
+
+        futs = asyncio.run_coroutine_threadsafe(post(), fut_loop)
+        for w in group.broadcast([buf], 0):
+            group.wait(w, "raw broadcast")
+        futs.result(300)
+
+    seconds = _timed(once, reps)
+    group.destroy()
+    fut_loop.call_soon_threadsafe(fut_loop.stop)
+    return seconds
+
+
+def bench_updater(make, engines, master, reps: int, ranks: int = 1) -> float:
+    """Median seconds per update (versions 1..reps) with `ranks` trainer ranks as threads."""
+    port, barrier = find_free_port(), threading.Barrier(ranks)
+    times: list[float] = []
+
+    def rank(r: int) -> None:
+        up = make()
+        try:
+            up.connect(engines, trainer_rank=r, trainer_world_size=ranks, master_port=port, barrier=barrier.wait)
+            for v in range(1, reps + 1):
+                m = up.update(_stream(master), v)
+                if r == 0:
+                    times.append(m["weight_sync/seconds"])
+        finally:
+            up.close()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return statistics.median(times)
+
+
+def bench_disk_delta(engines, master, seed: int, reps: int) -> tuple[float, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = WeightsConfig(update_weight_transfer_mode="disk-delta", update_weight_disk_dir=tmp)
+        up = DiskDeltaUpdater(cfg)
+        up.connect(engines)
+        up.update(_stream(master), 1)  # base snapshot
+        params = {n: torch.nn.Parameter(t.float()) for n, t in master.items()}
+        opt = torch.optim.AdamW(params.values(), lr=1e-6, weight_decay=0.0)
+        gen = torch.Generator().manual_seed(seed)
+        times, fractions = [], []
+        for v in range(2, reps + 2):
+            opt.zero_grad()
+            loss = sum((p * torch.randn(p.shape, generator=gen)).sum() for p in params.values())
+            loss.backward()
+            opt.step()
+            m = up.update(((n, p.detach().to(torch.bfloat16)) for n, p in params.items()), v)
+            times.append(m["weight_sync/seconds"])
+            fractions.append(m["weight_sync/delta_bytes_fraction"])
+        up.close()
+    return statistics.median(times), fractions[0]
+
+
+def bench_colocated(params: float, reps: int) -> dict:
+    spec = model_spec(params, hidden=2048)
+    nbytes = nbytes_of(spec)
+    [proc] = spawn_engines(spec, 1, device="cuda", seeds=[1])
+    try:
+        master = FakeEngine(spec, device="cuda", seed=2).tensors
+        up = ColocatedUpdater(WeightsConfig())
+        up.connect([HTTPEngineControl(proc.url, timeout_s=600)])
+        times = []
+        for v in range(1, reps + 2):
+            torch.cuda.synchronize()
+            m = up.update(master.items(), v)
+            times.append(m["weight_sync/seconds"])
+        up.close()
+        seconds = statistics.median(times[1:])  # the first update pays one-time CUDA/IPC set-up
+        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+
+        def copy() -> None:
+            dst.copy_(src)
+            torch.cuda.synchronize()
+
+        copy()
+        copy_s = _timed(copy, max(reps, 5))
+        return {
+            "colocated_model_bytes": nbytes,
+            "colocated_s": seconds,
+            "colocated_gb_per_s": nbytes / seconds / 1e9,
+            "device_copy_gb_per_s": nbytes / copy_s / 1e9,
+            "colocated_vs_copy": copy_s / seconds,
+        }
+    finally:
+        proc.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--params", type=float, default=20e6)
+    ap.add_argument("--engines", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--bucket-mb", type=int, default=512)
+    ap.add_argument("--colocated-params", type=float, default=1.5e9)
+    args = ap.parse_args()
+    spec = model_spec(args.params)
+    nbytes = nbytes_of(spec)
+    print(f"model: {len(spec)} tensors, {nbytes / 1e9:.3f} GB bf16; {args.engines} engines", flush=True)
+    # std 0.02: the usual LLM init scale, which decides how many bf16 values one small step changes.
+    procs = spawn_engines(spec, args.engines, seeds=[7] * args.engines, std=0.02)
+    try:
+        engines = [HTTPEngineControl(p.url, timeout_s=600) for p in procs]
+        master = FakeEngine(spec, seed=7, std=0.02).tensors
+        cfg = WeightsConfig(update_weight_buffer_size=args.bucket_mb * 1024**2, weight_sync_timeout_s=600)
+        raw_s = bench_raw_broadcast(engines, nbytes, args.reps)
+        bc_s = bench_updater(lambda: BroadcastUpdater(cfg, backend="gloo"), engines, master, args.reps)
+        p2p_s = bench_updater(lambda: P2PUpdater(cfg, backend="gloo"), engines, master, args.reps, ranks=args.engines)
+        for e in engines:
+            asyncio.run(e.reset(seed=7))
+        dd_s, dd_fraction = bench_disk_delta(engines, master, 0, args.reps)
+    finally:
+        for p in procs:
+            p.stop()
+    for name, s in (("raw broadcast", raw_s), ("broadcast", bc_s), ("p2p", p2p_s), ("disk-delta", dd_s)):
+        print(f"{name:>14}: {s:.3f} s/update, {nbytes / s / 1e9:.3f} GB/s", flush=True)
+    print(
+        f"broadcast / raw = {bc_s / raw_s:.3f} (target <= 1.25); disk-delta bytes = {dd_fraction:.4f} of full "
+        "(target <= 0.15)",
+        flush=True,
+    )
+    result = {
+        "model_bytes": nbytes,
+        "broadcast_s": bc_s,
+        "raw_broadcast_s": raw_s,
+        "broadcast_ratio": bc_s / raw_s,
+        "p2p_s": p2p_s,
+        "disk_delta_s": dd_s,
+        "disk_delta_bytes_fraction": dd_fraction,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    }
+    if torch.cuda.is_available():
+        col = bench_colocated(args.colocated_params, args.reps)
+        print(
+            f"colocated: {col['colocated_s'] * 1e3:.1f} ms for {col['colocated_model_bytes'] / 1e9:.2f} GB = "
+            f"{col['colocated_gb_per_s']:.0f} GB/s; device copy {col['device_copy_gb_per_s']:.0f} GB/s; "
+            f"ratio {col['colocated_vs_copy']:.2f} (target >= 0.5)",
+            flush=True,
+        )
+        result.update(col)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

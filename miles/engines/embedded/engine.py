@@ -1,0 +1,368 @@
+"""EmbeddedEngine: an in-process rollout engine with SGLang's request/response shapes.
+
+Loads a HF causal LM (safetensors) and its tokenizer from a local directory and serves `generate`
+through the continuous-batching scheduler. Weight updates copy into the live tensors by HF name;
+`weight_version` is recorded for every generated token.
+
+Determinism: with `deterministic=True` every request samples from its own torch.Generator seeded with
+`sampling_seed` (or engine seed + a stable hash of its rid), so its tokens do not depend on the other
+requests in the batch (on CPU fp32; GPU kernels are not made batch-invariant). Without it, requests
+that pass `sampling_seed` still get their own generator; the rest share the engine's generator.
+
+There is no cross-request prefix cache: KV lives in per-request slots (`cached_tokens` is 0), and
+`flush_cache` has nothing to drop. KV validity across weight updates is handled by the runner's
+KV epoch (see runner.py), which covers every pause mode.
+
+Memory (colocated offload, CUDA only; a no-op on CPU): releasing `weights` moves them to host memory,
+releasing `kv_cache` frees the cache; running requests keep their tokens and are re-prefilled after
+`resume_memory_occupation`. Weight loads are refused while weights are released.
+
+Performance knobs: `cuda_graphs` (default: on for CUDA dense models) replays each decode step as one
+CUDA graph per batch bucket; on CPU, decode steps shorter than `inline_step_s` run on the event loop
+instead of a worker thread (the hand-off would cost as much as the step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import uuid
+import zlib
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from miles.engines.embedded.model import CausalLM, iter_safetensors, read_config
+from miles.engines.embedded.runner import ModelRunner
+from miles.engines.embedded.sampler import SamplingParams
+from miles.engines.embedded.scheduler import Request, Scheduler
+
+logger = logging.getLogger(__name__)
+
+_MEMORY_TAGS = frozenset({"weights", "kv_cache", "cuda_graph"})
+
+
+def _resolve_dtype(dtype: str, config: dict, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32  # CPU bf16 matmuls are slow and the tests need fp32 numerics
+        dtype = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16")
+        if dtype == "float32":
+            dtype = "bfloat16"
+    value = getattr(torch, dtype.replace("torch.", ""), None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"dtype={dtype!r} is not a torch dtype; use auto, float32, bfloat16 or float16")
+    return value
+
+
+class EmbeddedEngine:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        device: str = "cpu",
+        dtype: str = "auto",
+        max_running_requests: int = 64,
+        max_total_tokens: int | None = None,
+        seed: int = 0,
+        deterministic: bool = False,
+        max_prefill_tokens: int = 16384,
+        cuda_graphs: bool | None = None,
+        inline_step_s: float | None = None,
+    ):
+        from transformers import AutoTokenizer
+
+        self.model_path = model_path
+        self.device = torch.device(device)
+        config = read_config(model_path)
+        self.dtype = _resolve_dtype(dtype, config, self.device)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.model = CausalLM.from_pretrained(model_path, self.device, self.dtype)
+        max_seq_len = min(self.model.spec.max_position_embeddings, 4096)
+        if max_total_tokens is not None:
+            max_seq_len = max_total_tokens // max_running_requests
+            if max_seq_len < 2:
+                raise ValueError(
+                    f"max_total_tokens={max_total_tokens} gives {max_seq_len} tokens per slot for "
+                    f"max_running_requests={max_running_requests}; raise max_total_tokens"
+                )
+        self.max_seq_len = max_seq_len
+        self.runner = ModelRunner(
+            self.model,
+            max_running_requests=max_running_requests,
+            max_seq_len=max_seq_len,
+            # None = on where they work (CUDA, dense models): about 3x faster decode than eager
+            use_cuda_graphs=cuda_graphs if cuda_graphs is not None else self._graphs_supported(),
+        )
+        self.seed = seed
+        self.deterministic = deterministic
+        self.eos_ids = self._eos_ids(config)
+        self._weight_version = 0
+        self._children: dict[str, list[str]] = {}
+        self._batch_generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.scheduler: Scheduler | None = None
+        self._task: asyncio.Task | None = None
+        self._max_prefill_tokens = max_prefill_tokens
+        # CPU decode steps of tiny models are shorter than a thread hand-off: run those on the loop
+        self._inline_step_s = (
+            inline_step_s if inline_step_s is not None else (0.003 if self.device.type == "cpu" else 0.0)
+        )
+
+    def _graphs_supported(self) -> bool:
+        return self.device.type == "cuda" and not self.model.spec.moe_layers
+
+    def _eos_ids(self, config: dict) -> frozenset[int]:
+        ids = config.get("eos_token_id")
+        ids = [ids] if isinstance(ids, int) else list(ids or [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._task is not None:
+            raise RuntimeError("EmbeddedEngine.start() called twice")
+        self.scheduler = Scheduler(
+            self.runner,
+            check_stop=self._check_stop,
+            weight_version=lambda: self.weight_version,
+            max_prefill_tokens=self._max_prefill_tokens,
+            batch_generator=self._batch_generator,
+            inline_step_s=self._inline_step_s,
+        )
+        self._task = asyncio.create_task(self.scheduler.run(), name="embedded-engine-scheduler")
+
+    async def shutdown(self) -> None:
+        if self._task is None:
+            return
+        self.scheduler.abort(None)
+        self.scheduler.stop()
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
+        except Exception:  # already logged by the scheduler; its requests were failed
+            pass
+        self.scheduler.abort_pending()  # a step cancelled mid-flight must not leave callers waiting
+        self._task = None
+
+    def _require_started(self) -> Scheduler:
+        if self.scheduler is None or self._task is None:
+            raise RuntimeError("EmbeddedEngine is not started; await engine.start() inside the event loop first")
+        if self._task.done() and not self._task.cancelled() and self._task.exception():
+            raise RuntimeError(f"engine scheduler died: {self._task.exception()!r}")
+        return self.scheduler
+
+    # ---- generate ----------------------------------------------------------------------------------------
+    async def generate(
+        self,
+        *,
+        input_ids: list[int] | None = None,
+        text: str | None = None,
+        sampling_params: dict | None = None,
+        rid: str | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+    ) -> dict | list[dict]:
+        scheduler = self._require_started()
+        params = SamplingParams.from_dict(sampling_params)
+        prompt = self._prompt_ids(input_ids, text, params)
+        if logprob_start_len >= len(prompt):
+            raise ValueError(f"logprob_start_len={logprob_start_len} must be < prompt length {len(prompt)}")
+        rid = rid or uuid.uuid4().hex
+        rids = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
+        if params.n > 1:
+            self._children[rid] = rids
+        loop = asyncio.get_running_loop()
+        reqs = [
+            Request(
+                rid=r,
+                prompt_ids=prompt,
+                params=params,
+                return_logprob=return_logprob,
+                logprob_start_len=logprob_start_len,
+                future=loop.create_future(),
+                generator=self._request_generator(params, r, i),
+            )
+            for i, r in enumerate(rids)
+        ]
+        for req in reqs:
+            scheduler.submit(req)
+        try:
+            done = await asyncio.gather(*(req.future for req in reqs))
+        finally:
+            self._children.pop(rid, None)
+        outs = [self._response(req) for req in done]
+        return outs[0] if params.n == 1 else outs
+
+    def _prompt_ids(self, input_ids: list[int] | None, text: str | None, params: SamplingParams) -> list[int]:
+        if (input_ids is None) == (text is None):
+            raise ValueError("pass exactly one of input_ids or text")
+        ids = list(input_ids) if input_ids is not None else self.tokenizer(text)["input_ids"]
+        if not ids:
+            raise ValueError("the prompt is empty; pass at least one token")
+        vocab = self.model.spec.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"input_ids contain ids outside [0, {vocab}): {bad[:5]}")
+        limit = self.max_seq_len - (1 if params.max_new_tokens > 0 else 0)
+        if len(ids) > limit:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens does not fit the engine's {self.max_seq_len}-token "
+                f"context per request; shorten it or raise max_total_tokens"
+            )
+        return ids
+
+    def _request_generator(self, params: SamplingParams, rid: str, index: int) -> torch.Generator | None:
+        if params.sampling_seed is not None:
+            seed = params.sampling_seed + index
+        elif self.deterministic:
+            seed = self.seed + zlib.crc32(rid.encode())  # stable across processes, unlike hash()
+        else:
+            return None
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def _check_stop(self, req: Request) -> dict | None:
+        p = req.params
+        token = req.output_ids[-1]
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
+            return {"type": "stop", "matched": token}
+        if p.stop:
+            window = 4 * max(len(s) for s in p.stop) + 4  # a token decodes to >= 1 char or a byte piece
+            tail = self.tokenizer.decode(req.output_ids[-window:], skip_special_tokens=False)
+            for s in p.stop:
+                if s in tail:
+                    return {"type": "stop", "matched": s}
+        if len(req.output_ids) >= p.max_new_tokens:
+            return {"type": "length", "length": len(req.output_ids)}
+        return None
+
+    def _response(self, req: Request) -> dict:
+        p, reason = req.params, req.finish_reason
+        ids = req.output_ids
+        trim_token = reason.get("type") == "stop" and isinstance(reason.get("matched"), int) and not p.no_stop_trim
+        text = self.tokenizer.decode(ids[:-1] if trim_token else ids, skip_special_tokens=p.skip_special_tokens)
+        matched = reason.get("matched")
+        if isinstance(matched, str) and not p.no_stop_trim and matched in text:
+            text = text[: text.index(matched)]
+        meta = {
+            "id": req.rid,
+            "finish_reason": reason,
+            "prompt_tokens": len(req.prompt_ids),
+            "completion_tokens": len(ids),
+            "cached_tokens": 0,
+            "weight_version": str(self.weight_version),
+            "output_token_weight_versions": list(req.output_versions),
+        }
+        if req.return_logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.output_logprobs, ids, strict=True)]
+            if req.logprob_start_len >= 0:
+                tokens = req.prompt_ids[req.logprob_start_len :]
+                meta["input_token_logprobs"] = [
+                    [lp, t, None] for lp, t in zip(req.input_logprobs or [], tokens, strict=False)
+                ]
+        return {"text": text, "output_ids": list(ids), "meta_info": meta}
+
+    # ---- control -------------------------------------------------------------------------------------------
+    def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
+        scheduler = self._require_started()
+        if abort_all:
+            scheduler.abort(None)
+        elif rid is not None:
+            scheduler.abort(set(self._children.get(rid, [rid])))
+        else:
+            raise ValueError("abort needs rid=... or abort_all=True")
+
+    async def pause_generation(self, mode: str = "retract") -> None:
+        await self._require_started().pause(mode)
+
+    async def continue_generation(self) -> None:
+        self._require_started().resume()
+
+    def flush_cache(self) -> bool:
+        """No cross-request prefix cache exists, so there is nothing to drop; stale KV is handled by epochs."""
+        return True
+
+    @property
+    def num_active_requests(self) -> int:
+        return self.scheduler.num_active if self.scheduler else 0
+
+    # ---- weights -------------------------------------------------------------------------------------------
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    @weight_version.setter
+    def weight_version(self, value: int) -> None:
+        self._weight_version = int(value)
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the live parameters; any KV computed before is re-prefilled."""
+        params = self.model.params
+        with self.runner.lock:
+            if not self.runner.weights_on_device:
+                raise RuntimeError("weights are released; call resume_memory_occupation(['weights']) first")
+            count = 0
+            for name, tensor in named:
+                key = self.model.canonical_name(name)
+                if key not in params:
+                    raise ValueError(
+                        f"unknown weight {name!r}: not a tensor of this {self.model.spec.model_type} "
+                        f"model (expected HF checkpoint names like 'model.layers.0.mlp.up_proj.weight')"
+                    )
+                if tuple(tensor.shape) != tuple(params[key].shape):
+                    raise ValueError(
+                        f"shape mismatch for {name!r}: got {tuple(tensor.shape)}, "
+                        f"engine has {tuple(params[key].shape)}"
+                    )
+                params[key].copy_(tensor)
+                count += 1
+            self.runner.invalidate_kv()
+        logger.info("loaded %d tensors (weight_version still %d until set)", count, self.weight_version)
+
+    def load_weights_from_dir(self, path: str) -> None:
+        """Install every safetensors tensor of a HF model directory, by HF name."""
+        model_type = read_config(path).get("model_type") if _has_config(path) else None
+        if model_type not in (None, self.model.spec.model_type):
+            raise ValueError(f"{path!r} holds a {model_type} model; this engine runs {self.model.spec.model_type}")
+        self.load_weights(iter_safetensors(path))
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self.model.params.items()
+
+    # ---- memory -------------------------------------------------------------------------------------------
+    def _tags(self, tags: list[str] | None) -> set[str]:
+        chosen = set(tags) if tags else set(_MEMORY_TAGS)
+        unknown = chosen - _MEMORY_TAGS
+        if unknown:
+            raise ValueError(f"unknown memory tags {sorted(unknown)}; use {sorted(_MEMORY_TAGS)}")
+        return chosen
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self.runner.release(self._tags(tags))
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self.runner.resume(self._tags(tags))
+        if self.scheduler is not None:
+            self.scheduler.wake()
+
+    def model_info(self) -> dict:
+        s = self.model.spec
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": self.model_path,
+            "is_generation": True,
+            "weight_version": str(self.weight_version),
+            "model_type": s.model_type,
+            "device": str(self.device),
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "max_running_requests": self.runner.max_running_requests,
+            "max_seq_len": self.max_seq_len,
+            "deterministic": self.deterministic,
+        }
+
+
+def _has_config(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "config.json"))

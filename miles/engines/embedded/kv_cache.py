@@ -1,0 +1,69 @@
+"""Preallocated per-slot KV cache.
+
+Layout per layer: [slots, kv_heads, max_seq_len + 1, head_dim]. Running requests occupy the slots
+0..R-1 contiguously (the scheduler compacts on removal), so a decode step attends to a plain view
+`k[layer][:R, :, :L]`: no gather, no copy. The extra last position is a scratch row that padded
+prefill tokens write to, so padding never clobbers a real entry.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class KVCache:
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_slots: int,
+        max_seq_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.num_layers = num_layers
+        self.num_slots = num_slots
+        self.max_seq_len = max_seq_len
+        self.scratch_pos = max_seq_len
+        # positions rounded up to 16 so attention kernels see aligned key lengths
+        self._shape = (num_layers, num_slots, num_kv_heads, (max_seq_len + 1 + 15) // 16 * 16, head_dim)
+        self.dtype = dtype
+        self.device = device
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.allocate()
+
+    @property
+    def allocated(self) -> bool:
+        return self.k is not None
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self._shape:
+            n *= d
+        return 2 * n * torch.empty((), dtype=self.dtype).element_size()
+
+    def allocate(self) -> None:
+        if self.k is None:
+            self.k = torch.zeros(self._shape, dtype=self.dtype, device=self.device)
+            self.v = torch.zeros(self._shape, dtype=self.dtype, device=self.device)
+            logger.info("allocated KV cache %s (%.1f MiB)", self._shape, self.nbytes / 2**20)
+
+    def release(self) -> None:
+        """Drop the cache storage (its contents are lost; running requests must be re-prefilled)."""
+        self.k = None
+        self.v = None
+
+    def move_slot(self, src: int, dst: int, length: int) -> None:
+        """Copy the first `length` positions of slot `src` into slot `dst` (compaction after a removal)."""
+        if src == dst or length <= 0:
+            return
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]

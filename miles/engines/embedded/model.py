@@ -1,0 +1,362 @@
+"""Batched decoder-only transformer forward for the embedded engine, over HF-named tensors.
+
+Families: qwen2, llama, qwen3 (q/k-norm), qwen3_moe (top-k routed SwiGLU experts). The math follows
+the HF implementations op for op in fp32 (RMSNorm in fp32, RoPE tables in fp32, softmax in fp32) so
+that greedy outputs and log-probs agree with `transformers` on CPU.
+
+Parameters live in a flat dict keyed by their HF checkpoint names, which is what weight updates
+address (`load_weights`) and what `named_weights` returns: no module tree to keep in sync.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from miles.engines.embedded.kv_cache import KVCache
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3", "qwen3_moe")
+
+
+@dataclass(slots=True)
+class ModelSpec:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qk_norm: bool
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> ModelSpec:
+        model_type = cfg.get("model_type", "")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type={model_type!r} is not supported by the embedded engine; "
+                f"supported: {SUPPORTED_MODEL_TYPES} (use --engine sglang for others)"
+            )
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"rope_type={rope_type!r} is not supported by the embedded engine; only 'default'")
+        heads = cfg["num_attention_heads"]
+        layers = cfg["num_hidden_layers"]
+        num_experts = (cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if model_type == "qwen3_moe" else 0
+        moe_layers: tuple[int, ...] = ()
+        if num_experts:
+            step = cfg.get("decoder_sparse_step", 1)
+            dense = set(cfg.get("mlp_only_layers", []))
+            moe_layers = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            intermediate_size=cfg["intermediate_size"],
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            num_experts=num_experts,
+            num_experts_per_tok=cfg.get("num_experts_per_tok", 0),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob")),
+            moe_layers=moe_layers,
+        )
+
+
+def read_config(model_path: str) -> dict:
+    path = os.path.join(model_path, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"no config.json in model_path={model_path!r}; pass a HF model directory")
+    with open(path) as f:
+        return json.load(f)
+
+
+def iter_safetensors(model_path: str, device: str = "cpu"):
+    """Yield (hf_name, tensor) for every tensor of every *.safetensors file in `model_path`."""
+    files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {model_path!r}; save the model with safe_serialization")
+    for file in files:
+        with safe_open(file, framework="pt", device=device) as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+_FUSED = {"qkv": ("q", "k", "v"), "qkv_b": ("qb", "kb", "vb"), "gate_up": ("gate", "up")}
+
+
+def _names_for_layer(i: int) -> dict[str, str]:
+    p = f"model.layers.{i}."
+    return {
+        k: p + v
+        for k, v in {
+            "ln1": "input_layernorm.weight",
+            "ln2": "post_attention_layernorm.weight",
+            "q": "self_attn.q_proj.weight",
+            "k": "self_attn.k_proj.weight",
+            "v": "self_attn.v_proj.weight",
+            "o": "self_attn.o_proj.weight",
+            "qb": "self_attn.q_proj.bias",
+            "kb": "self_attn.k_proj.bias",
+            "vb": "self_attn.v_proj.bias",
+            "ob": "self_attn.o_proj.bias",
+            "qn": "self_attn.q_norm.weight",
+            "kn": "self_attn.k_norm.weight",
+            "gate": "mlp.gate_proj.weight",
+            "up": "mlp.up_proj.weight",
+            "down": "mlp.down_proj.weight",
+            "router": "mlp.gate.weight",
+            "experts": "mlp.experts.",
+            "qkv": "self_attn.[qkv].weight",
+            "qkv_b": "self_attn.[qkv].bias",
+            "gate_up": "mlp.[gate_up].weight",
+        }.items()
+    }
+
+
+def _check_params(spec: ModelSpec, params: dict[str, torch.Tensor]) -> None:
+    required = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not spec.tie_word_embeddings:
+        required.append("lm_head.weight")
+    for i in range(spec.num_layers):
+        names = _names_for_layer(i)
+        required += [names[k] for k in ("ln1", "ln2", "q", "k", "v", "o")]
+        required += (
+            [names[k] for k in ("router",)] if i in spec.moe_layers else [names["gate"], names["up"], names["down"]]
+        )
+    missing = [n for n in required if n not in params]
+    if missing:
+        raise ValueError(
+            f"checkpoint is missing tensors {missing[:5]}; is it a complete HF {spec.model_type} causal-LM checkpoint?"
+        )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    if x.is_cuda or dtype == torch.float32:  # one fused op (fp32 inside); bf16 on CUDA: last-bit differences
+        return F.rms_norm(x, (x.shape[-1],), weight, eps=eps)
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class CausalLM:
+    """Weights + forward. Not an nn.Module: parameters are plain tensors keyed by HF name.
+
+    q/k/v (and their biases) and gate/up are stored fused, one matmul each; `params` maps every HF
+    name to a view into that storage, so copying into `params[name]` updates the fused tensor.
+    """
+
+    def __init__(self, spec: ModelSpec, params: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype):
+        self.spec = spec
+        self.device = device
+        self.dtype = dtype
+        _check_params(spec, params)
+        self._layer_names = [_names_for_layer(i) for i in range(spec.num_layers)]
+        self.storage: dict[str, torch.Tensor] = {}
+        self._views: dict[str, tuple[str, int, int] | None] = {}  # HF name -> (storage key, row range) or whole
+        self._fuse(params)
+        self.params: dict[str, torch.Tensor] = {}
+        self._rebuild_views()
+        inv_freq = 1.0 / (
+            spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.int64).float() / spec.head_dim)
+        )
+        self.inv_freq = inv_freq.to(device)
+
+    @classmethod
+    def from_pretrained(cls, model_path: str, device: torch.device, dtype: torch.dtype) -> CausalLM:
+        spec = ModelSpec.from_config(read_config(model_path))
+        params = {
+            name: t.to(device=device, dtype=dtype)
+            for name, t in iter_safetensors(model_path)
+            if name != "lm_head.weight" or not spec.tie_word_embeddings
+        }
+        return cls(spec, params, device, dtype)
+
+    # ---- parameter bookkeeping -------------------------------------------------------------------
+    def _fuse(self, params: dict[str, torch.Tensor]) -> None:
+        params = dict(params)
+        for names in self._layer_names:
+            for fused, parts in _FUSED.items():
+                hf_names = [names[p] for p in parts]
+                if not all(n in params for n in hf_names):
+                    continue
+                tensors = [params.pop(n) for n in hf_names]
+                self.storage[names[fused]] = torch.cat(tensors, dim=0)
+                row = 0
+                for n, t in zip(hf_names, tensors, strict=True):
+                    self._views[n] = (names[fused], row, row + t.shape[0])
+                    row += t.shape[0]
+        for name, t in params.items():
+            self.storage[name] = t
+            self._views[name] = None
+
+    def _rebuild_views(self) -> None:
+        for name, view in self._views.items():
+            self.params[name] = self.storage[name] if view is None else self.storage[view[0]][view[1] : view[2]]
+
+    def move_to(self, device: torch.device | str) -> None:
+        """Move all weights (e.g. to host memory and back); `params` views are rebuilt on the new storage."""
+        self.storage = {k: t.to(device) for k, t in self.storage.items()}
+        self._rebuild_views()
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.params["model.embed_tokens.weight" if self.spec.tie_word_embeddings else "lm_head.weight"]
+
+    def canonical_name(self, name: str) -> str:
+        """Map a tied `lm_head.weight` onto the embedding it shares storage with."""
+        if name == "lm_head.weight" and self.spec.tie_word_embeddings:
+            return "model.embed_tokens.weight"
+        return name
+
+    # ---- forward -------------------------------------------------------------------------------
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        kv: KVCache,
+        slot_start: int,
+        write_pos: torch.Tensor,
+        kv_len: int | None,
+    ) -> torch.Tensor:
+        """Run the decoder over tokens [B, T] of the slots [slot_start, slot_start+B); return hidden [B, T, D].
+
+        kv_len None: prefill from position 0 (causal attention over the fresh keys; padded tail queries
+        are discarded by the caller). kv_len L: decode (T == 1) attending to cache positions < L masked by
+        position. K/V of every token are written to the cache at `write_pos` (scratch slot for padding).
+        """
+        s = self.spec
+        h = F.embedding(tokens, self.storage["model.embed_tokens.weight"])
+        cos, sin = self.rope(positions)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        rows = torch.arange(slot_start, slot_start + tokens.shape[0], device=tokens.device)[:, None]
+        hidden_keys = None  # decode: [B, 1, 1, L], True where a cache position is beyond the row's token
+        if kv_len is not None:
+            hidden_keys = (torch.arange(kv_len, device=tokens.device)[None, :] > positions[:, -1:])[:, None, None, :]
+        for i, names in enumerate(self._layer_names):
+            x = rms_norm(h, self.storage[names["ln1"]], s.rms_norm_eps)
+            h = h + self._attention(i, names, x, cos, sin, kv, rows, slot_start, write_pos, hidden_keys, kv_len)
+            x = rms_norm(h, self.storage[names["ln2"]], s.rms_norm_eps)
+            h = h + (self._moe(names, x) if i in s.moe_layers else self._mlp(names, x))
+        return rms_norm(h, self.storage["model.norm.weight"], s.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head_weight()).float()
+
+    def _attention(
+        self,
+        layer: int,
+        names: dict[str, str],
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: KVCache,
+        rows: torch.Tensor,
+        slot_start: int,
+        write_pos: torch.Tensor,
+        hidden_keys: torch.Tensor | None,
+        kv_len: int | None,
+    ) -> torch.Tensor:
+        s, st = self.spec, self.storage
+        B, T, _ = x.shape
+        H, KVH = s.num_heads, s.num_kv_heads
+        qkv = F.linear(x, st[names["qkv"]], st.get(names["qkv_b"])).view(B, T, H + 2 * KVH, s.head_dim)
+        qk = qkv[:, :, : H + KVH]
+        if s.qk_norm:
+            qk = torch.cat(
+                [
+                    rms_norm(qk[:, :, :H], st[names["qn"]], s.rms_norm_eps),
+                    rms_norm(qk[:, :, H:], st[names["kn"]], s.rms_norm_eps),
+                ],
+                dim=2,
+            )
+        qk = qk.transpose(1, 2)  # [B, H + KVH, T, hd]: one RoPE for queries and keys
+        qk = qk * cos + rotate_half(qk) * sin
+        q, k = qk[:, :H], qk[:, H:]
+        v = qkv[:, :, H + KVH :]
+        # index_put with [B,1] rows x [B,T] positions selects [B, T, kv_heads, hd] cache entries
+        kv.k[layer][rows, :, write_pos] = k.transpose(1, 2)
+        kv.v[layer][rows, :, write_pos] = v
+        if kv_len is None:
+            out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, enable_gqa=H != KVH)
+        else:
+            out = self._decode_attention(q, kv, layer, slot_start, hidden_keys, kv_len)
+        out = out.transpose(1, 2).reshape(B, T, H * s.head_dim)
+        return F.linear(out, st[names["o"]], st.get(names["ob"]))
+
+    def _decode_attention(
+        self, q: torch.Tensor, kv: KVCache, layer: int, start: int, hidden_keys: torch.Tensor, kv_len: int
+    ) -> torch.Tensor:
+        """Grouped-query attention of one new token per row over its cached keys (no K/V head repeat)."""
+        s = self.spec
+        B = q.shape[0]
+        group = s.num_heads // s.num_kv_heads
+        keys = kv.k[layer][start : start + B, :, :kv_len]  # [B, kvh, L, hd] (a view: slots are contiguous)
+        values = kv.v[layer][start : start + B, :, :kv_len]
+        qg = q.reshape(B, s.num_kv_heads, group, s.head_dim)
+        # the query heads of a group act as `group` queries of one KV head: no K/V repeat, one fused op
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=~hidden_keys)
+        return out.reshape(B, s.num_heads, 1, s.head_dim)
+
+    def _mlp(self, names: dict[str, str], x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.storage[names["gate_up"]]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.storage[names["down"]])
+
+    def _moe(self, names: dict[str, str], x: torch.Tensor) -> torch.Tensor:
+        s = self.spec
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        router_logits = F.linear(flat, self.storage[names["router"]])
+        probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)
+        weights, experts = torch.topk(probs, s.num_experts_per_tok, dim=-1)
+        if s.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(router_logits.dtype)
+        out = torch.zeros_like(flat)
+        prefix = names["experts"]
+        for e in torch.unique(experts).tolist():
+            token_idx, k_pos = torch.where(experts == e)
+            xe = flat[token_idx]
+            p = self.params
+            ye = F.linear(
+                F.silu(F.linear(xe, p[f"{prefix}{e}.gate_proj.weight"]))
+                * F.linear(xe, p[f"{prefix}{e}.up_proj.weight"]),
+                p[f"{prefix}{e}.down_proj.weight"],
+            )
+            out.index_add_(0, token_idx, ye * weights[token_idx, k_pos, None])
+        return out.reshape(shape)

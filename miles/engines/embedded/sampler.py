@@ -1,0 +1,160 @@
+"""Sampling parameters (SGLang names) and batched sampling.
+
+Log-prob convention (as SGLang): the returned log-prob of a token is taken from
+log_softmax(logits / temperature), i.e. after temperature scaling and before top-k/top-p/min-p
+truncation. Greedy requests (temperature 0) report log_softmax(logits). The trainer divides its logits
+by the rollout temperature too, so both sides score the same distribution.
+
+Sampling is by inverse CDF: one uniform draw per row, scaled by the row's total (truncated, unnormalised)
+mass and located in its cumulative sum. One random number per token keeps sampling cheap on CPU and
+lets a request with its own torch.Generator draw from it alone, so its samples do not depend on which
+other requests share the batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# SGLang sampling fields that change nothing in this engine; accepted so SGLang payloads pass through.
+_IGNORED_FIELDS = frozenset(
+    {
+        "spaces_between_special_tokens",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+        "min_new_tokens",
+        "regex",
+        "json_schema",
+        "ebnf",
+        "logit_bias",
+        "custom_params",
+        "stream_interval",
+    }
+)
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    max_new_tokens: int = 128
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    n: int = 1
+    sampling_seed: int | None = None
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> SamplingParams:
+        d = dict(d or {})
+        p = cls()
+        for key, value in d.items():
+            if key in _IGNORED_FIELDS or value is None:
+                continue
+            if key not in cls.__dataclass_fields__:
+                raise ValueError(f"unknown sampling param {key!r}; supported: {sorted(cls.__dataclass_fields__)}")
+            setattr(p, key, value)
+        if isinstance(p.stop, str):
+            p.stop = [p.stop]
+        p.stop = [s for s in p.stop if s]
+        p.stop_token_ids = [int(t) for t in p.stop_token_ids]
+        p.temperature, p.top_p, p.min_p = float(p.temperature), float(p.top_p), float(p.min_p)
+        p.top_k, p.max_new_tokens, p.n = int(p.top_k), int(p.max_new_tokens), int(p.n)
+        p.validate()
+        return p
+
+    def validate(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p={self.min_p} must be in [0, 1]")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k={self.top_k} must be -1 (off) or >= 1")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 0 (0 = prefill-only scoring)")
+        if self.n < 1:
+            raise ValueError(f"n={self.n} must be >= 1")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def _truncate(probs: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
+    """Zero the probabilities that top-k, top-p (nucleus, keeping the token that crosses p) or min-p drop."""
+    device = probs.device
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    drop = torch.zeros_like(sorted_p, dtype=torch.bool)
+    if any(k > 0 for k in top_k):
+        k = torch.tensor([k if k > 0 else probs.shape[-1] for k in top_k], device=device)
+        drop |= torch.arange(probs.shape[-1], device=device)[None, :] >= k[:, None]
+    if any(p < 1.0 for p in top_p):
+        p = torch.tensor(top_p, device=device, dtype=sorted_p.dtype)
+        drop |= (sorted_p.cumsum(dim=-1) - sorted_p) > p[:, None]
+    if any(m > 0 for m in min_p):
+        m = torch.tensor(min_p, device=device, dtype=sorted_p.dtype)
+        drop |= sorted_p < m[:, None] * sorted_p[:, :1]
+    sorted_p = sorted_p.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+
+
+def _inverse_cdf(
+    probs: torch.Tensor, generators: list[torch.Generator | None], batch_generator: torch.Generator | None
+) -> torch.Tensor:
+    # fp64 scan on CPU (cheap there); fp32 on GPU, where the parallel scan's error is ~log2(V) ulps
+    dtype = torch.float64 if probs.device.type == "cpu" else torch.float32
+    u = torch.rand(probs.shape[0], device=probs.device, generator=batch_generator, dtype=dtype)
+    for i, g in enumerate(generators):
+        if g is not None:
+            u[i] = torch.rand((), device=probs.device, generator=g, dtype=dtype)
+    cdf = probs.to(dtype).cumsum(dim=-1)
+    target = (u * cdf[:, -1])[:, None]
+    # first index whose cumulative mass exceeds the target: zero-probability tokens are never chosen
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    return tokens.clamp_(max=probs.shape[-1] - 1)
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    batch_generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row of logits [B, V] (fp32); return (token_ids [B], logprobs [B]) on logits.device."""
+    temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
+    greedy = [p.greedy for p in params]
+    if all(t == 1.0 for t in temps):
+        scaled = logits
+    else:
+        scaled = logits / torch.tensor(temps, device=logits.device, dtype=logits.dtype)[:, None]
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    if all(greedy):
+        tokens = logits.argmax(dim=-1)
+    else:
+        probs = logprobs.exp()
+        top_k, top_p, min_p = [p.top_k for p in params], [p.top_p for p in params], [p.min_p for p in params]
+        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p) or any(m > 0 for m in min_p):
+            probs = _truncate(probs, top_k, top_p, min_p)
+        tokens = _inverse_cdf(probs, generators, batch_generator)
+        if any(greedy):
+            is_greedy = torch.tensor(greedy, device=logits.device)
+            tokens = torch.where(is_greedy, logits.argmax(dim=-1), tokens)
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log p(targets[i] | logits[i]) under log_softmax(logits / temperature) (temperature 0 -> 1)."""
+    t = temperature if temperature > 0 else 1.0
+    scaled = logits if t == 1.0 else logits / t
+    return torch.log_softmax(scaled, dim=-1).gather(-1, targets[:, None]).squeeze(-1)

@@ -1,0 +1,329 @@
+"""Continuous-batching scheduler of the embedded engine.
+
+Every iteration: drop aborted requests, retract requests whose KV is stale (weights changed), admit
+waiting requests into free slots, then run one step = prefill of the newcomers + one decode token for
+the requests already running, sample, and retire finished requests. Requests therefore join and leave
+the running batch at every step.
+
+Slots: running request i lives in KV slot i. When a request leaves, the last running request moves
+into its slot (one sequence's KV copied), keeping slots 0..R-1 contiguous so decode reads plain views.
+
+Pause modes: `abort` finishes everything with finish_reason abort; `retract` moves running requests
+back to the head of the queue keeping their generated tokens (KV dropped, re-prefilled after
+`continue`); `in_place` freezes them with their KV, but any weight load in between bumps the KV epoch
+and they are re-prefilled as well, so pre-update KV is never used.
+
+The step's tensor work runs in a worker thread (asyncio.to_thread); all bookkeeping stays on the event
+loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from miles.engines.embedded.runner import ModelRunner
+from miles.engines.embedded.sampler import SamplingParams, sample, token_logprobs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool
+    logprob_start_len: int
+    future: asyncio.Future
+    generator: torch.Generator | None = None
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_versions: list[int] = field(default_factory=list)
+    input_logprobs: list[float | None] | None = None
+    finish_reason: dict | None = None
+    kv_epoch: int = -1  # epoch of the KV in this request's slot; -1 = none
+    abort_requested: bool = False
+    prefill_count: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return self.return_logprob and self.logprob_start_len >= 0 and self.input_logprobs is None
+
+
+@dataclass(slots=True)
+class StepResult:
+    tokens: list[int]
+    logprobs: list[float]
+    input_logprobs: dict[int, list[float | None]]  # index in step order -> input token log-probs
+    weight_version: int
+
+
+class Scheduler:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        *,
+        check_stop: Callable[[Request], dict | None],
+        weight_version: Callable[[], int],
+        max_prefill_tokens: int,
+        batch_generator: torch.Generator,
+        inline_step_s: float = 0.0,
+    ):
+        self.runner = runner
+        self.check_stop = check_stop
+        self.weight_version = weight_version
+        self.max_prefill_tokens = max_prefill_tokens
+        self.batch_generator = batch_generator
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.paused = False
+        self._wakeup = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._stopped = False
+        self.inline_step_s = inline_step_s
+        self._decode_step_s = float("inf") if inline_step_s <= 0 else 0.0  # moving average of decode steps
+        self._last_compute_s = 0.0
+
+    # ---- control (event loop thread) ---------------------------------------------------------------
+    def submit(self, req: Request) -> None:
+        self.waiting.append(req)
+        self._wakeup.set()
+
+    def abort(self, rids: set[str] | None) -> None:
+        """Mark requests (all when rids is None) aborted; they finish with their partial output."""
+        for req in [*self.running, *self.waiting]:
+            if rids is None or req.rid in rids:
+                req.abort_requested = True
+        if self._idle.is_set():
+            self._reap_aborted()
+        self._wakeup.set()
+
+    async def pause(self, mode: str) -> None:
+        if mode not in ("abort", "in_place", "retract"):
+            raise ValueError(f"pause mode {mode!r} is not one of 'abort', 'in_place', 'retract'")
+        self.paused = True
+        await self._idle.wait()  # the step in flight completes first
+        if mode == "abort":
+            self.abort(None)
+        elif mode == "retract":
+            self.retract_all()
+
+    def resume(self) -> None:
+        self.paused = False
+        self._wakeup.set()
+
+    def retract_all(self) -> None:
+        """Move running requests back to the head of the queue; their KV is dropped, tokens kept."""
+        for req in reversed(self.running):
+            req.kv_epoch = -1
+            self.waiting.appendleft(req)
+        self.running.clear()
+
+    def wake(self) -> None:
+        self._wakeup.set()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wakeup.set()
+
+    @property
+    def num_active(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    # ---- loop ------------------------------------------------------------------------------------------
+    async def run(self) -> None:
+        """The scheduler task. On an unexpected error every pending request fails instead of hanging."""
+        try:
+            await self._loop()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            logger.exception("engine scheduler crashed")
+            self._fail_all(RuntimeError(f"engine scheduler crashed: {e!r}"))
+            raise
+
+    def abort_pending(self) -> None:
+        """Finish every request still queued or running with finish_reason abort (engine shutdown)."""
+        for req in [*self.running, *self.waiting]:
+            self._finish(req, {"type": "abort", "message": "engine shut down"})
+        self.running.clear()
+        self.waiting.clear()
+
+    async def _loop(self) -> None:
+        while not self._stopped:
+            self._reap_aborted()
+            if self.paused or not self.runner.ready or not (self.running or self.waiting):
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            self._retract_stale()
+            n_decode = len(self.running)
+            self._admit()
+            prefill = self.running[n_decode:]
+            self._idle.clear()
+            try:
+                result = await self._run_step(self.running[:n_decode], prefill)
+            except Exception as e:  # a failing step fails its requests, not the engine
+                logger.exception("engine step failed")
+                self._fail_all(RuntimeError(f"engine step failed: {e!r}"))
+                continue
+            finally:
+                self._idle.set()
+            self._apply(result, n_decode)
+
+    async def _run_step(self, decode: list[Request], prefill: list[Request]) -> StepResult:
+        """Run one step in a worker thread, or inline when decode steps are known to be short.
+
+        A thread hand-off costs about as much as a whole decode step of a tiny model on CPU, so steps
+        whose recent duration is under `inline_step_s` run on the loop (which is yielded every step).
+        """
+        if prefill or self._decode_step_s > self.inline_step_s:
+            result = await asyncio.to_thread(self._compute, decode, prefill)
+        else:
+            result = self._compute(decode, prefill)
+            await asyncio.sleep(0)  # let the loop serve other work between inline steps
+        if not prefill:
+            self._decode_step_s = 0.8 * self._decode_step_s + 0.2 * self._last_compute_s
+        return result
+
+    def _reap_aborted(self) -> None:
+        if any(r.abort_requested for r in self.waiting):
+            keep = collections.deque()
+            for req in self.waiting:
+                if req.abort_requested:
+                    self._finish(req, {"type": "abort", "message": "aborted"})
+                else:
+                    keep.append(req)
+            self.waiting = keep
+        for i in reversed(range(len(self.running))):
+            if self.running[i].abort_requested:
+                self._remove_running(i, {"type": "abort", "message": "aborted"})
+
+    def _retract_stale(self) -> None:
+        epoch = self.runner.kv_epoch
+        for i in reversed(range(len(self.running))):
+            req = self.running[i]
+            if req.kv_epoch != epoch:
+                logger.debug("re-prefilling %s: KV epoch %d != %d", req.rid, req.kv_epoch, epoch)
+                self._remove_slot(i)
+                req.kv_epoch = -1
+                self.waiting.appendleft(req)
+
+    def _admit(self) -> None:
+        width = 0
+        count = 0
+        while self.waiting and len(self.running) < self.runner.max_running_requests:
+            req = self.waiting[0]
+            new_width = max(width, req.seq_len)
+            if count and new_width * (count + 1) > self.max_prefill_tokens:
+                break
+            width, count = new_width, count + 1
+            self.running.append(self.waiting.popleft())
+
+    # ---- step (worker thread) ------------------------------------------------------------------------
+    def _compute(self, decode: list[Request], prefill: list[Request]) -> StepResult:
+        start = time.perf_counter()
+        try:
+            return self._compute_locked(decode, prefill)
+        finally:
+            self._last_compute_s = time.perf_counter() - start
+
+    def _compute_locked(self, decode: list[Request], prefill: list[Request]) -> StepResult:
+        with self.runner.lock:  # re-entrant: the version and the forward see the same weights
+            version = self.weight_version()
+            epoch = self.runner.kv_epoch
+            logits, input_lps = [], {}
+            if prefill:
+                seqs = [r.all_ids for r in prefill]
+                res = self.runner.prefill(seqs, len(decode), [r.wants_input_logprobs for r in prefill])
+                for j, (req, full) in enumerate(zip(prefill, res.all_logits, strict=True)):
+                    if full is not None:
+                        input_lps[len(decode) + j] = self._input_logprobs(req, full)
+                    req.kv_epoch = epoch
+                    req.prefill_count += 1
+            if decode:
+                logits.append(self.runner.decode([r.last_token for r in decode], [r.seq_len - 1 for r in decode]))
+            if prefill:
+                logits.append(res.last_logits)
+            reqs = decode + prefill
+            tokens, lps = sample(
+                torch.cat(logits) if len(logits) > 1 else logits[0],
+                [r.params for r in reqs],
+                [r.generator for r in reqs],
+                self.batch_generator,
+            )
+            return StepResult(tokens.tolist(), lps.tolist(), input_lps, version)
+
+    @staticmethod
+    def _input_logprobs(req: Request, full_logits: torch.Tensor) -> list[float | None]:
+        """Log-prob of each prompt token given its prefix, from logprob_start_len on (first token: None)."""
+        ids = torch.tensor(req.prompt_ids, device=full_logits.device)
+        n = len(req.prompt_ids)
+        lps = token_logprobs(full_logits[: n - 1], ids[1:], req.params.temperature).tolist() if n > 1 else []
+        return ([None] + lps)[req.logprob_start_len :]
+
+    # ---- bookkeeping (event loop thread) -----------------------------------------------------------------
+    def _apply(self, result: StepResult, n_decode: int) -> None:
+        finished: list[tuple[int, dict]] = []
+        for i, req in enumerate(self.running):
+            if i in result.input_logprobs:
+                req.input_logprobs = result.input_logprobs[i]
+            if req.params.max_new_tokens == 0:  # prefill-only scoring: nothing is sampled
+                finished.append((i, {"type": "length", "length": 0}))
+                continue
+            req.output_ids.append(result.tokens[i])
+            req.output_logprobs.append(result.logprobs[i])
+            req.output_versions.append(result.weight_version)
+            reason = self.check_stop(req)
+            if reason is None and req.seq_len >= self.runner.max_seq_len:
+                reason = {"type": "length", "length": len(req.output_ids)}
+            if reason is not None:
+                finished.append((i, reason))
+        for i, reason in reversed(finished):
+            self._remove_running(i, reason)
+
+    def _remove_slot(self, i: int) -> Request:
+        """Take request i out of the running batch; the last request moves into slot i."""
+        req = self.running[i]
+        last = len(self.running) - 1
+        if i != last:
+            mover = self.running[last]
+            self.runner.move_slot(last, i, mover.seq_len)
+            self.running[i] = mover
+        self.running.pop()
+        return req
+
+    def _remove_running(self, i: int, reason: dict) -> None:
+        self._finish(self._remove_slot(i), reason)
+
+    def _finish(self, req: Request, reason: dict) -> None:
+        req.finish_reason = reason
+        if not req.future.done():
+            req.future.set_result(req)
+
+    def _fail_all(self, error: Exception) -> None:
+        for req in [*self.running, *self.waiting]:
+            if not req.future.done():
+                req.future.set_exception(error)
+        self.running.clear()
+        self.waiting.clear()

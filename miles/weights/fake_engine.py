@@ -1,0 +1,200 @@
+"""A stand-in engine for weight-sync tests and benchmarks: a dict of HF-named tensors behind
+a WeightReceiver, served over a tiny aiohttp app in its own process.
+
+`spawn_engine()` starts one such process; `HTTPEngineControl` is the matching client (the
+weight endpoints as async methods, like `EngineClient`). `/dump` returns every tensor's raw
+bytes (base64) so a test can compare them with the trainer's on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import multiprocessing as mp
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import torch
+
+from miles.weights.groups import dtype_from_name, dtype_name, find_free_port
+
+logger = logging.getLogger(__name__)
+
+TensorSpec = list[tuple[str, list[int], str]]  # (HF name, shape, dtype name)
+
+
+class FakeEngine:
+    """Implements what WeightReceiver needs: load_weights, named_weights, weight_version, flush_cache."""
+
+    def __init__(self, spec: TensorSpec, device: str = "cpu", seed: int = 0, std: float = 1.0) -> None:
+        # CPU engines draw on the CPU (bit-reproducible in tests); device engines draw on the device (fast).
+        gen = torch.Generator(device).manual_seed(seed)
+        self.tensors = {
+            name: (torch.randn(shape, generator=gen, device=device) * std).to(dtype_from_name(dt))
+            for name, shape, dt in spec
+        }
+        self.weight_version = 0
+        self.flushes = 0
+
+    def load_weights(self, named) -> None:
+        for name, t in named:
+            dst = self.tensors.get(name)
+            if dst is None:
+                raise ValueError(f"engine has no tensor {name!r}")
+            if tuple(dst.shape) != tuple(t.shape):
+                raise ValueError(
+                    f"tensor {name!r}: shape {list(t.shape)} does not match the engine's {list(dst.shape)}"
+                )
+            dst.copy_(t)
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self.tensors.items()
+
+    def flush_cache(self) -> bool:
+        self.flushes += 1
+        return True
+
+
+def _serve(spec: TensorSpec, port: int, device: str, seed: int, skip_tensor: str | None, std: float) -> None:
+    from aiohttp import web
+
+    from miles.weights.receiver import WeightReceiver
+
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING)
+    engine = FakeEngine(spec, device, seed, std)
+    if skip_tensor is not None:  # fault injection: this engine silently drops one tensor on every load
+        original = engine.load_weights
+        engine.load_weights = lambda named: original([(n, t) for n, t in named if n != skip_tensor])
+    receiver = WeightReceiver(engine, timeout_s=60)
+
+    async def handle(request: web.Request) -> web.Response:
+        method = request.match_info["method"]
+        body = await request.json() if request.can_read_body else {}
+        try:
+            if method == "reset":  # back to the startup weights and version 0 (lets tests share engines)
+                fresh = FakeEngine(spec, device, int(body.get("seed", seed)), std)
+                engine.load_weights(fresh.tensors.items())
+                engine.weight_version = 0
+                result = {}
+            elif method == "dump":
+                result = {
+                    "weight_version": engine.weight_version,
+                    "tensors": {
+                        n: [
+                            dtype_name(t.dtype),
+                            base64.b64encode(t.cpu().contiguous().view(torch.uint8).numpy().tobytes()).decode(),
+                        ]
+                        for n, t in engine.tensors.items()
+                    },
+                }
+            elif method.startswith("_") or not hasattr(receiver, method):
+                return web.json_response({"error": f"no endpoint {method}"}, status=404)
+            else:
+                result = await getattr(receiver, method)(**body)
+        except (ValueError, RuntimeError) as exc:
+            return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=400)
+        return web.json_response(result if result is not None else {})
+
+    app = web.Application(client_max_size=1 << 30)
+    app.router.add_post("/{method}", handle)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, handle_signals=True, access_log=None)
+
+
+class EngineProcess:
+    def __init__(self, proc: mp.Process, url: str) -> None:
+        self.proc = proc
+        self.url = url
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+
+def spawn_engines(
+    spec: TensorSpec,
+    count: int,
+    *,
+    device: str = "cpu",
+    seeds: list[int] | None = None,
+    skip_tensor: dict[int, str] | None = None,
+    std: float = 1.0,
+    ready_timeout_s: float = 180.0,
+) -> list[EngineProcess]:
+    """Start `count` fake engines at once (engine i seeded with seeds[i], default i + 1) and wait until all answer."""
+    ctx = mp.get_context("spawn")
+    handles = []
+    for i in range(count):
+        port = find_free_port()
+        skip = (skip_tensor or {}).get(i)
+        proc = ctx.Process(
+            target=_serve, args=(spec, port, device, seeds[i] if seeds else i + 1, skip, std), daemon=True
+        )
+        proc.start()
+        handles.append(EngineProcess(proc, f"http://127.0.0.1:{port}"))
+    deadline = time.monotonic() + ready_timeout_s
+    try:
+        for h in handles:
+            while not asyncio.run(_ping(h.url)):
+                if not h.proc.is_alive() or time.monotonic() > deadline:
+                    raise RuntimeError(f"fake engine at {h.url} did not start (exit code {h.proc.exitcode})")
+                time.sleep(0.2)
+    except BaseException:
+        for h in handles:
+            h.stop()
+        raise
+    return handles
+
+
+async def _ping(url: str) -> bool:
+    try:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(url + "/update_weight_version", json={"new_version": "0"}) as r,
+        ):
+            return r.status == 200
+    except aiohttp.ClientError:
+        return False
+
+
+class HTTPEngineControl:
+    """Async client of a fake engine's weight endpoints (same method names as EngineClient)."""
+
+    def __init__(self, url: str, timeout_s: float = 120.0) -> None:
+        self.url = url
+        self.timeout_s = timeout_s
+
+    def __repr__(self) -> str:
+        return f"engine@{self.url}"
+
+    async def _post(self, method: str, payload: dict) -> Any:
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        async with aiohttp.ClientSession(timeout=timeout) as s, s.post(f"{self.url}/{method}", json=payload) as r:
+            body = await r.json()
+            if r.status != 200:
+                raise RuntimeError(f"{method} -> HTTP {r.status}: {body.get('error', body)}")
+            return body
+
+    def __getattr__(self, method: str):
+        if method.startswith("_"):
+            raise AttributeError(method)
+
+        async def call(**kw: Any) -> Any:
+            return await self._post(method, kw)
+
+        return call
+
+    async def dump(self) -> dict:
+        return await self._post("dump", {})
+
+    def dump_bytes(self) -> tuple[int, dict[str, bytes]]:
+        """Blocking: (weight_version, {name: raw bytes}) of the engine's tensors."""
+        d = asyncio.run(self.dump())
+        return d["weight_version"], {n: base64.b64decode(b) for n, (_, b) in d["tensors"].items()}

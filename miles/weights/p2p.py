@@ -1,0 +1,153 @@
+"""Peer-to-peer transport: several trainer ranks send at once, each only to the engines the plan gives it.
+
+Plan: the first min(sources, targets) ranks pair one to one; the remaining targets are spread
+round-robin over the sources, so no source serves more than ceil(targets / sources) engines.
+With more sources than targets the surplus sources sit idle. The sync group holds every source
+(ranks 0..S-1, S = min(sources, targets)) and every engine (rank S + i); a source posts
+`update_weights_from_distributed(..., src_rank=s)` to each of its engines and issues one
+point-to-point send per tensor, while every other source does the same for its own engines.
+Each source must see the full HF tensors (FSDP `full_tensor()` gives every rank the whole tensor).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+
+import torch
+
+from miles.weights.bucket import NamedTensor, bucket_meta
+from miles.weights.groups import SyncGroup, WeightSyncTimeoutError, create_sync_group, find_free_port
+from miles.weights.updater import EngineCallError, WeightUpdater
+
+logger = logging.getLogger(__name__)
+
+
+def plan_transfers(num_sources: int, num_targets: int) -> dict[int, list[int]]:
+    """Map each sending source rank to the target (engine) indices it writes; idle sources are absent."""
+    if num_sources < 1 or num_targets < 1:
+        raise ValueError(f"p2p plan needs at least one source and one target, got {num_sources} and {num_targets}")
+    paired = min(num_sources, num_targets)
+    plan = {s: [s] for s in range(paired)}
+    for k, target in enumerate(range(paired, num_targets)):
+        plan[k % paired].append(target)
+    return plan
+
+
+def format_plan(plan: dict[int, list[int]], num_sources: int) -> str:
+    lines = [f"p2p transfer plan ({num_sources} sources -> {sum(len(v) for v in plan.values())} targets):"]
+    lines += [f"  source {s} -> engines {targets}" for s, targets in sorted(plan.items())]
+    idle = [s for s in range(num_sources) if s not in plan]
+    if idle:
+        lines.append(f"  idle sources: {idle}")
+    return "\n".join(lines)
+
+
+class P2PUpdater(WeightUpdater):
+    mode = "p2p"
+
+    def __init__(self, *args, group_name: str = "miles-p2p", backend: str | None = None, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.group_name = group_name
+        self.backend = backend  # None: nccl when CUDA is available, else gloo
+        self.group: SyncGroup | None = None
+        self.plan: dict[int, list[int]] = {}
+
+    @property
+    def is_sender(self) -> bool:
+        return self.trainer_rank in self.plan
+
+    def _connect(self, master_address: str, master_port: int | None) -> None:
+        self.plan = plan_transfers(self.trainer_world_size, len(self.engines))
+        if self.is_leader:
+            print(format_plan(self.plan, self.trainer_world_size), flush=True)
+        if self.trainer_world_size > 1 and (master_port is None or self._barrier is None):
+            raise ValueError(
+                "p2p with several trainer ranks needs the same master_port on every rank and a trainer barrier; "
+                "pass connect(..., master_port=<port agreed by the ranks>, barrier=<trainer barrier>)"
+            )
+        if not self.is_sender:
+            return
+        if self.group is not None:
+            self._close()
+        port = master_port or find_free_port(master_address)
+        backend = self.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        num_sources = len(self.plan)
+        world_size = num_sources + len(self.engines)
+        fut = None
+        if self.is_leader:
+            fut = self._start_engines(
+                "init_weights_update_group",
+                lambda i: {
+                    "master_address": master_address,
+                    "master_port": port,
+                    "rank_offset": num_sources + i,
+                    "world_size": world_size,
+                    "group_name": self.group_name,
+                    "backend": backend,
+                },
+            )
+        try:
+            self.group = create_sync_group(
+                backend, master_address, port, world_size, self.trainer_rank, self.group_name, self.timeout_s
+            )
+        except WeightSyncTimeoutError as exc:
+            if fut is not None and fut.done() and fut.exception() is not None:
+                raise WeightSyncTimeoutError(f"{exc}; engine side: {fut.exception()}") from exc
+            raise
+        if fut is not None:
+            self._wait_engines(fut, "init_weights_update_group")
+
+    def _transfer(self, named: Iterable[NamedTensor], version: int) -> dict[str, float]:
+        if not self.is_sender:
+            for _ in named:
+                pass
+            return {}
+        buckets = self._send_buckets(named, lambda bucket: self._start_bucket(bucket, version))
+        return {
+            "weight_sync/buckets": float(buckets),
+            "weight_sync/p2p_targets": float(len(self.plan[self.trainer_rank])),
+        }
+
+    def _start_bucket(self, bucket: list[NamedTensor], version: int) -> Callable[[], None]:
+        assert self.group is not None
+        group = self.group
+        meta = bucket_meta(bucket)
+        num_sources = len(self.plan)
+        targets = self.plan[self.trainer_rank]
+        payload = {
+            "names": meta.names,
+            "dtypes": meta.dtypes,
+            "shapes": meta.shapes,
+            "group_name": self.group_name,
+            "weight_version": str(version),
+            "flush_cache": False,
+            "src_rank": self.trainer_rank,
+        }
+        fut = self._start_engines("update_weights_from_distributed", lambda i: payload, targets)
+        tensors = [t if t.device == group.device else t.to(group.device) for _, t in bucket]
+        sends = [(i, group.send(tensors, num_sources + i)) for i in targets]
+
+        def finish() -> None:
+            for i, works in sends:
+                try:
+                    for name, work in zip(meta.names, works, strict=True):
+                        group.wait(work, f"send of {name!r} to engine {i}")
+                except WeightSyncTimeoutError as exc:
+                    detail = self.engine_failure_detail(fut, "update_weights_from_distributed")
+                    raise WeightSyncTimeoutError(f"{exc}{detail}") from exc
+            self._wait_engines(fut, "update_weights_from_distributed")
+            del tensors[:]
+
+        return finish
+
+    def _close(self) -> None:
+        if self.group is None:
+            return
+        if self.is_leader:
+            try:
+                self._run_engines("destroy_weights_update_group", lambda i: {"group_name": self.group_name})
+            except EngineCallError as exc:
+                logger.warning("destroying the p2p group on the engines: %s", exc)
+        self.group.destroy()
+        self.group = None

@@ -1,0 +1,231 @@
+"""Engine side of every weight transport, one method per SGLang-style endpoint.
+
+The HTTP front routes `/init_weights_update_group`, `/update_weights_from_distributed`,
+`/update_weights_from_tensor`, `/update_weights_from_disk`, `/pull_weights`,
+`/update_weight_version` and `/weights_checker` here. Blocking work (rendezvous, receiving a
+bucket, patching a disk-delta copy) runs in a thread so the engine's event loop keeps serving
+other requests, and each group receives its buckets one at a time in arrival order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from miles.weights import verify
+from miles.weights.colocated import open_payload
+from miles.weights.disk_delta import LocalCheckpoint, adopt_base, pull_version
+from miles.weights.groups import SyncGroup, create_sync_group, dtype_from_name
+
+logger = logging.getLogger(__name__)
+
+# pull_weights(target_version=MATERIALISE_BASE): write the engine's startup weights as the host copy.
+MATERIALISE_BASE = -1
+
+
+class WeightTarget(Protocol):
+    """What the receiver needs from an engine (EmbeddedEngine implements it)."""
+
+    weight_version: int
+
+    def load_weights(self, named: Any) -> None: ...
+    def named_weights(self) -> Any: ...
+    def flush_cache(self) -> bool: ...
+
+
+class WeightReceiver:
+    def __init__(self, engine: WeightTarget, *, timeout_s: float = 300.0, device: str | None = None) -> None:
+        self.engine = engine
+        self.timeout_s = timeout_s
+        self._device = device
+        self._groups: dict[str, SyncGroup] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._joining: dict[str, asyncio.Event] = {}
+        self._snapshot: dict[str, torch.Tensor] = {}
+
+    # -- process groups -----------------------------------------------------------------------
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "miles",
+        backend: str = "gloo",
+        **_: Any,
+    ) -> None:
+        if group_name in self._groups:
+            await self.destroy_weights_update_group(group_name)
+        # A sender may post its first bucket as soon as the rendezvous completes, before this
+        # handler resumes; _group() waits on this event instead of refusing the bucket.
+        joined = self._joining[group_name] = asyncio.Event()
+        try:
+            group = await asyncio.to_thread(
+                create_sync_group,
+                backend,
+                master_address,
+                int(master_port),
+                int(world_size),
+                int(rank_offset),
+                group_name,
+                self.timeout_s,
+            )
+            self._groups[group_name] = group
+            self._locks[group_name] = asyncio.Lock()
+        finally:
+            joined.set()
+            self._joining.pop(group_name, None)
+
+    async def destroy_weights_update_group(self, group_name: str = "miles", **_: Any) -> None:
+        group = self._groups.pop(group_name, None)
+        self._locks.pop(group_name, None)
+        if group is not None:
+            group.destroy()
+
+    async def _group(self, group_name: str) -> SyncGroup:
+        joining = self._joining.get(group_name)
+        if joining is not None:
+            await asyncio.wait_for(joining.wait(), self.timeout_s)
+        group = self._groups.get(group_name)
+        if group is None:
+            raise ValueError(
+                f"no weight-update group {group_name!r} on this engine (have {sorted(self._groups)}); "
+                "call /init_weights_update_group first"
+            )
+        return group
+
+    # -- transports ----------------------------------------------------------------------------
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = "miles",
+        weight_version: str | None = None,
+        flush_cache: bool = False,
+        src_rank: int | None = None,
+        **_: Any,
+    ) -> None:
+        """Receive one bucket: a broadcast from rank 0, or (p2p, `src_rank` given) sends from that rank."""
+        if not (len(names) == len(dtypes) == len(shapes)):
+            raise ValueError(f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}")
+        group = await self._group(group_name)
+        buffers = [
+            torch.empty(s, dtype=dtype_from_name(d), device=group.device) for d, s in zip(dtypes, shapes, strict=True)
+        ]
+
+        def receive() -> None:
+            works = group.broadcast(buffers, 0) if src_rank is None else group.recv(buffers, int(src_rank))
+            for name, work in zip(names, works, strict=True):
+                group.wait(work, f"receiving {name!r}")
+
+        async with self._locks[group_name]:
+            await asyncio.to_thread(receive)
+        self.engine.load_weights(list(zip(names, buffers, strict=True)))
+        self._finish(weight_version, flush_cache)
+
+    async def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: list[str],
+        load_format: str | None = None,
+        weight_version: str | None = None,
+        flush_cache: bool = False,
+        **_: Any,
+    ) -> None:
+        if not serialized_named_tensors:
+            raise ValueError("serialized_named_tensors is empty")
+        # One payload per TP rank in SGLang; the embedded engine has one rank.
+        with open_payload(serialized_named_tensors[0]) as named:
+            self.engine.load_weights(named)
+            if named and named[0][1].is_cuda:
+                torch.cuda.current_stream().synchronize()  # the trainer may free its memory once we answer
+        self._finish(weight_version, flush_cache)
+
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        weight_version: str | None = None,
+        load_format: str | None = None,
+        **_: Any,
+    ) -> None:
+        local = LocalCheckpoint(model_path)
+        if local.exists():
+            named = await asyncio.to_thread(lambda: list(local.iter_tensors()))
+        else:
+            named = await asyncio.to_thread(_read_safetensors_dir, Path(model_path))
+        self.engine.load_weights(named)
+        self._finish(weight_version, flush_cache=True)
+
+    async def pull_weights(
+        self, local_checkpoint_dir: str, source_dir: str, target_version: int, digest: str = "xxh3-128", **_: Any
+    ) -> dict:
+        """Disk-delta: bring this host's copy to `target_version` (patch + verify); does not reload the engine."""
+        local = LocalCheckpoint(local_checkpoint_dir)
+        target_version = int(target_version)
+        if target_version == MATERIALISE_BASE:
+            if local.exists():
+                return {"version": local.read_index()["version"], "materialised": False}
+            named = [(n, t.detach().cpu().clone()) for n, t in self.engine.named_weights()]
+            await asyncio.to_thread(local.materialise, named, MATERIALISE_BASE, digest)
+            return {"version": MATERIALISE_BASE, "materialised": True}
+        if local.exists() and local.read_index()["version"] == MATERIALISE_BASE:
+            return await asyncio.to_thread(adopt_base, local, source_dir, target_version)
+        return await asyncio.to_thread(pull_version, local, source_dir, target_version)
+
+    async def update_weight_version(self, new_version: str, **_: Any) -> None:
+        self.engine.weight_version = _parse_version(new_version)
+
+    # -- verification --------------------------------------------------------------------------
+
+    async def weights_checker(self, action: str, **kw: Any) -> dict:
+        """fill_noise(seed) | snapshot | compare(digests, digest, skip_tensor_list) | compare(atol) vs the snapshot."""
+        named = list(self.engine.named_weights())
+        if action == "fill_noise":
+            return {"filled": verify.fill_noise(named, int(kw.get("seed", 1234)))}
+        if action == "snapshot":
+            self._snapshot = {n: t.detach().cpu().clone() for n, t in named}
+            return {"tensors": len(self._snapshot)}
+        if action == "compare":
+            skip = kw.get("skip_tensor_list") or []
+            if kw.get("digests") is not None:
+                algo = kw.get("digest", "xxh3-128")
+                return await asyncio.to_thread(verify.compare_with_digests, named, kw["digests"], algo, skip)
+            if not self._snapshot:
+                raise ValueError("weights_checker compare: pass digests, or take a snapshot first")
+            return verify.compare_with_snapshot(named, self._snapshot, float(kw.get("atol", 0.0)))
+        raise ValueError(f"weights_checker action={action!r}; use fill_noise, snapshot or compare")
+
+    def _finish(self, weight_version: str | None, flush_cache: bool) -> None:
+        if flush_cache:
+            self.engine.flush_cache()
+        if weight_version is not None:
+            self.engine.weight_version = _parse_version(weight_version)
+
+    async def close(self) -> None:
+        for name in list(self._groups):
+            await self.destroy_weights_update_group(name)
+
+
+def _parse_version(v: str | int) -> int:
+    try:
+        return int(v)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"weight_version={v!r} is not an integer") from exc
+
+
+def _read_safetensors_dir(path: Path) -> list[tuple[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path} holds neither a miles disk-delta copy (index.json) nor *.safetensors files")
+    named: list[tuple[str, torch.Tensor]] = []
+    for f in files:
+        named.extend(load_file(str(f)).items())
+    return named

@@ -1,0 +1,138 @@
+"""Every transport delivers bit-identical weights to 2 engine processes from 2 trainer ranks."""
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from miles.config_sections import WeightsConfig
+from miles.weights.fake_engine import FakeEngine, HTTPEngineControl, spawn_engines
+from miles.weights.groups import WeightSyncTimeoutError, find_free_port
+from miles.weights.updater import EngineCallError, make_updater
+
+SPEC = [
+    ("model.embed_tokens.weight", [64, 32], "bfloat16"),
+    ("model.layers.0.self_attn.q_proj.weight", [32, 32], "bfloat16"),
+    ("model.layers.0.mlp.up_proj.weight", [96, 32], "bfloat16"),
+    ("model.norm.weight", [32], "float32"),
+    ("lm_head.weight", [64, 32], "bfloat16"),
+]
+SEED = 3  # engines and trainer start from the same weights (disk-delta needs a common base)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    torch.set_num_threads(1)
+    procs = spawn_engines(SPEC, 2, seeds=[SEED, SEED])
+    yield [HTTPEngineControl(p.url) for p in procs]
+    for p in procs:
+        p.stop()
+    assert not any(p.proc.is_alive() for p in procs)
+
+
+def _versions() -> list[dict[str, torch.Tensor]]:
+    """fp32 master weights for versions 1..3 (v1 = the startup weights)."""
+    master = {n: t.float() for n, t in FakeEngine(SPEC, seed=SEED).tensors.items()}
+    out = []
+    gen = torch.Generator().manual_seed(11)
+    for _ in range(3):
+        out.append({n: t.clone() for n, t in master.items()})
+        for n in master:
+            master[n] = master[n] + 0.05 * torch.randn(master[n].shape, generator=gen)
+    return out
+
+
+def _stream(master: dict[str, torch.Tensor]):
+    # What an FSDP rank yields: the gathered full tensor cast to the engine dtype.
+    for name, _, dtype in SPEC:
+        yield name, master[name].to(getattr(torch, dtype))
+
+
+def _run_ranks(cfg: WeightsConfig, engines, versions, *, colocate: bool = False, updater_cls=None) -> list[dict]:
+    """Two trainer ranks (threads) connect, push every version, close; returns rank 0's metrics per version."""
+    port = find_free_port()
+    barrier = threading.Barrier(2, timeout=60)
+    metrics, errors = [], []
+
+    def rank(r: int) -> None:
+        up = updater_cls(cfg) if updater_cls else make_updater(cfg, colocate=colocate)
+        try:
+            up.connect(engines, trainer_rank=r, trainer_world_size=2, master_port=port, barrier=barrier.wait)
+            for v, master in enumerate(versions, start=1):
+                m = up.update(_stream(master), v)
+                if r == 0:
+                    metrics.append(m)
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+            barrier.abort()
+        finally:
+            up.close()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a trainer rank hung"
+    if errors:
+        raise errors[0]
+    return metrics
+
+
+@pytest.mark.parametrize("mode", ["broadcast", "p2p", "disk-delta", "colocated"])
+def test_transport_delivers_bit_identical_weights(mode, engines, tmp_path):
+    for e in engines:
+        asyncio.run(e.reset(seed=SEED))
+    cfg = WeightsConfig(
+        update_weight_transfer_mode="broadcast" if mode == "colocated" else mode,
+        update_weight_buffer_size=6000,  # several buckets per update
+        update_weight_disk_dir=str(tmp_path / "delta"),
+        check_weight_update_equal=True,
+        weight_sync_timeout_s=30,
+    )
+    versions = _versions()
+    metrics = _run_ranks(cfg, engines, versions, colocate=mode == "colocated")
+    expected = {n: t.contiguous().view(torch.uint8).numpy().tobytes() for n, t in _stream(versions[-1])}
+    for e in engines:
+        version, state = e.dump_bytes()
+        assert version == len(versions)
+        assert state == expected
+    if mode != "disk-delta":
+        assert metrics[-1]["weight_sync/buckets"] >= 3
+    else:
+        assert 0 < metrics[-1]["weight_sync/delta_bytes_fraction"] < 1.5
+
+
+def test_dead_engine_is_named_not_hung(tmp_path):
+    procs = spawn_engines(SPEC, 2, seeds=[SEED, SEED])
+    try:
+        controls = [HTTPEngineControl(p.url, timeout_s=10) for p in procs]
+        cfg = WeightsConfig(weight_sync_timeout_s=8, update_weight_buffer_size=6000)
+        up = make_updater(cfg)
+        up.connect(controls)
+        procs[1].stop()  # dies between connect and update
+        with pytest.raises((WeightSyncTimeoutError, EngineCallError), match=procs[1].url.split("//")[1]):
+            up.update(_stream(_versions()[0]), 1)
+        up.close()
+    finally:
+        for p in procs:
+            p.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CUDA IPC handoff)")
+def test_colocated_cuda_ipc_delivers_bit_identical_weights():
+    [proc] = spawn_engines(SPEC, 1, device="cuda", seeds=[SEED])
+    try:
+        control = HTTPEngineControl(proc.url)
+        up = make_updater(WeightsConfig(check_weight_update_equal=True, update_weight_buffer_size=6000), colocate=True)
+        up.connect([control])
+        master = {n: t.cuda() for n, t in _stream(_versions()[-1])}
+        up.update(master.items(), 1)
+        up.close()
+        version, state = control.dump_bytes()
+        assert version == 1
+        assert state == {n: t.cpu().view(torch.uint8).numpy().tobytes() for n, t in master.items()}
+    finally:
+        proc.stop()
