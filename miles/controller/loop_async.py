@@ -17,6 +17,7 @@ from miles.controller.buffer import BufferConfig, DataBuffer, Group
 from miles.controller.eval import Evaluator
 from miles.controller.rollout_manager import GroupRunner, sampling_from_config
 from miles.controller.run import MilesRun
+from miles.controller.signals import StopRequest
 from miles.rollout.filters import apply_filter
 from miles.utils.misc import load_function
 from miles.utils.progress import StepProgress
@@ -168,6 +169,7 @@ def _pending_prompts(producer: AsyncProducer, buffer: DataBuffer) -> list[list[d
 
 
 async def train(cfg) -> str:
+    stop = StopRequest().install()
     run = await MilesRun.start(cfg)
     async with run:
         buffer = make_buffer(cfg, run)
@@ -191,9 +193,13 @@ async def train(cfg) -> str:
                     await run.push_weights(version=run.weight_version + 1)
                     eval_metrics = await evaluator.maybe_eval(rollout_id + 1, pause=producer)
                     progress.update(run.log_step(rollout_id, step_start, rollout_metrics, train_metrics, eval_metrics))
+                    if stop.requested:
+                        await run.maybe_save(rollout_id, force=True)
+                        break
         finally:
             await producer.stop()
             trained_log.close()
+    stop.uninstall()
     return cfg.runtime.output_dir
 
 

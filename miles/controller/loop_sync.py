@@ -8,12 +8,14 @@ import logging
 from miles.controller.eval import Evaluator
 from miles.controller.rollout_manager import SyncRolloutManager
 from miles.controller.run import MilesRun
+from miles.controller.signals import StopRequest
 from miles.utils.progress import StepProgress
 
 logger = logging.getLogger(__name__)
 
 
 async def train(cfg) -> str:
+    stop = StopRequest().install()
     run = await MilesRun.start(cfg)
     async with run:
         rollout = SyncRolloutManager(run.args, cfg.rollout, run.router, run.data_source, run.tokenizer,
@@ -34,6 +36,10 @@ async def train(cfg) -> str:
                 await run.push_weights(version=rollout_id + 1)
                 eval_metrics = await evaluator.maybe_eval(rollout_id + 1)
                 progress.update(run.log_step(rollout_id, step_start, result.metrics, train_metrics, eval_metrics))
+                if stop.requested:
+                    await run.maybe_save(rollout_id, force=True)
+                    break
+    stop.uninstall()
     return cfg.runtime.output_dir
 
 

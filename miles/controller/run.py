@@ -211,6 +211,10 @@ class MilesRun:
         last = self.cfg.rollout.num_rollout - 1
         if not force and not (t.save_interval and (rollout_id + 1) % t.save_interval == 0) and rollout_id != last:
             return
+        from miles.trainer.checkpoint import COMPLETE_MARKER
+
+        if os.path.exists(os.path.join(self._ckpt_dir(rollout_id), COMPLETE_MARKER)):
+            return  # this step is already saved (a stop signal right after a scheduled save)
         extra = {"rollout_id": rollout_id, "weight_version": self.weight_version,
                  "data_source": self.data_source.state_dict(),
                  "pending_groups": self.pending_state_fn() if self.pending_state_fn else []}

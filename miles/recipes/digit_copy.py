@@ -10,10 +10,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
-
-_DIGIT = re.compile(r"\d")
-
 
 def make_prompts(path: str, num_prompts: int = 200, seed: int = 0) -> str:
     """Write `num_prompts` JSONL rows {"input": "copy 7 :", "label": "7"}."""
@@ -27,9 +23,15 @@ def make_prompts(path: str, num_prompts: int = 200, seed: int = 0) -> str:
 
 
 def first_digit_reward(response: str, label: str) -> float:
-    """1.0 when the first digit of the response is the label, else 0.0."""
-    m = _DIGIT.search(response)
-    return 1.0 if m is not None and m.group(0) == str(label).strip() else 0.0
+    """1.0 when the response starts with the label digit, 0.25 when it starts with another digit, else 0.
+
+    The partial credit for answering in the right form (a digit first) gives a random model a
+    signal to climb from; only the right digit earns the full reward.
+    """
+    text = response.lstrip()
+    if not text or not text[0].isdigit():
+        return 0.0
+    return 1.0 if text[0] == str(label).strip() else 0.25
 
 
 async def reward(args, sample, **kwargs) -> float:

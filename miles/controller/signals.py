@@ -1,0 +1,45 @@
+"""Graceful stop: SIGTERM / SIGUSR1 (Slurm's pre-timeout signal) / SIGINT end the run at the next
+step boundary after a checkpoint, so a requeued job resumes where this one stopped."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+logger = logging.getLogger(__name__)
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+class StopRequest:
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._installed: list[int] = []
+
+    def install(self) -> StopRequest:
+        loop = asyncio.get_running_loop()
+        for sig in STOP_SIGNALS:
+            try:
+                loop.add_signal_handler(sig, self._on_signal, sig)
+                self._installed.append(sig)
+            except (NotImplementedError, RuntimeError):  # not the main thread / platform without signals
+                pass
+        return self
+
+    def _on_signal(self, sig: int) -> None:
+        if self.signal is not None and sig == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C stops at once
+        self.signal = sig
+        logger.warning("received %s: checkpointing at the end of this step, then exiting",
+                       signal.Signals(sig).name)
+
+    @property
+    def requested(self) -> bool:
+        return self.signal is not None
+
+    def uninstall(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in self._installed:
+            loop.remove_signal_handler(sig)
+        self._installed.clear()
