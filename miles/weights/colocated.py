@@ -47,10 +47,12 @@ class SharedBucket:
         total = sum(tensor_nbytes(t) for _, t in bucket)
         self.shm = shared_memory.SharedMemory(create=True, size=max(total, 1))
         entries, offset = [], 0
-        dst = np.ndarray((max(total, 1),), dtype=np.uint8, buffer=self.shm.buf)
+        # torch copies into the segment: calling .numpy() on a trainer tensor would pin its storage
+        # (non-resizable), and the trainer must still be able to offload it afterwards.
+        dst = torch.frombuffer(self.shm.buf, dtype=torch.uint8, count=max(total, 1))
         for name, t in bucket:
             n = tensor_nbytes(t)
-            dst[offset : offset + n] = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+            dst[offset : offset + n].copy_(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
             entries.append({"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "offset": offset})
             offset += n
         del dst
