@@ -1,0 +1,93 @@
+"""Deterministic end-to-end sync runs on CPU, compared with a committed standard.
+
+One run: 2 trainer ranks (FSDP2 on gloo), 1 embedded engine, weight broadcast over gloo,
+deterministic sampling (a seed per sample). Its per-step metrics must equal
+tests/standards/sync_demo.jsonl. The same run with the disk-delta transport and with colocated
+placement must produce the very same metrics: every transport delivers bit-identical weights and
+offload is bit-exact, so nothing downstream may change.
+
+Regenerate the standard (a deliberate commit that says why) with
+    MILES_UPDATE_STANDARDS=1 python -m pytest tests/integration/test_e2e_sync.py -k broadcast
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+from e2e_helpers import leftover_processes, run_train
+
+STANDARD = Path(__file__).resolve().parents[1] / "standards" / "sync_demo.jsonl"
+STEPS = 40
+COMMON = ("--deterministic", "--num-rollout", str(STEPS), "--rollout-batch-size", "8", "--global-batch-size", "64",
+          "--actor-num-gpus-per-node", "2", "--eval-interval", "20", "--lr", "0.01")
+# Keys that measure time or machine load, not the computation.
+VOLATILE_PREFIXES = ("perf/", "sys/")
+# The engine batches requests by arrival, so its float sums may differ in the last bits between
+# runs: engine log-probs (and what is computed from them) are compared to this absolute tolerance.
+ENGINE_LOGPROB_KEYS = ("train/train_rollout_logprob_abs_diff", "train/train_rollout_kl")
+ENGINE_ATOL = 1e-6
+
+
+def comparable(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE_PREFIXES)} for r in rows]
+
+
+def assert_same_metrics(got: list[dict], want: list[dict], label: str) -> None:
+    assert len(got) == len(want), f"{label}: {len(got)} metric rows, standard has {len(want)}"
+    for g, w in zip(comparable(got), comparable(want), strict=True):
+        assert set(g) == set(w), f"{label} step {w['step']}: keys differ: {sorted(set(g) ^ set(w))}"
+        for k, wv in w.items():
+            gv = g[k]
+            if k in ENGINE_LOGPROB_KEYS:
+                assert abs(gv - wv) <= ENGINE_ATOL, f"{label} step {w['step']} {k}: {gv} vs standard {wv}"
+            elif isinstance(wv, float) and isinstance(gv, float) and math.isnan(wv):
+                assert math.isnan(gv), f"{label} step {w['step']} {k}: {gv} vs standard NaN"
+            else:
+                assert gv == wv, f"{label} step {w['step']} {k}: {gv!r} vs standard {wv!r}"
+
+
+def reward_curve(rows: list[dict]) -> list[float]:
+    return [r["rollout/reward_mean"] for r in rows if "rollout/reward_mean" in r]
+
+
+@pytest.fixture(scope="module")
+def broadcast_rows(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("sync_broadcast")
+    rows = run_train(out, *COMMON, "--update-weight-transfer-mode", "broadcast", "--check-weight-update-equal")
+    assert not leftover_processes(str(out)), "processes of the run are still alive"
+    if os.environ.get("MILES_UPDATE_STANDARDS"):
+        STANDARD.parent.mkdir(parents=True, exist_ok=True)
+        STANDARD.write_text("".join(json.dumps(r) + "\n" for r in comparable(rows)))
+    return rows
+
+
+def test_broadcast_run_matches_standard(broadcast_rows):
+    want = [json.loads(line) for line in STANDARD.read_text().splitlines() if line.strip()]
+    assert_same_metrics(broadcast_rows, want, "broadcast")
+    for key in ("step", "rollout/reward_mean", "perf/step_time", "perf/controller_overhead"):
+        assert key in broadcast_rows[-1], f"metrics.jsonl lacks {key}"
+
+
+def test_reward_rises(broadcast_rows):
+    """Fixed seeds: the mean reward of the last 6 steps beats the first 6 by at least 0.15."""
+    curve = reward_curve(broadcast_rows)
+    first, last = sum(curve[:6]) / 6, sum(curve[-6:]) / 6
+    assert last - first >= 0.15, f"reward did not rise: first-6 mean {first:.3f}, last-6 mean {last:.3f}"
+
+
+def test_disk_delta_gives_the_same_run(tmp_path, broadcast_rows):
+    rows = run_train(tmp_path / "run", *COMMON, "--update-weight-transfer-mode", "disk-delta",
+                     "--update-weight-disk-dir", str(tmp_path / "deltas"))
+    assert_same_metrics(rows, broadcast_rows, "disk-delta")
+    versions = sorted(p.name for p in (tmp_path / "deltas").iterdir() if p.is_dir())
+    assert versions, "disk-delta wrote no version directory"
+
+
+def test_colocated_gives_the_same_run(tmp_path, broadcast_rows):
+    rows = run_train(tmp_path / "run", *COMMON, "--colocate")
+    assert_same_metrics(rows, broadcast_rows, "colocated")
