@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,7 +55,7 @@ class GroupRunner:
     """Generates and scores one group; shared by the sync rollout, eval and the fully async producer."""
 
     def __init__(self, args, router, tokenizer, sampling: SamplingDefaults, *, reward_inline: bool = True,
-                 deterministic_seed: int | None = None):
+                 deterministic_seed: int | None = None, recompute_logprobs: bool = False):
         self.args = args
         self.router = router
         self.tokenizer = tokenizer
@@ -62,7 +63,10 @@ class GroupRunner:
         self.reward_inline = reward_inline
         self.deterministic_seed = deterministic_seed
         self.group_reward_fn = load_function(getattr(args, "group_reward_path", None))
+        self.recompute_logprobs = recompute_logprobs
         self.reward_failures = 0
+        self.reward_time_s = 0.0
+        self.recompute_time_s = 0.0
 
     def _seed(self, sample: Sample) -> int | None:
         if self.deterministic_seed is None or sample.index is None:
@@ -71,6 +75,8 @@ class GroupRunner:
 
     async def _one(self, sample: Sample) -> Sample:
         sample = await generate_sample(self.router, sample, self.tokenizer, self.sampling, seed=self._seed(sample))
+        if self.recompute_logprobs and sample.status != SampleStatus.ABORTED and sample.response_length:
+            await self.recompute(sample)
         if self.reward_inline and not self.args.group_rm and sample.status != SampleStatus.ABORTED:
             await self.score([sample])
         return sample
@@ -82,8 +88,29 @@ class GroupRunner:
                 await self.score(group, whole_group=True)
         return group
 
+    async def recompute(self, sample: Sample) -> None:
+        """Re-score the sampled tokens with one prefill pass (the shape of computation the trainer uses)."""
+        start = time.perf_counter()
+        payload = {"input_ids": list(sample.tokens), "return_logprob": True, "logprob_start_len": sample.prompt_length,
+                   "sampling_params": {"max_new_tokens": 0, "temperature": self.sampling.temperature}}
+        out = await self.router.generate(payload)
+        logprobs = [float(t[0]) for t in out["meta_info"]["input_token_logprobs"]]
+        if len(logprobs) != sample.response_length:
+            raise RuntimeError(f"prefill re-scoring returned {len(logprobs)} log-probs for "
+                               f"{sample.response_length} response tokens (sample {sample.index})")
+        sample.metadata["decode_log_probs"] = sample.rollout_log_probs
+        sample.rollout_log_probs = logprobs
+        self.recompute_time_s += time.perf_counter() - start
+
     async def score(self, samples: list[Sample], *, whole_group: bool = False) -> None:
         """Reward the samples; a reward that fails after its retries marks the sample FAILED."""
+        start = time.perf_counter()
+        try:
+            await self._score(samples, whole_group=whole_group)
+        finally:
+            self.reward_time_s += time.perf_counter() - start
+
+    async def _score(self, samples: list[Sample], *, whole_group: bool = False) -> None:
         try:
             if whole_group and self.group_reward_fn is not None:
                 result = self.group_reward_fn(self.args, samples)
@@ -123,7 +150,8 @@ class SyncRolloutManager:
         self.router = router
         self.data_source = data_source
         self.runner = GroupRunner(args, router, tokenizer, sampling_from_config(rollout_cfg),
-                                  reward_inline=rollout_cfg.reward_phase == "inline", deterministic_seed=seed)
+                                  reward_inline=rollout_cfg.reward_phase == "inline", deterministic_seed=seed,
+                                  recompute_logprobs=rollout_cfg.recompute_logprobs_via_prefill)
         self.filter_fn = load_function(rollout_cfg.dynamic_sampling_filter_path)
         self.sample_filter_fn = load_function(rollout_cfg.rollout_sample_filter_path)
 
@@ -162,7 +190,11 @@ class SyncRolloutManager:
             self.sample_filter_fn(self.args, accepted)
         metrics = self._metrics(accepted, drops, submitted, self.args.reward_key)
         metrics["rollout/reward_failed_samples"] = float(self.runner.reward_failures)
+        # summed over samples: rewards and re-scoring run concurrently with generation
+        metrics["perf/rollout/reward_time_sum"] = self.runner.reward_time_s
+        metrics["perf/rollout/log_prob_recompute_time_sum"] = self.runner.recompute_time_s
         self.runner.reward_failures = 0
+        self.runner.reward_time_s = self.runner.recompute_time_s = 0.0
         return RolloutResult(accepted, metrics)
 
     def _drop(self, group: list[Sample], drops: Counter[str]) -> bool:

@@ -82,7 +82,10 @@ def run_rl_step(be: FSDPBackend, batch: TrainBatch, rollout_id: int) -> dict[str
     n_steps = steps_per_rollout(len(batch), be.rollout.global_batch_size, be.dp_size, be.rollout.num_steps_per_rollout)
     mask = batch.loss_masks.astype(np.float32)
     metrics: dict[str, float] = {}
+    t_phase = be.now()
     ref_lp = be.compute_log_probs(batch, "ref")[0] if be.ref is not None else None
+    metrics["perf/train/ref_log_probs_time"] = be.now() - t_phase
+    t_phase = be.now()
     if algo.use_rollout_logprobs:
         if batch.rollout_log_probs is None:
             raise ValueError(
@@ -94,6 +97,7 @@ def run_rl_step(be: FSDPBackend, batch: TrainBatch, rollout_id: int) -> dict[str
     else:
         old_lp, entropy = be.compute_log_probs(batch, "actor")
         metrics["train/entropy"] = _token_mean(entropy, mask, device)
+    metrics["perf/train/actor_log_probs_time"] = be.now() - t_phase
     if ref_lp is not None and old_lp is not None:
         metrics["train/ref_kl"] = _token_mean(old_lp - ref_lp, mask, device)
     values = be._compute_values(batch) if be.critic is not None else None
@@ -139,6 +143,7 @@ def run_rl_step(be: FSDPBackend, batch: TrainBatch, rollout_id: int) -> dict[str
                 sums[f"train/{k}"] += v
         tokens += step_batch.num_tokens
     elapsed = be.now() - t0
+    metrics["perf/train/update_time"] = elapsed
     metrics.update({k: v / n_steps for k, v in sums.items()})
     total_tokens = _sum_over_ranks(float(tokens), device)
     metrics["perf/train_tokens_per_s"] = total_tokens / max(elapsed, 1e-9)

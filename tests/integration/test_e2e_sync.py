@@ -91,3 +91,16 @@ def test_disk_delta_gives_the_same_run(tmp_path, broadcast_rows):
 def test_colocated_gives_the_same_run(tmp_path, broadcast_rows):
     rows = run_train(tmp_path / "run", *COMMON, "--colocate")
     assert_same_metrics(rows, broadcast_rows, "colocated")
+
+
+def test_separate_reward_phase_and_prefill_recompute(tmp_path):
+    """Generate-then-score, with rollout log-probs re-scored by prefill: the trainer's old log-probs
+    (fp32, same weights) must then agree with the rollout's to float precision."""
+    rows = run_train(tmp_path / "run", "--num-rollout", "3", "--rollout-batch-size", "4", "--global-batch-size", "32",
+                     "--reward-phase", "separate", "--recompute-logprobs-via-prefill", "--eval-interval", "0")
+    steps = [r for r in rows if "rollout/reward_mean" in r]
+    assert len(steps) == 3
+    for r in steps:
+        assert r["train/train_rollout_logprob_abs_diff"] < 1e-5, r["train/train_rollout_logprob_abs_diff"]
+        assert r["perf/rollout/log_prob_recompute_time_sum"] > 0
+        assert r["rollout/reward_failed_samples"] == 0
