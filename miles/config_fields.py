@@ -186,6 +186,8 @@ def convert(spec: FieldSpec, raw: Any, source: str) -> Any:
     try:
         if spec.base is list:
             items = raw if isinstance(raw, (list, tuple)) else [raw]
+            if spec.elem in (int, float):  # numbers also come comma separated: --profile-steps 3,4
+                items = [p for x in items for p in (x.split(",") if isinstance(x, str) else [x]) if p != ""]
             return [_convert_scalar(spec.elem, x) for x in items]
         return _convert_scalar(spec.base, raw)
     except (ValueError, TypeError):

@@ -26,6 +26,7 @@ import logging
 import os
 import re
 import secrets
+import signal
 import socket
 import sys
 import time
@@ -179,7 +180,9 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--selftest", action="store_true", help="spawn no-op workers on every node, call each, exit")
     p.add_argument("--workers-per-node", type=int, default=2)
     p.add_argument("--run-dir", default=os.environ.get("MILES_RUN_DIR", "runs/launch-selftest"))
-    return p.parse_args(argv), rest
+    # torchrun swallows the `--` after `-m miles.launch`: flags this parser does not know go to `miles train`
+    args, unknown = p.parse_known_args(argv)
+    return args, unknown + rest
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["MILES_RUN_SECRET"] = resolve_run_secret(le)
     if le.node_rank != 0:
         from miles.workers.node_agent import run_agent
+
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # Slurm's pre-timeout signal: the controller acts on it
 
         key = codec.derive_key(os.environ["MILES_RUN_SECRET"])
         return run_agent(le.node_rank, f"tcp://{le.master_addr}:{le.controller_port}", key, **_heartbeat_settings())

@@ -25,6 +25,7 @@ async def train(cfg) -> str:
         await evaluator.maybe_eval(run.start_rollout_id, before_train=True)
         with StepProgress(cfg, start=run.start_rollout_id) as progress:
             for rollout_id in range(run.start_rollout_id, cfg.rollout.num_rollout):
+                await run.profile_hooks(rollout_id, "start")
                 step_start = run.begin_step()
                 await run.offload_trainer()
                 result = await run._wait("rollout/generate_time", rollout.generate(rollout_id))
@@ -36,6 +37,7 @@ async def train(cfg) -> str:
                 await run.push_weights(version=rollout_id + 1)
                 eval_metrics = await evaluator.maybe_eval(rollout_id + 1)
                 progress.update(run.log_step(rollout_id, step_start, result.metrics, train_metrics, eval_metrics))
+                await run.profile_hooks(rollout_id, "end")
                 if stop.requested:
                     await run.maybe_save(rollout_id, force=True)
                     break

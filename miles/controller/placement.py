@@ -44,7 +44,9 @@ def plan_placement(cfg, *, device: str, num_nodes: int = 1, master_addr: str = "
         node = rank // train.actor_num_gpus_per_node
         local = rank % train.actor_num_gpus_per_node
         env = {"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "RANK": str(rank),
-               "WORLD_SIZE": str(dp), "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(train.actor_num_gpus_per_node)}
+               "WORLD_SIZE": str(dp), "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(train.actor_num_gpus_per_node),
+               # under torchrun the launcher's env says "join torchrun's store"; our trainers rendezvous on their own
+               "TORCHELASTIC_USE_AGENT_STORE": "False"}
         if device == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = str(local)
             env["LOCAL_RANK"] = "0"

@@ -1,12 +1,29 @@
-"""Per-worker CPU / RSS (psutil) and GPU utilisation / memory (nvidia-ml-py), sampled into step metrics."""
+"""Per-worker CPU / RSS (psutil) and GPU utilisation / memory (nvidia-ml-py), sampled into step metrics.
+
+Keys: `sys/<role>_<rank>/cpu_percent` (100 = one core busy, averaged since the previous sample),
+`sys/<role>_<rank>/rss_gb` (the worker and its children, e.g. an SGLang server), and per visible
+GPU `sys/gpu<i>/util_percent`, `sys/gpu<i>/mem_used_gb`. Only processes on the controller's node
+are sampled; GPU figures are those of the controller's node.
+"""
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import psutil
 
 logger = logging.getLogger(__name__)
+
+
+def _init_nvml() -> Any | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml
+    except Exception:  # noqa: BLE001 - no nvidia-ml-py or no NVIDIA driver: GPU metrics are simply absent
+        return None
 
 
 class SystemMonitor:
@@ -20,31 +37,52 @@ class SystemMonitor:
                 self._procs[name] = p
             except psutil.Error:
                 logger.debug("worker %s (pid %d) is gone", name, pid)
-        self._nvml = None
-        try:
-            import pynvml
+        self._nvml = _init_nvml()
 
-            pynvml.nvmlInit()
-            self._nvml = pynvml
-        except Exception:  # noqa: BLE001 - no NVIDIA driver: GPU metrics are simply absent
-            self._nvml = None
+    @classmethod
+    def for_local_workers(cls, runtime: Any, roles: tuple[str, ...] = ("trainer", "rollout")) -> SystemMonitor:
+        """The workers of `runtime` that run on the controller's node (node 0)."""
+        workers = {f"{w.role}_{w.rank}": w.pid for role in roles for w in runtime.workers(role)
+                   if w.node == 0 and w.pid}
+        return cls(workers)
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self._procs)
 
     def sample(self) -> dict[str, float]:
         out: dict[str, float] = {}
         for name, p in self._procs.items():
             try:
                 with p.oneshot():
-                    rss = p.memory_info().rss + sum(c.memory_info().rss for c in p.children(recursive=True))
+                    rss = p.memory_info().rss + sum(_rss(c) for c in p.children(recursive=True))
                     out[f"sys/{name}/cpu_percent"] = p.cpu_percent(None)
                     out[f"sys/{name}/rss_gb"] = rss / 1024**3
             except psutil.Error:
                 continue
-        if self._nvml is not None:
-            nv = self._nvml
+        out.update(self._gpu_sample())
+        return out
+
+    def _gpu_sample(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        if self._nvml is None:
+            return out
+        nv = self._nvml
+        try:
             for i in range(nv.nvmlDeviceGetCount()):
                 h = nv.nvmlDeviceGetHandleByIndex(i)
                 util = nv.nvmlDeviceGetUtilizationRates(h)
                 mem = nv.nvmlDeviceGetMemoryInfo(h)
                 out[f"sys/gpu{i}/util_percent"] = float(util.gpu)
                 out[f"sys/gpu{i}/mem_used_gb"] = mem.used / 1024**3
+        except Exception as e:  # noqa: BLE001 - a driver hiccup must not end the run; report once and stop
+            logger.warning("GPU sampling failed (%s); no more sys/gpu* metrics this run", e)
+            self._nvml = None
         return out
+
+
+def _rss(p: psutil.Process) -> int:
+    try:
+        return p.memory_info().rss
+    except psutil.Error:  # a child that exited between listing and reading
+        return 0

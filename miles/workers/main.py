@@ -185,6 +185,9 @@ class WorkerHost:
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
+        # Slurm delivers the pre-timeout SIGUSR1 to every process of the step; stopping is the controller's
+        # call (checkpoint first), so workers and whatever they start ignore it
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         for sig in (signal.SIGTERM, signal.SIGHUP):
             loop.add_signal_handler(sig, self.request_stop, 128 + sig, f"received {signal.Signals(sig).name}")
         heartbeat = loop.create_task(self._heartbeat())

@@ -7,6 +7,7 @@ import os
 import socket
 from typing import Any
 
+from miles.utils.profiling import WorkerProfiler
 from miles.workers.base import Worker
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ class RolloutWorker(Worker):
         self._engine = None
         self._http = None
         self._sglang = None
+        self.profiler = WorkerProfiler(f"{ctx.role}_{ctx.rank}")
 
     async def on_start(self) -> None:
         import torch
@@ -66,6 +68,14 @@ class RolloutWorker(Worker):
 
     def info(self) -> dict[str, Any]:
         return {"url": self.url(), "kind": self.kind, "pid": os.getpid()}
+
+    def start_profile(self, trace_dir: str, py_spy: bool = False) -> dict[str, str | None]:
+        """torch.profiler records every thread of this process (the engine's included); with
+        --engine sglang the server is a separate process: use its own profiler for GPU kernels."""
+        return self.profiler.start(trace_dir, py_spy=py_spy)
+
+    def stop_profile(self) -> dict[str, str | None]:
+        return self.profiler.stop()
 
     async def on_stop(self) -> None:
         if self._http is not None:

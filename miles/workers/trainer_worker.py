@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from miles.config_sections import AlgoConfig, ModelConfig, RolloutConfig, TrainConfig, WeightsConfig
 from miles.rollout.train_data import TrainBatch
+from miles.utils.profiling import WorkerProfiler, nvtx_range
 from miles.workers.base import Worker
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ class TrainerWorker(Worker):
         self.device = device
         self.backend = None
         self.updater = None
+        self.profiler = WorkerProfiler(f"{ctx.role}_{ctx.rank}")
 
     # ---- lifecycle -------------------------------------------------------------------
     def setup(self) -> dict[str, Any]:
@@ -52,7 +54,8 @@ class TrainerWorker(Worker):
 
     # ---- training --------------------------------------------------------------------
     def train(self, batch: dict[str, np.ndarray], rollout_id: int) -> dict[str, float]:
-        return self.backend.train(TrainBatch.from_dict(batch), rollout_id)
+        with nvtx_range(f"train/{rollout_id}"):
+            return self.backend.train(TrainBatch.from_dict(batch), rollout_id)
 
     def compute_log_probs(self, batch: dict[str, np.ndarray], which: str = "actor") -> dict[str, np.ndarray]:
         logp, ent = self.backend.compute_log_probs(TrainBatch.from_dict(batch), which)
@@ -78,7 +81,8 @@ class TrainerWorker(Worker):
     def push_weights(self, version: int) -> dict[str, float]:
         start = time.perf_counter()
         dtype = _dtype(self.model_cfg.dtype) if self.device == "cpu" else torch.bfloat16
-        metrics = self.updater.update(self.backend.named_hf_tensors(dtype), version) or {}
+        with nvtx_range(f"push_weights/{version}"):
+            metrics = self.updater.update(self.backend.named_hf_tensors(dtype), version) or {}
         self.backend.weight_version = version
         metrics["perf/update_weights_time"] = time.perf_counter() - start
         return metrics
@@ -102,6 +106,13 @@ class TrainerWorker(Worker):
 
     def onload(self) -> None:
         self.backend.onload()
+
+    # ---- profiling (runs on the same thread as train, so torch.profiler sees its ops) -------
+    def start_profile(self, trace_dir: str, py_spy: bool = False) -> dict[str, str | None]:
+        return self.profiler.start(trace_dir, py_spy=py_spy)
+
+    def stop_profile(self) -> dict[str, str | None]:
+        return self.profiler.stop()
 
     async def on_stop(self) -> None:
         if dist.is_initialized():
