@@ -131,12 +131,13 @@ class GroupRunner:
             s.reward = r
 
 
-def group_drop_reason(group: list[Sample]) -> str | None:
+def group_drop_reason(group: list[Sample], *, scored: bool = True) -> str | None:
+    """Why a finished group cannot be trained on (None: it can). `scored=False` before rewards exist."""
     if any(s.status == SampleStatus.ABORTED for s in group):
         return "aborted"
     if any(s.status == SampleStatus.FAILED for s in group):
         return "reward_failed"
-    if any(s.reward is None for s in group):
+    if scored and any(s.reward is None for s in group):
         return "no_reward"
     return None
 
@@ -162,18 +163,26 @@ class SyncRolloutManager:
         drops: Counter[str] = Counter()
         pending: set[asyncio.Task] = set()
         submitted = 0
+        generated: list[list[Sample]] = []  # separate reward phase: generated, not yet scored
         try:
             while len(accepted) < target:
-                if len(accepted) + len(pending) < target:
+                if len(accepted) + len(pending) + len(generated) < target:
                     for group in self.data_source.get_samples(refill):
                         pending.add(asyncio.create_task(self.runner.run(group)))
                         submitted += 1
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                finished = [t.result() for t in done]
+                if pending:
+                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    finished = [t.result() for t in done]
+                else:
+                    finished = []
                 if not self.runner.reward_inline:
-                    finished = [g for g in finished if not self._drop(g, drops)]
-                    for g in finished:
-                        await self.runner.score(g, whole_group=self.args.group_rm or self.runner.group_reward_fn is not None)
+                    generated += [g for g in finished if not self._drop(g, drops, scored=False)]
+                    if pending and len(accepted) + len(generated) < target:
+                        continue  # keep generating; score once this round's generation is complete
+                    finished, generated = generated, []
+                    await asyncio.gather(*(self.runner.score(g, whole_group=self.args.group_rm
+                                                             or self.runner.group_reward_fn is not None)
+                                           for g in finished))
                 for group in finished:
                     if self._drop(group, drops):
                         continue
@@ -197,8 +206,8 @@ class SyncRolloutManager:
         self.runner.reward_time_s = self.runner.recompute_time_s = 0.0
         return RolloutResult(accepted, metrics)
 
-    def _drop(self, group: list[Sample], drops: Counter[str]) -> bool:
-        reason = group_drop_reason(group)
+    def _drop(self, group: list[Sample], drops: Counter[str], *, scored: bool = True) -> bool:
+        reason = group_drop_reason(group, scored=scored)
         if reason is None:
             return False
         drops[f"{reason}_groups"] += 1

@@ -28,8 +28,8 @@ class StopRequest:
         return self
 
     def _on_signal(self, sig: int) -> None:
-        if self.signal is not None and sig == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C stops at once
+        if self.signal is not None:  # a second signal: stop now (workers are torn down on the way out)
+            raise KeyboardInterrupt
         self.signal = sig
         logger.warning("received %s: checkpointing at the end of this step, then exiting",
                        signal.Signals(sig).name)

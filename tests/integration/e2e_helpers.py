@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,9 +20,16 @@ def run_train(out_dir: Path, *flags: str, timeout_s: float = 600, env: dict | No
     cmd = [sys.executable, "-m", "miles.cli", "train", "--config", str(DEMO), "--output-dir", str(out_dir),
            "--no-progress-bar", *flags]
     full_env = {**os.environ, "MILES_TORCH_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
-    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout_s)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the workers notice their controller is gone and exit
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"miles train did not finish in {timeout_s}s:\n{stderr[-5000:]}") from None
     if proc.returncode != 0:
-        raise AssertionError(f"miles train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        raise AssertionError(f"miles train failed ({proc.returncode}):\n{stdout[-3000:]}\n{stderr[-5000:]}")
     return read_rows(out_dir)
 
 
