@@ -11,6 +11,7 @@ import json
 import os
 import random
 
+
 def make_prompts(path: str, num_prompts: int = 200, seed: int = 0) -> str:
     """Write `num_prompts` JSONL rows {"input": "copy 7 :", "label": "7"}."""
     rng = random.Random(seed)

@@ -18,7 +18,6 @@ import os
 from pathlib import Path
 
 import pytest
-
 from e2e_helpers import leftover_processes, run_train
 
 STANDARD = Path(__file__).resolve().parents[1] / "standards" / "sync_demo.jsonl"
