@@ -1,9 +1,18 @@
 """The fully async data buffer between generation and training.
 
 Three operations only: `put` a finished group, `take` a training batch, report `metrics`.
-A group is dropped on arrival when generation gave it up (aborted) or the filter rejects it,
-and on the way out when its staleness — current weight version minus the oldest version of
-any token in the group — exceeds the limit. Capacity is bounded: `put` blocks when full.
+A group is dropped on arrival when generation gave it up (aborted, or its reward failed) or the
+filter rejects it, and on the way out when its staleness — current weight version minus the
+oldest version of any token in the group — exceeds the limit. Capacity is bounded: `put` blocks
+while the buffer is full.
+
+Every dropped group goes to `unused_handler(group, reason)` with reason `aborted`, `filtered`
+or `stale`; the handler decides whether the prompt is retried (never for `filtered`: such a
+group carries no gradient signal).
+
+A replacement (`--custom-async-data-buffer-path pkg.mod:Cls`) is constructed as
+`Cls(BufferConfig, unused_handler=..., filter_fn=...)` and provides the same three coroutines /
+methods; `put` returns False when it dropped the group.
 """
 
 from __future__ import annotations
@@ -19,10 +28,15 @@ from miles.rollout.sample import Sample, SampleStatus
 logger = logging.getLogger(__name__)
 
 Group = list[Sample]
+UnusedHandler = Callable[[Group, str], None]
+GroupFilter = Callable[[Group], tuple[bool, str | None]]
+
+METRIC_PREFIX = "rollout/fully_async/"
 
 
 def group_min_version(group: Group) -> int | None:
-    versions = [v for s in group if (v := s.oldest_weight_version) is not None]
+    """The oldest weight version of any token in the group (None: no versioned token)."""
+    versions = [min(s.weight_versions) for s in group if s.weight_versions]
     return min(versions) if versions else None
 
 
@@ -32,20 +46,25 @@ def group_staleness(group: Group, current_version: int, *, steps_per_version: in
     return None if v is None else (current_version - v) * steps_per_version
 
 
-@dataclass
+def gave_up(group: Group) -> bool:
+    """Generation gave the group up: a sample was aborted or its reward failed after retries."""
+    return any(s.status in (SampleStatus.ABORTED, SampleStatus.FAILED) for s in group)
+
+
+@dataclass(slots=True)
 class BufferConfig:
-    capacity: int
-    max_staleness: int | None
-    steps_per_version: int = 1
+    capacity: int  # groups
+    max_staleness: int | None  # policy updates; None = no limit
+    steps_per_version: int = 1  # optimizer steps per weight version (num_steps_per_rollout)
 
 
 class DataBuffer:
     """Bounded FIFO with arrival and staleness filters; replaceable by `--custom-async-data-buffer-path`."""
 
-    def __init__(self, cfg: BufferConfig, *, unused_handler: Callable[[Group, str], None],
-                 filter_fn: Callable[[Group], tuple[bool, str | None]] | None = None):
+    def __init__(self, cfg: BufferConfig, *, unused_handler: UnusedHandler, filter_fn: GroupFilter | None = None):
         if cfg.capacity < 1:
-            raise ValueError(f"async data buffer capacity={cfg.capacity}; raise --async-data-buffer-capacity-factor")
+            raise ValueError(f"async data buffer capacity={cfg.capacity} groups; raise "
+                             "--async-data-buffer-capacity-factor (capacity = factor x rollout_batch_size)")
         self.cfg = cfg
         self._unused = unused_handler
         self._filter = filter_fn
@@ -61,7 +80,7 @@ class DataBuffer:
 
     async def put(self, group: Group) -> bool:
         """Accept a finished group (blocking while full); False when it was dropped on arrival."""
-        if any(s.status in (SampleStatus.ABORTED, SampleStatus.FAILED) for s in group):
+        if gave_up(group):
             self._window["aborted_groups_filtered"] += 1
             self._unused(group, "aborted")
             return False
@@ -70,7 +89,8 @@ class DataBuffer:
             if not keep:
                 self._window["filter_rejected_groups"] += 1
                 logger.debug("filter rejected group %s: %s", group[0].group_index, reason)
-                return False  # no gradient signal: never retried
+                self._unused(group, "filtered")
+                return False
         async with self._cond:
             await self._cond.wait_for(lambda: len(self._groups) < self.cfg.capacity)
             self._groups.append(group)
@@ -80,27 +100,25 @@ class DataBuffer:
     async def take(self, num_groups: int, *, current_version: int) -> list[Group]:
         """The next `num_groups` fresh-enough groups in arrival order (waits for them)."""
         self._last_version = current_version
-        out: list[Group] = []
         self._queue_size_at_take = len(self._groups)
+        out: list[Group] = []
         while len(out) < num_groups:
             async with self._cond:
                 await self._cond.wait_for(lambda: len(self._groups) > 0)
                 group = self._groups.popleft()
                 self._cond.notify_all()
-            st = group_staleness(group, current_version, steps_per_version=self.cfg.steps_per_version)
-            if self.cfg.max_staleness is not None and st is not None and st > self.cfg.max_staleness:
+            staleness = group_staleness(group, current_version, steps_per_version=self.cfg.steps_per_version)
+            limit = self.cfg.max_staleness
+            if limit is not None and staleness is not None and staleness > limit:
                 self._window["stale_groups_filtered"] += 1
                 self._unused(group, "stale")
                 continue
-            self._taken_staleness.append(st or 0)
+            self._taken_staleness.append(staleness or 0)
             out.append(group)
         return out
 
-    def snapshot_groups(self) -> list[Group]:
-        """Groups still waiting (for checkpoints)."""
-        return list(self._groups)
-
     def metrics(self) -> dict[str, float]:
+        """The step's buffer figures (Table 2 of the design); resets the per-step counters."""
         waiting = [group_staleness(g, self._last_version, steps_per_version=self.cfg.steps_per_version) or 0
                    for g in self._groups]
         taken = self._taken_staleness
@@ -114,4 +132,4 @@ class DataBuffer:
         }
         self._taken_staleness = []
         self._window = dict.fromkeys(self._window, 0)
-        return {f"rollout/fully_async/{k}": v for k, v in m.items()}
+        return {METRIC_PREFIX + k: v for k, v in m.items()}

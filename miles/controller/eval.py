@@ -64,14 +64,15 @@ class Evaluator:
             return {}
         return out
 
-    async def evaluate(self, name: str, path: str) -> dict[str, float]:
+    async def evaluate(self, name: str, path: str, *, router=None, version: int | None = None) -> dict[str, float]:
+        """Scores of one dataset on `router`'s engines (default: the rollout fleet at the run's version)."""
         data_cfg = replace(self.cfg.data, prompt_data=path, rollout_shuffle=False)
         source = JsonlDataSource(data_cfg, n_samples_per_prompt=self.cfg.eval.n_samples_per_eval_prompt,
                                  tokenizer=self.run.tokenizer)
         groups = source.get_samples(len(source))
         args = self.run.args
-        runner = GroupRunner(args, self.run.router, self.run.tokenizer, self.sampling)
-        version = self.run.weight_version
+        runner = GroupRunner(args, router or self.run.router, self.run.tokenizer, self.sampling)
+        version = self.run.weight_version if version is None else version
         done = await asyncio.gather(*(runner.run(g) for g in groups))
         samples = [s for g in done for s in g]
         scored = [s for s in samples if s.status != SampleStatus.FAILED and s.reward is not None]

