@@ -138,29 +138,14 @@ def cmd_convert(argv: list[str]) -> int:
 
 
 def convert_gguf(src: str, out_dir: str, dtype: str = "bfloat16") -> int:
-    import importlib.util
-    from pathlib import Path
+    from miles.utils.gguf import GGUFConvertError
+    from miles.utils.gguf import convert_gguf as convert
 
-    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
-    if missing:
-        raise UsageError(
-            f"miles convert gguf needs {' and '.join(missing)}, which are not installed; run: pip install 'miles[gguf]'"
-        )
-    path = Path(src)
-    if not path.is_file():
-        raise UsageError(f"miles convert gguf: {src} is not a file")
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype))
-    # The weights are dequantized on load; keeping the GGUF quantization entry would make
-    # loaders look for a quantizer that the saved tensors no longer need.
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    print(f"wrote {out_dir}")
+    try:
+        out = convert(src, out_dir, dtype)
+    except GGUFConvertError as e:
+        raise UsageError(f"miles convert gguf: {e}") from None
+    print(f"wrote {out}")
     return 0
 
 

@@ -1,0 +1,69 @@
+"""GGUF file -> plain Hugging Face directory (dequantized safetensors, tokenizer, chat template).
+
+transformers reads GGUF when `gguf` and `accelerate` are installed: it dequantizes every tensor on
+load, but keeps a GGUF quantizer attached to the model, which refuses `save_pretrained`. The
+tensors it holds are ordinary dense tensors by then, so dropping the quantizer (and the
+`quantization_config` entry, which would send later loaders looking for it) gives a directory any
+loader, the trainer and the embedded engine included, reads like a normal checkpoint.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+class GGUFConvertError(RuntimeError):
+    """The GGUF file or the environment cannot produce an HF directory; the message says the fix."""
+
+
+def missing_gguf_deps() -> list[str]:
+    """The packages transformers needs to read GGUF that are not installed."""
+    return [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+
+
+def convert_gguf(src: str | Path, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
+    """Dequantize `src` and write a plain HF checkpoint (config, safetensors, tokenizer) to `out_dir`."""
+    missing = missing_gguf_deps()
+    if missing:
+        raise GGUFConvertError(f"reading GGUF needs {' and '.join(missing)}; run: pip install 'miles[gguf]'")
+    path = Path(src)
+    if not path.is_file():
+        raise GGUFConvertError(f"{src} is not a file; pass the path of a .gguf file")
+    if dtype not in DTYPES:
+        raise GGUFConvertError(f"dtype={dtype!r} is not one of {DTYPES}")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = Path(out_dir)
+    logger.info("dequantizing %s (%.1f MB) to %s", path, path.stat().st_size / 2**20, dtype)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype))
+    _drop_quantizer(model)
+    model.save_pretrained(str(out), safe_serialization=True)
+    tokenizer.save_pretrained(str(out))
+    _check_written(out)
+    logger.info("wrote %s (%s, %.1fM params)", out, type(model).__name__, model.num_parameters() / 1e6)
+    return out
+
+
+def _drop_quantizer(model) -> None:
+    """Forget the GGUF quantizer: the loaded tensors are already dense."""
+    model.hf_quantizer = None
+    for attr in ("quantization_config", "_pre_quantization_dtype"):
+        if hasattr(model.config, attr):
+            delattr(model.config, attr)
+
+
+def _check_written(out: Path) -> None:
+    config = json.loads((out / "config.json").read_text())
+    if "quantization_config" in config:
+        raise GGUFConvertError(f"{out}/config.json still has quantization_config; loaders would look for a quantizer")
+    if not list(out.glob("*.safetensors")):
+        raise GGUFConvertError(f"{out} has no .safetensors file after saving")
