@@ -31,6 +31,13 @@ def sections_dict(cfg) -> dict[str, dict]:
     return {f.name: asdict(getattr(cfg, f.name)) for f in fields(cfg) if is_dataclass(getattr(cfg, f.name))}
 
 
+def _kv_tokens(cfg) -> int:
+    """Default KV capacity: every running request can hold a full prompt + response."""
+    r = cfg.rollout
+    per_request = r.rollout_max_context_len or ((cfg.data.rollout_max_prompt_len or 1024) + r.rollout_max_response_len)
+    return cfg.engine.max_running_requests * per_request
+
+
 def plan_placement(cfg, *, device: str, num_nodes: int = 1, master_addr: str = "127.0.0.1",
                    master_port: int | None = None, gpus_per_node: int | None = None) -> Placement:
     """Trainer ranks first, then engines; on GPU, colocated engines share the trainers' devices."""
@@ -66,7 +73,7 @@ def plan_placement(cfg, *, device: str, num_nodes: int = 1, master_addr: str = "
             role="rollout", rank=i, entry="miles.workers.rollout_worker:RolloutWorker", node=node, env=env,
             init_kwargs={"engine": engine.engine, "model_path": cfg.model.hf_checkpoint, "device": device,
                          "dtype": cfg.model.dtype, "max_running_requests": engine.max_running_requests,
-                         "max_total_tokens": engine.max_total_tokens, "seed": cfg.data.rollout_seed + i,
+                         "max_total_tokens": engine.max_total_tokens or _kv_tokens(cfg), "seed": cfg.data.rollout_seed + i,
                          "deterministic": engine.deterministic, "sglang_args": engine.sglang_args,
                          "tp_size": gpus_per_engine}))
     if num_nodes > 1:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
@@ -52,10 +53,11 @@ class RolloutWorker(Worker):
         from miles.engines.http_front import start_http_server
         from miles.weights.receiver import WeightReceiver
 
-        self._engine = EmbeddedEngine(self.model_path, device=self.device, dtype=self.dtype,
-                                      max_running_requests=self.max_running_requests,
-                                      max_total_tokens=self.max_total_tokens, seed=self.seed,
-                                      deterministic=self.deterministic)
+        # weights and KV cache are built off the event loop, so heartbeats keep flowing meanwhile
+        self._engine = await asyncio.to_thread(
+            EmbeddedEngine, self.model_path, device=self.device, dtype=self.dtype,
+            max_running_requests=self.max_running_requests, max_total_tokens=self.max_total_tokens, seed=self.seed,
+            deterministic=self.deterministic)
         await self._engine.start()
         self._http = await start_http_server(self._engine, self.host, 0, receiver=WeightReceiver(self._engine))
         logger.info("embedded engine serving at %s", self._http.url)
