@@ -21,7 +21,7 @@ import os
 from miles.controller.async_eval import AsyncEval
 from miles.controller.buffer import BufferConfig, DataBuffer, Group
 from miles.controller.rollout_manager import GroupRunner, SyncRolloutManager, sampling_from_config
-from miles.controller.run import MilesRun
+from miles.controller.run import MilesRun, run_driver
 from miles.controller.signals import StopRequest
 from miles.rollout.filters import apply_filter
 from miles.rollout.sample import Sample
@@ -293,14 +293,5 @@ def _group_metrics(groups: list[Group]) -> dict[str, float]:
 
 
 def run(cfg) -> int:
-    from miles.utils.progress import print_reward_curve
-
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    out_dir = asyncio.run(train(cfg))
-    print_reward_curve(out_dir)
-    return 0
+    """`miles train --fully-async` entry."""
+    return run_driver(train, cfg)

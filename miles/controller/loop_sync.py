@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from miles.controller.eval import Evaluator
 from miles.controller.rollout_manager import SyncRolloutManager
-from miles.controller.run import MilesRun
+from miles.controller.run import MilesRun, run_driver
 from miles.controller.signals import StopRequest
 from miles.utils.progress import StepProgress
 
@@ -47,14 +46,4 @@ async def train(cfg) -> str:
 
 def run(cfg) -> int:
     """`miles train` entry for synchronous runs."""
-    from miles.utils.progress import print_reward_curve
-
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    out_dir = asyncio.run(train(cfg))
-    print_reward_curve(out_dir)
-    return 0
+    return run_driver(train, cfg)

@@ -323,3 +323,18 @@ class MilesRun:
 def summarise_rewards(values: list[float]) -> dict[str, float]:
     arr = np.asarray(values, dtype=np.float64)
     return {"mean": float(arr.mean()) if arr.size else float("nan")}
+
+
+def run_driver(train, cfg) -> int:
+    """Run a loop driver's `train(cfg)` on uvloop (when installed), then print the reward curve."""
+    from miles.utils.progress import print_reward_curve
+
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    out_dir = asyncio.run(train(cfg))
+    print_reward_curve(out_dir)
+    return 0
