@@ -23,11 +23,15 @@ EXACT_KEYS = (
     "rollout/fully_async/avg_staleness",
     "perf/step_time",
 )
-PREFIXES = ("eval/", "train/kl")
+PREFIXES = ("train/kl",)
+# eval/<dataset>/... carries bookkeeping too (sample counts, versions): plot the scores only
+EVAL_SUFFIXES = ("/reward_mean", "/delay_steps")
 STEP_KEYS = ("step", "rollout_id")
 
 
 def wanted(key: str) -> bool:
+    if key.startswith("eval/"):
+        return key.endswith(EVAL_SUFFIXES)
     return key in EXACT_KEYS or key.startswith(PREFIXES)
 
 

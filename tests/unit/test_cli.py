@@ -141,7 +141,8 @@ def test_unknown_command_exits_2(capsys):
 def test_plot_writes_pngs_for_known_keys(tmp_path, capsys):
     rows = [
         {"step": 0, "rollout/reward_mean": 0.1, "train/kl_loss": 0.0, "rollout/other": 5},
-        {"step": 1, "rollout/reward_mean": 0.4, "eval/gsm8k": 0.2, "perf/step_time": 3.0},
+        {"step": 1, "rollout/reward_mean": 0.4, "eval/gsm8k/reward_mean": 0.2, "eval/gsm8k/num_samples": 64,
+         "perf/step_time": 3.0},
         {
             "step": 2,
             "rollout/reward_mean": 0.9,
@@ -156,7 +157,7 @@ def test_plot_writes_pngs_for_known_keys(tmp_path, capsys):
         [
             "rollout_reward_mean.png",
             "train_kl_loss.png",
-            "eval_gsm8k.png",
+            "eval_gsm8k_reward_mean.png",
             "perf_step_time.png",
             "train_train_rollout_kl.png",
             "rollout_fully_async_avg_staleness.png",
