@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from miles.config_sections import AlgoConfig, ModelConfig, RolloutConfig, TrainConfig, WeightsConfig
+from miles.controller.placement import free_port
 from miles.rollout.train_data import TrainBatch
 from miles.utils.profiling import WorkerProfiler, nvtx_range
 from miles.workers.base import Worker
@@ -74,8 +75,11 @@ class TrainerWorker(Worker):
             self.weights_cfg.update_weight_transfer_mode = mode
         engines = [EngineClient(u) for u in engine_urls]
         self.updater = make_updater(self.weights_cfg, colocate=colocated)
+        # every trainer rank must agree on the weight-sync group's port (p2p has several senders)
+        port = [free_port(master_address) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(port, src=0)
         self.updater.connect(engines, trainer_rank=dist.get_rank(), trainer_world_size=dist.get_world_size(),
-                             master_address=master_address, barrier=dist.barrier)
+                             master_address=master_address, master_port=port[0], barrier=dist.barrier)
         return {"mode": self.updater.mode}
 
     def push_weights(self, version: int) -> dict[str, float]:

@@ -103,3 +103,9 @@ def test_separate_reward_phase_and_prefill_recompute(tmp_path):
         assert r["train/train_rollout_logprob_abs_diff"] < 1e-5, r["train/train_rollout_logprob_abs_diff"]
         assert r["perf/rollout/log_prob_recompute_time_sum"] > 0
         assert r["rollout/reward_failed_samples"] == 0
+
+
+def test_p2p_from_two_trainer_ranks_gives_the_same_run(tmp_path, broadcast_rows):
+    """p2p with 2 sources and 1 engine: the ranks agree on one group, one source sends, one idles."""
+    rows = run_train(tmp_path / "run", *COMMON, "--update-weight-transfer-mode", "p2p")
+    assert_same_metrics(rows, broadcast_rows, "p2p")
