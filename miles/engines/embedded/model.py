@@ -192,6 +192,13 @@ class CausalLM:
             spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.int64).float() / spec.head_dim)
         )
         self.inv_freq = inv_freq.to(device)
+        # rotate_half(x) * sin == roll(x, half) * (sin with its first half negated): negation is exact
+        half = spec.head_dim // 2
+        self._rope_sign = torch.cat((-torch.ones(half), torch.ones(half))).to(device=device)
+        self._rope_table: torch.Tensor | None = None  # [P, 2 * head_dim]: cos | signed sin of positions < P
+        self._rope_table_len = min(spec.max_position_embeddings, 32768)
+        self._aranges: torch.Tensor | None = None
+        self._mask_fill: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def from_pretrained(cls, model_path: str, device: torch.device, dtype: torch.dtype) -> CausalLM:
@@ -229,6 +236,7 @@ class CausalLM:
         """Move all weights (e.g. to host memory and back); `params` views are rebuilt on the new storage."""
         self.storage = {k: t.to(device) for k, t in self.storage.items()}
         self._rebuild_views()
+        self._rope_table = self._aranges = self._mask_fill = None  # rebuilt on the next forward
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.params["model.embed_tokens.weight" if self.spec.tie_word_embeddings else "lm_head.weight"]
@@ -241,9 +249,28 @@ class CausalLM:
 
     # ---- forward -------------------------------------------------------------------------------
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.to(torch.float32)[..., None] * self.inv_freq
+        """cos and sign-folded sin [..., head_dim] of `positions` (see `_attention` for the sign)."""
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq.to(positions.device)
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        cos, sin = emb.cos(), emb.sin() * self._rope_sign.to(positions.device)
+        if self.dtype != torch.float32:
+            cos, sin = cos.to(self.dtype), sin.to(self.dtype)
+        return cos, sin
+
+    def _rope_lookup(self, positions: torch.Tensor, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """rope() of positions < limit by one table lookup (same elementwise values as rope())."""
+        if limit > self._rope_table_len:
+            return self.rope(positions)
+        if self._rope_table is None:
+            cos, sin = self.rope(torch.arange(self._rope_table_len, device=self.device))
+            self._rope_table = torch.cat((cos, sin), dim=-1)
+        emb = F.embedding(positions, self._rope_table)
+        return emb[..., : self.spec.head_dim], emb[..., self.spec.head_dim :]
+
+    def _arange(self, n: int) -> torch.Tensor:
+        if self._aranges is None or self._aranges.shape[0] < n:
+            self._aranges = torch.arange(max(n, 4096), device=self.device)
+        return self._aranges[:n]
 
     def forward(
         self,
@@ -262,21 +289,29 @@ class CausalLM:
         """
         s = self.spec
         h = F.embedding(tokens, self.storage["model.embed_tokens.weight"])
-        cos, sin = self.rope(positions)
+        cos, sin = self._rope_lookup(positions, tokens.shape[1] if kv_len is None else kv_len)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        rows = torch.arange(slot_start, slot_start + tokens.shape[0], device=tokens.device)[:, None]
-        hidden_keys = None  # decode: [B, 1, 1, L], True where a cache position is beyond the row's token
+        rows = self._arange(slot_start + tokens.shape[0])[slot_start:, None]
+        keep = None  # decode: [B, 1, 1, L] additive mask, 0 where a cache position is at or before the row's token
         if kv_len is not None:
-            hidden_keys = (torch.arange(kv_len, device=tokens.device)[None, :] > positions[:, -1:])[:, None, None, :]
+            # the float form SDPA would convert a boolean mask to in every layer, built once per step
+            if self._mask_fill is None:
+                self._mask_fill = (
+                    torch.zeros((), dtype=self.dtype, device=self.device),
+                    torch.full((), float("-inf"), dtype=self.dtype, device=self.device),
+                )
+            visible = self._arange(kv_len)[None, :] <= positions[:, -1:]
+            keep = torch.where(visible, *self._mask_fill)[:, None, None, :]
         for i, names in enumerate(self._layer_names):
             x = rms_norm(h, self.storage[names["ln1"]], s.rms_norm_eps)
-            h = h + self._attention(i, names, x, cos, sin, kv, rows, slot_start, write_pos, hidden_keys, kv_len)
+            h = h + self._attention(i, names, x, cos, sin, kv, rows, slot_start, write_pos, keep, kv_len)
             x = rms_norm(h, self.storage[names["ln2"]], s.rms_norm_eps)
             h = h + (self._moe(names, x) if i in s.moe_layers else self._mlp(names, x))
         return rms_norm(h, self.storage["model.norm.weight"], s.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_weight()).float()
+        out = F.linear(hidden, self.lm_head_weight())
+        return out if out.dtype == torch.float32 else out.float()
 
     def _attention(
         self,
@@ -289,7 +324,7 @@ class CausalLM:
         rows: torch.Tensor,
         slot_start: int,
         write_pos: torch.Tensor,
-        hidden_keys: torch.Tensor | None,
+        keep: torch.Tensor | None,
         kv_len: int | None,
     ) -> torch.Tensor:
         s, st = self.spec, self.storage
@@ -306,7 +341,7 @@ class CausalLM:
                 dim=2,
             )
         qk = qk.transpose(1, 2)  # [B, H + KVH, T, hd]: one RoPE for queries and keys
-        qk = qk * cos + rotate_half(qk) * sin
+        qk = qk * cos + torch.roll(qk, s.head_dim // 2, -1) * sin  # sin carries rotate_half's sign
         q, k = qk[:, :H], qk[:, H:]
         v = qkv[:, :, H + KVH :]
         # index_put with [B,1] rows x [B,T] positions selects [B, T, kv_heads, hd] cache entries
@@ -315,12 +350,12 @@ class CausalLM:
         if kv_len is None:
             out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, enable_gqa=H != KVH)
         else:
-            out = self._decode_attention(q, kv, layer, slot_start, hidden_keys, kv_len)
+            out = self._decode_attention(q, kv, layer, slot_start, keep, kv_len)
         out = out.transpose(1, 2).reshape(B, T, H * s.head_dim)
         return F.linear(out, st[names["o"]], st.get(names["ob"]))
 
     def _decode_attention(
-        self, q: torch.Tensor, kv: KVCache, layer: int, start: int, hidden_keys: torch.Tensor, kv_len: int
+        self, q: torch.Tensor, kv: KVCache, layer: int, start: int, keep: torch.Tensor, kv_len: int
     ) -> torch.Tensor:
         """Grouped-query attention of one new token per row over its cached keys (no K/V head repeat)."""
         s = self.spec
@@ -330,7 +365,7 @@ class CausalLM:
         values = kv.v[layer][start : start + B, :, :kv_len]
         qg = q.reshape(B, s.num_kv_heads, group, s.head_dim)
         # the query heads of a group act as `group` queries of one KV head: no K/V repeat, one fused op
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=~hidden_keys)
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=keep)
         return out.reshape(B, s.num_heads, 1, s.head_dim)
 
     def _mlp(self, names: dict[str, str], x: torch.Tensor) -> torch.Tensor:

@@ -118,7 +118,7 @@ def _inverse_cdf(
     for i, g in enumerate(generators):
         if g is not None:
             u[i] = torch.rand((), device=probs.device, generator=g, dtype=dtype)
-    cdf = probs.to(dtype).cumsum(dim=-1)
+    cdf = probs.cumsum(dim=-1, dtype=dtype)
     target = (u * cdf[:, -1])[:, None]
     # first index whose cumulative mass exceeds the target: zero-probability tokens are never chosen
     tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)
