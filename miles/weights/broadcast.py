@@ -21,17 +21,34 @@ from miles.weights.updater import EngineCallError, WeightUpdater
 logger = logging.getLogger(__name__)
 
 
-class BroadcastUpdater(WeightUpdater):
-    mode = "broadcast"
+class GroupUpdater(WeightUpdater):
+    """A transport that holds a process group made only for weight sync with the engines."""
 
-    def __init__(self, *args, group_name: str = "miles", backend: str | None = None, **kw) -> None:
+    default_group_name = "miles"
+
+    def __init__(self, *args, group_name: str | None = None, backend: str | None = None, **kw) -> None:
         super().__init__(*args, **kw)
-        self.group_name = group_name
+        self.group_name = group_name or self.default_group_name
         self.backend = backend  # None: nccl when CUDA is available, else gloo
         self.group: SyncGroup | None = None
 
     def _backend(self) -> str:
         return self.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+
+    def _close(self) -> None:
+        if self.group is None:
+            return
+        if self.is_leader:
+            try:
+                self._run_engines("destroy_weights_update_group", lambda i: {"group_name": self.group_name})
+            except EngineCallError as exc:
+                logger.warning("destroying weight-sync group %r on the engines: %s", self.group_name, exc)
+        self.group.destroy()
+        self.group = None
+
+
+class BroadcastUpdater(GroupUpdater):
+    mode = "broadcast"
 
     def _connect(self, master_address: str, master_port: int | None) -> None:
         if not self.is_sender:
@@ -102,15 +119,6 @@ class BroadcastUpdater(WeightUpdater):
 
         return finish
 
-    def _close(self) -> None:
-        if self.group is None:
-            return
-        try:
-            self._run_engines("destroy_weights_update_group", lambda i: {"group_name": self.group_name})
-        except EngineCallError as exc:
-            logger.warning("destroying the weight-sync group on the engines: %s", exc)
-        self.group.destroy()
-        self.group = None
 
 
 def _raise_with_engine_errors(exc: Exception, fut, updater: WeightUpdater, method: str) -> None:

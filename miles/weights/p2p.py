@@ -14,11 +14,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 
-import torch
-
+from miles.weights.broadcast import GroupUpdater
 from miles.weights.bucket import NamedTensor, bucket_meta
-from miles.weights.groups import SyncGroup, WeightSyncTimeoutError, create_sync_group, find_free_port
-from miles.weights.updater import EngineCallError, WeightUpdater
+from miles.weights.groups import WeightSyncTimeoutError, create_sync_group, find_free_port
 
 logger = logging.getLogger(__name__)
 
@@ -43,14 +41,12 @@ def format_plan(plan: dict[int, list[int]], num_sources: int) -> str:
     return "\n".join(lines)
 
 
-class P2PUpdater(WeightUpdater):
+class P2PUpdater(GroupUpdater):
     mode = "p2p"
+    default_group_name = "miles-p2p"
 
-    def __init__(self, *args, group_name: str = "miles-p2p", backend: str | None = None, **kw) -> None:
+    def __init__(self, *args, **kw) -> None:
         super().__init__(*args, **kw)
-        self.group_name = group_name
-        self.backend = backend  # None: nccl when CUDA is available, else gloo
-        self.group: SyncGroup | None = None
         self.plan: dict[int, list[int]] = {}
 
     @property
@@ -71,7 +67,7 @@ class P2PUpdater(WeightUpdater):
         if self.group is not None:
             self._close()
         port = master_port or find_free_port(master_address)
-        backend = self.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        backend = self._backend()
         num_sources = len(self.plan)
         world_size = num_sources + len(self.engines)
         fut = None
@@ -141,13 +137,3 @@ class P2PUpdater(WeightUpdater):
 
         return finish
 
-    def _close(self) -> None:
-        if self.group is None:
-            return
-        if self.is_leader:
-            try:
-                self._run_engines("destroy_weights_update_group", lambda i: {"group_name": self.group_name})
-            except EngineCallError as exc:
-                logger.warning("destroying the p2p group on the engines: %s", exc)
-        self.group.destroy()
-        self.group = None
