@@ -4,7 +4,8 @@ Both sides sample (temperature 1, no truncation), ignore eos and generate exactl
 request; each round is timed end to end (prefill included); after one warm-up each, engine and HF rounds
 alternate for --reps repetitions (both see the same machine load) and the medians are compared. On CUDA
 it also reports the decode roofline: HBM bandwidth / bytes read per decode step (all weights once + the
-batch's KV at the mean context length) x batch.
+batch's KV at the mean context length) x batch, and the fraction of it the decode phase reaches (decode
+tok/s = the tokens after the first over a full round's time minus a prefill-plus-one-token round's).
 
 CPU:  python bench/engine_throughput.py --batch 32
 GPU:  python bench/engine_throughput.py --device cuda --batch 256 --prompt-len 128 --new-tokens 256 \
@@ -49,6 +50,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=True,
         help="capture decode steps in CUDA graphs (CUDA only)",
     )
+    p.add_argument(
+        "--fused-kernels",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Triton decode/sampling kernels (default: where they run, i.e. CUDA with triton)",
+    )
+    p.add_argument("--profile", action="store_true", help="after timing, profile one engine round (top kernels)")
     p.add_argument("--hbm-gbps", type=float, default=4800.0, help="HBM bandwidth for the roofline (H200: 4800)")
     p.add_argument("--skip-hf", action="store_true", help="engine only (ratio reported as null)")
     return p.parse_args(argv)
@@ -77,6 +85,10 @@ class EngineSide:
 
     def round(self, n_new: int) -> float:
         return self.loop.run_until_complete(self._round(n_new))
+
+    def seconds(self, n_new: int) -> float:
+        """Wall time of one round of n_new tokens per prompt."""
+        return len(self.prompts) * n_new / self.round(n_new)
 
     def close(self) -> None:
         self.loop.run_until_complete(self.engine.shutdown())
@@ -126,6 +138,17 @@ def measure(sides: dict, new_tokens: int, reps: int) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in rates.items()}
 
 
+def profile_round(side: EngineSide, n_new: int) -> None:
+    """One engine round under torch.profiler: the ops and kernels that take the time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        side.round(n_new)
+    sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=60))
+
+
 def decode_roofline(engine: EmbeddedEngine, batch: int, prompt_len: int, new_tokens: int, hbm_gbps: float) -> float:
     """Tokens/s if each decode step only had to read every weight once plus the batch's KV from HBM."""
     s = engine.model.spec
@@ -161,6 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
             max_running_requests=args.batch,
             max_total_tokens=args.batch * (args.prompt_len + args.new_tokens + 8),
             cuda_graphs=args.cuda_graphs,
+            fused_kernels=args.fused_kernels,
         )
         prompts = make_prompts(args.batch, args.prompt_len, engine.model.spec.vocab_size)
         roofline = decode_roofline(engine, args.batch, args.prompt_len, args.new_tokens, args.hbm_gbps)
@@ -169,6 +193,12 @@ def main(argv: list[str] | None = None) -> dict:
             sides["hf"] = HFSide(model_path, device, getattr(torch, dtype_name), prompts)
         try:
             medians = measure(sides, args.new_tokens, args.reps)
+            # decode phase alone: a full round minus a prefill-plus-one-token round, same prompts
+            first_token_s = statistics.median(sides["engine"].seconds(1) for _ in range(3))
+            full_s = args.batch * args.new_tokens / medians["engine"]
+            decode_tok_s = args.batch * (args.new_tokens - 1) / max(full_s - first_token_s, 1e-9)
+            if args.profile:
+                profile_round(sides["engine"], min(args.new_tokens, 32))
         finally:
             sides["engine"].close()
         engine_tok_s, hf_tok_s = medians["engine"], medians.get("hf")
@@ -193,8 +223,11 @@ def main(argv: list[str] | None = None) -> dict:
     if device.type == "cuda":
         result |= {
             "cuda_graphs": args.cuda_graphs,
+            "fused_kernels": engine.runner.fused_kernels,
             "roofline_tok_s": round(roofline),
-            "roofline_fraction": round(engine_tok_s / roofline, 3),
+            "decode_tok_s": round(decode_tok_s, 1),
+            "roofline_fraction": round(decode_tok_s / roofline, 3),  # decode phase against the decode roofline
+            "end_to_end_roofline_fraction": round(engine_tok_s / roofline, 3),  # prefill included
         }
     if hf_tok_s is not None:
         print(

@@ -43,14 +43,16 @@ def _prompts(n: int) -> list[list[int]]:
     return [torch.randint(3, 500, (5 + 3 * i,), generator=g).tolist() for i in range(n)]
 
 
-@pytest.mark.parametrize("cuda_graphs", [False, True])
-def test_fp32_greedy_matches_transformers_on_cuda(model_dir, cuda_graphs):
+@pytest.mark.parametrize("cuda_graphs,fused", [(False, False), (True, False), (False, True), (True, True)])
+def test_fp32_greedy_matches_transformers_on_cuda(model_dir, cuda_graphs, fused):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
     prompts = _prompts(6)
     outs = _generate_all(
-        EmbeddedEngine(model_dir, device="cuda", dtype="float32", cuda_graphs=cuda_graphs), prompts, GREEDY
+        EmbeddedEngine(model_dir, device="cuda", dtype="float32", cuda_graphs=cuda_graphs, fused_kernels=fused),
+        prompts,
+        GREEDY,
     )
     for prompt, out in zip(prompts, outs, strict=True):
         with torch.no_grad():
@@ -64,21 +66,43 @@ def test_fp32_greedy_matches_transformers_on_cuda(model_dir, cuda_graphs):
         assert out["output_ids"] == ref
 
 
-def test_cuda_graph_decode_matches_eager(model_dir):
+@pytest.mark.parametrize("fused", [False, True])
+def test_graphed_bf16_decode_logprobs_match_an_eager_teacher_forced_pass(model_dir, fused):
+    """bf16: tokens from the graphed decode (torch ops or fused kernels, lookahead on) are scored again
+    by a plain eager prefill; the two log-probs of every token agree to bf16 accuracy. (Greedy token
+    sequences themselves may part ways at a near-tie, so they are not compared.)"""
     prompts = _prompts(10)  # 10 rows: padded to the 16-row graph bucket
-    eager = _generate_all(
-        EmbeddedEngine(model_dir, device="cuda", dtype="bfloat16", cuda_graphs=False), prompts, GREEDY
-    )
     graphed = _generate_all(
-        EmbeddedEngine(model_dir, device="cuda", dtype="bfloat16", cuda_graphs=True), prompts, GREEDY
+        EmbeddedEngine(model_dir, device="cuda", dtype="bfloat16", cuda_graphs=True, fused_kernels=fused),
+        prompts,
+        GREEDY,
     )
-    for a, b in zip(eager, graphed, strict=True):
-        assert a["output_ids"] == b["output_ids"]
-        lp_a = [x[0] for x in a["meta_info"]["output_token_logprobs"]]
-        lp_b = [x[0] for x in b["meta_info"]["output_token_logprobs"]]
-        assert (
-            max(abs(x - y) for x, y in zip(lp_a, lp_b, strict=True)) < 0.1
-        )  # bf16 logits of a peaked model, other kernels
+    eager = EmbeddedEngine(model_dir, device="cuda", dtype="bfloat16", cuda_graphs=False, fused_kernels=False)
+
+    async def score():
+        await eager.start()
+        try:
+            return await asyncio.gather(
+                *(
+                    eager.generate(
+                        input_ids=p + o["output_ids"],
+                        sampling_params={"max_new_tokens": 0, "temperature": 1.0},
+                        return_logprob=True,
+                        logprob_start_len=len(p),
+                    )
+                    for p, o in zip(prompts, graphed, strict=True)
+                )
+            )
+        finally:
+            await eager.shutdown()
+
+    for out, scored in zip(graphed, asyncio.run(score()), strict=True):
+        got = [x[0] for x in out["meta_info"]["output_token_logprobs"]]
+        ref = [x[0] for x in scored["meta_info"]["input_token_logprobs"]]
+        assert len(got) == len(ref) == 32
+        diffs = [abs(a - b) for a, b in zip(got, ref, strict=True)]
+        # bf16 logits of this peaked model reach 16-32, where one bf16 step is 0.125
+        assert max(diffs) < 0.25 and sum(diffs) / len(diffs) < 0.03, diffs
 
 
 def test_release_and_resume_memory_keeps_serving(model_dir):

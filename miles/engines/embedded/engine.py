@@ -18,8 +18,11 @@ releasing `kv_cache` frees the cache; running requests keep their tokens and are
 `resume_memory_occupation`. Weight loads are refused while weights are released.
 
 Performance knobs: `cuda_graphs` (default: on for CUDA dense models) replays each decode step as one
-CUDA graph per batch bucket; on CPU, decode steps shorter than `inline_step_s` run on the event loop
-instead of a worker thread (the hand-off would cost as much as the step).
+CUDA graph per batch bucket; `fused_kernels` (default: on where triton runs on CUDA, for dense
+models) runs decode steps and untruncated sampling with the Triton kernels of triton_ops.py; on CPU,
+decode steps shorter than `inline_step_s` run on the event loop instead of a worker thread (the
+hand-off would cost as much as the step); `lookahead` (default: with CUDA graphs) launches the next
+decode step before the host's bookkeeping of the current one (scheduler.py).
 """
 
 from __future__ import annotations
@@ -69,7 +72,9 @@ class EmbeddedEngine:
         deterministic: bool = False,
         max_prefill_tokens: int = 16384,
         cuda_graphs: bool | None = None,
+        fused_kernels: bool | None = None,
         inline_step_s: float | None = None,
+        lookahead: bool | None = None,
     ):
         from transformers import AutoTokenizer
 
@@ -94,6 +99,7 @@ class EmbeddedEngine:
             max_seq_len=max_seq_len,
             # None = on where they work (CUDA, dense models): about 3x faster decode than eager
             use_cuda_graphs=cuda_graphs if cuda_graphs is not None else self._graphs_supported(),
+            fused_kernels=fused_kernels,
         )
         self.seed = seed
         self.deterministic = deterministic
@@ -104,6 +110,8 @@ class EmbeddedEngine:
         self.scheduler: Scheduler | None = None
         self._task: asyncio.Task | None = None
         self._max_prefill_tokens = max_prefill_tokens
+        # None = with CUDA graphs, where the GPU runs ahead of the host (see scheduler.py)
+        self._lookahead = self.runner.use_cuda_graphs if lookahead is None else lookahead
         # CPU decode steps of tiny models are shorter than a thread hand-off: run those on the loop
         self._inline_step_s = (
             inline_step_s if inline_step_s is not None else (0.003 if self.device.type == "cpu" else 0.0)
@@ -130,6 +138,7 @@ class EmbeddedEngine:
             max_prefill_tokens=self._max_prefill_tokens,
             batch_generator=self._batch_generator,
             inline_step_s=self._inline_step_s,
+            lookahead=self._lookahead,
         )
         self._task = asyncio.create_task(self.scheduler.run(), name="embedded-engine-scheduler")
 

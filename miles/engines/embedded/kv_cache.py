@@ -40,6 +40,11 @@ class KVCache:
         self.allocate()
 
     @property
+    def capacity(self) -> int:
+        """Positions per slot in storage (max_seq_len + scratch, rounded up to 16)."""
+        return self._shape[3]
+
+    @property
     def allocated(self) -> bool:
         return self.k is not None
 

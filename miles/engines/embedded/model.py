@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from miles.engines.embedded import triton_ops
 from miles.engines.embedded.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
@@ -309,9 +310,48 @@ class CausalLM:
             h = h + (self._moe(names, x) if i in s.moe_layers else self._mlp(names, x))
         return rms_norm(h, self.storage["model.norm.weight"], s.rms_norm_eps)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def decode_fused(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        lens: torch.Tensor,
+        kv: KVCache,
+        attention: triton_ops.DecodeAttention,
+    ) -> torch.Tensor:
+        """One decode token for each of the slots 0..B-1 with the Triton kernels (see triton_ops).
+
+        tokens, positions [B] (the token's position; its K/V are written there), lens [B] (keys each row
+        attends to: position + 1). Returns the final-normed hidden [B, D]. Dense models only.
+        """
+        s, st = self.spec, self.storage
+        eps = s.rms_norm_eps
+        B, H, KVH = tokens.shape[0], s.num_heads, s.num_kv_heads
+        cap = kv.k.shape[3]
+        if self._rope_table is None or self._rope_table.shape[0] < cap:
+            self._rope_table_len = max(self._rope_table_len, cap)
+            cos, sin = self.rope(torch.arange(self._rope_table_len, device=self.device))
+            self._rope_table = torch.cat((cos, sin), dim=-1)
+        slots = self._arange(B)
+        h = F.embedding(tokens, st["model.embed_tokens.weight"])  # the residual stream, updated in place
+        x = triton_ops.add_rms_norm(h, None, st[self._layer_names[0]["ln1"]], eps)
+        for i, names in enumerate(self._layer_names):
+            qkv = F.linear(x, st[names["qkv"]], st.get(names["qkv_b"]))
+            q = triton_ops.rope_kv_write(
+                qkv, positions, slots, self._rope_table, kv.k[i], kv.v[i], H, KVH,
+                st.get(names["qn"]), st.get(names["kn"]), eps,
+            )  # fmt: skip
+            attn = attention(q, kv.k[i], kv.v[i], lens).view(B, H * s.head_dim)
+            x = triton_ops.add_rms_norm(F.linear(attn, st[names["o"]], st.get(names["ob"])), h, st[names["ln2"]], eps)
+            mlp = F.linear(triton_ops.silu_mul(F.linear(x, st[names["gate_up"]])), st[names["down"]])
+            last = i + 1 == s.num_layers
+            next_norm = st["model.norm.weight"] if last else st[self._layer_names[i + 1]["ln1"]]
+            x = triton_ops.add_rms_norm(mlp, h, next_norm, eps)
+        return x
+
+    def logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        """LM-head logits; fp32 False keeps the model dtype (the fused sampler reads bf16 as fp32 itself)."""
         out = F.linear(hidden, self.lm_head_weight())
-        return out if out.dtype == torch.float32 else out.float()
+        return out if out.dtype == torch.float32 or not fp32 else out.float()
 
     def _attention(
         self,

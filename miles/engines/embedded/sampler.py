@@ -114,10 +114,7 @@ def _inverse_cdf(
 ) -> torch.Tensor:
     # fp64 scan on CPU (cheap there); fp32 on GPU, where the parallel scan's error is ~log2(V) ulps
     dtype = torch.float64 if probs.device.type == "cpu" else torch.float32
-    u = torch.rand(probs.shape[0], device=probs.device, generator=batch_generator, dtype=dtype)
-    for i, g in enumerate(generators):
-        if g is not None:
-            u[i] = torch.rand((), device=probs.device, generator=g, dtype=dtype)
+    u = _uniforms(probs.shape[0], probs.device, generators, batch_generator, dtype)
     cdf = probs.cumsum(dim=-1, dtype=dtype)
     target = (u * cdf[:, -1])[:, None]
     # first index whose cumulative mass exceeds the target: zero-probability tokens are never chosen
@@ -125,15 +122,63 @@ def _inverse_cdf(
     return tokens.clamp_(max=probs.shape[-1] - 1)
 
 
+def _uniforms(
+    n: int, device: torch.device, generators: list[torch.Generator | None], batch_generator, dtype: torch.dtype
+) -> torch.Tensor:
+    u = torch.rand(n, device=device, generator=batch_generator, dtype=dtype)
+    for i, g in enumerate(generators):
+        if g is not None:
+            u[i] = torch.rand((), device=device, generator=g, dtype=dtype)
+    return u
+
+
+def _truncates(p: SamplingParams) -> bool:
+    return p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0
+
+
+class SamplingBatch:
+    """A batch's sampling parameters with what each step derives from them, computed once: the
+    scheduler reuses it while the same requests run in the same order."""
+
+    def __init__(self, params: list[SamplingParams]):
+        self.params = params
+        self.temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
+        self.greedy = [p.greedy for p in params]
+        self.truncates = any(_truncates(p) for p in params)
+        self._fused_inputs: tuple[torch.device, torch.Tensor] | None = None
+
+    def fused_inputs(self, device: torch.device) -> torch.Tensor:
+        """[2, B] fp32 on `device`: 1 / temperature, greedy flag (one pinned copy, not waited for)."""
+        if self._fused_inputs is None or self._fused_inputs[0] != device:
+            host = torch.tensor([[1.0 / t for t in self.temps], [float(g) for g in self.greedy]])
+            if device.type == "cuda":
+                host = host.pin_memory()
+            self._fused_inputs = (device, host.to(device, non_blocking=True))
+        return self._fused_inputs[1]
+
+
 def sample(
     logits: torch.Tensor,
-    params: list[SamplingParams],
+    params: list[SamplingParams] | SamplingBatch,
     generators: list[torch.Generator | None],
     batch_generator: torch.Generator | None = None,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row of logits [B, V] (fp32); return (token_ids [B], logprobs [B]) on logits.device."""
-    temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
-    greedy = [p.greedy for p in params]
+    """Sample one token per row of logits [B, V]; return (token_ids [B], logprobs [B]) on logits.device.
+
+    fused: use the Triton sampler (same inverse-CDF rule, reading the logits about twice instead of
+    five times, bf16 logits as they are) when no row truncates (top-k/top-p/min-p); truncating batches
+    take the torch path."""
+    batch = params if isinstance(params, SamplingBatch) else SamplingBatch(params)
+    temps, greedy = batch.temps, batch.greedy
+    if fused and not batch.truncates:
+        from miles.engines.embedded import triton_ops
+
+        device = logits.device
+        inputs = batch.fused_inputs(device)
+        u = _uniforms(len(temps), device, generators, batch_generator, torch.float32)
+        return triton_ops.sample_rows(logits, inputs[0], u, inputs[1])
+    logits = logits.float()  # a no-op for fp32; bf16 logits of the fused decode path
     if all(t == 1.0 for t in temps):
         scaled = logits
     else:
@@ -143,6 +188,7 @@ def sample(
         tokens = logits.argmax(dim=-1)
     else:
         probs = logprobs.exp()
+        params = batch.params
         top_k, top_p, min_p = [p.top_k for p in params], [p.top_p for p in params], [p.min_p for p in params]
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p) or any(m > 0 for m in min_p):
             probs = _truncate(probs, top_k, top_p, min_p)

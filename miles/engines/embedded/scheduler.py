@@ -15,6 +15,13 @@ and they are re-prefilled as well, so pre-update KV is never used.
 
 The step's tensor work runs in a worker thread (asyncio.to_thread); all bookkeeping stays on the event
 loop thread.
+
+Lookahead (on by default with CUDA graphs): once a step's tokens are on the device, the next decode step of the same
+requests is launched right away, feeding those tokens, before the host does the step's bookkeeping;
+the host work then overlaps the GPU work. The next iteration uses that lookahead for every request
+still running (a removed request's row is simply ignored; slot compaction copies the KV the lookahead
+wrote) and discards it if the weights or the KV epoch changed meanwhile. It is not used while any
+request samples from its own generator (its random stream would advance for a discarded step).
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from miles.engines.embedded.runner import ModelRunner
-from miles.engines.embedded.sampler import SamplingParams, sample, token_logprobs
+from miles.engines.embedded.sampler import SamplingBatch, SamplingParams, sample, token_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -74,11 +81,34 @@ class Request:
 
 
 @dataclass(slots=True)
+class Lookahead:
+    """A decode step launched ahead for `reqs` (step order); its results stay on the device."""
+
+    reqs: list[Request]
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    kv_epoch: int
+    weight_version: int
+
+    def rows(self, reqs: list[Request]) -> torch.Tensor | None:
+        """Device row indices of `reqs` in this step (None when they are its leading rows in order)."""
+        if len(reqs) <= len(self.reqs) and all(a is b for a, b in zip(reqs, self.reqs[: len(reqs)], strict=True)):
+            return None
+        index = {id(r): i for i, r in enumerate(self.reqs)}
+        return torch.tensor([index[id(r)] for r in reqs], device=self.tokens.device)
+
+    def covers(self, reqs: list[Request]) -> bool:
+        ids = {id(r) for r in self.reqs}
+        return all(id(r) in ids for r in reqs)
+
+
+@dataclass(slots=True)
 class StepResult:
     tokens: list[int]
     logprobs: list[float]
     input_logprobs: dict[int, list[float | None]]  # index in step order -> input token log-probs
     weight_version: int
+    lookahead: Lookahead | None = None
 
 
 class Scheduler:
@@ -91,6 +121,7 @@ class Scheduler:
         max_prefill_tokens: int,
         batch_generator: torch.Generator,
         inline_step_s: float = 0.0,
+        lookahead: bool = False,
     ):
         self.runner = runner
         self.check_stop = check_stop
@@ -107,6 +138,11 @@ class Scheduler:
         self.inline_step_s = inline_step_s
         self._decode_step_s = float("inf") if inline_step_s <= 0 else 0.0  # moving average of decode steps
         self._last_compute_s = 0.0
+        self.lookahead = lookahead
+        self._lookahead: Lookahead | None = None
+        self._sampling_cache: tuple[list[SamplingParams], SamplingBatch] | None = None
+        self.lookahead_used = 0  # decode steps served by a lookahead (tests and benches read these)
+        self.lookahead_dropped = 0
 
     # ---- control (event loop thread) ---------------------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -177,6 +213,7 @@ class Scheduler:
         while not self._stopped:
             self._reap_aborted()
             if self.paused or not self.runner.ready or not (self.running or self.waiting):
+                self._drop_lookahead()
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
@@ -189,11 +226,18 @@ class Scheduler:
                 result = await self._run_step(self.running[:n_decode], prefill)
             except Exception as e:  # a failing step fails its requests, not the engine
                 logger.exception("engine step failed")
+                self._lookahead = None
                 self._fail_all(RuntimeError(f"engine step failed: {e!r}"))
                 continue
             finally:
                 self._idle.set()
+            self._lookahead = result.lookahead  # runs on the GPU while the host does the bookkeeping
             self._apply(result, n_decode)
+
+    def _drop_lookahead(self) -> None:
+        if self._lookahead is not None:
+            self._lookahead = None
+            self.lookahead_dropped += 1
 
     async def _run_step(self, decode: list[Request], prefill: list[Request]) -> StepResult:
         """Run one step in a worker thread, or inline when decode steps are known to be short.
@@ -255,9 +299,15 @@ class Scheduler:
             self._last_compute_s = time.perf_counter() - start
 
     def _compute_locked(self, decode: list[Request], prefill: list[Request]) -> StepResult:
+        ahead, self._lookahead = self._lookahead, None
         with self.runner.lock:  # re-entrant: the version and the forward see the same weights
             version = self.weight_version()
             epoch = self.runner.kv_epoch
+            if ahead is not None and not (
+                decode and ahead.kv_epoch == epoch and ahead.weight_version == version and ahead.covers(decode)
+            ):
+                ahead = None
+                self.lookahead_dropped += 1
             logits, input_lps = [], {}
             if prefill:
                 seqs = [r.all_ids for r in prefill]
@@ -267,18 +317,79 @@ class Scheduler:
                         input_lps[len(decode) + j] = self._input_logprobs(req, full)
                     req.kv_epoch = epoch
                     req.prefill_count += 1
-            if decode:
+            if decode and ahead is None:
                 logits.append(self.runner.decode([r.last_token for r in decode], [r.seq_len - 1 for r in decode]))
             if prefill:
                 logits.append(res.last_logits)
             reqs = decode + prefill
-            tokens, lps = sample(
-                torch.cat(logits) if len(logits) > 1 else logits[0],
-                [r.params for r in reqs],
-                [r.generator for r in reqs],
-                self.batch_generator,
-            )
-            return StepResult(tokens.tolist(), lps.tolist(), input_lps, version)
+            sampled = reqs if ahead is None else prefill
+            parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+            if ahead is not None:
+                self.lookahead_used += 1
+                rows = ahead.rows(decode)
+                n = len(decode)
+                parts.append(
+                    (ahead.tokens[:n], ahead.logprobs[:n])
+                    if rows is None
+                    else (ahead.tokens[rows], ahead.logprobs[rows])
+                )
+            if sampled:
+                batch = self._sampling_batch([r.params for r in sampled])
+                parts.append(
+                    sample(
+                        torch.cat(logits) if len(logits) > 1 else logits[0],
+                        batch,
+                        [r.generator for r in sampled],
+                        self.batch_generator,
+                        fused=self.runner.fused_kernels,
+                    )
+                )
+            tokens_dev = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
+            lps_dev = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
+            if not self._may_look_ahead(reqs):
+                return StepResult(tokens_dev.tolist(), lps_dev.tolist(), input_lps, version)
+            if tokens_dev.device.type != "cuda":  # nothing runs asynchronously: results first, then the lookahead
+                result = StepResult(tokens_dev.tolist(), lps_dev.tolist(), input_lps, version)
+                result.lookahead = self._launch_lookahead(reqs, tokens_dev, epoch, version)
+                return result
+            # copy this step's results out first, then queue the next decode step behind the copy
+            host_tokens = torch.empty(tokens_dev.shape, dtype=tokens_dev.dtype, pin_memory=True)
+            host_lps = torch.empty(lps_dev.shape, dtype=lps_dev.dtype, pin_memory=True)
+            host_tokens.copy_(tokens_dev, non_blocking=True)
+            host_lps.copy_(lps_dev, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+            lookahead = self._launch_lookahead(reqs, tokens_dev, epoch, version)
+            copied.synchronize()
+            return StepResult(host_tokens.tolist(), host_lps.tolist(), input_lps, version, lookahead)
+
+    def _launch_lookahead(self, reqs: list[Request], tokens: torch.Tensor, epoch: int, version: int) -> Lookahead:
+        """Queue the next decode step of `reqs`, fed this step's device `tokens` at their next positions."""
+        logits = self.runner.decode(tokens, [r.seq_len for r in reqs])
+        batch = self._sampling_batch([r.params for r in reqs])
+        next_tokens, next_lps = sample(
+            logits, batch, [None] * len(reqs), self.batch_generator, fused=self.runner.fused_kernels
+        )
+        return Lookahead(reqs, next_tokens, next_lps, epoch, version)
+
+    def _may_look_ahead(self, reqs: list[Request]) -> bool:
+        """A lookahead needs no private generators and room for one more token in every request."""
+        if not self.lookahead or self.paused or not reqs:
+            return False
+        max_len = self.runner.max_seq_len
+        if any(r.generator is not None or r.seq_len + 1 >= max_len or r.params.max_new_tokens == 0 for r in reqs):
+            return False
+        # at least one request goes on after this step (else the lookahead is wasted work)
+        return any(len(r.output_ids) + 1 < r.params.max_new_tokens for r in reqs)
+
+    def _sampling_batch(self, params: list[SamplingParams]) -> SamplingBatch:
+        """The batch's sampling parameters; reused while the same requests run in the same order."""
+        cached = self._sampling_cache
+        if cached and len(cached[0]) == len(params) and all(a is b for a, b in zip(cached[0], params, strict=True)):
+            return cached[1]
+        batch = SamplingBatch(params)
+        self._sampling_cache = (params, batch)
+        return batch
 
     @staticmethod
     def _input_logprobs(req: Request, full_logits: torch.Tensor) -> list[float | None]:

@@ -1,0 +1,115 @@
+"""The scheduler's lookahead (the next decode step launched before the host's bookkeeping) changes
+no output: on CPU it runs without overlap but through the same bookkeeping, so greedy outputs with and
+without it must agree token for token while requests join, finish, are aborted and weights change."""
+
+import asyncio
+
+import pytest
+import torch
+
+from miles.engines.embedded.engine import EmbeddedEngine
+from miles.engines.tiny_model import make_tiny_model
+
+torch.set_num_threads(1)
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {
+        "old": make_tiny_model(str(root / "old"), arch="qwen2", init_std=0.2, seed=0),
+        "new": make_tiny_model(str(root / "new"), arch="qwen2", init_std=0.2, seed=1),
+    }
+
+
+def _run(model_path: str, lookahead: bool, body, **kw):
+    async def main():
+        engine = EmbeddedEngine(model_path, lookahead=lookahead, **kw)
+        await engine.start()
+        try:
+            return await body(engine), engine.scheduler
+        finally:
+            await engine.shutdown()
+
+    return asyncio.run(main())
+
+
+def _prompts(count: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 300, (3 + (7 * i) % 11,), generator=g).tolist() for i in range(count)]
+
+
+def test_outputs_equal_without_lookahead_while_requests_join_and_leave(model_dirs):
+    prompts = _prompts(40)
+    params = [{**GREEDY, "max_new_tokens": 3 + (5 * i) % 17} for i in range(40)]
+
+    async def body(engine):
+        outs = await asyncio.gather(
+            *(
+                engine.generate(input_ids=p, sampling_params=sp, return_logprob=True)
+                for p, sp in zip(prompts, params, strict=True)
+            )
+        )
+        return [(o["output_ids"], [x[0] for x in o["meta_info"]["output_token_logprobs"]]) for o in outs]
+
+    # 16 slots for 40 requests of 3..19 tokens: admissions and removals (slot moves) at most steps
+    plain, _ = _run(model_dirs["old"], False, body, max_running_requests=16)
+    ahead, sched = _run(model_dirs["old"], True, body, max_running_requests=16)
+    assert sched.lookahead_used > 10, (sched.lookahead_used, sched.lookahead_dropped)
+    for (ids_a, lps_a), (ids_b, lps_b), sp in zip(plain, ahead, params, strict=True):
+        assert len(ids_b) == sp["max_new_tokens"]
+        assert ids_a == ids_b
+        assert max(abs(a - b) for a, b in zip(lps_a, lps_b, strict=True)) < 1e-5
+
+
+def test_abort_with_lookahead_leaves_neighbours_untouched(model_dirs):
+    prompts = _prompts(4)
+
+    async def body(engine):
+        long = asyncio.create_task(
+            engine.generate(input_ids=prompts[0], rid="long", sampling_params={**GREEDY, "max_new_tokens": 500})
+        )
+        others = [
+            asyncio.create_task(engine.generate(input_ids=p, sampling_params={**GREEDY, "max_new_tokens": 40}))
+            for p in prompts[1:]
+        ]
+        while not any(r.rid == "long" and len(r.output_ids) >= 5 for r in engine.scheduler.running):
+            await asyncio.sleep(0.001)
+        engine.abort("long")
+        return await long, [(await t)["output_ids"] for t in others]
+
+    (aborted, ahead), sched = _run(model_dirs["old"], True, body)
+    (_, plain), _ = _run(model_dirs["old"], False, body)
+    assert aborted["meta_info"]["finish_reason"]["type"] == "abort" and 5 <= len(aborted["output_ids"]) < 500
+    assert ahead == plain
+    assert sched.lookahead_used > 0
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_lookahead_never_serves_tokens_of_old_weights_after_an_update(model_dirs, mode):
+    prompt = _prompts(3)[2]
+
+    async def body(engine):
+        task = asyncio.create_task(engine.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 30}))
+        while not engine.scheduler.running or len(engine.scheduler.running[0].output_ids) < 6:
+            await asyncio.sleep(0.001)
+        await engine.pause_generation(mode)
+        engine.load_weights_from_dir(model_dirs["new"])
+        engine.weight_version = 1
+        await engine.continue_generation()
+        return await task
+
+    out, _ = _run(model_dirs["old"], True, body)
+    versions = out["meta_info"]["output_token_weight_versions"]
+    k = versions.index(1)
+    assert k >= 6 and versions == [0] * k + [1] * (30 - k)
+
+    async def reference(engine):  # the new weights continuing prompt + the tokens before the pause
+        cont = await engine.generate(
+            input_ids=prompt + out["output_ids"][:k], sampling_params={**GREEDY, "max_new_tokens": 30 - k}
+        )
+        return cont["output_ids"]
+
+    expected, _ = _run(model_dirs["new"], False, reference)
+    assert out["output_ids"][k:] == expected

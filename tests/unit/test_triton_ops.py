@@ -1,0 +1,157 @@
+"""Triton decode kernels and sampler against the torch paths they replace.
+
+On a CUDA machine the checks run on the GPU (bf16 model numerics aside, they use fp32). Elsewhere the
+kernels run under Triton's interpreter on CPU tensors: the interpreter must be switched on before
+triton is imported, so `test_kernels_under_interpreter` re-runs this file in a child process with
+TRITON_INTERPRET=1 and the checks skip in the parent.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from miles.engines.embedded import triton_ops  # noqa: E402
+from miles.engines.embedded.kv_cache import KVCache  # noqa: E402
+from miles.engines.embedded.model import CausalLM, rms_norm  # noqa: E402
+from miles.engines.embedded.sampler import SamplingParams, sample  # noqa: E402
+from miles.engines.tiny_model import make_tiny_model  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+RUNS_HERE = triton_ops.available(DEVICE)
+needs_kernels = pytest.mark.skipif(not RUNS_HERE, reason="runs on CUDA, or in the interpreter child process")
+
+
+@pytest.mark.skipif(RUNS_HERE or triton_ops.INTERPRET, reason="the checks run directly here")
+def test_kernels_under_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", MILES_TORCH_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert re.search(r"\d+ passed, 1 skipped", summary), summary  # only this test skips in the child
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@needs_kernels
+def test_add_rms_norm_matches_reference_and_updates_residual():
+    g = _gen(0)
+    x = torch.randn(5, 96, generator=g).to(DEVICE)
+    res = torch.randn(5, 96, generator=g).to(DEVICE)
+    w = torch.randn(96, generator=g).to(DEVICE)
+    expected_res = x + res
+    out = triton_ops.add_rms_norm(x, res, w, 1e-6)
+    torch.testing.assert_close(res, expected_res, rtol=0, atol=0)
+    torch.testing.assert_close(out, rms_norm(expected_res, w, 1e-6), rtol=1e-5, atol=1e-5)
+    plain = triton_ops.add_rms_norm(x, None, w, 1e-6)
+    torch.testing.assert_close(plain, rms_norm(x, w, 1e-6), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_silu_mul():
+    gate_up = torch.randn(3, 2 * 200, generator=_gen(1)).to(DEVICE)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(triton_ops.silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
+
+
+@needs_kernels
+@pytest.mark.parametrize("batch,splits_sms", [(3, 1), (2, 64)])  # one split; several splits + reduction
+def test_decode_attention_matches_sdpa_over_each_rows_length(batch, splits_sms):
+    g = _gen(2)
+    H, KVH, HD, CAP = 6, 2, 16, 600
+    q = torch.randn(batch, H, HD, generator=g).to(DEVICE)
+    k = torch.randn(batch + 1, KVH, CAP, HD, generator=g).to(DEVICE)
+    v = torch.randn(batch + 1, KVH, CAP, HD, generator=g).to(DEVICE)
+    lens = torch.tensor([577, 1, 300][:batch], device=DEVICE)
+    attn = triton_ops.DecodeAttention(H, KVH, HD, CAP, num_sms=splits_sms)
+    assert (attn.splits(batch) > 1) == (splits_sms > 1)
+    out = attn(q, k, v, lens)
+    for b in range(batch):
+        n = int(lens[b])
+        kk = k[b, :, :n].repeat_interleave(H // KVH, dim=0)
+        vv = v[b, :, :n].repeat_interleave(H // KVH, dim=0)
+        ref = torch.nn.functional.scaled_dot_product_attention(q[b][:, None], kk, vv)[:, 0]
+        torch.testing.assert_close(out[b], ref, rtol=1e-4, atol=1e-5)
+
+
+@needs_kernels
+def test_fused_sampler_follows_the_inverse_cdf_rule():
+    g = _gen(3)
+    temps = (1.0, 0.7, 0.0, 1.3, 1.0, 0.5, 0.8)
+    logits = (torch.randn(len(temps), 1000, generator=g) * 3).to(DEVICE)
+    params = [SamplingParams(temperature=t) for t in temps]
+    tokens, lps = sample(logits, params, [None] * 7, torch.Generator(DEVICE).manual_seed(5), fused=True)
+    u = torch.rand(7, generator=torch.Generator(DEVICE).manual_seed(5), device=DEVICE, dtype=torch.float32)
+    for i, p in enumerate(params):
+        t = p.temperature if p.temperature > 0 else 1.0
+        log_p = torch.log_softmax(logits[i].double() / t, -1)
+        if p.temperature == 0:
+            expected = int(logits[i].argmax())
+        else:
+            cdf = log_p.exp().cumsum(-1)
+            expected = int(torch.searchsorted(cdf, u[i].double() * cdf[-1], right=True))
+        assert int(tokens[i]) == expected, (i, int(tokens[i]), expected)
+        assert abs(float(lps[i]) - float(log_p[expected])) < 1e-5
+
+
+@needs_kernels
+def test_sampled_token_frequencies_match_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    n = 1500
+    logits = probs.log()[None].expand(n, -1).contiguous().to(DEVICE)
+    u = torch.rand(n, generator=_gen(4)).to(DEVICE)
+    tokens, lps = triton_ops.sample_rows(logits, torch.ones(n, device=DEVICE), u, torch.zeros(n, device=DEVICE))
+    counts = torch.bincount(tokens.cpu(), minlength=4).double() / n
+    sigma = (probs.double() * (1 - probs.double()) / n).sqrt()
+    assert torch.all((counts - probs.double()).abs() <= 5 * sigma), counts
+    torch.testing.assert_close(lps.cpu(), probs.log()[tokens.cpu()], rtol=1e-5, atol=1e-6)
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_fused_decode_step_equals_the_torch_decode_step(tmp_path, arch):
+    """Prefill a batch of different lengths, then one decode step through both paths (fp32)."""
+    path = make_tiny_model(str(tmp_path / arch), arch=arch, init_std=0.2, seed=3)
+    model = CausalLM.from_pretrained(path, DEVICE, torch.float32)
+    s = model.spec
+    lens = [5, 9, 3]
+    B = len(lens)
+
+    def fresh_cache() -> KVCache:
+        kw = dict(num_layers=s.num_layers, num_slots=B + 1, max_seq_len=40, num_kv_heads=s.num_kv_heads)
+        return KVCache(**kw, head_dim=s.head_dim, dtype=torch.float32, device=DEVICE)
+
+    g = _gen(6)
+    seqs = [torch.randint(3, s.vocab_size, (n,), generator=g).tolist() for n in lens]
+    caches = [fresh_cache(), fresh_cache()]
+    for kv in caches:
+        width = max(lens)
+        tokens = torch.tensor([q + [0] * (width - len(q)) for q in seqs], device=DEVICE)
+        pos = torch.arange(width, device=DEVICE)[None].expand(B, width)
+        write = torch.where(pos < torch.tensor(lens, device=DEVICE)[:, None], pos, kv.scratch_pos)
+        model.forward(tokens, pos, kv, 0, write, kv_len=None)
+    step_tokens = torch.randint(3, s.vocab_size, (B,), generator=g).to(DEVICE)
+    positions = torch.tensor(lens, device=DEVICE)
+    ref = model.forward(step_tokens[:, None], positions[:, None], caches[0], 0, positions[:, None], max(lens) + 1)
+    attention = triton_ops.DecodeAttention(s.num_heads, s.num_kv_heads, s.head_dim, caches[1].capacity, 4)
+    fused = model.decode_fused(step_tokens, positions, positions + 1, caches[1], attention)
+    torch.testing.assert_close(fused, ref[:, 0], rtol=1e-4, atol=1e-5)
+    for layer in range(s.num_layers):
+        for b, n in enumerate(lens):
+            torch.testing.assert_close(caches[1].k[layer, b, :, : n + 1], caches[0].k[layer, b, :, : n + 1])
+            torch.testing.assert_close(caches[1].v[layer, b, :, : n + 1], caches[0].v[layer, b, :, : n + 1])
