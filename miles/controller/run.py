@@ -193,7 +193,16 @@ class MilesRun:
             versions = await asyncio.gather(*(e.get_weight_version() for e in self.engines))
             self.engine_versions = [int(v) for v in versions]
             if any(v != version for v in self.engine_versions):
-                raise RuntimeError(f"after pushing weight version {version} the engines report {self.engine_versions}")
+                # disk-delta: hosts that refused a version keep serving the old one; the next push re-bases them
+                if not results[0].get("weight_sync/refused_engines"):
+                    raise RuntimeError(
+                        f"after pushing weight version {version} the engines report {self.engine_versions}"
+                    )
+                logger.warning(
+                    "weight version %d was refused; engines keep serving versions %s until the next push",
+                    version,
+                    self.engine_versions,
+                )
             self._last_push_metrics = results[0]
         finally:
             await self.router.broadcast("continue_generation")

@@ -120,7 +120,6 @@ class BroadcastUpdater(GroupUpdater):
         return finish
 
 
-
 def _raise_with_engine_errors(exc: Exception, fut, updater: WeightUpdater, method: str) -> None:
     """A collective failed: name the engines that failed their side of it."""
     raise WeightSyncTimeoutError(f"{exc}{updater.engine_failure_detail(fut, method)}") from exc

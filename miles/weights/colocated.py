@@ -1,10 +1,18 @@
 """Colocated handoff: trainer and engine share a device, so tensors change hands without a network.
 
-On GPU each tensor travels as a CUDA IPC handle (the engine maps the trainer's memory and
-copies straight into its own parameters: one device-to-device copy per byte). On CPU a bucket
-is copied once into a named POSIX shared-memory segment that the engine maps. Either way the
-payload handed to `update_weights_from_tensor` is a JSON string (names, dtypes, shapes, handles
-in base64), never a pickle.
+Each bucket is packed once into one flat buffer that the engine maps, copying every tensor out
+of it into its own parameters: a named POSIX shared-memory segment on CPU, a fresh device
+allocation shared by one CUDA IPC handle on GPU. One handle per bucket, not per tensor: each
+handle costs the engine an IPC open and close every update, and torch's receiving side opens an
+IPC event per handle that it never destroys. The payload handed to `update_weights_from_tensor`
+is a JSON string (names, dtypes, shapes, offsets, handles in base64), never a pickle.
+
+CUDA ordering and lifetime: the trainer fills the buffer on its current stream and synchronises
+that stream before the handle leaves the process, so the engine may read on any stream without
+waiting on an event. torch counts the engine's mapping in a shared reference counter: the
+trainer's buffer is freed only after the engine dropped its mapping, even if the trainer lets go
+first. The engine copies, synchronises its device and drops the mapping before it answers; the
+trainer releases the buffer once the answer is in, so a finished update leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -12,6 +20,8 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from multiprocessing import shared_memory
@@ -27,6 +37,7 @@ from miles.weights.updater import WeightUpdater
 logger = logging.getLogger(__name__)
 
 LOAD_FORMAT = "miles_colocated"
+ALIGN_BYTES = 256  # every tensor starts on a 256-byte boundary of the flat buffer (aligned, vectorised copies)
 
 
 def _b64(b: bytes | None) -> str | None:
@@ -37,6 +48,20 @@ def _unb64(s: str | None) -> bytes | None:
     return None if s is None else base64.b64decode(s)
 
 
+def pack_layout(bucket: list[NamedTensor]) -> tuple[list[dict], int]:
+    """Where each tensor goes in the flat buffer: entries (name, dtype, shape, offset) and the total bytes."""
+    entries, offset = [], 0
+    for name, t in bucket:
+        offset = -(-offset // ALIGN_BYTES) * ALIGN_BYTES
+        entries.append({"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "offset": offset})
+        offset += tensor_nbytes(t)
+    return entries, max(offset, 1)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
 # -- trainer side -------------------------------------------------------------------------------
 
 
@@ -44,17 +69,13 @@ class SharedBucket:
     """One bucket packed into a shared-memory segment; the trainer unlinks it once the engines loaded it."""
 
     def __init__(self, bucket: list[NamedTensor]) -> None:
-        total = sum(tensor_nbytes(t) for _, t in bucket)
-        self.shm = shared_memory.SharedMemory(create=True, size=max(total, 1))
-        entries, offset = [], 0
+        entries, total = pack_layout(bucket)
+        self.shm = shared_memory.SharedMemory(create=True, size=total)
         # torch copies into the segment: calling .numpy() on a trainer tensor would pin its storage
         # (non-resizable), and the trainer must still be able to offload it afterwards.
-        dst = torch.frombuffer(self.shm.buf, dtype=torch.uint8, count=max(total, 1))
-        for name, t in bucket:
-            n = tensor_nbytes(t)
-            dst[offset : offset + n].copy_(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
-            entries.append({"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "offset": offset})
-            offset += n
+        dst = torch.frombuffer(self.shm.buf, dtype=torch.uint8, count=total)
+        for e, (_, t) in zip(entries, bucket, strict=True):
+            dst[e["offset"] : e["offset"] + tensor_nbytes(t)].copy_(_as_bytes(t.cpu()))
         del dst
         self.payload = json.dumps({"kind": "shm", "segment": self.shm.name, "tensors": entries})
 
@@ -63,59 +84,76 @@ class SharedBucket:
         self.shm.unlink()
 
 
-def cuda_ipc_payload(bucket: list[NamedTensor]) -> str:
-    """Describe GPU tensors by CUDA IPC handle; the tensors must stay alive until the engine has loaded them."""
-    entries = []
-    for name, t in bucket:
-        _, args = reduce_tensor(t.detach())
-        (
-            _,
-            size,
-            stride,
-            t_offset,
-            _,
-            dtype,
-            device,
-            handle,
-            st_size,
-            st_offset,
-            _,
-            rc_handle,
-            rc_offset,
-            ev_handle,
-            ev_sync,
-        ) = args
-        entries.append(
-            {
-                "name": name,
-                "dtype": dtype_name(dtype),
-                "shape": list(size),
-                "stride": list(stride),
-                "tensor_offset": t_offset,
-                "device": device,
-                "handle": _b64(handle),
-                "storage_bytes": st_size,
-                "storage_offset": st_offset,
-                "ref_counter_handle": _b64(rc_handle),
-                "ref_counter_offset": rc_offset,
-                "event_handle": _b64(ev_handle),
-                "event_sync_required": ev_sync,
-            }
-        )
-    return json.dumps({"kind": "cuda_ipc", "tensors": entries})
+class CudaBucket:
+    """One bucket packed into a fresh device buffer, described by its CUDA IPC handle."""
+
+    def __init__(self, bucket: list[NamedTensor]) -> None:
+        device = bucket[0][1].device
+        if any(t.device != device for _, t in bucket):
+            raise ValueError(
+                f"a colocated bucket mixes devices {sorted({str(t.device) for _, t in bucket})}; "
+                "the trainer must hand over every tensor from its own GPU"
+            )
+        entries, total = pack_layout(bucket)
+        self.flat: torch.Tensor | None = torch.empty(total, dtype=torch.uint8, device=device)
+        for e, (_, t) in zip(entries, bucket, strict=True):
+            self.flat[e["offset"] : e["offset"] + tensor_nbytes(t)].copy_(_as_bytes(t))
+        # The engine reads without waiting on an event: every byte is in place before the handle leaves.
+        torch.cuda.current_stream(device).synchronize()
+        buffer = share_cuda_buffer(self.flat)
+        self.payload = json.dumps({"kind": "cuda_ipc", "buffer": buffer, "tensors": entries})
+
+    def release(self) -> None:
+        # Freed now if the engine dropped its mapping (it does so before answering); otherwise torch
+        # keeps the block until the engine's reference counter reaches zero.
+        self.flat = None
 
 
-@contextmanager
-def handoff(bucket: list[NamedTensor]) -> Iterator[str]:
-    """Yield the JSON payload of one bucket; resources are released when the block exits."""
-    if bucket and bucket[0][1].is_cuda:
-        yield cuda_ipc_payload(bucket)
-        return
-    shared = SharedBucket(bucket)
-    try:
-        yield shared.payload
-    finally:
-        shared.release()
+def share_cuda_buffer(flat: torch.Tensor) -> dict:
+    """The JSON-able CUDA IPC description of a flat uint8 device tensor (torch's reduce_tensor fields)."""
+    _, args = reduce_tensor(flat)
+    (
+        _,
+        size,
+        stride,
+        tensor_offset,
+        _,
+        _,
+        device,
+        handle,
+        storage_bytes,
+        storage_offset,
+        _,
+        ref_counter_handle,
+        ref_counter_offset,
+        event_handle,
+        _,
+    ) = args
+    return {
+        "nbytes": int(size[0]),
+        "stride": list(stride),
+        "tensor_offset": tensor_offset,
+        "device": device,
+        "device_uuid": _device_uuid(device),
+        "handle": _b64(handle),
+        "storage_bytes": storage_bytes,
+        "storage_offset": storage_offset,
+        "ref_counter_handle": _b64(ref_counter_handle),
+        "ref_counter_offset": ref_counter_offset,
+        "event_handle": _b64(event_handle),
+    }
+
+
+def pack(bucket: list[NamedTensor]) -> SharedBucket | CudaBucket:
+    """Pack one bucket for the engine on the same device; call `.release()` once the engine answered."""
+    if not bucket:
+        raise ValueError("pack() got an empty bucket")
+    return CudaBucket(bucket) if bucket[0][1].is_cuda else SharedBucket(bucket)
+
+
+def _device_uuid(index: int) -> str | None:
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    return None if uuid is None else str(uuid)
 
 
 # -- engine side --------------------------------------------------------------------------------
@@ -133,13 +171,20 @@ def open_payload(payload: str) -> Iterator[list[NamedTensor]]:
         with _open_shm(desc) as named:
             yield named
     elif kind == "cuda_ipc":
-        named = [(e["name"], _open_cuda(e)) for e in desc["tensors"]]
-        try:
+        with _open_cuda(desc) as named:
             yield named
-        finally:
-            named.clear()
     else:
         raise ValueError(f"unknown colocated handoff kind {kind!r}; expected 'shm' or 'cuda_ipc'")
+
+
+def _views(flat: torch.Tensor, entries: list[dict]) -> list[NamedTensor]:
+    named = []
+    for e in entries:
+        dtype = dtype_from_name(e["dtype"])
+        numel = int(np.prod(e["shape"], dtype=np.int64))
+        raw = flat[e["offset"] : e["offset"] + numel * dtype.itemsize]
+        named.append((e["name"], raw.view(dtype).reshape(e["shape"])))
+    return named
 
 
 @contextmanager
@@ -154,35 +199,56 @@ def _open_shm(desc: dict) -> Iterator[list[NamedTensor]]:
     named: list[NamedTensor] = []
     try:
         flat = torch.from_numpy(np.asarray(mapped))  # load_weights copies out of the mapping
-        for e in desc["tensors"]:
-            dtype = dtype_from_name(e["dtype"])
-            numel = int(np.prod(e["shape"], dtype=np.int64))
-            raw = flat[e["offset"] : e["offset"] + numel * dtype.itemsize]
-            named.append((e["name"], raw.view(dtype).reshape(e["shape"])))
+        named = _views(flat, desc["tensors"])
         yield named
     finally:
         named.clear()
-        flat = raw = None
+        flat = None
         mapped._mmap.close()  # noqa: SLF001 - release the mapping now, not at garbage collection
 
 
-def _open_cuda(e: dict) -> torch.Tensor:
-    return rebuild_cuda_tensor(
+@contextmanager
+def _open_cuda(desc: dict) -> Iterator[list[NamedTensor]]:
+    b = desc["buffer"]
+    device = local_cuda_index(b.get("device_uuid"), int(b["device"]))
+    flat = rebuild_cuda_tensor(
         torch.Tensor,
-        torch.Size(e["shape"]),
-        tuple(e["stride"]),
-        e["tensor_offset"],
+        torch.Size([b["nbytes"]]),
+        tuple(b["stride"]),
+        b["tensor_offset"],
         torch.storage.TypedStorage,
-        dtype_from_name(e["dtype"]),
-        e["device"],
-        _unb64(e["handle"]),
-        e["storage_bytes"],
-        e["storage_offset"],
+        torch.uint8,
+        device,
+        _unb64(b["handle"]),
+        b["storage_bytes"],
+        b["storage_offset"],
         False,
-        _unb64(e["ref_counter_handle"]),
-        e["ref_counter_offset"],
-        _unb64(e["event_handle"]),
-        e["event_sync_required"],
+        _unb64(b["ref_counter_handle"]),
+        b["ref_counter_offset"],
+        _unb64(b["event_handle"]),
+        False,  # no event wait: the trainer synchronised before sending (an opened IPC event is never freed)
+    )
+    named = _views(flat, desc["tensors"])
+    try:
+        yield named
+    finally:
+        # The last reference to the mapping goes here: torch syncs this device's current stream,
+        # decrements the trainer's reference counter and closes the IPC handle.
+        named.clear()
+        flat = None
+
+
+def local_cuda_index(uuid: str | None, index: int) -> int:
+    """This process's index of the trainer's GPU (CUDA_VISIBLE_DEVICES may number it differently)."""
+    if uuid is None:
+        return index
+    for i in range(torch.cuda.device_count()):
+        if _device_uuid(i) == uuid:
+            return i
+    raise ValueError(
+        f"the trainer's GPU {uuid} is not visible to this engine "
+        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
+        "the colocated handoff needs the engine on the trainer's GPU"
     )
 
 
@@ -207,30 +273,40 @@ class ColocatedUpdater(WeightUpdater):
                 pass
             return {}
         target = self.trainer_rank
+        pack_s = 0.0
 
         def start(bucket: list[NamedTensor]):
-            ctx = handoff(bucket)
-            payload = ctx.__enter__()
-            if bucket and bucket[0][1].is_cuda:
-                torch.cuda.current_stream().synchronize()  # the engine reads on its own stream
-            fut = self._start_engines(
-                "update_weights_from_tensor",
-                lambda i: {
-                    "serialized_named_tensors": [payload],
-                    "load_format": LOAD_FORMAT,
-                    "weight_version": str(version),
-                    "flush_cache": False,
-                },
-                [target],
-            )
+            nonlocal pack_s
+            t0 = time.perf_counter()
+            packed = pack(bucket)
+            pack_s += time.perf_counter() - t0
+            try:
+                fut = self._start_engines(
+                    "update_weights_from_tensor",
+                    lambda i: {
+                        "serialized_named_tensors": [packed.payload],
+                        "load_format": LOAD_FORMAT,
+                        "weight_version": str(version),
+                        "flush_cache": False,
+                    },
+                    [target],
+                )
+            except BaseException:
+                packed.release()
+                raise
 
             def finish() -> None:
                 try:
                     self._wait_engines(fut, "update_weights_from_tensor")
                 finally:
-                    ctx.__exit__(None, None, None)
+                    packed.release()
 
             return finish
 
         buckets = self._send_buckets(named, start)
-        return {"weight_sync/buckets": float(buckets)}
+        # pack_seconds: the trainer's share (copies into the flat buffers, waited for, and the IPC handles)
+        return {"weight_sync/buckets": float(buckets), "weight_sync/pack_seconds": pack_s}
+
+    def _close(self) -> None:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.ipc_collect()  # buffers whose engine answered late (after a timeout) are freed here

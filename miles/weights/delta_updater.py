@@ -4,7 +4,15 @@ connect(): each engine host materialises its startup weights as its own local co
 noise the equality check adds). First update: trainer rank 0 snapshots the base and publishes
 only `base.json`; each engine checks its copy against it and reloads it. Later updates: rank 0
 writes the version; every engine pulls (patch + verify its copy); only when *all* engines
-succeeded are they told to reload, so a refused version leaves every engine on the old weights.
+accepted are they told to reload, so a refused version leaves every engine on the old weights.
+
+Recovery: each pull answers with the version that host's copy holds, accepted or refused. A
+host that refused no longer holds the base of the next delta, so while any host is behind the
+next version is published as a full re-base (every tensor, applicable at any version) and every
+engine reloads it. A refusal is reported in the metrics (`weight_sync/refused_engines`) and the
+engines keep serving and reporting their old version; a host that refuses two updates in a row
+(the re-base included) raises, naming it, instead of serving stale weights for ever. A refused
+first update (the base) raises at once: there is no trainer version the engines could fall back on.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from pathlib import Path
 from miles.weights.bucket import NamedTensor
 from miles.weights.disk_delta import DeltaPublisher
 from miles.weights.receiver import MATERIALISE_BASE
-from miles.weights.updater import WeightUpdater
+from miles.weights.updater import EngineCallError, WeightUpdater
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +40,9 @@ class DiskDeltaUpdater(WeightUpdater):
         self.root = Path(self.cfg.update_weight_disk_dir)
         self.publisher = DeltaPublisher(self.root / "published", self.cfg.update_weight_delta_encoding, self.digest)
         self._local_dirs = local_dirs
+        # The version each host's copy holds, as its last pull answered (None: not known).
+        self.host_versions: list[int | None] = []
+        self._refused_last: set[int] = set()
 
     def local_dir(self, i: int) -> str:
         """Engine i's host-local copy (a real deployment points this at each host's local disk)."""
@@ -53,13 +64,22 @@ class DiskDeltaUpdater(WeightUpdater):
                 "digest": self.digest,
             },
         )
+        self.host_versions = [None] * len(self.engines)
 
     def _transfer(self, named: Iterable[NamedTensor], version: int) -> dict[str, float]:
         if not self.is_leader:
             for _ in named:
                 pass
             return {}
-        stats = self.publisher.publish(named, version)
+        first = self.publisher.version is None
+        behind = [i for i, v in enumerate(self.host_versions) if v != self.publisher.version]
+        full = not first and bool(behind)
+        if full:
+            logger.warning(
+                "disk-delta v%d is a full re-base: engines %s do not hold v%s", version, behind, self.publisher.version
+            )
+        stats = self.publisher.publish(named, version, full=full)
+        self.host_versions = [None] * len(self.engines)  # unknown until the hosts answer
         pulled = self._run_engines(
             "pull_weights",
             lambda i: {
@@ -68,21 +88,46 @@ class DiskDeltaUpdater(WeightUpdater):
                 "target_version": version,
             },
         )
-        self._run_engines(
-            "update_weights_from_disk",
-            lambda i: {
-                "model_path": self.local_dir(i),
-                "weight_version": str(version),
-            },
-        )
+        for i, answer in pulled.items():
+            self.host_versions[i] = answer.get("version")
+        refused = {i: a.get("message", "refused") for i, a in pulled.items() if a.get("refused")}
+        if refused:
+            self._refuse(version, refused, first)
+        else:
+            self._run_engines(
+                "update_weights_from_disk",
+                lambda i: {
+                    "model_path": self.local_dir(i),
+                    "weight_version": str(version),
+                },
+            )
+        self._refused_last = set(refused)
         fraction = stats.bytes_written / max(stats.model_bytes, 1)
         return {
             "weight_sync/delta_bytes_written": float(stats.bytes_written),
             "weight_sync/delta_bytes_fraction": fraction,
             "weight_sync/delta_changed_tensors": float(stats.changed_tensors),
+            "weight_sync/delta_full": float(full),
+            "weight_sync/refused_engines": float(len(refused)),
             "weight_sync/delta_bytes_read_per_engine": float(sum(p.get("bytes_read", 0) for p in pulled.values()))
             / max(len(pulled), 1),
         }
+
+    def _refuse(self, version: int, refused: dict[int, str], first: bool) -> None:
+        """No engine reloads; they keep serving (and reporting) the version they had."""
+        detail = "; ".join(f"engine {i} ({self.engines[i]!r}): {why}" for i, why in sorted(refused.items()))
+        again = sorted(set(refused) & self._refused_last)
+        if first or again:
+            what = "the disk-delta base" if first else f"two updates in a row (v{version} was a full re-base)"
+            raise EngineCallError(
+                f"pull_weights v{version}: engines {again or sorted(refused)} refused {what}; {detail}"
+            )
+        self.held_back = set(range(len(self.engines)))
+        logger.warning(
+            "disk-delta v%d refused, every engine keeps its old weights; the next update re-bases them: %s",
+            version,
+            detail,
+        )
 
 
 def published_size(root: str | Path, version: int) -> int:

@@ -4,15 +4,18 @@ Trainer side (`DeltaPublisher`): the first update snapshots a host copy of every
 base and publishes only `base.json` (per-tensor digests, no tensor bytes). Each later update
 compares the new tensors with the snapshot and writes `v{version:08d}/` holding one
 zstd-compressed delta per changed tensor, then `index.json` last (temp file, fsync, rename):
-a reader sees a version only once all of it is on disk.
+a reader sees a version only once all of it is on disk. `publish(..., full=True)` writes a
+re-base instead: every tensor's new bytes, applicable to a copy at any version (the trainer
+uses it for hosts that refused a version and so no longer hold the delta's base).
 
 Engine side (`LocalCheckpoint`, `pull_version`): each engine host keeps its own copy of the
 weights (one raw file per tensor plus a local index). A pull patches the changed tensors in
 memory, checks the digest of every resulting tensor against the index, and only then commits
 (new files, then the local index by rename). A wrong base, a missing or corrupt file, or a digest
 failure raises `DeltaRefusedError` before anything changes, so the engine keeps serving the old
-version. Encodings: `xor` (bytewise difference; applies exactly once, against its base) and
-`overwrite` (changed positions and new values; idempotent).
+version. Encodings: `xor` (bytewise difference; applies exactly once, against its base),
+`overwrite` (changed positions and new values; idempotent) and `full` (the re-base: whole
+tensors, no base; idempotent).
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ from miles.weights.verify import check_digest_name, digest_bytes, tensor_bytes
 
 logger = logging.getLogger(__name__)
 
-ENCODINGS = ("xor", "overwrite")
+ENCODINGS = ("xor", "overwrite")  # what --update-weight-delta-encoding may choose
+FULL = "full"  # the re-base encoding: whole tensors, applies to a copy at any version
 INDEX = "index.json"
 BASE = "base.json"
 FORMAT = "miles-disk-delta/1"
@@ -93,10 +97,13 @@ def apply_delta(buf: np.ndarray, payload: bytes, encoding: str) -> None:
         raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=max(16 * buf.size + 16, 1 << 20))
     except zstandard.ZstdError as exc:
         raise ValueError(f"delta payload does not decompress: {exc}") from exc
-    if encoding == "xor":
+    if encoding in ("xor", FULL):
         if len(raw) != buf.size:
-            raise ValueError(f"xor delta has {len(raw)} bytes, tensor has {buf.size}")
-        np.bitwise_xor(buf, np.frombuffer(raw, dtype=np.uint8), out=buf)
+            raise ValueError(f"{encoding} delta has {len(raw)} bytes, tensor has {buf.size}")
+        if encoding == FULL:
+            buf[:] = np.frombuffer(raw, dtype=np.uint8)
+        else:
+            np.bitwise_xor(buf, np.frombuffer(raw, dtype=np.uint8), out=buf)
     elif encoding == "overwrite":
         if len(raw) < 8:
             raise ValueError("overwrite delta is truncated")
@@ -110,7 +117,7 @@ def apply_delta(buf: np.ndarray, payload: bytes, encoding: str) -> None:
             )
         buf[positions.astype(np.int64)] = np.frombuffer(raw[8 + 8 * count :], dtype=np.uint8)
     else:
-        raise ValueError(f"unknown delta encoding {encoding!r}; use one of {ENCODINGS}")
+        raise ValueError(f"unknown delta encoding {encoding!r}; use one of {(*ENCODINGS, FULL)}")
 
 
 # -- trainer side -------------------------------------------------------------------------------
@@ -147,14 +154,15 @@ class DeltaPublisher:
         self._held: dict[str, _Held] = {}
         self.version: int | None = None
 
-    def publish(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> PublishStats:
-        """Snapshot the base on the first call; later calls write version `version` against the previous one."""
+    def publish(self, named: Iterable[tuple[str, torch.Tensor]], version: int, *, full: bool = False) -> PublishStats:
+        """Snapshot the base on the first call; later calls write version `version` against the previous one,
+        or, with `full`, as a re-base that a host copy at any version can apply."""
         self.root.mkdir(parents=True, exist_ok=True)
         if self.version is None:
             return self._snapshot_base(named, version)
         if version <= self.version:
             raise ValueError(f"disk-delta version {version} is not after the last published version {self.version}")
-        return self._write_version(named, version)
+        return self._write_version(named, version, full)
 
     def _snapshot_base(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> PublishStats:
         held = {}
@@ -173,13 +181,14 @@ class DeltaPublisher:
         logger.info("disk-delta base v%d: %d tensors, %.1f MB held on the host", version, len(held), total / 1e6)
         return PublishStats(version, None, len(held), 0, total, 0)
 
-    def _write_version(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> PublishStats:
+    def _write_version(self, named: Iterable[tuple[str, torch.Tensor]], version: int, full: bool) -> PublishStats:
         out = version_dir(self.root, version)
         if (out / INDEX).exists():
             raise ValueError(f"disk-delta version {version} already exists at {out}; versions are immutable")
         if out.exists():  # a half-written attempt: it was never visible (no index), so it can go
             shutil.rmtree(out)
         out.mkdir(parents=True)
+        encoding = FULL if full else self.encoding
         entries, updated, written, total = {}, {}, 0, 0
         for i, (name, t) in enumerate(named):
             prev = self._held.get(name)
@@ -190,7 +199,10 @@ class DeltaPublisher:
                     "names, dtypes and shapes must stay fixed across versions"
                 )
             total += new.size
-            payload = encode_delta(prev.data, new, self.encoding, self.level)
+            if full:
+                payload = zstandard.ZstdCompressor(level=self.level).compress(new.tobytes())
+            else:
+                payload = encode_delta(prev.data, new, encoding, self.level)
             entry = {
                 "dtype": prev.dtype,
                 "shape": prev.shape,
@@ -213,8 +225,8 @@ class DeltaPublisher:
         index = {
             "format": FORMAT,
             "version": version,
-            "base_version": self.version,
-            "encoding": self.encoding,
+            "base_version": None if full else self.version,
+            "encoding": encoding,
             "digest": self.digest,
             "compression": "zstd",
             "tensors": entries,
@@ -224,14 +236,14 @@ class DeltaPublisher:
         self._held.update(updated)
         self.version = version
         logger.info(
-            "disk-delta v%d (base v%d): %d/%d tensors changed, %.2f MB written",
+            "disk-delta v%d (%s): %d/%d tensors written, %.2f MB",
             version,
-            base_version,
+            "full re-base" if full else f"base v{base_version}",
             len(updated),
             len(entries),
             written / 1e6,
         )
-        return PublishStats(version, base_version, len(entries), len(updated), total, written)
+        return PublishStats(version, None if full else base_version, len(entries), len(updated), total, written)
 
 
 # -- engine host side ----------------------------------------------------------------------------
@@ -307,6 +319,14 @@ def adopt_base(local: LocalCheckpoint, source_dir: str | Path, target_version: i
     return {"version": target_version, "changed_tensors": 0, "bytes_read": 0}
 
 
+def is_full_version(source_dir: str | Path, version: int) -> bool:
+    """Whether `version` is published as a full re-base (False when it is not published or unreadable)."""
+    try:
+        return json.loads((version_dir(source_dir, version) / INDEX).read_text()).get("encoding") == FULL
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
 def pull_version(local: LocalCheckpoint, source_dir: str | Path, target_version: int) -> dict:
     """Patch the host copy to `target_version`, verify every digest, then commit. Raises DeltaRefusedError."""
     src = version_dir(source_dir, target_version)
@@ -322,14 +342,16 @@ def pull_version(local: LocalCheckpoint, source_dir: str | Path, target_version:
     encoding, base_version = index["encoding"], index["base_version"]
     if index["version"] != target_version:
         raise DeltaRefusedError(f"{src / INDEX} says version {index['version']}, asked for {target_version}")
-    if mine["version"] == target_version and encoding == "xor":
-        raise DeltaRefusedError(
-            f"version {target_version} is already applied here; an xor delta applies exactly once (re-applying undoes it)"
-        )
-    if mine["version"] != base_version and not (encoding == "overwrite" and mine["version"] == target_version):
-        raise DeltaRefusedError(
-            f"version {target_version} applies to base v{base_version}, but this host holds v{mine['version']}"
-        )
+    if encoding != FULL:  # a re-base carries whole tensors, so it applies to a copy at any version
+        if mine["version"] == target_version and encoding == "xor":
+            raise DeltaRefusedError(
+                f"version {target_version} is already applied here; an xor delta applies exactly once "
+                "(re-applying undoes it)"
+            )
+        if mine["version"] != base_version and not (encoding == "overwrite" and mine["version"] == target_version):
+            raise DeltaRefusedError(
+                f"version {target_version} applies to base v{base_version}, but this host holds v{mine['version']}"
+            )
     if set(index["tensors"]) != set(mine["tensors"]) or index["digest"] != mine["digest"]:
         raise DeltaRefusedError(
             f"version {target_version} does not describe the same tensors/digest as the local copy"

@@ -136,4 +136,3 @@ class P2PUpdater(GroupUpdater):
             del tensors[:]
 
         return finish
-

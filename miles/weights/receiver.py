@@ -18,7 +18,7 @@ import torch
 
 from miles.weights import verify
 from miles.weights.colocated import open_payload
-from miles.weights.disk_delta import LocalCheckpoint, adopt_base, pull_version
+from miles.weights.disk_delta import DeltaRefusedError, LocalCheckpoint, adopt_base, is_full_version, pull_version
 from miles.weights.groups import SyncGroup, create_sync_group, dtype_from_name
 
 logger = logging.getLogger(__name__)
@@ -144,7 +144,9 @@ class WeightReceiver:
         with open_payload(serialized_named_tensors[0]) as named:
             self.engine.load_weights(named)
             if named and named[0][1].is_cuda:
-                torch.cuda.current_stream().synchronize()  # the trainer may free its memory once we answer
+                # Every copy out of the trainer's buffer is done (on whichever stream the engine used)
+                # before the mapping is dropped and the trainer is told it may reuse the memory.
+                torch.cuda.synchronize(named[0][1].device)
         self._finish(weight_version, flush_cache)
 
     async def update_weights_from_disk(
@@ -156,6 +158,13 @@ class WeightReceiver:
     ) -> None:
         local = LocalCheckpoint(model_path)
         if local.exists():
+            held = local.read_index()["version"]
+            if weight_version is not None and _parse_version(weight_version) != held:
+                # Never label old weights with a new version: a refused pull leaves the copy behind.
+                raise ValueError(
+                    f"the disk-delta copy at {model_path} holds v{held}, not v{weight_version}; "
+                    "pull_weights must accept that version before the engine reloads it"
+                )
             named = await asyncio.to_thread(lambda: list(local.iter_tensors()))
         else:
             named = await asyncio.to_thread(_read_safetensors_dir, Path(model_path))
@@ -165,7 +174,13 @@ class WeightReceiver:
     async def pull_weights(
         self, local_checkpoint_dir: str, source_dir: str, target_version: int, digest: str = "xxh3-128", **_: Any
     ) -> dict:
-        """Disk-delta: bring this host's copy to `target_version` (patch + verify); does not reload the engine."""
+        """Disk-delta: bring this host's copy to `target_version` (patch + verify); does not reload the engine.
+
+        Answers `{"version": v}` with the version the copy now holds. A version this host cannot apply
+        (wrong base, missing or corrupt file, digest failure) is refused without changing anything:
+        `{"success": False, "refused": True, "message": why, "version": the version still held}`, so
+        the trainer learns what this host holds and can publish something it can apply next.
+        """
         local = LocalCheckpoint(local_checkpoint_dir)
         target_version = int(target_version)
         if target_version == MATERIALISE_BASE:
@@ -174,9 +189,16 @@ class WeightReceiver:
             named = [(n, t.detach().cpu().clone()) for n, t in self.engine.named_weights()]
             await asyncio.to_thread(local.materialise, named, MATERIALISE_BASE, digest)
             return {"version": MATERIALISE_BASE, "materialised": True}
-        if local.exists() and local.read_index()["version"] == MATERIALISE_BASE:
-            return await asyncio.to_thread(adopt_base, local, source_dir, target_version)
-        return await asyncio.to_thread(pull_version, local, source_dir, target_version)
+        try:
+            at_start = local.exists() and local.read_index()["version"] == MATERIALISE_BASE
+            # A host still at its startup weights adopts the base, unless this version is a full re-base.
+            if at_start and not is_full_version(source_dir, target_version):
+                return await asyncio.to_thread(adopt_base, local, source_dir, target_version)
+            return await asyncio.to_thread(pull_version, local, source_dir, target_version)
+        except DeltaRefusedError as exc:
+            held = local.read_index()["version"] if local.exists() else None
+            logger.warning("refused disk-delta v%d (this host keeps v%s): %s", target_version, held, exc)
+            return {"success": False, "refused": True, "message": str(exc), "version": held}
 
     async def update_weight_version(self, new_version: str, **_: Any) -> None:
         self.engine.weight_version = _parse_version(new_version)

@@ -12,6 +12,9 @@ runs their coroutines on a private event-loop thread, so `update` is a plain blo
 overlaps engine requests with the collectives issued from the calling thread. Pausing and
 resuming generation belongs to the caller; the updater moves the weights and bumps each engine's
 weight version. Every wait carries `weight_sync_timeout_s`; a failing engine is named in the error.
+A transport may hold engines back on their old version instead of failing (disk-delta, when a
+host refuses a version): those engines keep serving it, their version is not bumped, and the
+metrics say so (`weight_sync/refused_engines`).
 """
 
 from __future__ import annotations
@@ -86,6 +89,7 @@ class WeightUpdater:
         self._checked = False
         self._loop: _LoopThread | None = None
         self.engine_failures: list[str] = []  # filled as engine calls fail, read when a collective fails
+        self.held_back: set[int] = set()  # engines that kept their old weights in this update (set by _transfer)
 
     # -- public API --------------------------------------------------------------------------
 
@@ -121,6 +125,7 @@ class WeightUpdater:
             raise RuntimeError("update() before connect(); call connect(engines, ...) first")
         start = time.perf_counter()
         self.engine_failures.clear()
+        self.held_back = set()
         digests: dict[str, str] = {}
         checking = self.check_equal and not self._checked
         stream: Iterable[NamedTensor] = iter(named_tensors)
@@ -129,8 +134,11 @@ class WeightUpdater:
         counted = _Counter(stream)
         metrics = self._transfer(counted, version)
         self._sync_trainers()
+        checking = checking and not self.held_back  # the check waits for an update every engine took
         if self.is_leader:
-            self._run_engines("update_weight_version", lambda i: {"new_version": str(version)})
+            took = [i for i in range(len(self.engines)) if i not in self.held_back]
+            if took:
+                self._run_engines("update_weight_version", lambda i: {"new_version": str(version)}, took)
             if checking:
                 self._run(verify.check_engines(self.engines, digests, self.digest))
         # No rank may start the next version while the leader still bumps versions or checks.

@@ -32,7 +32,10 @@ class Host:
         asyncio.run(self.receiver.pull_weights(self.local, self.source, MATERIALISE_BASE))
 
     def update(self, version: int) -> None:
-        asyncio.run(self.receiver.pull_weights(self.local, self.source, version))
+        answer = asyncio.run(self.receiver.pull_weights(self.local, self.source, version))
+        if answer.get("refused"):  # the copy is unchanged; the updater would not reload
+            raise DeltaRefusedError(answer["message"])
+        assert answer["version"] == version
         asyncio.run(self.receiver.update_weights_from_disk(self.local, weight_version=str(version)))
 
     def state(self) -> dict[str, bytes]:
@@ -143,3 +146,69 @@ def test_engine_not_starting_from_trainer_base_is_refused(tmp_path):
     pub = DeltaPublisher(tmp_path / "published")
     pub.publish(_trainer_versions(1)[0].items(), 1)
     _refused_keeps_old(host, 1, "startup weights differ")
+
+
+def _corrupt(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_full_rebase_recovers_a_host_that_refused(setup, tmp_path):
+    host, pub, versions, _ = setup
+    pub.publish(versions[1].items(), 2)
+    _corrupt(version_dir(tmp_path / "published", 2) / "t00000.zst")
+    _refused_keeps_old(host, 2, "corrupt|digest")
+    stats = pub.publish(versions[2].items(), 3, full=True)  # the host holds v1, not the base v2
+    assert stats.changed_tensors == len(SPEC) and stats.base_version is None
+    index = json.loads((version_dir(tmp_path / "published", 3) / "index.json").read_text())
+    assert (index["encoding"], index["base_version"]) == ("full", None)
+    host.update(3)
+    assert host.state() == {n: _raw(t) for n, t in versions[2].items()}
+    assert host.engine.weight_version == 3
+    host.update(3)  # whole tensors: applying the re-base again changes nothing
+    assert host.state() == {n: _raw(t) for n, t in versions[2].items()}
+    pub.publish(versions[3].items(), 4)  # back to deltas against v3, which the host now holds
+    host.update(4)
+    assert host.state() == {n: _raw(t) for n, t in versions[3].items()}
+
+
+def test_full_rebase_also_repairs_a_corrupted_host_copy(setup, tmp_path):
+    host, pub, versions, _ = setup
+    local = json.loads((Path(host.local) / "index.json").read_text())
+    _corrupt(Path(host.local) / local["tensors"]["model.embed_tokens.weight"]["file"])
+    pub.publish(versions[1].items(), 2)
+    _refused_keeps_old(host, 2, "digest of the patched tensor does not match")
+    pub.publish(versions[2].items(), 3, full=True)
+    host.update(3)
+    assert host.state() == {n: _raw(t) for n, t in versions[2].items()}
+
+
+def test_corrupt_full_rebase_is_refused(setup, tmp_path):
+    host, pub, versions, _ = setup
+    pub.publish(versions[1].items(), 2, full=True)
+    _corrupt(version_dir(tmp_path / "published", 2) / "t00002.zst")
+    _refused_keeps_old(host, 2, "corrupt|digest")
+
+
+def test_refusal_answer_names_the_version_held_and_reload_cannot_skip_it(setup, tmp_path):
+    host, pub, versions, _ = setup
+    pub.publish(versions[1].items(), 2)
+    pub.publish(versions[2].items(), 3)
+    answer = asyncio.run(host.receiver.pull_weights(host.local, host.source, 3))
+    assert answer["refused"] and answer["success"] is False and answer["version"] == 1
+    assert "applies to base v2, but this host holds v1" in answer["message"]
+    with pytest.raises(ValueError, match="holds v1, not v3"):
+        asyncio.run(host.receiver.update_weights_from_disk(host.local, weight_version="3"))
+    assert host.engine.weight_version == 1
+
+
+def test_a_host_still_at_its_startup_weights_takes_a_full_rebase(tmp_path):
+    host = Host(tmp_path, seed=99)  # started from other weights: it refuses the trainer's base...
+    pub = DeltaPublisher(tmp_path / "published")
+    versions = _trainer_versions(2)
+    pub.publish(versions[0].items(), 1)
+    _refused_keeps_old(host, 1, "startup weights differ")
+    pub.publish(versions[1].items(), 2, full=True)  # ...but a re-base applies at any version
+    host.update(2)
+    assert host.state() == {n: _raw(t) for n, t in versions[1].items()}
