@@ -66,43 +66,49 @@ def test_fp32_greedy_matches_transformers_on_cuda(model_dir, cuda_graphs, fused)
         assert out["output_ids"] == ref
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_graphed_bf16_decode_logprobs_match_an_eager_teacher_forced_pass(model_dir, fused):
-    """bf16: tokens from the graphed decode (torch ops or fused kernels, lookahead on) are scored again
-    by a plain eager prefill; the two log-probs of every token agree to bf16 accuracy. (Greedy token
-    sequences themselves may part ways at a near-tie, so they are not compared.)"""
-    prompts = _prompts(10)  # 10 rows: padded to the 16-row graph bucket
-    graphed = _generate_all(
-        EmbeddedEngine(model_dir, device="cuda", dtype="bfloat16", cuda_graphs=True, fused_kernels=fused),
-        prompts,
-        GREEDY,
-    )
-    eager = EmbeddedEngine(model_dir, device="cuda", dtype="bfloat16", cuda_graphs=False, fused_kernels=False)
+def _score(engine: EmbeddedEngine, prompts: list[list[int]], outs: list[dict]) -> list[list[float]]:
+    """Teacher-forced log-probs of each output under `engine` (one prefill per sequence)."""
 
-    async def score():
-        await eager.start()
+    async def main():
+        await engine.start()
         try:
             return await asyncio.gather(
                 *(
-                    eager.generate(
+                    engine.generate(
                         input_ids=p + o["output_ids"],
                         sampling_params={"max_new_tokens": 0, "temperature": 1.0},
                         return_logprob=True,
                         logprob_start_len=len(p),
                     )
-                    for p, o in zip(prompts, graphed, strict=True)
+                    for p, o in zip(prompts, outs, strict=True)
                 )
             )
         finally:
-            await eager.shutdown()
+            await engine.shutdown()
 
-    for out, scored in zip(graphed, asyncio.run(score()), strict=True):
-        got = [x[0] for x in out["meta_info"]["output_token_logprobs"]]
-        ref = [x[0] for x in scored["meta_info"]["input_token_logprobs"]]
-        assert len(got) == len(ref) == 32
-        diffs = [abs(a - b) for a, b in zip(got, ref, strict=True)]
-        # bf16 logits of this peaked model reach 16-32, where one bf16 step is 0.125
-        assert max(diffs) < 0.25 and sum(diffs) / len(diffs) < 0.03, diffs
+    return [[x[0] for x in r["meta_info"]["input_token_logprobs"]] for r in asyncio.run(main())]
+
+
+def _mean_error(outs: list[dict], ref: list[list[float]]) -> float:
+    got = [x[0] for o in outs for x in o["meta_info"]["output_token_logprobs"]]
+    flat = [x for r in ref for x in r]
+    assert len(got) == len(flat) == 32 * len(outs)
+    return sum(abs(a - b) for a, b in zip(got, flat, strict=True)) / len(flat)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_graphed_bf16_decode_is_as_accurate_as_eager_bf16(model_dir, fused):
+    """bf16 log-probs of the graphed decode (torch ops or fused kernels, lookahead on) against an fp32
+    teacher-forced pass over the same tokens: no worse than the plain eager bf16 decode's error.
+    (Greedy sequences of the two bf16 paths may part ways at a near-tie, so tokens are not compared.)"""
+    prompts = _prompts(10)  # 10 rows: padded to the 16-row graph bucket
+    kw = dict(device="cuda", dtype="bfloat16")
+    graphed = _generate_all(EmbeddedEngine(model_dir, cuda_graphs=True, fused_kernels=fused, **kw), prompts, GREEDY)
+    eager = _generate_all(EmbeddedEngine(model_dir, cuda_graphs=False, fused_kernels=False, **kw), prompts, GREEDY)
+    fp32 = dict(device="cuda", dtype="float32", cuda_graphs=False, fused_kernels=False)
+    err_graphed = _mean_error(graphed, _score(EmbeddedEngine(model_dir, **fp32), prompts, graphed))
+    err_eager = _mean_error(eager, _score(EmbeddedEngine(model_dir, **fp32), prompts, eager))
+    assert err_graphed <= 1.5 * err_eager + 0.01, (err_graphed, err_eager)
 
 
 def test_release_and_resume_memory_keeps_serving(model_dir):

@@ -71,58 +71,44 @@ if triton is not None:
 
     @triton.jit
     def _rope_kv_kernel(
-        qkv_ptr,
-        pos_ptr,
-        slot_ptr,
-        table_ptr,
-        qn_ptr,
-        kn_ptr,
-        q_out_ptr,
-        k_cache_ptr,
-        v_cache_ptr,
-        eps,
-        H: tl.constexpr,
-        KVH: tl.constexpr,
-        HD: tl.constexpr,
-        CAP: tl.constexpr,
-        QK_NORM: tl.constexpr,
-    ):
-        """One (row, head): q/k heads get (q/k-norm and) RoPE; k and v heads are written to the cache.
+        qkv_ptr, pos_ptr, slot_ptr, table_ptr, qn_ptr, kn_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, eps,
+        H: tl.constexpr, KVH: tl.constexpr, HD: tl.constexpr, CAP: tl.constexpr, QK_NORM: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):  # fmt: skip
+        """One row, all heads: q/k heads get (q/k-norm and) RoPE; k and v heads are written to the cache.
 
         qkv row layout [H q heads | KVH k heads | KVH v heads] x HD; the RoPE table row holds cos | sin
         with rotate_half's sign folded into sin, so rope(x) = x * cos + roll(x, HD/2) * sin.
         """
         b = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
-        d = tl.arange(0, HD)
-        base = qkv_ptr + b * (H + 2 * KVH) * HD + h * HD
-        x = tl.load(base + d).to(tl.float32)
+        hh = tl.arange(0, BLOCK_H)[:, None]
+        d = tl.arange(0, HD)[None, :]
+        d_rolled = (d + HD // 2) % HD
+        heads = hh < H + 2 * KVH
+        is_q = hh < H
+        is_k = (hh >= H) & (hh < H + KVH)
+        is_v = (hh >= H + KVH) & heads
+        base = qkv_ptr + b * (H + 2 * KVH) * HD + hh * HD
+        x = tl.load(base + d, mask=heads, other=0.0).to(tl.float32)
+        rolled = tl.load(base + d_rolled, mask=heads, other=0.0).to(tl.float32)
+        if QK_NORM:  # per-head RMSNorm before RoPE (qwen3): rolled(norm(x)) = norm(x) at rolled places
+            dt = q_out_ptr.dtype.element_ty
+            inv = tl.rsqrt(tl.sum(x * x, axis=1) / HD + eps)[:, None]
+            w = tl.where(is_q, tl.load(qn_ptr + d).to(tl.float32), tl.load(kn_ptr + d).to(tl.float32))
+            w_r = tl.where(is_q, tl.load(qn_ptr + d_rolled).to(tl.float32), tl.load(kn_ptr + d_rolled).to(tl.float32))
+            x_n = ((x * inv).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
+            rolled_n = ((rolled * inv).to(dt).to(tl.float32) * w_r).to(dt).to(tl.float32)
+            x = tl.where(is_v, x, x_n)
+            rolled = tl.where(is_v, rolled, rolled_n)
         pos = tl.load(pos_ptr + b)
         slot = tl.load(slot_ptr + b).to(tl.int64)
-        if h < H + KVH:
-            rolled = tl.load(base + (d + HD // 2) % HD).to(tl.float32)
-            if QK_NORM:  # per-head RMSNorm before RoPE (qwen3): rolled(norm(x)) = norm(x) at rolled places
-                inv = tl.rsqrt(tl.sum(x * x, axis=0) / HD + eps)
-                norm_ptr = kn_ptr
-                if h < H:
-                    norm_ptr = qn_ptr
-                w = tl.load(norm_ptr + d).to(tl.float32)
-                w_rolled = tl.load(norm_ptr + (d + HD // 2) % HD).to(tl.float32)
-                x = ((x * inv).to(q_out_ptr.dtype.element_ty).to(tl.float32) * w).to(q_out_ptr.dtype.element_ty)
-                rolled = (rolled * inv).to(q_out_ptr.dtype.element_ty).to(tl.float32) * w_rolled
-                rolled = rolled.to(q_out_ptr.dtype.element_ty).to(tl.float32)
-                x = x.to(tl.float32)
-            cos = tl.load(table_ptr + pos * 2 * HD + d).to(tl.float32)
-            sin = tl.load(table_ptr + pos * 2 * HD + HD + d).to(tl.float32)
-            y = (x * cos + rolled * sin).to(q_out_ptr.dtype.element_ty)
-            if h < H:
-                tl.store(q_out_ptr + b * H * HD + h * HD + d, y)
-            else:
-                kh = h - H
-                tl.store(k_cache_ptr + ((slot * KVH + kh) * CAP + pos) * HD + d, y)
-        else:
-            vh = h - H - KVH
-            tl.store(v_cache_ptr + ((slot * KVH + vh) * CAP + pos) * HD + d, x.to(v_cache_ptr.dtype.element_ty))
+        cos = tl.load(table_ptr + pos * 2 * HD + d).to(tl.float32)
+        sin = tl.load(table_ptr + pos * 2 * HD + HD + d).to(tl.float32)
+        y = (x * cos + rolled * sin).to(q_out_ptr.dtype.element_ty)
+        tl.store(q_out_ptr + b * H * HD + hh * HD + d, y, mask=is_q)
+        tl.store(k_cache_ptr + ((slot * KVH + (hh - H)) * CAP + pos) * HD + d, y, mask=is_k)
+        v_rows = ((slot * KVH + (hh - H - KVH)) * CAP + pos) * HD + d
+        tl.store(v_cache_ptr + v_rows, x.to(v_cache_ptr.dtype.element_ty), mask=is_v)
 
     @triton.jit
     def _decode_attention_kernel(
@@ -321,11 +307,12 @@ def rope_kv_write(
     hd = k_cache.shape[-1]
     q_out = torch.empty((b, num_heads, hd), dtype=qkv.dtype, device=qkv.device) if q_out is None else q_out
     qk_norm = q_norm is not None
-    _rope_kv_kernel[(b, num_heads + 2 * num_kv_heads)](
+    _rope_kv_kernel[(b,)](
         qkv, positions, slots, rope_table,
         q_norm if qk_norm else qkv, k_norm if qk_norm else qkv,
         q_out, k_cache, v_cache, eps,
         H=num_heads, KVH=num_kv_heads, HD=hd, CAP=k_cache.shape[2], QK_NORM=qk_norm,
+        BLOCK_H=_next_pow2(num_heads + 2 * num_kv_heads),
     )  # fmt: skip
     return q_out
 
