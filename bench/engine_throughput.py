@@ -138,6 +138,22 @@ def measure(sides: dict, new_tokens: int, reps: int) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in rates.items()}
 
 
+def graph_step_ms(engine: EmbeddedEngine, batch: int) -> float | None:
+    """GPU time of one replay of the batch's decode graph (no host work), from CUDA events."""
+    graphs = engine.runner.graphs
+    if graphs is None or batch not in graphs.graphs:
+        return None
+    graph = graphs.graphs[batch]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(50):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 50
+
+
 def profile_round(side: EngineSide, n_new: int) -> None:
     """One engine round under torch.profiler: the ops and kernels that take the time."""
     from torch.profiler import ProfilerActivity, profile
@@ -197,6 +213,7 @@ def main(argv: list[str] | None = None) -> dict:
             first_token_s = statistics.median(sides["engine"].seconds(1) for _ in range(3))
             full_s = args.batch * args.new_tokens / medians["engine"]
             decode_tok_s = args.batch * (args.new_tokens - 1) / max(full_s - first_token_s, 1e-9)
+            step_ms = graph_step_ms(engine, args.batch) if device.type == "cuda" else None
             if args.profile:
                 profile_round(sides["engine"], min(args.new_tokens, 32))
         finally:
@@ -228,6 +245,9 @@ def main(argv: list[str] | None = None) -> dict:
             "decode_tok_s": round(decode_tok_s, 1),
             "roofline_fraction": round(decode_tok_s / roofline, 3),  # decode phase against the decode roofline
             "end_to_end_roofline_fraction": round(engine_tok_s / roofline, 3),  # prefill included
+            # GPU time of a graphed decode step (sampling excluded) against the measured wall time per step
+            "graph_step_ms": None if step_ms is None else round(step_ms, 3),
+            "decode_step_wall_ms": round(args.batch / decode_tok_s * 1e3, 3),
         }
     if hf_tok_s is not None:
         print(

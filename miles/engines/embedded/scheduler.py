@@ -401,19 +401,23 @@ class Scheduler:
 
     # ---- bookkeeping (event loop thread) -----------------------------------------------------------------
     def _apply(self, result: StepResult, n_decode: int) -> None:
+        # the host's share of every decode step: kept to plain list operations (it runs once per token)
         finished: list[tuple[int, dict]] = []
-        for i, req in enumerate(self.running):
-            if i in result.input_logprobs:
-                req.input_logprobs = result.input_logprobs[i]
+        input_lps, check_stop, max_len = result.input_logprobs, self.check_stop, self.runner.max_seq_len
+        version = result.weight_version
+        for i, (req, token, logprob) in enumerate(zip(self.running, result.tokens, result.logprobs, strict=True)):
+            if input_lps and i in input_lps:
+                req.input_logprobs = input_lps[i]
             if req.params.max_new_tokens == 0:  # prefill-only scoring: nothing is sampled
                 finished.append((i, {"type": "length", "length": 0}))
                 continue
-            req.output_ids.append(result.tokens[i])
-            req.output_logprobs.append(result.logprobs[i])
-            req.output_versions.append(result.weight_version)
-            reason = self.check_stop(req)
-            if reason is None and req.seq_len >= self.runner.max_seq_len:
-                reason = {"type": "length", "length": len(req.output_ids)}
+            out = req.output_ids
+            out.append(token)
+            req.output_logprobs.append(logprob)
+            req.output_versions.append(version)
+            reason = check_stop(req)
+            if reason is None and len(req.prompt_ids) + len(out) >= max_len:
+                reason = {"type": "length", "length": len(out)}
             if reason is not None:
                 finished.append((i, reason))
         for i, reason in reversed(finished):
