@@ -12,6 +12,12 @@ For a synthetic bf16 model of --params parameters served by --engines fake engin
 - colocated (CUDA only): the update of a Qwen2-1.5B-sized bf16 model (1.54e9 parameters, built
   as named tensors) to an engine process on the same GPU, against the device's copy bandwidth
   measured in the same run (one device-to-device `copy_` of the same bytes, CUDA events).
+  Two paths: `colocated_direct_*`, the trainer writing straight into the engine's shared weight
+  buffer, timed from the first copy issued (export fetched, buffer mapped) to the engine's answer to
+  the install call, i.e. copies + stream sync + unmapping + one HTTP install (`colocated_direct_s`;
+  `colocated_direct_update_s` is the whole `update()`, adding the export fetch and the IPC open); and
+  `colocated_*`, the per-bucket handoff SGLang engines still get (whole `update()`).
+  `--colocated-only` skips the gloo transports (about a minute on one H200).
 Medians over --reps; ends with one JSON line.
 """
 
@@ -28,8 +34,10 @@ import time
 import torch
 
 from miles.config_sections import WeightsConfig
+from miles.engines.client import EngineClient
 from miles.weights.broadcast import BroadcastUpdater
 from miles.weights.colocated import ColocatedUpdater
+from miles.weights.colocated_direct import DirectColocatedUpdater
 from miles.weights.delta_updater import DiskDeltaUpdater
 from miles.weights.fake_engine import FakeEngine, HTTPEngineControl, spawn_engines
 from miles.weights.groups import create_sync_group, find_free_port
@@ -222,6 +230,24 @@ def _colocated_updates(engine: HTTPEngineControl, master, bucket_bytes: int, rep
     return statistics.median(times[1:]), statistics.median(pack_times[1:])  # [0] paid one-time CUDA/IPC set-up
 
 
+def _direct_updates(url: str, master, reps: int) -> tuple[float, float]:
+    """Median (first copy -> install answered, whole update) seconds of direct colocated updates."""
+    up = DirectColocatedUpdater(WeightsConfig(weight_sync_timeout_s=600))
+    up.connect([EngineClient(url, timeout_s=600)])  # pooled HTTP session, as in a real run
+    direct, whole = [], []
+    try:
+        for v in range(1, reps + 2):
+            fresh = {n: t.clone() for n, t in master.items()}
+            torch.cuda.synchronize()
+            m = up.update(fresh.items(), v)
+            direct.append(m["weight_sync/direct_seconds"])
+            whole.append(m["weight_sync/seconds"])
+            del fresh
+    finally:
+        up.close()
+    return statistics.median(direct[1:]), statistics.median(whole[1:])  # [0] packed the engine's buffer
+
+
 def bench_colocated(reps: int, bucket_bytes: int) -> dict:
     """The colocated update of a Qwen2-1.5B-sized bf16 model to an engine process on this GPU, vs the device copy."""
     spec = qwen2_1p5b_spec()
@@ -230,6 +256,7 @@ def bench_colocated(reps: int, bucket_bytes: int) -> dict:
     try:
         engine = HTTPEngineControl(proc.url, timeout_s=600)
         master = FakeEngine(spec, device="cuda", seed=2).tensors
+        direct_s, direct_update_s = _direct_updates(proc.url, master, reps)
         seconds, pack_s = _colocated_updates(engine, master, bucket_bytes, reps)
         one_bucket_s, _ = _colocated_updates(engine, master, nbytes, reps)  # how much the per-bucket calls cost
         copy_s = bench_device_copy(nbytes, max(reps, 5))
@@ -241,6 +268,10 @@ def bench_colocated(reps: int, bucket_bytes: int) -> dict:
             "colocated_one_bucket_s": one_bucket_s,
             "copy_GBps": nbytes / copy_s / 1e9,
             "colocated_copy_fraction": copy_s / seconds,
+            "colocated_direct_s": direct_s,
+            "colocated_direct_update_s": direct_update_s,
+            "colocated_direct_GBps": nbytes / direct_s / 1e9,
+            "colocated_direct_copy_fraction": copy_s / direct_s,
         }
     finally:
         proc.stop()
@@ -252,7 +283,13 @@ def main() -> None:
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--bucket-mb", type=int, default=512)
+    ap.add_argument("--colocated-only", action="store_true", help="only the colocated figures (needs CUDA)")
     args = ap.parse_args()
+    if args.colocated_only:
+        col = bench_colocated(args.reps, args.bucket_mb * 1024**2)
+        _print_colocated(col)
+        print(json.dumps({**col, "device": torch.cuda.get_device_name()}))
+        return
     spec = model_spec(args.params)
     nbytes = nbytes_of(spec)
     print(f"model: {len(spec)} tensors, {nbytes / 1e9:.3f} GB bf16; {args.engines} engines", flush=True)
@@ -290,16 +327,26 @@ def main() -> None:
     }
     if torch.cuda.is_available():
         col = bench_colocated(args.reps, args.bucket_mb * 1024**2)
-        print(
-            f"colocated: {col['colocated_s'] * 1e3:.1f} ms for {col['colocated_model_bytes'] / 1e9:.2f} GB = "
-            f"{col['colocated_GBps']:.0f} GB/s (trainer-side packing {col['colocated_pack_s'] * 1e3:.1f} ms; "
-            f"{col['colocated_one_bucket_s'] * 1e3:.1f} ms as one bucket); "
-            f"device copy {col['copy_GBps']:.0f} GB/s; colocated / copy = {col['colocated_copy_fraction']:.3f} "
-            "(target >= 0.5)",
-            flush=True,
-        )
+        _print_colocated(col)
         result.update(col)
     print(json.dumps(result))
+
+
+def _print_colocated(col: dict) -> None:
+    gb = col["colocated_model_bytes"] / 1e9
+    print(
+        f"colocated direct: {col['colocated_direct_s'] * 1e3:.2f} ms for {gb:.2f} GB (first copy -> install "
+        f"answered) = {col['colocated_direct_GBps']:.0f} GB/s; whole update {col['colocated_direct_update_s'] * 1e3:.2f}"
+        f" ms; device copy {col['copy_GBps']:.0f} GB/s; direct / copy = {col['colocated_direct_copy_fraction']:.3f}"
+        " (target >= 0.5)",
+        flush=True,
+    )
+    print(
+        f"colocated per-bucket: {col['colocated_s'] * 1e3:.1f} ms = {col['colocated_GBps']:.0f} GB/s (trainer-side "
+        f"packing {col['colocated_pack_s'] * 1e3:.1f} ms; {col['colocated_one_bucket_s'] * 1e3:.1f} ms as one "
+        f"bucket); per-bucket / copy = {col['colocated_copy_fraction']:.3f}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -268,6 +268,13 @@ WEIGHT_ENDPOINTS = (
 )
 
 
+# Miles-only (real SGLang lacks them, so the colocated updater falls back to per-bucket handoffs there):
+# POST /miles/export_weight_buffer -> the engine's shared weight buffer (handle, generation, per-name
+# offset/shape/stride/dtype); POST /miles/install_weight_buffer {generation, weight_version} after the
+# trainer wrote into it. See miles/weights/colocated_direct.py.
+MILES_WEIGHT_ENDPOINTS = ("export_weight_buffer", "install_weight_buffer")
+
+
 FRONT_KEY = web.AppKey("front", EngineFront)
 
 
@@ -296,6 +303,8 @@ def build_app(engine: Any, receiver: Any = None) -> web.Application:
     add("POST", "/update_weight_version", front.update_weight_version)
     for name in WEIGHT_ENDPOINTS:
         add("POST", f"/{name}", front.weights_route(name))
+    for name in MILES_WEIGHT_ENDPOINTS:
+        add("POST", f"/miles/{name}", front.weights_route(name))
     return app
 
 

@@ -209,9 +209,21 @@ def _open_shm(desc: dict) -> Iterator[list[NamedTensor]]:
 
 @contextmanager
 def _open_cuda(desc: dict) -> Iterator[list[NamedTensor]]:
-    b = desc["buffer"]
+    flat = open_cuda_buffer(desc["buffer"])
+    named = _views(flat, desc["tensors"])
+    try:
+        yield named
+    finally:
+        # The last reference to the mapping goes here: torch syncs this device's current stream,
+        # decrements the trainer's reference counter and closes the IPC handle.
+        named.clear()
+        flat = None
+
+
+def open_cuda_buffer(b: dict) -> torch.Tensor:
+    """Map a flat uint8 device buffer from its `share_cuda_buffer` description (one IPC open)."""
     device = local_cuda_index(b.get("device_uuid"), int(b["device"]))
-    flat = rebuild_cuda_tensor(
+    return rebuild_cuda_tensor(
         torch.Tensor,
         torch.Size([b["nbytes"]]),
         tuple(b["stride"]),
@@ -226,16 +238,8 @@ def _open_cuda(desc: dict) -> Iterator[list[NamedTensor]]:
         _unb64(b["ref_counter_handle"]),
         b["ref_counter_offset"],
         _unb64(b["event_handle"]),
-        False,  # no event wait: the trainer synchronised before sending (an opened IPC event is never freed)
+        False,  # no event wait: the producer synchronised before sharing (an opened IPC event is never freed)
     )
-    named = _views(flat, desc["tensors"])
-    try:
-        yield named
-    finally:
-        # The last reference to the mapping goes here: torch syncs this device's current stream,
-        # decrements the trainer's reference counter and closes the IPC handle.
-        named.clear()
-        flat = None
 
 
 def local_cuda_index(uuid: str | None, index: int) -> int:

@@ -19,6 +19,7 @@ from typing import Any
 import aiohttp
 import torch
 
+from miles.weights.colocated_direct import StaleWeightBufferError, WeightArena
 from miles.weights.groups import dtype_from_name, dtype_name, find_free_port
 
 logger = logging.getLogger(__name__)
@@ -36,8 +37,40 @@ class FakeEngine:
             name: (torch.randn(shape, generator=gen, device=device) * std).to(dtype_from_name(dt))
             for name, shape, dt in spec
         }
+        self.device = device
         self.weight_version = 0
         self.flushes = 0
+        self.installs = 0
+        self._arena: WeightArena | None = None
+        self._generation = 0
+
+    # direct colocated updates: the tensors become views of one shared buffer on first export
+    def export_weight_buffer(self) -> dict:
+        if self._arena is None:
+            self.repack()
+        if self._arena.device.type == "cuda":
+            torch.cuda.synchronize(self._arena.device)
+        return self._arena.export(self.tensors)
+
+    def install_weight_buffer(self, generation: int, weight_version: int) -> None:
+        current = None if self._arena is None else self._arena.generation
+        if current != generation:
+            raise StaleWeightBufferError(f"weight buffer generation {generation} is stale; the engine has {current}")
+        self.installs += 1
+        self.weight_version = weight_version
+
+    def repack(self) -> None:
+        """Move the tensors into a fresh shared buffer (a new generation), as a memory resume does."""
+        self._generation += 1
+        old, self._arena = self._arena, WeightArena(self.tensors, self.device, self._generation)
+        self.tensors = dict(self._arena.views)
+        if old is not None:
+            old.close()
+
+    def close(self) -> None:
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
 
     def load_weights(self, named) -> None:
         for name, t in named:
@@ -80,6 +113,9 @@ def _serve(spec: TensorSpec, port: int, device: str, seed: int, skip_tensor: str
                 engine.load_weights(fresh.tensors.items())
                 engine.weight_version = 0
                 result = {}
+            elif method == "repack":  # what a memory release + resume does to an engine's weight buffer
+                engine.repack()
+                result = {}
             elif method == "dump":
                 result = {
                     "weight_version": engine.weight_version,
@@ -101,7 +137,11 @@ def _serve(spec: TensorSpec, port: int, device: str, seed: int, skip_tensor: str
 
     app = web.Application(client_max_size=1 << 30)
     app.router.add_post("/{method}", handle)
-    web.run_app(app, host="127.0.0.1", port=port, print=None, handle_signals=True, access_log=None)
+    app.router.add_post("/miles/{method}", handle)  # the embedded front's miles-only endpoints
+    try:
+        web.run_app(app, host="127.0.0.1", port=port, print=None, handle_signals=True, access_log=None)
+    finally:
+        engine.close()  # unlink the shared-memory weight segment
 
 
 class EngineProcess:
@@ -190,6 +230,12 @@ class HTTPEngineControl:
             return await self._post(method, kw)
 
         return call
+
+    async def export_weight_buffer(self) -> dict:
+        return await self._post("miles/export_weight_buffer", {})
+
+    async def install_weight_buffer(self, **kw: Any) -> None:
+        await self._post("miles/install_weight_buffer", kw)
 
     async def dump(self) -> dict:
         return await self._post("dump", {})

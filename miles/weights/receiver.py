@@ -2,7 +2,8 @@
 
 The HTTP front routes `/init_weights_update_group`, `/update_weights_from_distributed`,
 `/update_weights_from_tensor`, `/update_weights_from_disk`, `/pull_weights`,
-`/update_weight_version` and `/weights_checker` here. Blocking work (rendezvous, receiving a
+`/update_weight_version` and `/weights_checker` here, and the embedded engine's front also the
+miles-only `/miles/export_weight_buffer` and `/miles/install_weight_buffer` (direct colocated updates). Blocking work (rendezvous, receiving a
 bucket, patching a disk-delta copy) runs in a thread so the engine's event loop keeps serving
 other requests, and each group receives its buckets one at a time in arrival order.
 """
@@ -199,6 +200,27 @@ class WeightReceiver:
             held = local.read_index()["version"] if local.exists() else None
             logger.warning("refused disk-delta v%d (this host keeps v%s): %s", target_version, held, exc)
             return {"success": False, "refused": True, "message": str(exc), "version": held}
+
+    # -- direct colocated updates (miles-only endpoints; see colocated_direct.py) ---------------
+
+    async def export_weight_buffer(self, **_: Any) -> dict:
+        """The engine's shared weight buffer: handle, generation, and each HF name's offset/shape/stride/dtype."""
+        return self._direct("export_weight_buffer")()
+
+    async def install_weight_buffer(self, generation: int, weight_version: str | None = None, **_: Any) -> None:
+        """The trainer finished writing into buffer `generation`: drop stale KV and take the version."""
+        self._direct("install_weight_buffer")(
+            int(generation), _parse_version(weight_version or self.engine.weight_version)
+        )
+
+    def _direct(self, method: str) -> Any:
+        fn = getattr(self.engine, method, None)
+        if fn is None:
+            raise ValueError(
+                f"{type(self.engine).__name__} has no shared weight buffer ({method}); "
+                "use the per-bucket colocated handoff"
+            )
+        return fn
 
     async def update_weight_version(self, new_version: str, **_: Any) -> None:
         self.engine.weight_version = _parse_version(new_version)

@@ -46,6 +46,10 @@ class EngineControl(Protocol):
     async def update_weight_version(self, new_version: str | int) -> None: ...
     async def weights_checker(self, **kw: Any) -> dict: ...
 
+    # Miles-only (direct colocated updates); EngineClient reaches them through request("POST", "/miles/...").
+    # async def export_weight_buffer(self) -> dict | None
+    # async def install_weight_buffer(self, generation: int, weight_version: str) -> None
+
 
 class EngineCallError(RuntimeError):
     """One or more engines failed (or did not answer in time) during a weight update."""
@@ -90,6 +94,8 @@ class WeightUpdater:
         self._loop: _LoopThread | None = None
         self.engine_failures: list[str] = []  # filled as engine calls fail, read when a collective fails
         self.held_back: set[int] = set()  # engines that kept their old weights in this update (set by _transfer)
+        # set by _transfer when the transport's own install call already gave every engine the version
+        self.version_installed = False
 
     # -- public API --------------------------------------------------------------------------
 
@@ -126,6 +132,7 @@ class WeightUpdater:
         start = time.perf_counter()
         self.engine_failures.clear()
         self.held_back = set()
+        self.version_installed = False
         digests: dict[str, str] = {}
         checking = self.check_equal and not self._checked
         stream: Iterable[NamedTensor] = iter(named_tensors)
@@ -137,7 +144,7 @@ class WeightUpdater:
         checking = checking and not self.held_back  # the check waits for an update every engine took
         if self.is_leader:
             took = [i for i in range(len(self.engines)) if i not in self.held_back]
-            if took:
+            if took and not self.version_installed:
                 self._run_engines("update_weight_version", lambda i: {"new_version": str(version)}, took)
             if checking:
                 self._run(verify.check_engines(self.engines, digests, self.digest))
@@ -278,7 +285,7 @@ class _Counter:
 def make_updater(cfg: WeightsConfig, *, colocate: bool = False) -> WeightUpdater:
     """The updater for `cfg.update_weight_transfer_mode` (colocated runs hand over locally)."""
     from miles.weights.broadcast import BroadcastUpdater
-    from miles.weights.colocated import ColocatedUpdater
+    from miles.weights.colocated_direct import DirectColocatedUpdater
     from miles.weights.delta_updater import DiskDeltaUpdater
     from miles.weights.p2p import P2PUpdater
 
@@ -287,7 +294,7 @@ def make_updater(cfg: WeightsConfig, *, colocate: bool = False) -> WeightUpdater
             raise ValueError(
                 "disk-delta cannot be combined with --colocate; use broadcast (the default) or drop --colocate"
             )
-        return ColocatedUpdater(cfg)
+        return DirectColocatedUpdater(cfg)  # per-bucket handoffs for engines without a shared buffer
     registry: dict[str, type[WeightUpdater]] = {
         cls.mode: cls for cls in (BroadcastUpdater, P2PUpdater, DiskDeltaUpdater)
     }

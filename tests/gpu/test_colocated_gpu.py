@@ -1,13 +1,22 @@
 """Colocated CUDA IPC handoff: engine processes on the trainer's GPU receive bit-identical weights,
-and a finished update leaves no trainer memory behind (the engine released every mapping)."""
+and a finished update leaves no trainer memory behind (the engine released every mapping).
 
+Both paths: the per-bucket handoff (ColocatedUpdater) and the direct one (the trainer writes into
+the engine's shared weight buffer), including the embedded engine's release/resume around it."""
+
+import asyncio
+import multiprocessing as mp
 import threading
+import time
 
 import pytest
 import torch
 
 from miles.config_sections import WeightsConfig
+from miles.engines.client import EngineClient
+from miles.weights import verify
 from miles.weights.colocated import ColocatedUpdater
+from miles.weights.colocated_direct import DirectColocatedUpdater
 from miles.weights.fake_engine import HTTPEngineControl, spawn_engines
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CUDA IPC)")]
@@ -49,16 +58,18 @@ def _raw(t: torch.Tensor) -> bytes:
     return t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def _updater(check: bool) -> ColocatedUpdater:
-    return ColocatedUpdater(
+def _updater(check: bool, cls: type = ColocatedUpdater) -> ColocatedUpdater:
+    return cls(
         WeightsConfig(
             update_weight_buffer_size=BUCKET_BYTES, check_weight_update_equal=check, weight_sync_timeout_s=60
         )
     )
 
 
-def test_versions_arrive_bit_identical_and_no_trainer_memory_is_left(engines):
-    up = _updater(check=True)  # the first update also runs the noise-then-digest check
+@pytest.mark.parametrize("cls", [ColocatedUpdater, DirectColocatedUpdater])
+def test_versions_arrive_bit_identical_and_no_trainer_memory_is_left(engines, cls):
+    asyncio.run(engines[0].reset(seed=1))
+    up = _updater(check=True, cls=cls)  # the first update also runs the noise-then-digest check
     up.connect(engines[:1])
     try:
         for version in (1, 2, 3):
@@ -69,7 +80,10 @@ def test_versions_arrive_bit_identical_and_no_trainer_memory_is_left(engines):
             torch.cuda.synchronize()
             # Every staging buffer was freed: the engine dropped its mapping before it answered.
             assert torch.cuda.memory_allocated() == before
-            assert metrics["weight_sync/buckets"] >= 3
+            if cls is ColocatedUpdater:
+                assert metrics["weight_sync/buckets"] >= 3
+            else:
+                assert metrics["weight_sync/direct_tensors"] == len(SPEC)
             served_version, served = engines[0].dump_bytes()
             assert served_version == version
             assert served == {n: _raw(t) for n, t in master.items()}
@@ -77,13 +91,14 @@ def test_versions_arrive_bit_identical_and_no_trainer_memory_is_left(engines):
         up.close()
 
 
-def test_two_trainer_ranks_feed_two_engines_on_one_gpu(engines):
+@pytest.mark.parametrize("cls", [ColocatedUpdater, DirectColocatedUpdater])
+def test_two_trainer_ranks_feed_two_engines_on_one_gpu(engines, cls):
     barrier = threading.Barrier(2, timeout=60)
     masters = [_fresh(10), _fresh(11)]
     errors: list[BaseException] = []
 
     def rank(r: int) -> None:
-        up = _updater(check=False)
+        up = _updater(check=False, cls=cls)
         try:
             up.connect(engines, trainer_rank=r, trainer_world_size=2, barrier=barrier.wait)
             up.update(masters[r].items(), 7)
@@ -105,3 +120,82 @@ def test_two_trainer_ranks_feed_two_engines_on_one_gpu(engines):
         served_version, served = engine.dump_bytes()
         assert served_version == 7
         assert served == {n: _raw(t) for n, t in master.items()}
+
+
+# -- the embedded engine: release frees its weight buffer, resume repacks it, updates keep working ---
+
+
+def _serve_embedded(model_dir: str, port: int) -> None:
+    from aiohttp import web
+
+    from miles.engines.embedded.engine import EmbeddedEngine
+    from miles.engines.http_front import build_app
+
+    async def main() -> None:
+        engine = EmbeddedEngine(model_dir, device="cuda", dtype="bfloat16")
+        await engine.start()
+        app = build_app(engine)
+
+        async def memory(_: web.Request) -> web.Response:
+            torch.cuda.synchronize()
+            return web.json_response({"allocated": torch.cuda.memory_allocated()})
+
+        app.router.add_get("/test/memory_allocated", memory)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+def test_embedded_engine_release_frees_the_buffer_and_resume_takes_updates(tmp_path):
+    from miles.engines.tiny_model import make_tiny_model
+    from miles.weights.groups import find_free_port
+
+    model_dir = make_tiny_model(str(tmp_path / "qwen2"), hidden=256, layers=4, heads=4, kv_heads=2, intermediate=1024)
+    port = find_free_port()
+    proc = mp.get_context("spawn").Process(target=_serve_embedded, args=(model_dir, port), daemon=True)
+    proc.start()
+    client = EngineClient(f"http://127.0.0.1:{port}", max_retries=0)
+    try:
+        deadline = time.monotonic() + 180
+        while not asyncio.run(client.health(generate=False, timeout_s=5)):
+            assert proc.is_alive() and time.monotonic() < deadline, "the embedded engine did not start"
+            time.sleep(0.5)
+        asyncio.run(client.pause_generation("retract"))
+        export = asyncio.run(client.request("POST", "/miles/export_weight_buffer", {}))[1]
+        names = {n: e["shape"] for n, e in export["tensors"].items()}
+
+        def push(version: int) -> dict[str, torch.Tensor]:
+            gen = torch.Generator(device="cuda").manual_seed(version)
+            master = {n: torch.randn(s, generator=gen, device="cuda").to(torch.bfloat16) for n, s in names.items()}
+            up = DirectColocatedUpdater(WeightsConfig(check_weight_update_equal=True, weight_sync_timeout_s=60))
+            up.connect([client])
+            try:
+                up.update(master.items(), version)
+            finally:
+                up.close()
+            return master
+
+        def allocated() -> int:
+            return asyncio.run(client.request("GET", "/test/memory_allocated"))[1]["allocated"]
+
+        push(1)
+        before = allocated()
+        asyncio.run(client.release_memory_occupation(["weights", "kv_cache"]))
+        weight_bytes = export["nbytes"]
+        assert allocated() <= before - weight_bytes  # the whole shared weight buffer was freed
+        asyncio.run(client.resume_memory_occupation(["weights", "kv_cache"]))
+        master = push(2)  # a new generation: the updater fetches the fresh export
+        assert asyncio.run(client.get_weight_version()) == 2
+        # the equality check ran on the first update only; compare this one on its own
+        digests = {n: verify.tensor_digest(t, "xxh3-128") for n, t in master.items()}
+        result = asyncio.run(client.weights_checker(action="compare", digests=digests, digest="xxh3-128"))
+        assert not (result["mismatched"] or result["not_sent"] or result["missing"]), result
+        asyncio.run(client.continue_generation())
+    finally:
+        proc.terminate()
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()

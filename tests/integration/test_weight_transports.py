@@ -1,4 +1,7 @@
-"""Every transport delivers bit-identical weights to 2 engine processes from 2 trainer ranks."""
+"""Every transport delivers bit-identical weights to 2 engine processes from 2 trainer ranks.
+
+`colocated` is the direct path (the trainer writes into each engine's shared weight buffer);
+`colocated-buckets` the per-bucket handoff that engines without that buffer (SGLang) still get."""
 
 import asyncio
 import threading
@@ -7,6 +10,8 @@ import pytest
 import torch
 
 from miles.config_sections import WeightsConfig
+from miles.weights.colocated import ColocatedUpdater
+from miles.weights.colocated_direct import DirectColocatedUpdater
 from miles.weights.fake_engine import FakeEngine, HTTPEngineControl, spawn_engines
 from miles.weights.groups import WeightSyncTimeoutError, find_free_port
 from miles.weights.updater import EngineCallError, make_updater
@@ -80,28 +85,59 @@ def _run_ranks(cfg: WeightsConfig, engines, versions, *, colocate: bool = False,
     return metrics
 
 
-@pytest.mark.parametrize("mode", ["broadcast", "p2p", "disk-delta", "colocated"])
+@pytest.mark.parametrize("mode", ["broadcast", "p2p", "disk-delta", "colocated", "colocated-buckets"])
 def test_transport_delivers_bit_identical_weights(mode, engines, tmp_path):
     for e in engines:
         asyncio.run(e.reset(seed=SEED))
+    colocated = mode.startswith("colocated")
     cfg = WeightsConfig(
-        update_weight_transfer_mode="broadcast" if mode == "colocated" else mode,
+        update_weight_transfer_mode="broadcast" if colocated else mode,
         update_weight_buffer_size=6000,  # several buckets per update
         update_weight_disk_dir=str(tmp_path / "delta"),
         check_weight_update_equal=True,
         weight_sync_timeout_s=30,
     )
     versions = _versions()
-    metrics = _run_ranks(cfg, engines, versions, colocate=mode == "colocated")
+    updater_cls = ColocatedUpdater if mode == "colocated-buckets" else None
+    metrics = _run_ranks(cfg, engines, versions, colocate=colocated, updater_cls=updater_cls)
     expected = {n: t.contiguous().view(torch.uint8).numpy().tobytes() for n, t in _stream(versions[-1])}
     for e in engines:
         version, state = e.dump_bytes()
         assert version == len(versions)
         assert state == expected
-    if mode != "disk-delta":
+    if mode == "colocated":  # every tensor written straight into the engine's buffer, no buckets
+        assert metrics[-1]["weight_sync/direct_tensors"] == len(SPEC)
+        assert metrics[-1]["weight_sync/buckets"] == 0
+    elif mode != "disk-delta":
         assert metrics[-1]["weight_sync/buckets"] >= 3
     else:
         assert 0 < metrics[-1]["weight_sync/delta_bytes_fraction"] < 1.5
+
+
+def test_direct_colocated_refuses_a_stale_weight_buffer(engines):
+    engine = engines[0]
+    asyncio.run(engine.reset(seed=SEED))
+    export = asyncio.run(engine.export_weight_buffer())
+    asyncio.run(engine.repack())  # the engine reallocated its buffer (as after a memory release/resume)
+    with pytest.raises(RuntimeError, match="stale"):
+        asyncio.run(engine.install_weight_buffer(generation=export["generation"], weight_version="9"))
+    fresh = asyncio.run(engine.export_weight_buffer())
+    assert fresh["generation"] == export["generation"] + 1
+    assert fresh["buffer"]["segment"] != export["buffer"]["segment"]  # the old segment was unlinked
+
+
+def test_direct_colocated_refuses_a_wrong_shape(engines):
+    asyncio.run(engines[0].reset(seed=SEED))
+    up = DirectColocatedUpdater(WeightsConfig(weight_sync_timeout_s=30))
+    up.connect(engines[:1])
+    try:
+        name, shape, _ = SPEC[1]
+        with pytest.raises(ValueError, match=f"shape mismatch for '{name}'"):
+            up.update([(name, torch.zeros(shape[0] + 1, shape[1], dtype=torch.bfloat16))], 1)
+    finally:
+        up.close()
+    version, _ = engines[0].dump_bytes()
+    assert version == 0  # nothing was installed
 
 
 def test_dead_engine_is_named_not_hung(tmp_path):

@@ -17,6 +17,11 @@ Memory (colocated offload, CUDA only; a no-op on CPU): releasing `weights` moves
 releasing `kv_cache` frees the cache; running requests keep their tokens and are re-prefilled after
 `resume_memory_occupation`. Weight loads are refused while weights are released.
 
+Direct colocated updates (miles/weights/colocated_direct.py): the first `export_weight_buffer` packs
+the weight storage into one flat buffer (shared memory on CPU) whose views the model then uses; a
+trainer on the same device writes into it and calls `install_weight_buffer`. After a release the
+buffer is gone; resume packs the host copy straight into a new one (a new generation).
+
 Performance knobs: `cuda_graphs` (default: on for CUDA dense models) replays each decode step as one
 CUDA graph per batch bucket; `fused_kernels` (default: on where triton runs on CUDA, for dense
 models) runs decode steps and untruncated sampling with the Triton kernels of triton_ops.py; on CPU,
@@ -40,6 +45,7 @@ from miles.engines.embedded.model import CausalLM, iter_safetensors, read_config
 from miles.engines.embedded.runner import ModelRunner
 from miles.engines.embedded.sampler import SamplingParams
 from miles.engines.embedded.scheduler import Request, Scheduler
+from miles.weights.colocated_direct import StaleWeightBufferError, WeightArena
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +111,9 @@ class EmbeddedEngine:
         self.deterministic = deterministic
         self.eos_ids = self._eos_ids(config)
         self._weight_version = 0
+        self._arena: WeightArena | None = None  # the shared weight buffer, once a direct update asked for it
+        self._arena_generation = 0
+        self._repack_on_resume = False
         self._children: dict[str, list[str]] = {}
         self._batch_generator = torch.Generator(device=self.device).manual_seed(seed)
         self.scheduler: Scheduler | None = None
@@ -156,6 +165,9 @@ class EmbeddedEngine:
             pass
         self.scheduler.abort_pending()  # a step cancelled mid-flight must not leave callers waiting
         self._task = None
+        if self._arena is not None:
+            self._arena.close()  # unlinks the CPU segment; the model's views keep their mapping
+            self._arena = None
 
     def _require_started(self) -> Scheduler:
         if self.scheduler is None or self._task is None:
@@ -341,6 +353,49 @@ class EmbeddedEngine:
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         yield from self.model.params.items()
 
+    # ---- direct colocated updates (miles-only) ---------------------------------------------------------------
+    def export_weight_buffer(self) -> dict:
+        """Where every HF-named weight lives in the shared weight buffer (packed on first use); see
+        colocated_direct.py. Refused while generating: the trainer writes without any engine lock."""
+        self._require_quiet("export_weight_buffer")
+        with self.runner.lock:
+            if not self.runner.weights_on_device:
+                raise RuntimeError("weights are released; call resume_memory_occupation(['weights']) first")
+            if self._arena is None:
+                self._pack_weights(self.model.storage)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # no engine kernel still touches the weights
+            aliases = {"lm_head.weight": "model.embed_tokens.weight"} if self.model.spec.tie_word_embeddings else {}
+            return self._arena.export(self.model.params, aliases)
+
+    def install_weight_buffer(self, generation: int, weight_version: str | int) -> None:
+        """The trainer finished writing into buffer `generation`: drop stale KV, take the version."""
+        self._require_quiet("install_weight_buffer")
+        with self.runner.lock:
+            current = self._arena.generation if self._arena is not None else None
+            if current != int(generation):
+                raise StaleWeightBufferError(
+                    f"weights were written into weight buffer generation {generation}, but the engine's "
+                    f"buffer is now {current} (memory was released or resumed mid-update); push the weights again"
+                )
+            self.runner.invalidate_kv()
+        self.weight_version = int(weight_version)
+
+    def _require_quiet(self, what: str) -> None:
+        if self.scheduler is not None and not self.scheduler.paused:
+            raise RuntimeError(
+                f"{what} refused: generation is not paused ({self.scheduler.num_active} requests); "
+                "call pause_generation first (a direct colocated update writes into the live weights)"
+            )
+
+    def _pack_weights(self, storage: dict[str, torch.Tensor]) -> None:
+        """Storage -> views of one fresh flat buffer on the engine's device (copies from host if released)."""
+        self._arena_generation += 1
+        self._arena = WeightArena(storage, self.device, self._arena_generation)
+        self.model.storage = dict(self._arena.views)
+        self.model._rebuild_views()  # noqa: SLF001 - params are views into storage
+        self.runner.graphs = None  # captured decode graphs hold the old weight addresses
+
     # ---- memory -------------------------------------------------------------------------------------------
     def _tags(self, tags: list[str] | None) -> set[str]:
         chosen = set(tags) if tags else set(_MEMORY_TAGS)
@@ -350,10 +405,23 @@ class EmbeddedEngine:
         return chosen
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:
-        self.runner.release(self._tags(tags))
+        tags_set = self._tags(tags)
+        with self.runner.lock:
+            if "weights" in tags_set and self._arena is not None and self.device.type == "cuda":
+                # The runner moves the views to host memory; then nothing holds the flat buffer.
+                self._arena.close()
+                self._arena = None
+                self._repack_on_resume = True
+            self.runner.release(tags_set)
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
-        self.runner.resume(self._tags(tags))
+        tags_set = self._tags(tags)
+        with self.runner.lock:
+            if "weights" in tags_set and self._repack_on_resume and not self.runner.weights_on_device:
+                self._pack_weights(self.model.storage)  # host copy -> one new device buffer, no 2x peak
+                self.runner.weights_on_device = True
+                self._repack_on_resume = False
+            self.runner.resume(tags_set)
         if self.scheduler is not None:
             self.scheduler.wake()
 

@@ -1,0 +1,88 @@
+"""Direct colocated writes into the embedded engine's shared weight buffer (CPU: shared memory).
+
+The engine's q/k/v (and gate/up) are stored fused, so each HF name is a row slice of one tensor;
+the trainer must land every name in its own rows. A tied lm_head goes to the embedding."""
+
+import asyncio
+
+import pytest
+import torch
+
+from miles.engines.embedded.engine import EmbeddedEngine
+from miles.engines.tiny_model import make_tiny_model
+from miles.weights.colocated_direct import StaleWeightBufferError, open_export, write_into
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    torch.set_num_threads(1)
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny") / "qwen2"), hidden=32, layers=2, intermediate=64)
+
+
+def _new_weights(engine: EmbeddedEngine) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    return {n: torch.randn(t.shape, generator=gen).to(t.dtype) for n, t in engine.named_weights()}
+
+
+def test_every_name_lands_in_its_fused_rows(model_dir):
+    engine = EmbeddedEngine(model_dir)
+    try:
+        export = engine.export_weight_buffer()
+        assert len({e["offset"] for e in export["tensors"].values()}) == len(export["tensors"])
+        new = _new_weights(engine)
+        epoch = engine.runner.kv_epoch
+        with open_export(export) as flat:
+            count, _ = write_into(flat, export, new.items())
+        engine.install_weight_buffer(export["generation"], 3)
+        assert count == len(new)
+        assert engine.weight_version == 3
+        assert engine.runner.kv_epoch > epoch  # KV computed with the old weights is not reused
+        served = dict(engine.named_weights())
+        for name, t in new.items():
+            assert torch.equal(served[name].view(torch.uint8), t.view(torch.uint8)), name
+        # Independent of the views: the fused storage is the concatenation of its parts.
+        p = "model.layers.1."
+        qkv = torch.cat([new[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
+        gate_up = torch.cat([new[p + "mlp.gate_proj.weight"], new[p + "mlp.up_proj.weight"]])
+        fused = [t for t in engine.model.storage.values() if t.shape in (qkv.shape, gate_up.shape)]
+        assert any(torch.equal(t, qkv) for t in fused)
+        assert any(torch.equal(t, gate_up) for t in fused)
+    finally:
+        asyncio.run(engine.shutdown())
+
+
+def test_tied_lm_head_goes_to_the_embedding_and_stale_generation_is_refused(model_dir):
+    engine = EmbeddedEngine(model_dir)
+    try:
+        assert engine.model.spec.tie_word_embeddings
+        export = engine.export_weight_buffer()
+        embed = engine.model.params["model.embed_tokens.weight"]
+        head = torch.full(embed.shape, 0.25, dtype=embed.dtype)
+        with open_export(export) as flat:
+            write_into(flat, export, [("lm_head.weight", head)])
+        assert torch.equal(engine.model.params["model.embed_tokens.weight"], head)
+        with pytest.raises(StaleWeightBufferError, match="generation"):
+            engine.install_weight_buffer(export["generation"] + 1, 1)
+        assert engine.weight_version == 0
+    finally:
+        asyncio.run(engine.shutdown())
+
+
+def test_export_is_refused_while_generating(model_dir):
+    engine = EmbeddedEngine(model_dir)
+
+    async def main() -> None:
+        await engine.start()
+        try:
+            with pytest.raises(RuntimeError, match="pause_generation first"):
+                engine.export_weight_buffer()
+            await engine.pause_generation("retract")
+            export = engine.export_weight_buffer()
+            engine.install_weight_buffer(export["generation"], 1)
+            await engine.continue_generation()
+            out = await engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 3})
+            assert out["meta_info"]["weight_version"] == "1"
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
