@@ -14,8 +14,9 @@ For a synthetic bf16 model of --params parameters served by --engines fake engin
   measured in the same run (one device-to-device `copy_` of the same bytes, CUDA events).
   Two paths: `colocated_direct_*`, the trainer writing straight into the engine's shared weight
   buffer, timed from the first copy issued (export fetched, buffer mapped) to the engine's answer to
-  the install call, i.e. copies + stream sync + unmapping + one HTTP install (`colocated_direct_s`;
-  `colocated_direct_update_s` is the whole `update()`, adding the export fetch and the IPC open); and
+  the install call, i.e. copies + stream sync + one HTTP install (`colocated_direct_s`; the unmap
+  follows the answer); `colocated_direct_update_s` is the whole `update()`, adding the export fetch,
+  the IPC open and the unmap; and
   `colocated_*`, the per-bucket handoff SGLang engines still get (whole `update()`).
   `--colocated-only` skips the gloo transports (about a minute on one H200).
 Medians over --reps; ends with one JSON line.
@@ -234,7 +235,7 @@ def _direct_updates(url: str, master, reps: int) -> tuple[float, float]:
     """Median (first copy -> install answered, whole update) seconds of direct colocated updates."""
     up = DirectColocatedUpdater(WeightsConfig(weight_sync_timeout_s=600))
     up.connect([EngineClient(url, timeout_s=600)])  # pooled HTTP session, as in a real run
-    direct, whole = [], []
+    direct, whole, copies, unmaps = [], [], [], []
     try:
         for v in range(1, reps + 2):
             fresh = {n: t.clone() for n, t in master.items()}
@@ -242,10 +243,18 @@ def _direct_updates(url: str, master, reps: int) -> tuple[float, float]:
             m = up.update(fresh.items(), v)
             direct.append(m["weight_sync/direct_seconds"])
             whole.append(m["weight_sync/seconds"])
+            copies.append(m["weight_sync/direct_copy_seconds"])
+            unmaps.append(m["weight_sync/direct_unmap_seconds"])
             del fresh
     finally:
         up.close()
-    return statistics.median(direct[1:]), statistics.median(whole[1:])  # [0] packed the engine's buffer
+    # [0] packed the engine's buffer
+    print(
+        f"direct update phases (median ms): copies+sync {statistics.median(copies[1:]) * 1e3:.2f}, "
+        f"+install {statistics.median(direct[1:]) * 1e3:.2f}, unmap after {statistics.median(unmaps[1:]) * 1e3:.2f}, "
+        f"whole update {statistics.median(whole[1:]) * 1e3:.2f}"
+    )
+    return statistics.median(direct[1:]), statistics.median(whole[1:])
 
 
 def bench_colocated(reps: int, bucket_bytes: int) -> dict:

@@ -15,8 +15,9 @@ engines around an update; the engine refuses an export or install while it is ge
 
 CUDA lifetime: the engine shares its buffer once per generation and drops torch's cross-process
 reference count right away, so its release frees the memory at once. That is safe because the
-trainer maps the buffer only inside one update, closing the mapping before the install call; it never
-caches a mapping across updates.
+trainer maps the buffer only inside one update: it closes the mapping right after the install call
+answers, before the update returns (so before the controller lets generation go on, and long before
+any memory release); it never caches a mapping across updates.
 
 Engines without the export (real SGLang: no /miles/export_weight_buffer) keep the per-bucket handoff
 of colocated.py; the updater falls back to it on the first update.
@@ -248,19 +249,24 @@ class DirectColocatedUpdater(ColocatedUpdater):
             self.direct = False
             return super()._transfer(named, version)
         self.direct = True
+        payload = {"generation": export["generation"], "weight_version": str(version)}
         with open_export(export) as flat:
             # timed from the first copy issued (the mapping is open) to the install call answered
             t0 = time.perf_counter()
             tensors, _ = write_into(flat, export, named)
             if flat.is_cuda:
                 torch.cuda.current_stream(flat.device).synchronize()
-        copy_s = time.perf_counter() - t0
-        payload = {"generation": export["generation"], "weight_version": str(version)}
-        self._run(_post_miles(self.engines[target], "install_weight_buffer", payload))
+            copy_s = time.perf_counter() - t0
+            # install while still mapped: the engine serves the new weights once it answers; unmapping
+            # is the trainer's cleanup and still happens before this update returns (before any release)
+            self._run(_post_miles(self.engines[target], "install_weight_buffer", payload))
+            direct_s = time.perf_counter() - t0
+        unmap_s = time.perf_counter() - t0 - direct_s
         self.version_installed = True
         return {
             "weight_sync/buckets": 0.0,
             "weight_sync/direct_tensors": float(tensors),
-            "weight_sync/direct_copy_seconds": copy_s,  # copies, stream sync and unmapping
-            "weight_sync/direct_seconds": time.perf_counter() - t0,  # ... plus the install call
+            "weight_sync/direct_copy_seconds": copy_s,  # copies and the stream sync
+            "weight_sync/direct_seconds": direct_s,  # ... plus the install call
+            "weight_sync/direct_unmap_seconds": unmap_s,  # closing the mapping afterwards
         }
