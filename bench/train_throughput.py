@@ -4,7 +4,9 @@ Both train the same randomly initialised Qwen2-shaped model on the same batch (n
 NLL over every token, token mean), alternating one timed step each per repetition; medians are
 reported. The plain loop is what one would write by hand: fp32 master weights, bf16 autocast on
 GPU, fused AdamW on GPU, gradient checkpointing when asked. The FSDP side runs as a 1-rank
-process group through the public backend API (`train()` with the SFT loss).
+process group through the public backend API (`train()` with the SFT loss); on GPU its model is
+wrapped by fully_shard (bf16 compute, fp32 reduce), on CPU (one rank, fp32) the backend leaves it
+a plain module, since fully_shard would have nothing to shard or cast.
 
     python bench/train_throughput.py                      # CPU, small model
     python bench/train_throughput.py --device cuda --model qwen2-0.5b --seq-len 2048 --batch-size 8 \

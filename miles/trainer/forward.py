@@ -3,7 +3,8 @@
 Only the positions that predict a response token go through the LM head (`logits_to_keep`), so
 the [tokens, vocab] logits tensor covers response tokens only. Log-probs and entropy are taken
 in fp32 from logits divided by the sampling temperature, the same quantity the engine reports
-for its sampled tokens.
+for its sampled tokens, one chunk of tokens at a time (`LOGITS_CHUNK_BYTES` of fp32 logits), so
+the fp32 copy of the full-vocabulary logits never exists for the whole micro-batch.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from miles.rollout.train_data import TrainBatch
@@ -42,23 +42,72 @@ def response_values(critic: nn.Module, packed: PackedInputs) -> torch.Tensor:
     return scores[packed.gather_rows, packed.gather_cols].float()
 
 
-def _token_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+# fp32 logits alive at a time in the log-prob/entropy path: about 880 tokens at Qwen2's 151,936-token
+# vocabulary, instead of [tokens, vocab] fp32 for the whole micro-batch.
+LOGITS_CHUNK_BYTES = 512 * 2**20
+
+
+def _log_probs_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: str
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One pass of fp32 log_softmax over `logits` rows gives both log p(target) and the entropy."""
     x = logits.float()
     if temperature != 1.0:
         x = x / temperature
-    # cross_entropy is one fused kernel with a cheap backward (softmax - one_hot)
-    return -F.cross_entropy(x, targets, reduction="none")
-
-
-def _token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    log_p = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return -(log_p.exp() * log_p).sum(-1)
+    log_p = torch.log_softmax(x, dim=-1)
+    log_probs = log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    if entropy == "none":
+        return log_probs, None
+    src = log_p if entropy == "grad" else log_p.detach()
+    return log_probs, -(src.exp() * src).sum(-1)
 
 
 @functools.cache
 def _compiled(fn: Callable) -> Callable:
-    # Fuses the fp32 upcast into the reduction: no [tokens, vocab] fp32 copy of the logits.
+    # Fuses the fp32 upcast into the reductions: no fp32 copy of the chunk's logits.
     return torch.compile(fn, dynamic=True)
+
+
+class _ChunkedLogProbs(torch.autograd.Function):
+    """`fn` over row chunks of the logits, recomputed chunk by chunk in backward.
+
+    Autograd keeps only the logits (in their compute dtype); the fp32 intermediates (upcast,
+    log_softmax, their gradients) exist for one chunk at a time, in forward and in backward.
+    Backward differentiates the very ops of the forward, so gradients match the unchunked path's
+    up to fp32 rounding (bit-identical when the entropy carries no gradient, on CPU).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature, entropy, chunk_rows, fn):
+        ctx.save_for_backward(logits, targets)
+        ctx.set_materialize_grads(False)
+        ctx.args = (temperature, entropy, chunk_rows, fn)
+        chunks = zip(logits.split(chunk_rows), targets.split(chunk_rows), strict=True)
+        outs = [fn(lg, tg, temperature, entropy) for lg, tg in chunks]
+        log_probs = torch.cat([lp for lp, _ in outs])
+        ent = torch.cat([e for _, e in outs]) if entropy != "none" else log_probs.new_empty(0)
+        if entropy != "grad":
+            ctx.mark_non_differentiable(ent)
+        return log_probs, ent
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):
+        logits, targets = ctx.saved_tensors
+        temperature, entropy, chunk_rows, fn = ctx.args
+        if entropy != "grad":
+            grad_entropy = None
+        if grad_log_probs is None and grad_entropy is None:
+            return None, None, None, None, None, None
+        grad_logits = torch.empty_like(logits)
+        for start in range(0, logits.shape[0], chunk_rows):
+            rows = slice(start, start + chunk_rows)
+            with torch.enable_grad():
+                x = logits[rows].detach().requires_grad_()
+                log_probs, ent = fn(x, targets[rows], temperature, "none" if grad_entropy is None else entropy)
+                pairs = [(log_probs, grad_log_probs), (ent, grad_entropy)]
+                outs, grads = zip(*[(o, g[rows]) for o, g in pairs if g is not None], strict=True)
+                (grad_logits[rows],) = torch.autograd.grad(outs, x, grads)
+        return grad_logits, None, None, None, None, None
 
 
 def log_probs_and_entropy(
@@ -68,22 +117,22 @@ def log_probs_and_entropy(
     *,
     entropy: str = "detached",
     compiled: bool = False,
+    chunk_bytes: int = LOGITS_CHUNK_BYTES,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """fp32 log p(target) and entropy per row of `logits`.
+    """fp32 log p(target) and entropy per row of `logits`, `chunk_bytes` of fp32 logits at a time.
 
-    entropy: "grad" (part of the loss), "detached" (a metric only) or "none" (skipped: it costs
-    another pass over the [tokens, vocab] logits).
+    entropy: "grad" (part of the loss), "detached" (a metric only) or "none" (skipped).
+    When every row fits in one chunk there is nothing to bound, so autograd records the ops
+    directly and backward recomputes nothing.
     """
     if entropy not in ENTROPY_MODES:
         raise ValueError(f"entropy={entropy!r} is not one of {ENTROPY_MODES}")
-    log_probs_fn = _compiled(_token_log_probs) if compiled else _token_log_probs
-    log_probs = log_probs_fn(logits, targets, temperature)
-    if entropy == "none":
-        return log_probs, None
-    entropy_fn = _compiled(_token_entropy) if compiled else _token_entropy
-    with torch.set_grad_enabled(entropy == "grad" and torch.is_grad_enabled()):
-        ent = entropy_fn(logits, temperature)
-    return log_probs, ent if entropy == "grad" else ent.detach()
+    fn = _compiled(_log_probs_entropy) if compiled else _log_probs_entropy
+    chunk_rows = max(1, chunk_bytes // (4 * logits.shape[-1]))
+    if logits.shape[0] <= chunk_rows:
+        return fn(logits, targets, temperature, entropy)
+    log_probs, ent = _ChunkedLogProbs.apply(logits, targets, temperature, entropy, chunk_rows, fn)
+    return log_probs, None if entropy == "none" else ent
 
 
 def dummy_batch() -> TrainBatch:

@@ -2,7 +2,7 @@
 
 Every decoder layer and then the root module are wrapped with `fully_shard`; parameters are
 kept in fp32 (the optimizer's master copy) and, on GPU, gathered in bf16 for compute with fp32
-gradient reduction. Losses arrive already divided by step-wide denominators, so gradients are
+gradient reduction. A single rank in full precision keeps the model a plain module. Losses arrive already divided by step-wide denominators, so gradients are
 *summed* over data-parallel ranks (FSDP's divide factor set to 1), which makes a DP run equal
 to one process training on the concatenated batch.
 """
@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from miles.config_sections import AlgoConfig, ModelConfig, RolloutConfig, TrainConfig
 from miles.rollout.train_data import TrainBatch
@@ -54,7 +55,10 @@ def shard_model(
     """fully_shard each transformer block (HF `_no_split_modules`), then the root.
 
     With one rank there is nothing to save by freeing gathered parameters after forward, so they
-    stay gathered until backward instead of being gathered twice.
+    stay gathered until backward instead of being gathered twice. With one rank and no mixed
+    precision FSDP has no work at all (no shards, no casts, a sum over one rank) besides copying
+    every parameter in before forward and every gradient out after backward, so the model stays
+    a plain module, as torchtitan does without a sharded data-parallel dimension.
     """
     block_names = set(getattr(model, "_no_split_modules", None) or [])
     blocks = [m for m in model.modules() if type(m).__name__ in block_names]
@@ -62,12 +66,17 @@ def shard_model(
         raise ValueError(
             f"{type(model).__name__} declares no _no_split_modules; cannot find transformer blocks to shard"
         )
+    if compile_blocks:  # in place, so parameter names (HF names) stay as they are
+        for block in blocks:
+            block.compile(dynamic=True)
+    if mesh.size() == 1 and mp_policy is None:
+        return _own_parameters(model.to(mesh.device_type))
     kw = {"mesh": mesh, "reshard_after_forward": mesh.size() > 1} | ({"mp_policy": mp_policy} if mp_policy else {})
     for block in blocks:
-        if compile_blocks:  # in place, so parameter names (HF names) stay as they are
-            block.compile(dynamic=True)
         fully_shard(block, **kw)
     fully_shard(model, **kw)
+    if mesh.size() == 1:
+        return model  # nothing to divide by: an explicit factor would only add a division pass per group
     for m in model.modules():
         if isinstance(m, FSDPModule):
             # Sum over ranks (losses carry global denominators). Forcing plain SUM collectives avoids
@@ -75,6 +84,27 @@ def shard_model(
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)
     return model
+
+
+@torch.no_grad()
+def _own_parameters(model: nn.Module) -> nn.Module:
+    """Give every parameter storage of its own, as fully_shard does: HF may load them as views of the
+    memory-mapped checkpoint, which can be neither offloaded (resized) nor should be written in place."""
+    for p in model.parameters():  # tied weights are one Parameter, so they stay tied
+        p.data = p.data.clone()
+    return model
+
+
+def _adamw_kernels(model: nn.Module, device: torch.device) -> dict[str, bool]:
+    """Fused AdamW (one pass over each tensor) for plain parameters: on GPU, and on a single CPU rank.
+
+    FSDP's sharded parameters on CPU take the foreach path instead: one DTensor dispatch per op for
+    all parameters rather than one per parameter, and bit-identical to the per-tensor default with
+    which the CPU standard runs (tests/standards) were recorded; fused kernels would round differently.
+    """
+    if device.type == "cuda" or not isinstance(next(model.parameters()), DTensor):
+        return {"fused": True}
+    return {"foreach": True}
 
 
 @register_backend("fsdp")
@@ -157,7 +187,7 @@ class FSDPBackend:
             betas=(t.adam_beta1, t.adam_beta2),
             eps=t.adam_eps,
             weight_decay=t.weight_decay,
-            fused=self.device.type == "cuda",
+            **_adamw_kernels(model, self.device),
         )
         schedule = LRSchedule(
             lr=lr,

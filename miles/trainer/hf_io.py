@@ -67,12 +67,18 @@ def load_causal_lm(path: str, *, attn_implementation: str, trust_remote_code: bo
 
 
 def load_value_model(path: str, *, attn_implementation: str, trust_remote_code: bool = False) -> nn.Module:
-    """The PPO critic: the HF backbone with a scalar head (token classification, 1 label)."""
-    from transformers import AutoModelForTokenClassification
+    """The PPO critic: the HF backbone with a scalar head (token classification, 1 label).
 
+    HF's token-classification head puts dropout (default 0.1) before the score layer; a critic
+    has none, or its training values would be noisy and differ from the old values it clips to.
+    """
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    config = AutoConfig.from_pretrained(path, num_labels=1, trust_remote_code=trust_remote_code)
+    config.classifier_dropout = 0.0
     model = AutoModelForTokenClassification.from_pretrained(
         path,
-        num_labels=1,
+        config=config,
         dtype=torch.float32,
         attn_implementation=attn_implementation,
         trust_remote_code=trust_remote_code,

@@ -62,8 +62,10 @@ class HostOffloader:
                 continue
             seen.add(key)
             if not storage.resizable():
-                raise RuntimeError(f"{self.name}: cannot offload a tensor of shape {tuple(t.shape)} dtype {t.dtype} "
-                                   f"({type(t).__name__}): its storage is not resizable")
+                raise RuntimeError(
+                    f"{self.name}: cannot offload a tensor of shape {tuple(t.shape)} dtype {t.dtype} "
+                    f"({type(t).__name__}): its storage is not resizable"
+                )
             host = torch.UntypedStorage(storage.nbytes(), device="cpu")
             if pin:
                 host = host.pin_memory()
