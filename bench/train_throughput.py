@@ -3,7 +3,7 @@
 Both train the same randomly initialised Qwen2-shaped model on the same batch (next-token
 NLL over every token, token mean), alternating one timed step each per repetition; medians are
 reported. The plain loop is what one would write by hand: fp32 master weights, bf16 autocast on
-GPU, fused AdamW on GPU, gradient checkpointing when asked. The FSDP side runs as a 1-rank
+GPU, fused AdamW, gradient checkpointing when asked. The FSDP side runs as a 1-rank
 process group through the public backend API (`train()` with the SFT loss); on GPU its model is
 wrapped by fully_shard (bf16 compute, fp32 reduce), on CPU (one rank, fp32) the backend leaves it
 a plain module, since fully_shard would have nothing to shard or cast.
@@ -101,7 +101,8 @@ class PlainLoop:
         if args.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5, betas=(0.9, 0.95), fused=device.type == "cuda")
+        # fused AdamW on both devices: the same optimizer kernel the FSDP backend uses for unsharded params
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5, betas=(0.9, 0.95), fused=True)
 
     def step(self, input_ids: torch.Tensor) -> None:
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
