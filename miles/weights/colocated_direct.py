@@ -163,32 +163,22 @@ def open_export(export: dict) -> Iterator[torch.Tensor]:
         raise ValueError(f"unknown weight buffer kind {handle['kind']!r}; expected 'shm' or 'cuda_ipc'")
 
 
-def engine_view(flat: torch.Tensor, entry: dict) -> torch.Tensor:
-    """The engine's tensor for one export entry, as a view of the mapped buffer."""
-    dtype = dtype_from_name(entry["dtype"])
-    shape, stride = entry["shape"], entry["stride"]
-    span = 1 + sum((s - 1) * st for s, st in zip(shape, stride, strict=True)) if all(shape) else 0
-    start = int(entry["offset"])
-    raw = flat[start : start + span * dtype.itemsize]
-    if raw.numel() != span * dtype.itemsize:
-        raise ValueError(f"export entry at offset {start} runs past the {flat.numel()}-byte weight buffer")
-    return raw.view(dtype).as_strided(shape, stride)
-
-
-SMALL_COPY_BYTES = 1 << 20  # tensors below this are copied in batches (one launch for many), larger ones alone
-SMALL_BATCH = 128
+BATCH_TENSORS = 32  # copies are issued in batches of this many (one foreach launch each), so the GPU
+BATCH_BYTES = 256 << 20  # starts copying while the host is still building the next views
 
 
 def write_into(flat: torch.Tensor, export: dict, named: Iterable[NamedTensor]) -> tuple[int, int]:
     """Copy every (HF name, tensor) into the engine's view; returns (tensors, bytes) written.
 
-    One copy per tensor, cast to the engine dtype; small same-dtype tensors go in batches of
-    `_foreach_copy_` so launch overhead does not dominate (biases and norms are half the tensors).
+    One copy per tensor, cast to the engine dtype. Same-dtype copies go out in batches through
+    `_foreach_copy_` (a few launches for many tensors), each batch as soon as it is full: the host's
+    per-tensor work (one as_strided view each) then overlaps the copies already on the GPU.
     """
     entries, aliases = export["tensors"], export.get("aliases", {})
-    small_dst: list[torch.Tensor] = []
-    small_src: list[torch.Tensor] = []
-    count = nbytes = 0
+    typed: dict[torch.dtype, torch.Tensor] = {}  # the flat buffer viewed as each dtype it holds
+    batch_dst: list[torch.Tensor] = []
+    batch_src: list[torch.Tensor] = []
+    batch_bytes = count = nbytes = 0
     for name, t in named:
         key = aliases.get(name, name)
         entry = entries.get(key)
@@ -197,21 +187,34 @@ def write_into(flat: torch.Tensor, export: dict, named: Iterable[NamedTensor]) -
                 f"the engine has no weight {name!r} (its export lists {len(entries)} names, e.g. "
                 f"{next(iter(entries), None)!r}); trainer and engine must run the same architecture"
             )
-        if tuple(t.shape) != tuple(entry["shape"]):
+        if list(t.shape) != entry["shape"]:
             raise ValueError(f"shape mismatch for {name!r}: trainer {tuple(t.shape)}, engine {tuple(entry['shape'])}")
-        dst = engine_view(flat, entry)
-        if dst.dtype == t.dtype and dst.device == t.device and tensor_nbytes(t) < SMALL_COPY_BYTES:
-            small_dst.append(dst)
-            small_src.append(t)
-            if len(small_dst) >= SMALL_BATCH:
-                torch._foreach_copy_(small_dst, small_src)
-                small_dst, small_src = [], []
+        dtype = dtype_from_name(entry["dtype"])
+        if dtype not in typed:
+            size = dtype.itemsize
+            typed[dtype] = flat[: flat.numel() // size * size].view(dtype)
+        offset = int(entry["offset"])
+        if offset % dtype.itemsize:
+            raise ValueError(f"export entry {key!r} at byte offset {offset} is not aligned to its {dtype}")
+        dst = torch.as_strided(typed[dtype], entry["shape"], entry["stride"], offset // dtype.itemsize)
+        size = tensor_nbytes(dst)
+        if offset + size > flat.numel():
+            raise ValueError(
+                f"export entry {key!r} at offset {offset} runs past the {flat.numel()}-byte weight buffer"
+            )
+        if dst.dtype == t.dtype and dst.device == t.device:
+            batch_dst.append(dst)
+            batch_src.append(t)
+            batch_bytes += size
+            if len(batch_dst) >= BATCH_TENSORS or batch_bytes >= BATCH_BYTES:
+                torch._foreach_copy_(batch_dst, batch_src, non_blocking=True)
+                batch_dst, batch_src, batch_bytes = [], [], 0
         else:
-            dst.copy_(t, non_blocking=True)
+            dst.copy_(t, non_blocking=True)  # a cast (or another device): its own copy
         count += 1
-        nbytes += tensor_nbytes(dst)
-    if small_dst:
-        torch._foreach_copy_(small_dst, small_src)
+        nbytes += size
+    if batch_dst:
+        torch._foreach_copy_(batch_dst, batch_src, non_blocking=True)
     return count, nbytes
 
 
