@@ -3,8 +3,9 @@
 Only the positions that predict a response token go through the LM head (`logits_to_keep`), so
 the [tokens, vocab] logits tensor covers response tokens only. Log-probs and entropy are taken
 in fp32 from logits divided by the sampling temperature, the same quantity the engine reports
-for its sampled tokens, one chunk of tokens at a time (`LOGITS_CHUNK_BYTES` of fp32 logits), so
-the fp32 copy of the full-vocabulary logits never exists for the whole micro-batch.
+for its sampled tokens, one chunk of tokens at a time (`LOGITS_CHUNK_BYTES` of fp32 logits on CPU;
+on CUDA up to a quarter of the free device memory), so the fp32 copy of the full-vocabulary logits
+never exists for the whole micro-batch when memory is short.
 """
 
 from __future__ import annotations
@@ -110,6 +111,15 @@ class _ChunkedLogProbs(torch.autograd.Function):
         return grad_logits, None, None, None, None, None
 
 
+def default_chunk_bytes(device: torch.device) -> int:
+    """LOGITS_CHUNK_BYTES; on CUDA, up to a quarter of the device's free memory. Chunking trades a
+    backward recompute of the log-softmax for memory, worth paying only when memory is short."""
+    if device.type != "cuda":
+        return LOGITS_CHUNK_BYTES
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(LOGITS_CHUNK_BYTES, free // 4)
+
+
 def log_probs_and_entropy(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -117,9 +127,10 @@ def log_probs_and_entropy(
     *,
     entropy: str = "detached",
     compiled: bool = False,
-    chunk_bytes: int = LOGITS_CHUNK_BYTES,
+    chunk_bytes: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """fp32 log p(target) and entropy per row of `logits`, `chunk_bytes` of fp32 logits at a time.
+    """fp32 log p(target) and entropy per row of `logits`, `chunk_bytes` of fp32 logits at a time
+    (default: `default_chunk_bytes`).
 
     entropy: "grad" (part of the loss), "detached" (a metric only) or "none" (skipped).
     When every row fits in one chunk there is nothing to bound, so autograd records the ops
@@ -128,6 +139,8 @@ def log_probs_and_entropy(
     if entropy not in ENTROPY_MODES:
         raise ValueError(f"entropy={entropy!r} is not one of {ENTROPY_MODES}")
     fn = _compiled(_log_probs_entropy) if compiled else _log_probs_entropy
+    if chunk_bytes is None:
+        chunk_bytes = default_chunk_bytes(logits.device)
     chunk_rows = max(1, chunk_bytes // (4 * logits.shape[-1]))
     if logits.shape[0] <= chunk_rows:
         return fn(logits, targets, temperature, entropy)
