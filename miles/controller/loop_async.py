@@ -282,6 +282,10 @@ async def train(cfg) -> str:
                         break
         finally:
             await producer.stop()
+            # drops and rejections after the last step's metrics: no step reports them, so they go here
+            tail = {k: v for k, v in buffer.metrics().items() if k.endswith("_filtered") or k.endswith("_groups")}
+            with open(os.path.join(cfg.runtime.output_dir, "async_tail_metrics.json"), "w") as f:
+                json.dump(tail, f)
             await evals.close()
             trained_log.close()
     stop.uninstall()
