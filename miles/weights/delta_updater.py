@@ -88,9 +88,28 @@ class DiskDeltaUpdater(WeightUpdater):
                 "target_version": version,
             },
         )
+        refused = {i: a.get("message", "refused") for i, a in pulled.items() if a.get("refused")}
+        if first and refused:
+            # the hosts' copies (the engines' startup weights) are not the trainer's base: a resumed
+            # trainer. Publish the base itself in full once; every host can take that.
+            logger.warning(
+                "disk-delta base v%d differs from the engines' startup weights (a resume?); publishing it in full: %s",
+                version,
+                "; ".join(f"engine {i}: {why}" for i, why in sorted(refused.items())),
+            )
+            stats = self.publisher.republish_base_full()
+            full = True
+            pulled = self._run_engines(
+                "pull_weights",
+                lambda i: {
+                    "local_checkpoint_dir": self.local_dir(i),
+                    "source_dir": str(self.publisher.root),
+                    "target_version": version,
+                },
+            )
+            refused = {i: a.get("message", "refused") for i, a in pulled.items() if a.get("refused")}
         for i, answer in pulled.items():
             self.host_versions[i] = answer.get("version")
-        refused = {i: a.get("message", "refused") for i, a in pulled.items() if a.get("refused")}
         if refused:
             self._refuse(version, refused, first)
         else:

@@ -164,7 +164,25 @@ class DeltaPublisher:
             raise ValueError(f"disk-delta version {version} is not after the last published version {self.version}")
         return self._write_version(named, version, full)
 
+    def republish_base_full(self) -> PublishStats:
+        """Publish the base version itself in full, for hosts whose copy is not the base: engines that
+        restarted from the original checkpoint while the trainer resumed from a later one."""
+        if self.version is None:
+            raise ValueError("no disk-delta base yet: the first publish snapshots it")
+        named = [
+            (n, torch.from_numpy(h.data.copy()).view(dtype_from_name(h.dtype)).reshape(h.shape))
+            for n, h in self._held.items()
+        ]
+        return self._write_version(named, self.version, full=True)
+
     def _snapshot_base(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> PublishStats:
+        # versions of an earlier base (a run before a restart) can never apply again: clear them, so
+        # their numbers can be published anew
+        stale = sorted(p for p in self.root.glob("v[0-9]*") if p.is_dir())
+        for path in stale:
+            shutil.rmtree(path)
+        if stale:
+            logger.info("disk-delta: removed %d versions of an earlier base under %s", len(stale), self.root)
         held = {}
         for name, t in named:
             data = tensor_bytes(t).copy()

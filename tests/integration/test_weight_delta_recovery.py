@@ -145,3 +145,23 @@ def test_a_host_refusing_twice_in_a_row_raises_naming_it(engines, tmp_path):
         _serving(engines, 2, versions[1])
     finally:
         up.close()
+
+
+def test_resumed_trainer_rebases_engines_that_restarted_from_the_checkpoint(engines, tmp_path):
+    """After a resume the trainer's first weights are not the engines' startup weights, and the shared
+    directory still holds versions of the run before: the first update clears those, publishes its
+    base in full once, and the run goes on with deltas."""
+    versions = _versions(4)
+    stale = version_dir(tmp_path / "delta" / "published", 4)  # the crashed run had published v4 already
+    stale.mkdir(parents=True)
+    (stale / "index.json").write_text(json.dumps({"version": 4, "encoding": "xor"}))
+    up = _updater(tmp_path, engines, bad_versions=set())
+    try:
+        m3 = up.update(versions[2].items(), 3)  # resumed at v3; the engines started from v1's weights
+        assert m3["weight_sync/delta_full"] == 1.0 and m3["weight_sync/refused_engines"] == 0
+        _serving(engines, 3, versions[2])
+        m4 = up.update(versions[3].items(), 4)  # v4 again, this time against this run's base
+        assert m4["weight_sync/delta_full"] == 0.0
+        _serving(engines, 4, versions[3])
+    finally:
+        up.close()
