@@ -40,7 +40,7 @@ from miles.weights.broadcast import BroadcastUpdater
 from miles.weights.colocated import ColocatedUpdater
 from miles.weights.colocated_direct import DirectColocatedUpdater
 from miles.weights.delta_updater import DiskDeltaUpdater
-from miles.weights.fake_engine import FakeEngine, HTTPEngineControl, spawn_engines
+from miles.weights.fake_engine import FakeEngine, HTTPEngineControl, run_trainer_ranks, spawn_engines
 from miles.weights.groups import create_sync_group, find_free_port
 from miles.weights.p2p import P2PUpdater
 
@@ -129,13 +129,13 @@ def bench_raw_broadcast(engines, nbytes: int, reps: int) -> float:
 
 def bench_updater(make, engines, master, reps: int, ranks: int = 1) -> float:
     """Median seconds per update (versions 1..reps) with `ranks` trainer ranks as threads."""
-    port, barrier = find_free_port(), threading.Barrier(ranks)
+    port = find_free_port()
     times: list[float] = []
 
-    def rank(r: int) -> None:
+    def rank(r: int, barrier) -> None:
         up = make()
         try:
-            up.connect(engines, trainer_rank=r, trainer_world_size=ranks, master_port=port, barrier=barrier.wait)
+            up.connect(engines, trainer_rank=r, trainer_world_size=ranks, master_port=port, barrier=barrier)
             for v in range(1, reps + 1):
                 m = up.update(_stream(master), v)
                 if r == 0:
@@ -143,11 +143,7 @@ def bench_updater(make, engines, master, reps: int, ranks: int = 1) -> float:
         finally:
             up.close()
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(ranks)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_trainer_ranks(ranks, rank, timeout_s=3600)
     return statistics.median(times)
 
 

@@ -80,15 +80,7 @@ class DiskDeltaUpdater(WeightUpdater):
             )
         stats = self.publisher.publish(named, version, full=full)
         self.host_versions = [None] * len(self.engines)  # unknown until the hosts answer
-        pulled = self._run_engines(
-            "pull_weights",
-            lambda i: {
-                "local_checkpoint_dir": self.local_dir(i),
-                "source_dir": str(self.publisher.root),
-                "target_version": version,
-            },
-        )
-        refused = {i: a.get("message", "refused") for i, a in pulled.items() if a.get("refused")}
+        pulled, refused = self._pull(version)
         if first and refused:
             # the hosts' copies (the engines' startup weights) are not the trainer's base: a resumed
             # trainer. Publish the base itself in full once; every host can take that.
@@ -99,15 +91,7 @@ class DiskDeltaUpdater(WeightUpdater):
             )
             stats = self.publisher.republish_base_full()
             full = True
-            pulled = self._run_engines(
-                "pull_weights",
-                lambda i: {
-                    "local_checkpoint_dir": self.local_dir(i),
-                    "source_dir": str(self.publisher.root),
-                    "target_version": version,
-                },
-            )
-            refused = {i: a.get("message", "refused") for i, a in pulled.items() if a.get("refused")}
+            pulled, refused = self._pull(version)
         for i, answer in pulled.items():
             self.host_versions[i] = answer.get("version")
         if refused:
@@ -131,6 +115,18 @@ class DiskDeltaUpdater(WeightUpdater):
             "weight_sync/delta_bytes_read_per_engine": float(sum(p.get("bytes_read", 0) for p in pulled.values()))
             / max(len(pulled), 1),
         }
+
+    def _pull(self, version: int) -> tuple[dict[int, dict], dict[int, str]]:
+        """Every host patches its copy to `version`: (answers, {engine: why} of those that refused)."""
+        pulled = self._run_engines(
+            "pull_weights",
+            lambda i: {
+                "local_checkpoint_dir": self.local_dir(i),
+                "source_dir": str(self.publisher.root),
+                "target_version": version,
+            },
+        )
+        return pulled, {i: a.get("message", "refused") for i, a in pulled.items() if a.get("refused")}
 
     def _refuse(self, version: int, refused: dict[int, str], first: bool) -> None:
         """No engine reloads; they keep serving (and reporting) the version they had."""

@@ -12,8 +12,9 @@ import asyncio
 import base64
 import logging
 import multiprocessing as mp
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import aiohttp
@@ -244,3 +245,30 @@ class HTTPEngineControl:
         """Blocking: (weight_version, {name: raw bytes}) of the engine's tensors."""
         d = asyncio.run(self.dump())
         return d["weight_version"], {n: base64.b64decode(b) for n, (_, b) in d["tensors"].items()}
+
+
+def run_trainer_ranks(
+    world_size: int, body: Callable[[int, Callable[[], None]], None], timeout_s: float = 120
+) -> None:
+    """Run `body(rank, barrier)` for each trainer rank in a thread of its own, as trainer processes would
+    run it; `barrier` is what `WeightUpdater.connect` takes. Re-raises the first rank's error (the other
+    ranks' barrier is broken so they do not wait for it) and fails when a rank hangs."""
+    barrier = threading.Barrier(world_size, timeout=60)
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            body(rank, barrier.wait)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the calling thread
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    if any(t.is_alive() for t in threads):
+        raise AssertionError(f"a trainer rank hung for more than {timeout_s:.0f} s")
+    if errors:
+        raise errors[0]

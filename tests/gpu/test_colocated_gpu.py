@@ -6,7 +6,6 @@ the engine's shared weight buffer), including the embedded engine's release/resu
 
 import asyncio
 import multiprocessing as mp
-import threading
 import time
 
 import pytest
@@ -17,7 +16,7 @@ from miles.engines.client import EngineClient
 from miles.weights import verify
 from miles.weights.colocated import ColocatedUpdater
 from miles.weights.colocated_direct import DirectColocatedUpdater
-from miles.weights.fake_engine import HTTPEngineControl, spawn_engines
+from miles.weights.fake_engine import HTTPEngineControl, run_trainer_ranks, spawn_engines
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CUDA IPC)")]
 
@@ -93,29 +92,17 @@ def test_versions_arrive_bit_identical_and_no_trainer_memory_is_left(engines, cl
 
 @pytest.mark.parametrize("cls", [ColocatedUpdater, DirectColocatedUpdater])
 def test_two_trainer_ranks_feed_two_engines_on_one_gpu(engines, cls):
-    barrier = threading.Barrier(2, timeout=60)
     masters = [_fresh(10), _fresh(11)]
-    errors: list[BaseException] = []
 
-    def rank(r: int) -> None:
+    def rank(r: int, barrier) -> None:
         up = _updater(check=False, cls=cls)
         try:
-            up.connect(engines, trainer_rank=r, trainer_world_size=2, barrier=barrier.wait)
+            up.connect(engines, trainer_rank=r, trainer_world_size=2, barrier=barrier)
             up.update(masters[r].items(), 7)
-        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
-            errors.append(exc)
-            barrier.abort()
         finally:
             up.close()
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not any(t.is_alive() for t in threads), "a trainer rank hung"
-    if errors:
-        raise errors[0]
+    run_trainer_ranks(2, rank)
     for engine, master in zip(engines, masters, strict=True):
         served_version, served = engine.dump_bytes()
         assert served_version == 7

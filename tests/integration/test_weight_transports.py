@@ -4,7 +4,6 @@
 `colocated-buckets` the per-bucket handoff that engines without that buffer (SGLang) still get."""
 
 import asyncio
-import threading
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ import torch
 from miles.config_sections import WeightsConfig
 from miles.weights.colocated import ColocatedUpdater
 from miles.weights.colocated_direct import DirectColocatedUpdater
-from miles.weights.fake_engine import FakeEngine, HTTPEngineControl, spawn_engines
+from miles.weights.fake_engine import FakeEngine, HTTPEngineControl, run_trainer_ranks, spawn_engines
 from miles.weights.groups import WeightSyncTimeoutError, find_free_port
 from miles.weights.updater import EngineCallError, make_updater
 
@@ -57,31 +56,20 @@ def _stream(master: dict[str, torch.Tensor]):
 def _run_ranks(cfg: WeightsConfig, engines, versions, *, colocate: bool = False, updater_cls=None) -> list[dict]:
     """Two trainer ranks (threads) connect, push every version, close; returns rank 0's metrics per version."""
     port = find_free_port()
-    barrier = threading.Barrier(2, timeout=60)
-    metrics, errors = [], []
+    metrics = []
 
-    def rank(r: int) -> None:
+    def rank(r: int, barrier) -> None:
         up = updater_cls(cfg) if updater_cls else make_updater(cfg, colocate=colocate)
         try:
-            up.connect(engines, trainer_rank=r, trainer_world_size=2, master_port=port, barrier=barrier.wait)
+            up.connect(engines, trainer_rank=r, trainer_world_size=2, master_port=port, barrier=barrier)
             for v, master in enumerate(versions, start=1):
                 m = up.update(_stream(master), v)
                 if r == 0:
                     metrics.append(m)
-        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
-            errors.append(exc)
-            barrier.abort()
         finally:
             up.close()
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not any(t.is_alive() for t in threads), "a trainer rank hung"
-    if errors:
-        raise errors[0]
+    run_trainer_ranks(2, rank)
     return metrics
 
 

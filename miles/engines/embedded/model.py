@@ -262,11 +262,16 @@ class CausalLM:
         """rope() of positions < limit by one table lookup (same elementwise values as rope())."""
         if limit > self._rope_table_len:
             return self.rope(positions)
-        if self._rope_table is None:
+        emb = F.embedding(positions, self._rope_table_covering(0))
+        return emb[..., : self.spec.head_dim], emb[..., self.spec.head_dim :]
+
+    def _rope_table_covering(self, n: int) -> torch.Tensor:
+        """The [P, 2 x head_dim] cos | signed-sin table, built once, grown to at least n positions."""
+        if self._rope_table is None or self._rope_table.shape[0] < n:
+            self._rope_table_len = max(self._rope_table_len, n)
             cos, sin = self.rope(torch.arange(self._rope_table_len, device=self.device))
             self._rope_table = torch.cat((cos, sin), dim=-1)
-        emb = F.embedding(positions, self._rope_table)
-        return emb[..., : self.spec.head_dim], emb[..., self.spec.head_dim :]
+        return self._rope_table
 
     def _arange(self, n: int) -> torch.Tensor:
         if self._aranges is None or self._aranges.shape[0] < n:
@@ -327,17 +332,14 @@ class CausalLM:
         eps = s.rms_norm_eps
         B, H, KVH = tokens.shape[0], s.num_heads, s.num_kv_heads
         cap = kv.k.shape[3]
-        if self._rope_table is None or self._rope_table.shape[0] < cap:
-            self._rope_table_len = max(self._rope_table_len, cap)
-            cos, sin = self.rope(torch.arange(self._rope_table_len, device=self.device))
-            self._rope_table = torch.cat((cos, sin), dim=-1)
+        table = self._rope_table_covering(cap)
         slots = self._arange(B)
         h = F.embedding(tokens, st["model.embed_tokens.weight"])  # the residual stream, updated in place
         x = triton_ops.add_rms_norm(h, None, st[self._layer_names[0]["ln1"]], eps)
         for i, names in enumerate(self._layer_names):
             qkv = F.linear(x, st[names["qkv"]], st.get(names["qkv_b"]))
             q = triton_ops.rope_kv_write(
-                qkv, positions, slots, self._rope_table, kv.k[i], kv.v[i], H, KVH,
+                qkv, positions, slots, table, kv.k[i], kv.v[i], H, KVH,
                 st.get(names["qn"]), st.get(names["kn"]), eps,
             )  # fmt: skip
             attn = attention(q, kv.k[i], kv.v[i], lens).view(B, H * s.head_dim)

@@ -90,16 +90,18 @@ class Lookahead:
     kv_epoch: int
     weight_version: int
 
-    def rows(self, reqs: list[Request]) -> torch.Tensor | None:
-        """Device row indices of `reqs` in this step (None when they are its leading rows in order)."""
-        if len(reqs) <= len(self.reqs) and all(a is b for a, b in zip(reqs, self.reqs[: len(reqs)], strict=True)):
-            return None
+    def rows(self, reqs: list[Request]) -> list[int] | None:
+        """The row of each of `reqs` in this step; None when one of them was not in it."""
         index = {id(r): i for i, r in enumerate(self.reqs)}
-        return torch.tensor([index[id(r)] for r in reqs], device=self.tokens.device)
+        rows = [index.get(id(r)) for r in reqs]
+        return None if None in rows else rows
 
-    def covers(self, reqs: list[Request]) -> bool:
-        ids = {id(r) for r in self.reqs}
-        return all(id(r) in ids for r in reqs)
+    def take(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, logprobs) of those rows, on the device (a view when they lead in order)."""
+        if rows == list(range(len(rows))):
+            return self.tokens[: len(rows)], self.logprobs[: len(rows)]
+        index = torch.tensor(rows, device=self.tokens.device)
+        return self.tokens[index], self.logprobs[index]
 
 
 @dataclass(slots=True)
@@ -303,9 +305,8 @@ class Scheduler:
         with self.runner.lock:  # re-entrant: the version and the forward see the same weights
             version = self.weight_version()
             epoch = self.runner.kv_epoch
-            if ahead is not None and not (
-                decode and ahead.kv_epoch == epoch and ahead.weight_version == version and ahead.covers(decode)
-            ):
+            rows = ahead.rows(decode) if ahead is not None and decode else None
+            if ahead is not None and (rows is None or ahead.kv_epoch != epoch or ahead.weight_version != version):
                 ahead = None
                 self.lookahead_dropped += 1
             logits, input_lps = [], {}
@@ -326,13 +327,7 @@ class Scheduler:
             parts: list[tuple[torch.Tensor, torch.Tensor]] = []
             if ahead is not None:
                 self.lookahead_used += 1
-                rows = ahead.rows(decode)
-                n = len(decode)
-                parts.append(
-                    (ahead.tokens[:n], ahead.logprobs[:n])
-                    if rows is None
-                    else (ahead.tokens[rows], ahead.logprobs[rows])
-                )
+                parts.append(ahead.take(rows))
             if sampled:
                 batch = self._sampling_batch([r.params for r in sampled])
                 parts.append(
@@ -346,22 +341,23 @@ class Scheduler:
                 )
             tokens_dev = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
             lps_dev = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
+            lookahead = None
             if not self._may_look_ahead(reqs):
-                return StepResult(tokens_dev.tolist(), lps_dev.tolist(), input_lps, version)
-            if tokens_dev.device.type != "cuda":  # nothing runs asynchronously: results first, then the lookahead
-                result = StepResult(tokens_dev.tolist(), lps_dev.tolist(), input_lps, version)
-                result.lookahead = self._launch_lookahead(reqs, tokens_dev, epoch, version)
-                return result
-            # copy this step's results out first, then queue the next decode step behind the copy
-            host_tokens = torch.empty(tokens_dev.shape, dtype=tokens_dev.dtype, pin_memory=True)
-            host_lps = torch.empty(lps_dev.shape, dtype=lps_dev.dtype, pin_memory=True)
-            host_tokens.copy_(tokens_dev, non_blocking=True)
-            host_lps.copy_(lps_dev, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-            lookahead = self._launch_lookahead(reqs, tokens_dev, epoch, version)
-            copied.synchronize()
-            return StepResult(host_tokens.tolist(), host_lps.tolist(), input_lps, version, lookahead)
+                tokens, lps = tokens_dev.tolist(), lps_dev.tolist()
+            elif tokens_dev.device.type != "cuda":  # nothing runs asynchronously: results, then the lookahead
+                tokens, lps = tokens_dev.tolist(), lps_dev.tolist()
+                lookahead = self._launch_lookahead(reqs, tokens_dev, epoch, version)
+            else:  # copy this step's results out first, then queue the next decode step behind the copy
+                host_tokens = torch.empty(tokens_dev.shape, dtype=tokens_dev.dtype, pin_memory=True)
+                host_lps = torch.empty(lps_dev.shape, dtype=lps_dev.dtype, pin_memory=True)
+                host_tokens.copy_(tokens_dev, non_blocking=True)
+                host_lps.copy_(lps_dev, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record()
+                lookahead = self._launch_lookahead(reqs, tokens_dev, epoch, version)
+                copied.synchronize()
+                tokens, lps = host_tokens.tolist(), host_lps.tolist()
+            return StepResult(tokens, lps, input_lps, version, lookahead)
 
     def _launch_lookahead(self, reqs: list[Request], tokens: torch.Tensor, epoch: int, version: int) -> Lookahead:
         """Queue the next decode step of `reqs`, fed this step's device `tokens` at their next positions."""
