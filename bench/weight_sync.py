@@ -13,11 +13,11 @@ For a synthetic bf16 model of --params parameters served by --engines fake engin
   as named tensors) to an engine process on the same GPU, against the device's copy bandwidth
   measured in the same run (one device-to-device `copy_` of the same bytes, CUDA events).
   Two paths: `colocated_direct_*`, the trainer writing straight into the engine's shared weight
-  buffer, timed from the first copy issued (export fetched, buffer mapped) to the engine's answer to
-  the install call, i.e. copies + stream sync + one HTTP install (`colocated_direct_s`; the unmap
-  follows the answer); `colocated_direct_update_s` is the whole `update()`, adding the export fetch,
-  the IPC open and the unmap; and
-  `colocated_*`, the per-bucket handoff SGLang engines still get (whole `update()`).
+  buffer (`colocated_direct_s`: the whole `update()` with the buffer kept mapped between updates:
+  generation check, copies, install call answered once the copies are done;
+  `colocated_direct_fresh_s`: the same when the engine reallocated its buffer before every update,
+  adding the export, IPC open and unmap), and `colocated_*`, the per-bucket handoff SGLang engines
+  still get (whole `update()`).
   `--colocated-only` skips the gloo transports (about a minute on one H200).
 Medians over --reps; ends with one JSON line.
 """
@@ -38,7 +38,7 @@ from miles.config_sections import WeightsConfig
 from miles.engines.client import EngineClient
 from miles.weights.broadcast import BroadcastUpdater
 from miles.weights.colocated import ColocatedUpdater
-from miles.weights.colocated_direct import DirectColocatedUpdater
+from miles.weights.colocated_direct import BufferWriter, DirectColocatedUpdater
 from miles.weights.delta_updater import DiskDeltaUpdater
 from miles.weights.fake_engine import FakeEngine, HTTPEngineControl, run_trainer_ranks, spawn_engines
 from miles.weights.groups import create_sync_group, find_free_port
@@ -227,30 +227,45 @@ def _colocated_updates(engine: HTTPEngineControl, master, bucket_bytes: int, rep
     return statistics.median(times[1:]), statistics.median(pack_times[1:])  # [0] paid one-time CUDA/IPC set-up
 
 
-def _direct_updates(url: str, master, reps: int) -> tuple[float, float]:
-    """Median (first copy -> install answered, whole update) seconds of direct colocated updates."""
-    up = DirectColocatedUpdater(WeightsConfig(weight_sync_timeout_s=600))
+def _direct_updates(url: str, master, reps: int, *, fresh_buffer: bool = False) -> dict[str, float]:
+    """Medians (seconds) of direct colocated updates: the whole `update()` and its phases.
+
+    Steady state (`fresh_buffer=False`): the trainer keeps the engine's buffer mapped between updates.
+    `fresh_buffer=True`: the engine reallocates its buffer before every update (what a release and
+    resume of its weights does), so each update maps the new buffer and unmaps it at the end."""
+    control = HTTPEngineControl(url, timeout_s=600)
+    up = DirectColocatedUpdater(WeightsConfig(weight_sync_timeout_s=600), keep_mapping=not fresh_buffer)
     up.connect([EngineClient(url, timeout_s=600)])  # pooled HTTP session, as in a real run
-    direct, whole, copies, unmaps = [], [], [], []
+    keys = {
+        "update": "weight_sync/seconds",
+        "export": "weight_sync/direct_export_seconds",
+        "issue": "weight_sync/direct_issue_seconds",
+        "copy_to_install": "weight_sync/direct_seconds",
+        "unmap": "weight_sync/direct_unmap_seconds",
+    }
+    samples: dict[str, list[float]] = {k: [] for k in keys}
     try:
         for v in range(1, reps + 2):
-            fresh = {n: t.clone() for n, t in master.items()}
+            fresh = {n: t.clone() for n, t in master.items()}  # a trainer hands over fresh tensors each time
+            if fresh_buffer and v > 1:
+                asyncio.run(control.repack())
             torch.cuda.synchronize()
             m = up.update(fresh.items(), v)
-            direct.append(m["weight_sync/direct_seconds"])
-            whole.append(m["weight_sync/seconds"])
-            copies.append(m["weight_sync/direct_copy_seconds"])
-            unmaps.append(m["weight_sync/direct_unmap_seconds"])
+            for k, key in keys.items():
+                samples[k].append(m[key])
             del fresh
     finally:
         up.close()
-    # [0] packed the engine's buffer
+    return {k: statistics.median(x[1:]) for k, x in samples.items()}  # [0] packed the engine's buffer
+
+
+def _phases(label: str, d: dict[str, float]) -> None:
     print(
-        f"direct update phases (median ms): copies+sync {statistics.median(copies[1:]) * 1e3:.2f}, "
-        f"+install {statistics.median(direct[1:]) * 1e3:.2f}, unmap after {statistics.median(unmaps[1:]) * 1e3:.2f}, "
-        f"whole update {statistics.median(whole[1:]) * 1e3:.2f}"
+        f"direct update, {label} (median ms): whole update {d['update'] * 1e3:.2f} = export/check "
+        f"{d['export'] * 1e3:.2f} + first copy -> install answered {d['copy_to_install'] * 1e3:.2f} (host issuing "
+        f"copies {d['issue'] * 1e3:.2f}) + unmap {d['unmap'] * 1e3:.2f}",
+        flush=True,
     )
-    return statistics.median(direct[1:]), statistics.median(whole[1:])
 
 
 def bench_colocated(reps: int, bucket_bytes: int) -> dict:
@@ -261,22 +276,40 @@ def bench_colocated(reps: int, bucket_bytes: int) -> dict:
     try:
         engine = HTTPEngineControl(proc.url, timeout_s=600)
         master = FakeEngine(spec, device="cuda", seed=2).tensors
-        direct_s, direct_update_s = _direct_updates(proc.url, master, reps)
+        copy_s = bench_device_copy(nbytes, max(reps, 5))
+        steady = _direct_updates(proc.url, master, reps)
+        _phases("buffer kept mapped", steady)
+        fresh = _direct_updates(proc.url, master, reps, fresh_buffer=True)
+        _phases("new buffer every update", fresh)
+        default_small = BufferWriter.SMALL_BYTES
+        BufferWriter.SMALL_BYTES = 1 << 62  # variant: every same-dtype tensor through _foreach_copy_ batches
+        try:
+            foreach_only = _direct_updates(proc.url, master, reps)
+        finally:
+            BufferWriter.SMALL_BYTES = default_small
+        _phases("buffer kept mapped, all copies batched through _foreach_copy_", foreach_only)
         seconds, pack_s = _colocated_updates(engine, master, bucket_bytes, reps)
         one_bucket_s, _ = _colocated_updates(engine, master, nbytes, reps)  # how much the per-bucket calls cost
-        copy_s = bench_device_copy(nbytes, max(reps, 5))
+        copy_after = bench_device_copy(nbytes, max(reps, 5))  # the copy again: the GPU did not change clocks
+        print(f"device copy: {copy_s * 1e3:.3f} ms before, {copy_after * 1e3:.3f} ms after the updates", flush=True)
+        copy_s = min(copy_s, copy_after)
         return {
             "colocated_model_bytes": nbytes,
             "colocated_s": seconds,
             "colocated_GBps": nbytes / seconds / 1e9,
             "colocated_pack_s": pack_s,
             "colocated_one_bucket_s": one_bucket_s,
+            "copy_s": copy_s,
             "copy_GBps": nbytes / copy_s / 1e9,
             "colocated_copy_fraction": copy_s / seconds,
-            "colocated_direct_s": direct_s,
-            "colocated_direct_update_s": direct_update_s,
-            "colocated_direct_GBps": nbytes / direct_s / 1e9,
-            "colocated_direct_copy_fraction": copy_s / direct_s,
+            "colocated_direct_s": steady["update"],
+            "colocated_direct_GBps": nbytes / steady["update"] / 1e9,
+            "colocated_direct_copy_fraction": copy_s / steady["update"],
+            "colocated_direct_phases_s": steady,
+            "colocated_direct_fresh_s": fresh["update"],
+            "colocated_direct_fresh_copy_fraction": copy_s / fresh["update"],
+            "colocated_direct_fresh_phases_s": fresh,
+            "colocated_direct_foreach_only_s": foreach_only["update"],
         }
     finally:
         proc.stop()
@@ -340,10 +373,11 @@ def main() -> None:
 def _print_colocated(col: dict) -> None:
     gb = col["colocated_model_bytes"] / 1e9
     print(
-        f"colocated direct: {col['colocated_direct_s'] * 1e3:.2f} ms for {gb:.2f} GB (first copy -> install "
-        f"answered) = {col['colocated_direct_GBps']:.0f} GB/s; whole update {col['colocated_direct_update_s'] * 1e3:.2f}"
-        f" ms; device copy {col['copy_GBps']:.0f} GB/s; direct / copy = {col['colocated_direct_copy_fraction']:.3f}"
-        " (target >= 0.5)",
+        f"colocated direct: whole update {col['colocated_direct_s'] * 1e3:.2f} ms for {gb:.2f} GB = "
+        f"{col['colocated_direct_GBps']:.0f} GB/s; device copy {col['copy_s'] * 1e3:.2f} ms = {col['copy_GBps']:.0f} GB/s;"
+        f" direct / copy = {col['colocated_direct_copy_fraction']:.3f} (target >= 0.5). With a new engine buffer every "
+        f"update: {col['colocated_direct_fresh_s'] * 1e3:.2f} ms = {col['colocated_direct_fresh_copy_fraction']:.3f}"
+        f" of copy; all copies through _foreach_copy_: {col['colocated_direct_foreach_only_s'] * 1e3:.2f} ms",
         flush=True,
     )
     print(

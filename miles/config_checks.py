@@ -144,6 +144,8 @@ def apply_derivations(cfg: MilesConfig, explicit: set[str]) -> None:
         r.rollout_submission_granularity = "sample" if cfg.async_.fully_async else "group"
     if cfg.train.offload_train is None:
         cfg.train.offload_train = cfg.engine.colocate
+    if cfg.train.offload_rollout is None:
+        cfg.train.offload_rollout = cfg.engine.colocate
     if a.loss_aggregation is None:
         a.loss_aggregation = "token_mean" if a.calculate_per_token_loss else "sample_mean"
     if cfg.model.ref_load is None and (a.use_kl_loss or a.kl_coef != 0):
@@ -161,8 +163,19 @@ def apply_derivations(cfg: MilesConfig, explicit: set[str]) -> None:
 # ---------------------------------------------------------------- validation
 
 
+OFFLOAD_ROLLOUT_LEVELS = {"kv_cache": "kv_cache", "weight": "weights", "weights": "weights", "cuda_graph": "cuda_graph"}
+
+
+def engine_memory_tags(levels: list[str]) -> list[str]:
+    """`--offload-rollout-level` values as the engines' memory tags (Miles' `weight` is the tag `weights`)."""
+    return sorted({OFFLOAD_ROLLOUT_LEVELS[level] for level in levels})
+
+
 def check_enums(cfg: MilesConfig) -> list[str]:
     errors = []
+    bad = [level for level in cfg.train.offload_rollout_level if level not in OFFLOAD_ROLLOUT_LEVELS]
+    if bad:
+        errors.append(f"--offload-rollout-level {' '.join(bad)}: use any of kv_cache, weight, cuda_graph")
     for name, choices in ENUM_CHOICES.items():
         value = cfg.get(name)
         if value is None or value in choices:

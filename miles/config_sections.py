@@ -152,6 +152,8 @@ class TrainConfig:
     auto_resume: bool = _f(False, "CKPT", "resume from the latest complete checkpoint under --save")
     no_save_optim: bool = _f(False, "CKPT", "do not save optimizer state")
     offload_train: bool | None = _f(None, "PERF", "offload trainer state while engines generate (default: on when colocated)")
+    offload_rollout: bool | None = _f(None, "PERF", "colocated engines release memory while the trainer trains (default: on when colocated)")
+    offload_rollout_level: list[str] = _f(["kv_cache", "weight"], "PERF", "what colocated engines release: kv_cache, weight, cuda_graph", metadata={"nargs": "+"})
 
 
 @dataclass

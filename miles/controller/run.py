@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from miles.config_checks import engine_memory_tags
 from miles.controller.placement import Placement, plan_placement
 from miles.controller.router import Router
 from miles.controller.runtime import Runtime
@@ -141,8 +142,11 @@ class MilesRun:
                 from miles.config import derive_num_rollout
 
                 derive_num_rollout(cfg, len(run.data_source))
+            # engines that release their weights between updates get a fresh weight buffer each time
+            releases_weights = bool(cfg.train.offload_rollout) and "weights" in engine_memory_tags(
+                cfg.train.offload_rollout_level)
             await runtime.call_all("trainer", "connect_engines", urls, mode=cfg.weights.update_weight_transfer_mode,
-                                   colocated=cfg.engine.colocate)
+                                   colocated=cfg.engine.colocate, keep_weight_mapping=not releases_weights)
             await run._maybe_resume()
             return run
         except BaseException:
@@ -232,12 +236,16 @@ class MilesRun:
             await self._wait("offload_time", self.runtime.call_all("trainer", "onload"))
 
     async def release_engines(self) -> None:
-        if self.placement.colocated:
-            await self._wait("offload_time", self.router.broadcast("release_memory_occupation"))
+        t = self.cfg.train
+        if self.placement.colocated and t.offload_rollout:
+            await self._wait("offload_time",
+                             self.router.broadcast("release_memory_occupation", tags=engine_memory_tags(t.offload_rollout_level)))
 
     async def resume_engines(self) -> None:
-        if self.placement.colocated:
-            await self._wait("offload_time", self.router.broadcast("resume_memory_occupation"))
+        t = self.cfg.train
+        if self.placement.colocated and t.offload_rollout:
+            await self._wait("offload_time",
+                             self.router.broadcast("resume_memory_occupation", tags=engine_memory_tags(t.offload_rollout_level)))
 
     # ---- checkpoints -----------------------------------------------------------------
     def _ckpt_dir(self, step: int) -> str:

@@ -2,22 +2,31 @@
 
 The engine keeps all its weight storage in ONE flat buffer (`WeightArena`: 256-byte aligned
 entries, every storage tensor a view of it): a device allocation on GPU, a named POSIX
-shared-memory segment on CPU. It exports that buffer once per allocation (a CUDA IPC handle, or the
-segment's name) with, for every HF name, the (byte offset, shape, stride, dtype) of the engine's
-view, and a `generation` that changes whenever the buffer is reallocated (memory release/resume).
+shared-memory segment on CPU. It exports that buffer (a CUDA IPC handle, or the segment's name)
+with, for every HF name, the (byte offset, shape, stride, dtype) of the engine's view, and a
+`generation` that changes whenever the buffer is reallocated (a memory release and resume).
 
-An update (`DirectColocatedUpdater`) is then, per engine: fetch the export, map the buffer once,
-`copy_` each (HF name, tensor) the trainer yields into the engine's view (one device-to-device copy
-per tensor, cast to the engine dtype, no staging buffer), synchronise the trainer's stream, unmap,
-and one install call: the engine checks the generation is still current, bumps its KV epoch (no
-KV computed with the old weights is reused) and takes the weight version. The controller pauses the
-engines around an update; the engine refuses an export or install while it is generating.
+An update (`DirectColocatedUpdater`) per engine:
+1. asks the engine for its export, naming the generation it already maps: an unchanged buffer
+   answers in a few bytes, a new one with the full export (then the trainer maps it and builds its
+   per-name views once);
+2. copies each (HF name, tensor) the trainer yields into the engine's view: one device-to-device
+   copy per tensor, cast to the engine dtype, no staging buffer (small tensors batched through
+   `_foreach_copy_`);
+3. records an inter-process CUDA event behind the copies and makes one install call carrying it:
+   the engine waits for that event (so the call travels while the GPU still copies), checks the
+   generation is still current, bumps its KV epoch (no KV computed with the old weights is reused)
+   and takes the weight version. Its answer means the new weights are in place.
+The controller pauses the engines around an update; the engine refuses an export or install while
+it is generating.
 
-CUDA lifetime: the engine shares its buffer once per generation and drops torch's cross-process
-reference count right away, so its release frees the memory at once. That is safe because the
-trainer maps the buffer only inside one update: it closes the mapping right after the install call
-answers, before the update returns (so before the controller lets generation go on, and long before
-any memory release); it never caches a mapping across updates.
+Mapping lifetime: the engine shares its buffer once per generation and drops torch's cross-process
+reference count right away, so its own release frees the memory at once. With `keep_mapping`
+(the default) the trainer keeps its mapping and views between updates and never writes into them
+before the engine confirmed, in step 1, that the generation is still current; a run whose engines
+release their weights between updates (`--offload-rollout-level` with `weights`) makes the updater
+close its mapping at the end of every update instead, so nothing of the trainer pins the buffer
+the engine is about to free.
 
 Engines without the export (real SGLang: no /miles/export_weight_buffer) keep the per-bucket handoff
 of colocated.py; the updater falls back to it on the first update.
@@ -36,7 +45,14 @@ import numpy as np
 import torch
 
 from miles.weights.bucket import NamedTensor, tensor_nbytes
-from miles.weights.colocated import ALIGN_BYTES, ColocatedUpdater, _unb64, open_cuda_buffer, share_cuda_buffer
+from miles.weights.colocated import (
+    ALIGN_BYTES,
+    ColocatedUpdater,
+    _b64,
+    _unb64,
+    open_cuda_buffer,
+    share_cuda_buffer,
+)
 from miles.weights.groups import dtype_from_name, dtype_name
 
 logger = logging.getLogger(__name__)
@@ -85,8 +101,18 @@ class WeightArena:
             torch.cuda.synchronize(self.device)
         self._handle: dict | None = None
 
-    def export(self, params: Mapping[str, torch.Tensor], aliases: Mapping[str, str] | None = None) -> dict:
-        """The JSON-able export: buffer handle, generation, and every HF name's place in the buffer."""
+    def export(
+        self,
+        params: Mapping[str, torch.Tensor],
+        aliases: Mapping[str, str] | None = None,
+        known_generation: int | None = None,
+    ) -> dict:
+        """The JSON-able export: buffer handle, generation, and every HF name's place in the buffer.
+
+        A caller that already maps generation `known_generation` gets `{"generation", "unchanged": True}`
+        when that is still the current one."""
+        if known_generation is not None and int(known_generation) == self.generation:
+            return {"generation": self.generation, "unchanged": True}
         base = self.flat.data_ptr()
         entries = {}
         for name, t in params.items():
@@ -133,89 +159,155 @@ class WeightArena:
             self._shm = None
 
 
+
+_WRITER_EVENTS: dict[str, Any] = {}  # opened inter-process events by handle; a trainer reuses one per engine
+
+
+def wait_for_writer(ready_event: str | None, device: torch.device | str) -> None:
+    """Block until the trainer's copies behind `ready_event` (a base64 CUDA IPC event handle) finished.
+
+    Engines call this first thing in `install_weight_buffer`; None (CPU, or an older trainer that
+    synchronised its stream before calling) returns at once."""
+    if ready_event is None:
+        return
+    event = _WRITER_EVENTS.get(ready_event)
+    if event is None:
+        if len(_WRITER_EVENTS) >= 64:  # trainers come and go (restarts): keep the table small
+            _WRITER_EVENTS.clear()
+        event = torch.cuda.Event.from_ipc_handle(torch.device(device), _unb64(ready_event))
+        _WRITER_EVENTS[ready_event] = event
+    event.synchronize()
+
+
 # -- trainer side -------------------------------------------------------------------------------
+
+
+class BufferWriter:
+    """Writes (HF name, tensor) pairs into a mapped engine weight buffer through cached per-name views."""
+
+    SMALL_BYTES = 1 << 20  # below this a tensor joins a `_foreach_copy_` batch; above, its own copy
+    BATCH_TENSORS = 64
+
+    def __init__(self, flat: torch.Tensor, export: dict) -> None:
+        self.flat = flat
+        self.entries: dict[str, dict] = export["tensors"]
+        self.aliases: dict[str, str] = export.get("aliases", {})
+        self._typed: dict[torch.dtype, torch.Tensor] = {}  # the flat buffer viewed as each dtype it holds
+        self._views: dict[str, torch.Tensor] = {}
+
+    def view(self, name: str) -> torch.Tensor:
+        """The engine's tensor for HF name `name` (an alias such as a tied lm_head maps to its owner)."""
+        dst = self._views.get(name)
+        if dst is None:
+            dst = self._views[name] = self._make_view(name)
+        return dst
+
+    def _make_view(self, name: str) -> torch.Tensor:
+        key = self.aliases.get(name, name)
+        entry = self.entries.get(key)
+        if entry is None:
+            raise ValueError(
+                f"the engine has no weight {name!r} (its export lists {len(self.entries)} names, e.g. "
+                f"{next(iter(self.entries), None)!r}); trainer and engine must run the same architecture"
+            )
+        dtype = dtype_from_name(entry["dtype"])
+        typed = self._typed.get(dtype)
+        if typed is None:
+            size = dtype.itemsize
+            typed = self._typed[dtype] = self.flat[: self.flat.numel() // size * size].view(dtype)
+        offset = int(entry["offset"])
+        if offset % dtype.itemsize:
+            raise ValueError(f"export entry {key!r} at byte offset {offset} is not aligned to its {dtype}")
+        dst = torch.as_strided(typed, entry["shape"], entry["stride"], offset // dtype.itemsize)
+        if offset + tensor_nbytes(dst) > self.flat.numel():
+            raise ValueError(
+                f"export entry {key!r} at offset {offset} runs past the {self.flat.numel()}-byte weight buffer"
+            )
+        return dst
+
+    def write(self, named: Iterable[NamedTensor]) -> tuple[int, int]:
+        """Copy every (HF name, tensor) into the engine's view; returns (tensors, bytes) written.
+
+        Copies are issued on the current stream and not waited for (on CPU they are synchronous).
+        Large same-dtype tensors get one copy each (a plain device memcpy); small ones go out in
+        batches through `_foreach_copy_`; a dtype cast is its own copy."""
+        small_dst: list[torch.Tensor] = []
+        small_src: list[torch.Tensor] = []
+        count = nbytes = 0
+        for name, t in named:
+            dst = self.view(name)
+            if dst.shape != t.shape:
+                raise ValueError(
+                    f"shape mismatch for {name!r}: trainer {tuple(t.shape)}, engine {tuple(dst.shape)}"
+                )
+            size = tensor_nbytes(dst)
+            if dst.dtype != t.dtype or dst.device != t.device or size >= self.SMALL_BYTES:
+                dst.copy_(t, non_blocking=True)
+            else:
+                small_dst.append(dst)
+                small_src.append(t)
+                if len(small_dst) >= self.BATCH_TENSORS:
+                    torch._foreach_copy_(small_dst, small_src, non_blocking=True)
+                    small_dst, small_src = [], []
+            count += 1
+            nbytes += size
+        if small_dst:
+            torch._foreach_copy_(small_dst, small_src, non_blocking=True)
+        return count, nbytes
+
+
+def write_into(flat: torch.Tensor, export: dict, named: Iterable[NamedTensor]) -> tuple[int, int]:
+    """Copy every (HF name, tensor) into the mapped buffer `flat` described by `export` (one-off writer)."""
+    return BufferWriter(flat, export).write(named)
+
+
+class MappedBuffer:
+    """The trainer's mapping of one engine weight buffer (one generation), with its writer.
+
+    CPU: the engine's shared-memory segment mapped as a file under /dev/shm. CUDA: the buffer opened
+    from its IPC handle. `close()` unmaps (CUDA: torch syncs this device's stream and closes the handle).
+    """
+
+    def __init__(self, export: dict) -> None:
+        handle = export["buffer"]
+        self.generation = int(export["generation"])
+        self._mmap: np.memmap | None = None
+        if handle["kind"] == "shm":
+            path = f"/dev/shm/{handle['segment'].lstrip('/')}"
+            try:
+                self._mmap = np.memmap(path, dtype=np.uint8, mode="r+")
+            except FileNotFoundError as exc:
+                raise StaleWeightBufferError(
+                    f"the engine's weight segment {path} is gone; fetch a fresh export"
+                ) from exc
+            flat = torch.from_numpy(np.asarray(self._mmap))
+        elif handle["kind"] == "cuda_ipc":
+            flat = open_cuda_buffer(handle)
+        else:
+            raise ValueError(f"unknown weight buffer kind {handle['kind']!r}; expected 'shm' or 'cuda_ipc'")
+        self.writer: BufferWriter | None = BufferWriter(flat, export)
+
+    @property
+    def flat(self) -> torch.Tensor:
+        if self.writer is None:
+            raise RuntimeError("the weight buffer mapping is closed")
+        return self.writer.flat
+
+    def close(self) -> None:
+        self.writer = None  # the last references to the mapped tensor and its views
+        if self._mmap is not None:
+            self._mmap._mmap.close()  # noqa: SLF001 - unmap now, not at garbage collection
+            self._mmap = None
 
 
 @contextmanager
 def open_export(export: dict) -> Iterator[torch.Tensor]:
     """Map the engine's weight buffer as a flat uint8 tensor, valid inside the block only."""
-    handle = export["buffer"]
-    if handle["kind"] == "shm":
-        path = f"/dev/shm/{handle['segment'].lstrip('/')}"
-        try:
-            mapped = np.memmap(path, dtype=np.uint8, mode="r+")
-        except FileNotFoundError as exc:
-            raise StaleWeightBufferError(f"the engine's weight segment {path} is gone; fetch a fresh export") from exc
-        flat = torch.from_numpy(np.asarray(mapped))
-        try:
-            yield flat
-        finally:
-            flat = None
-            mapped._mmap.close()  # noqa: SLF001 - unmap now, not at garbage collection
-    elif handle["kind"] == "cuda_ipc":
-        flat = open_cuda_buffer(handle)
-        try:
-            yield flat
-        finally:
-            # The last reference goes: torch syncs this device's stream and closes the IPC handle.
-            flat = None
-    else:
-        raise ValueError(f"unknown weight buffer kind {handle['kind']!r}; expected 'shm' or 'cuda_ipc'")
-
-
-BATCH_TENSORS = 32  # copies are issued in batches of this many (one foreach launch each), so the GPU
-BATCH_BYTES = 256 << 20  # starts copying while the host is still building the next views
-
-
-def write_into(flat: torch.Tensor, export: dict, named: Iterable[NamedTensor]) -> tuple[int, int]:
-    """Copy every (HF name, tensor) into the engine's view; returns (tensors, bytes) written.
-
-    One copy per tensor, cast to the engine dtype. Same-dtype copies go out in batches through
-    `_foreach_copy_` (a few launches for many tensors), each batch as soon as it is full: the host's
-    per-tensor work (one as_strided view each) then overlaps the copies already on the GPU.
-    """
-    entries, aliases = export["tensors"], export.get("aliases", {})
-    typed: dict[torch.dtype, torch.Tensor] = {}  # the flat buffer viewed as each dtype it holds
-    batch_dst: list[torch.Tensor] = []
-    batch_src: list[torch.Tensor] = []
-    batch_bytes = count = nbytes = 0
-    for name, t in named:
-        key = aliases.get(name, name)
-        entry = entries.get(key)
-        if entry is None:
-            raise ValueError(
-                f"the engine has no weight {name!r} (its export lists {len(entries)} names, e.g. "
-                f"{next(iter(entries), None)!r}); trainer and engine must run the same architecture"
-            )
-        if list(t.shape) != entry["shape"]:
-            raise ValueError(f"shape mismatch for {name!r}: trainer {tuple(t.shape)}, engine {tuple(entry['shape'])}")
-        dtype = dtype_from_name(entry["dtype"])
-        if dtype not in typed:
-            size = dtype.itemsize
-            typed[dtype] = flat[: flat.numel() // size * size].view(dtype)
-        offset = int(entry["offset"])
-        if offset % dtype.itemsize:
-            raise ValueError(f"export entry {key!r} at byte offset {offset} is not aligned to its {dtype}")
-        dst = torch.as_strided(typed[dtype], entry["shape"], entry["stride"], offset // dtype.itemsize)
-        size = tensor_nbytes(dst)
-        if offset + size > flat.numel():
-            raise ValueError(
-                f"export entry {key!r} at offset {offset} runs past the {flat.numel()}-byte weight buffer"
-            )
-        if dst.dtype == t.dtype and dst.device == t.device:
-            batch_dst.append(dst)
-            batch_src.append(t)
-            batch_bytes += size
-            if len(batch_dst) >= BATCH_TENSORS or batch_bytes >= BATCH_BYTES:
-                torch._foreach_copy_(batch_dst, batch_src, non_blocking=True)
-                batch_dst, batch_src, batch_bytes = [], [], 0
-        else:
-            dst.copy_(t, non_blocking=True)  # a cast (or another device): its own copy
-        count += 1
-        nbytes += size
-    if batch_dst:
-        torch._foreach_copy_(batch_dst, batch_src, non_blocking=True)
-    return count, nbytes
+    mapped = MappedBuffer(export)
+    try:
+        yield mapped.flat
+    finally:
+        mapped.close()
 
 
 # -- trainer-side updater -----------------------------------------------------------------------
@@ -234,42 +326,81 @@ class DirectColocatedUpdater(ColocatedUpdater):
     """Writes into the weight buffer of the engine on the same device; trainer rank i serves engine i.
 
     Falls back to the per-bucket handoff (`ColocatedUpdater`) for an engine without the export.
+    `keep_mapping=False` closes the mapping at the end of every update (engines that release their
+    weights between updates); otherwise it is kept while the engine's buffer generation is unchanged.
     """
 
     mode = "colocated"
 
-    def __init__(self, cfg=None) -> None:
+    def __init__(self, cfg=None, *, keep_mapping: bool = True) -> None:
         super().__init__(cfg)
         self.direct: bool | None = None  # None until the first update asked the engine
+        self.keep_mapping = keep_mapping
+        self._mapped: MappedBuffer | None = None
+        self._ready: torch.cuda.Event | None = None  # recorded behind the copies, waited for by the engine
+        self._ready_handle: str | None = None
 
     def _transfer(self, named, version: int) -> dict[str, float]:
         if not self.is_sender or self.direct is False:
             return super()._transfer(named, version)
-        target = self.trainer_rank
-        export = self._run(_post_miles(self.engines[target], "export_weight_buffer", {}))
+        engine = self.engines[self.trainer_rank]
+        t0 = time.perf_counter()
+        known = {} if self._mapped is None else {"generation": self._mapped.generation}
+        export = self._run(_post_miles(engine, "export_weight_buffer", known))
         if export is None:
-            logger.info("engine %d has no %s; using the per-bucket colocated handoff", target, EXPORT_ENDPOINT)
+            logger.info(
+                "engine %d has no %s; using the per-bucket colocated handoff", self.trainer_rank, EXPORT_ENDPOINT
+            )
             self.direct = False
             return super()._transfer(named, version)
         self.direct = True
-        payload = {"generation": export["generation"], "weight_version": str(version)}
-        with open_export(export) as flat:
-            # timed from the first copy issued (the mapping is open) to the install call answered
-            t0 = time.perf_counter()
-            tensors, _ = write_into(flat, export, named)
-            if flat.is_cuda:
-                torch.cuda.current_stream(flat.device).synchronize()
-            copy_s = time.perf_counter() - t0
-            # install while still mapped: the engine serves the new weights once it answers; unmapping
-            # is the trainer's cleanup and still happens before this update returns (before any release)
-            self._run(_post_miles(self.engines[target], "install_weight_buffer", payload))
-            direct_s = time.perf_counter() - t0
-        unmap_s = time.perf_counter() - t0 - direct_s
+        try:
+            if not export.get("unchanged"):
+                self._drop_mapping()
+                self._mapped = MappedBuffer(export)
+            mapped = self._mapped
+            assert mapped is not None and mapped.writer is not None
+            t_copy = time.perf_counter()
+            tensors, _ = mapped.writer.write(named)
+            payload = {"generation": mapped.generation, "weight_version": str(version)}
+            stream = torch.cuda.current_stream(mapped.flat.device) if mapped.flat.is_cuda else None
+            if stream is not None:
+                payload["ready_event"] = self._record_ready(stream)
+            t_install = time.perf_counter()
+            self._run(_post_miles(engine, "install_weight_buffer", payload))
+            if stream is not None:
+                stream.synchronize()  # already done (the engine waited for it): the trainer may reuse its tensors
+            t_done = time.perf_counter()
+        except BaseException:
+            self._drop_mapping()  # a stale or failed write: map afresh next time
+            raise
+        if not self.keep_mapping:
+            self._drop_mapping()
         self.version_installed = True
         return {
             "weight_sync/buckets": 0.0,
             "weight_sync/direct_tensors": float(tensors),
-            "weight_sync/direct_copy_seconds": copy_s,  # copies and the stream sync
-            "weight_sync/direct_seconds": direct_s,  # ... plus the install call
-            "weight_sync/direct_unmap_seconds": unmap_s,  # closing the mapping afterwards
+            "weight_sync/direct_export_seconds": t_copy - t0,  # generation check (+ mapping a new buffer)
+            "weight_sync/direct_issue_seconds": t_install - t_copy,  # the host issuing the copies
+            "weight_sync/direct_seconds": t_done - t_copy,  # first copy issued -> install answered
+            "weight_sync/direct_unmap_seconds": time.perf_counter() - t_done,
         }
+
+    def _record_ready(self, stream: torch.cuda.Stream) -> str:
+        if self._ready is None:
+            self._ready = torch.cuda.Event(interprocess=True)
+            self._ready.record(stream)
+            self._ready_handle = _b64(self._ready.ipc_handle())
+        else:
+            self._ready.record(stream)
+        assert self._ready_handle is not None
+        return self._ready_handle
+
+    def _drop_mapping(self) -> None:
+        if self._mapped is not None:
+            self._mapped.close()
+            self._mapped = None
+
+    def close(self) -> None:
+        self._drop_mapping()
+        super().close()

@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 import torch
 
-from miles.weights.colocated_direct import StaleWeightBufferError, WeightArena
+from miles.weights.colocated_direct import StaleWeightBufferError, WeightArena, wait_for_writer
 from miles.weights.groups import dtype_from_name, dtype_name, find_free_port
 
 logger = logging.getLogger(__name__)
@@ -46,14 +46,15 @@ class FakeEngine:
         self._generation = 0
 
     # direct colocated updates: the tensors become views of one shared buffer on first export
-    def export_weight_buffer(self) -> dict:
+    def export_weight_buffer(self, generation: int | None = None) -> dict:
         if self._arena is None:
             self.repack()
         if self._arena.device.type == "cuda":
             torch.cuda.synchronize(self._arena.device)
-        return self._arena.export(self.tensors)
+        return self._arena.export(self.tensors, known_generation=generation)
 
-    def install_weight_buffer(self, generation: int, weight_version: int) -> None:
+    def install_weight_buffer(self, generation: int, weight_version: int, ready_event: str | None = None) -> None:
+        wait_for_writer(ready_event, self.device)
         current = None if self._arena is None else self._arena.generation
         if current != generation:
             raise StaleWeightBufferError(f"weight buffer generation {generation} is stale; the engine has {current}")
@@ -232,8 +233,8 @@ class HTTPEngineControl:
 
         return call
 
-    async def export_weight_buffer(self) -> dict:
-        return await self._post("miles/export_weight_buffer", {})
+    async def export_weight_buffer(self, **kw: Any) -> dict:
+        return await self._post("miles/export_weight_buffer", kw)
 
     async def install_weight_buffer(self, **kw: Any) -> None:
         await self._post("miles/install_weight_buffer", kw)

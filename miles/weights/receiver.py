@@ -203,14 +203,18 @@ class WeightReceiver:
 
     # -- direct colocated updates (miles-only endpoints; see colocated_direct.py) ---------------
 
-    async def export_weight_buffer(self, **_: Any) -> dict:
-        """The engine's shared weight buffer: handle, generation, and each HF name's offset/shape/stride/dtype."""
-        return self._direct("export_weight_buffer")()
+    async def export_weight_buffer(self, generation: int | None = None, **_: Any) -> dict:
+        """The engine's shared weight buffer: handle, generation, and each HF name's offset/shape/stride/dtype
+        (only `{generation, unchanged: true}` when the caller already maps the current `generation`)."""
+        return self._direct("export_weight_buffer")(None if generation is None else int(generation))
 
-    async def install_weight_buffer(self, generation: int, weight_version: str | None = None, **_: Any) -> None:
-        """The trainer finished writing into buffer `generation`: drop stale KV and take the version."""
+    async def install_weight_buffer(
+        self, generation: int, weight_version: str | None = None, ready_event: str | None = None, **_: Any
+    ) -> None:
+        """The trainer wrote into buffer `generation` (its copies end at `ready_event` on CUDA): drop stale
+        KV and take the version."""
         self._direct("install_weight_buffer")(
-            int(generation), _parse_version(weight_version or self.engine.weight_version)
+            int(generation), _parse_version(weight_version or self.engine.weight_version), ready_event
         )
 
     def _direct(self, method: str) -> Any:

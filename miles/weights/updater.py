@@ -282,8 +282,9 @@ class _Counter:
         return name, t
 
 
-def make_updater(cfg: WeightsConfig, *, colocate: bool = False) -> WeightUpdater:
-    """The updater for `cfg.update_weight_transfer_mode` (colocated runs hand over locally)."""
+def make_updater(cfg: WeightsConfig, *, colocate: bool = False, keep_mapping: bool = True) -> WeightUpdater:
+    """The updater for `cfg.update_weight_transfer_mode` (colocated runs hand over locally; `keep_mapping`:
+    a colocated trainer keeps the engine's weight buffer mapped between updates, see colocated_direct.py)."""
     from miles.weights.broadcast import BroadcastUpdater
     from miles.weights.colocated_direct import DirectColocatedUpdater
     from miles.weights.delta_updater import DiskDeltaUpdater
@@ -294,7 +295,7 @@ def make_updater(cfg: WeightsConfig, *, colocate: bool = False) -> WeightUpdater
             raise ValueError(
                 "disk-delta cannot be combined with --colocate; use broadcast (the default) or drop --colocate"
             )
-        return DirectColocatedUpdater(cfg)  # per-bucket handoffs for engines without a shared buffer
+        return DirectColocatedUpdater(cfg, keep_mapping=keep_mapping)  # per-bucket handoffs for engines without a shared buffer
     registry: dict[str, type[WeightUpdater]] = {
         cls.mode: cls for cls in (BroadcastUpdater, P2PUpdater, DiskDeltaUpdater)
     }

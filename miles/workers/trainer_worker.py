@@ -64,7 +64,7 @@ class TrainerWorker(Worker):
 
     # ---- weights ---------------------------------------------------------------------
     def connect_engines(self, engine_urls: list[str], *, mode: str | None = None, colocated: bool = False,
-                        master_address: str | None = None) -> dict[str, Any]:
+                        master_address: str | None = None, keep_weight_mapping: bool = True) -> dict[str, Any]:
         from miles.engines.client import EngineClient
         from miles.weights.updater import make_updater
 
@@ -74,7 +74,7 @@ class TrainerWorker(Worker):
         if mode is not None:
             self.weights_cfg.update_weight_transfer_mode = mode
         engines = [EngineClient(u) for u in engine_urls]
-        self.updater = make_updater(self.weights_cfg, colocate=colocated)
+        self.updater = make_updater(self.weights_cfg, colocate=colocated, keep_mapping=keep_weight_mapping)
         # every trainer rank must agree on the weight-sync group's port (p2p has several senders)
         port = [free_port(master_address) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(port, src=0)

@@ -186,3 +186,46 @@ def test_embedded_engine_release_frees_the_buffer_and_resume_takes_updates(tmp_p
         proc.join(10)
         if proc.is_alive():
             proc.kill()
+
+
+# -- the install call waits for the trainer's copies (inter-process CUDA event) ---------------------
+
+
+def _wait_in_child(handle: str, conn) -> None:
+    from miles.weights.colocated_direct import wait_for_writer
+
+    wait_for_writer(handle, "cuda:0")  # opens (and caches) the event; its first record is long done
+    conn.send("ready")
+    conn.recv()  # "go": the trainer re-recorded the event behind a long kernel
+    start = time.perf_counter()
+    wait_for_writer(handle, "cuda:0")
+    conn.send(time.perf_counter() - start)
+
+
+def test_engine_waits_for_the_newest_record_of_the_trainers_event():
+    from miles.weights.colocated import _b64
+
+    event = torch.cuda.Event(interprocess=True)
+    event.record()
+    torch.cuda.synchronize()
+    parent, child = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(
+        target=_wait_in_child, args=(_b64(event.ipc_handle()), child), daemon=True
+    )
+    proc.start()
+    try:
+        assert parent.poll(120) and parent.recv() == "ready"
+        torch.cuda._sleep(int(2e9))  # stands in for copies still running (about a second)
+        event.record()
+        parent.send("go")
+        start = time.perf_counter()
+        torch.cuda.synchronize()
+        busy = time.perf_counter() - start
+        assert parent.poll(60), "the engine side did not answer"
+        waited = parent.recv()
+        assert busy > 0.3, f"the kernel ran only {busy:.2f} s; the check needs a longer one"
+        assert waited >= 0.8 * busy, f"the engine side returned after {waited:.2f} s of a {busy:.2f} s kernel"
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()

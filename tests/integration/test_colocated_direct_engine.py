@@ -51,6 +51,17 @@ def test_every_name_lands_in_its_fused_rows(model_dir):
         asyncio.run(engine.shutdown())
 
 
+def test_export_answers_unchanged_for_the_current_generation_only(model_dir):
+    engine = EmbeddedEngine(model_dir)
+    try:
+        export = engine.export_weight_buffer()
+        current = export["generation"]
+        assert engine.export_weight_buffer(generation=current) == {"generation": current, "unchanged": True}
+        assert "tensors" in engine.export_weight_buffer(generation=current - 1)
+    finally:
+        asyncio.run(engine.shutdown())
+
+
 def test_tied_lm_head_goes_to_the_embedding_and_stale_generation_is_refused(model_dir):
     engine = EmbeddedEngine(model_dir)
     try:

@@ -114,6 +114,40 @@ def test_direct_colocated_refuses_a_stale_weight_buffer(engines):
     assert fresh["buffer"]["segment"] != export["buffer"]["segment"]  # the old segment was unlinked
 
 
+class _RecordingControl(HTTPEngineControl):
+    """Records what each export call answered: 'full' (a buffer to map) or 'unchanged'."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.exports: list[str] = []
+
+    async def export_weight_buffer(self, **kw) -> dict:
+        export = await super().export_weight_buffer(**kw)
+        self.exports.append("unchanged" if export.get("unchanged") else "full")
+        return export
+
+
+@pytest.mark.parametrize("keep_mapping", [True, False])
+def test_direct_colocated_maps_each_buffer_generation_once(engines, keep_mapping):
+    asyncio.run(engines[0].reset(seed=SEED))
+    control = _RecordingControl(engines[0].url)
+    up = DirectColocatedUpdater(WeightsConfig(weight_sync_timeout_s=30), keep_mapping=keep_mapping)
+    up.connect([control])
+    versions = _versions()
+    try:
+        for v, master in enumerate(versions[:2], start=1):
+            up.update(_stream(master), v)
+            assert (up._mapped is not None) == keep_mapping
+        asyncio.run(engines[0].repack())  # a memory release + resume: a new buffer, a new generation
+        up.update(_stream(versions[2]), 3)
+    finally:
+        up.close()
+    expected = {n: t.contiguous().view(torch.uint8).numpy().tobytes() for n, t in _stream(versions[2])}
+    assert engines[0].dump_bytes() == (3, expected)  # written into the new buffer, not the old mapping
+    assert control.exports == (["full", "unchanged", "full"] if keep_mapping else ["full"] * 3)
+    assert up._mapped is None  # close() unmapped
+
+
 def test_direct_colocated_refuses_a_wrong_shape(engines):
     asyncio.run(engines[0].reset(seed=SEED))
     up = DirectColocatedUpdater(WeightsConfig(weight_sync_timeout_s=30))

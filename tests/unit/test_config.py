@@ -182,6 +182,18 @@ def test_explicit_values_are_not_overwritten_by_derivations():
     assert cfg.train.offload_train is False and cfg.runtime.output_dir == "/tmp/x"
 
 
+def test_offload_rollout_defaults_to_colocate_and_levels_map_to_engine_tags():
+    from miles.config_checks import engine_memory_tags
+
+    colocated = cfg_of("--rollout-batch-size", "4", "--colocate")
+    assert colocated.train.offload_rollout is True
+    assert engine_memory_tags(colocated.train.offload_rollout_level) == ["kv_cache", "weights"]
+    assert cfg_of("--rollout-batch-size", "4").train.offload_rollout is False
+    kv_only = cfg_of("--rollout-batch-size", "4", "--colocate", "--offload-rollout-level", "kv_cache")
+    assert engine_memory_tags(kv_only.train.offload_rollout_level) == ["kv_cache"]
+    assert "--offload-rollout-level weights_and_kv" in errors_of("--offload-rollout-level", "weights_and_kv")
+
+
 # ---------------------------------------------------------------- validation
 
 

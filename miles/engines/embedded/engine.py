@@ -45,7 +45,7 @@ from miles.engines.embedded.model import CausalLM, iter_safetensors, read_config
 from miles.engines.embedded.runner import ModelRunner
 from miles.engines.embedded.sampler import SamplingParams
 from miles.engines.embedded.scheduler import Request, Scheduler
-from miles.weights.colocated_direct import StaleWeightBufferError, WeightArena
+from miles.weights.colocated_direct import StaleWeightBufferError, WeightArena, wait_for_writer
 
 logger = logging.getLogger(__name__)
 
@@ -354,9 +354,10 @@ class EmbeddedEngine:
         yield from self.model.params.items()
 
     # ---- direct colocated updates (miles-only) ---------------------------------------------------------------
-    def export_weight_buffer(self) -> dict:
+    def export_weight_buffer(self, generation: int | None = None) -> dict:
         """Where every HF-named weight lives in the shared weight buffer (packed on first use); see
-        colocated_direct.py. Refused while generating: the trainer writes without any engine lock."""
+        colocated_direct.py. A caller that maps `generation` already gets `{generation, unchanged}` if
+        it is current. Refused while generating: the trainer writes without any engine lock."""
         self._require_quiet("export_weight_buffer")
         with self.runner.lock:
             if not self.runner.weights_on_device:
@@ -366,11 +367,15 @@ class EmbeddedEngine:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # no engine kernel still touches the weights
             aliases = {"lm_head.weight": "model.embed_tokens.weight"} if self.model.spec.tie_word_embeddings else {}
-            return self._arena.export(self.model.params, aliases)
+            return self._arena.export(self.model.params, aliases, known_generation=generation)
 
-    def install_weight_buffer(self, generation: int, weight_version: str | int) -> None:
-        """The trainer finished writing into buffer `generation`: drop stale KV, take the version."""
+    def install_weight_buffer(
+        self, generation: int, weight_version: str | int, ready_event: str | None = None
+    ) -> None:
+        """The trainer wrote into buffer `generation` (on CUDA its copies end at the inter-process event
+        `ready_event`, waited for here): drop stale KV, take the version."""
         self._require_quiet("install_weight_buffer")
+        wait_for_writer(ready_event, self.device)
         with self.runner.lock:
             current = self._arena.generation if self._arena is not None else None
             if current != int(generation):
