@@ -7,9 +7,10 @@ with, for every HF name, the (byte offset, shape, stride, dtype) of the engine's
 `generation` that changes whenever the buffer is reallocated (a memory release and resume).
 
 An update (`DirectColocatedUpdater`) per engine:
-1. asks the engine for its export, naming the generation it already maps: an unchanged buffer
-   answers in a few bytes, a new one with the full export (then the trainer maps it and builds its
-   per-name views once);
+1. makes sure the buffer it maps is still the engine's: the engine publishes its current
+   generation in eight bytes of shared memory (`GenerationWord`), which the trainer reads; only when
+   it changed (or at first) does the trainer ask for the export over HTTP, map the new buffer and
+   build its per-name views once;
 2. copies each (HF name, tensor) the trainer yields into the engine's view: one device-to-device
    copy per tensor, cast to the engine dtype, no staging buffer (small tensors batched through
    `_foreach_copy_`);
@@ -23,7 +24,8 @@ it is generating.
 Mapping lifetime: the engine shares its buffer once per generation and drops torch's cross-process
 reference count right away, so its own release frees the memory at once. With `keep_mapping`
 (the default) the trainer keeps its mapping and views between updates and never writes into them
-before the engine confirmed, in step 1, that the generation is still current; a run whose engines
+unless step 1 found the generation still current (the engine publishes 0 before it frees a buffer;
+the controller never releases engine memory during an update); a run whose engines
 release their weights between updates (`--offload-rollout-level` with `weights`) makes the updater
 close its mapping at the end of every update instead, so nothing of the trainer pins the buffer
 the engine is about to free.
@@ -35,6 +37,8 @@ of colocated.py; the updater falls back to it on the first update.
 from __future__ import annotations
 
 import logging
+import os
+import struct
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -106,6 +110,7 @@ class WeightArena:
         params: Mapping[str, torch.Tensor],
         aliases: Mapping[str, str] | None = None,
         known_generation: int | None = None,
+        generation_word: str | None = None,
     ) -> dict:
         """The JSON-able export: buffer handle, generation, and every HF name's place in the buffer.
 
@@ -131,6 +136,7 @@ class WeightArena:
             "buffer": self._buffer_handle(),
             "tensors": entries,
             "aliases": dict(aliases or {}),
+            "generation_word": generation_word,
         }
 
     def _buffer_handle(self) -> dict:
@@ -158,6 +164,83 @@ class WeightArena:
                 pass
             self._shm = None
 
+
+
+class GenerationWord:
+    """Eight bytes of shared memory in which an engine publishes its weight buffer's generation (0: none).
+
+    A trainer that keeps the buffer mapped reads it before writing instead of asking the engine
+    over HTTP. The engine publishes 0 before it frees a buffer and the new generation once a new
+    buffer holds the weights."""
+
+    def __init__(self) -> None:
+        self._shm: shared_memory.SharedMemory | None = shared_memory.SharedMemory(create=True, size=8)
+        self.name = self._shm.name
+        self.publish(0)
+
+    def publish(self, generation: int) -> None:
+        assert self._shm is not None
+        struct.pack_into("<q", self._shm.buf, 0, generation)
+
+    def close(self) -> None:
+        if self._shm is not None:
+            self._shm.close()
+            try:
+                self._shm.unlink()
+            except FileNotFoundError:
+                pass
+            self._shm = None
+
+
+class SharedWeights:
+    """An engine's side of direct colocated updates: its current `WeightArena`, the generation counter
+    and the `GenerationWord`. Generations start at a random base, so a restarted engine never
+    reuses the generation a trainer may still map."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.arena: WeightArena | None = None
+        self._next = int.from_bytes(os.urandom(4), "little") << 16
+        self._word: GenerationWord | None = None
+
+    def pack(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Copy `tensors` into a fresh buffer (a new generation); returns their views in it."""
+        if self._word is None:
+            self._word = GenerationWord()
+        self._next += 1
+        old, self.arena = self.arena, WeightArena(tensors, self.device, self._next)
+        self._word.publish(self._next)
+        if old is not None:
+            old.close()
+        return dict(self.arena.views)
+
+    def drop(self) -> None:
+        """Forget the buffer (a memory release): trainers see generation 0 before it is freed."""
+        if self._word is not None:
+            self._word.publish(0)
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
+
+    def export(
+        self, params: Mapping[str, torch.Tensor], aliases: Mapping[str, str] | None, known_generation: int | None
+    ) -> dict:
+        assert self.arena is not None and self._word is not None, "pack() before export()"
+        return self.arena.export(params, aliases, known_generation, self._word.name)
+
+    def check_install(self, generation: int) -> None:
+        current = self.arena.generation if self.arena is not None else None
+        if current != int(generation):
+            raise StaleWeightBufferError(
+                f"weights were written into weight buffer generation {generation}, but the engine's buffer is "
+                f"now {current} (memory was released or resumed mid-update); push the weights again"
+            )
+
+    def close(self) -> None:
+        self.drop()
+        if self._word is not None:
+            self._word.close()
+            self._word = None
 
 
 _WRITER_EVENTS: dict[str, Any] = {}  # opened inter-process events by handle; a trainer reuses one per engine
@@ -193,14 +276,20 @@ class BufferWriter:
         self.entries: dict[str, dict] = export["tensors"]
         self.aliases: dict[str, str] = export.get("aliases", {})
         self._typed: dict[torch.dtype, torch.Tensor] = {}  # the flat buffer viewed as each dtype it holds
-        self._views: dict[str, torch.Tensor] = {}
+        # per HF name: (view, shape, dtype, device, bytes, whether it gets a copy of its own)
+        self._slots: dict[str, tuple[torch.Tensor, torch.Size, torch.dtype, torch.device, int, bool]] = {}
 
     def view(self, name: str) -> torch.Tensor:
         """The engine's tensor for HF name `name` (an alias such as a tied lm_head maps to its owner)."""
-        dst = self._views.get(name)
-        if dst is None:
-            dst = self._views[name] = self._make_view(name)
-        return dst
+        return self._slot(name)[0]
+
+    def _slot(self, name: str) -> tuple[torch.Tensor, torch.Size, torch.dtype, torch.device, int, bool]:
+        slot = self._slots.get(name)
+        if slot is None:
+            dst = self._make_view(name)
+            size = tensor_nbytes(dst)
+            slot = self._slots[name] = (dst, dst.shape, dst.dtype, dst.device, size, size >= self.SMALL_BYTES)
+        return slot
 
     def _make_view(self, name: str) -> torch.Tensor:
         key = self.aliases.get(name, name)
@@ -234,14 +323,13 @@ class BufferWriter:
         small_dst: list[torch.Tensor] = []
         small_src: list[torch.Tensor] = []
         count = nbytes = 0
+        slots = self._slots
         for name, t in named:
-            dst = self.view(name)
-            if dst.shape != t.shape:
-                raise ValueError(
-                    f"shape mismatch for {name!r}: trainer {tuple(t.shape)}, engine {tuple(dst.shape)}"
-                )
-            size = tensor_nbytes(dst)
-            if dst.dtype != t.dtype or dst.device != t.device or size >= self.SMALL_BYTES:
+            slot = slots.get(name) or self._slot(name)
+            dst, shape, dtype, device, size, own_copy = slot
+            if t.shape != shape:
+                raise ValueError(f"shape mismatch for {name!r}: trainer {tuple(t.shape)}, engine {tuple(shape)}")
+            if own_copy or t.dtype != dtype or t.device != device:
                 dst.copy_(t, non_blocking=True)
             else:
                 small_dst.append(dst)
@@ -286,6 +374,18 @@ class MappedBuffer:
         else:
             raise ValueError(f"unknown weight buffer kind {handle['kind']!r}; expected 'shm' or 'cuda_ipc'")
         self.writer: BufferWriter | None = BufferWriter(flat, export)
+        self._word: np.memmap | None = None
+        if export.get("generation_word"):
+            try:
+                self._word = np.memmap(
+                    f"/dev/shm/{export['generation_word'].lstrip('/')}", dtype=np.int64, mode="r", shape=(1,)
+                )
+            except FileNotFoundError:
+                self._word = None  # then every update asks the engine
+
+    def still_current(self) -> bool:
+        """True when the engine's published generation is this mapping's: safe to write without asking."""
+        return self._word is not None and int(self._word[0]) == self.generation
 
     @property
     def flat(self) -> torch.Tensor:
@@ -295,9 +395,10 @@ class MappedBuffer:
 
     def close(self) -> None:
         self.writer = None  # the last references to the mapped tensor and its views
-        if self._mmap is not None:
-            self._mmap._mmap.close()  # noqa: SLF001 - unmap now, not at garbage collection
-            self._mmap = None
+        for mm in (self._mmap, self._word):
+            if mm is not None:
+                mm._mmap.close()  # noqa: SLF001 - unmap now, not at garbage collection
+        self._mmap = self._word = None
 
 
 @contextmanager
@@ -345,8 +446,11 @@ class DirectColocatedUpdater(ColocatedUpdater):
             return super()._transfer(named, version)
         engine = self.engines[self.trainer_rank]
         t0 = time.perf_counter()
-        known = {} if self._mapped is None else {"generation": self._mapped.generation}
-        export = self._run(_post_miles(engine, "export_weight_buffer", known))
+        if self._mapped is not None and self._mapped.still_current():
+            export = {"generation": self._mapped.generation, "unchanged": True}
+        else:
+            known = {} if self._mapped is None else {"generation": self._mapped.generation}
+            export = self._run(_post_miles(engine, "export_weight_buffer", known))
         if export is None:
             logger.info(
                 "engine %d has no %s; using the per-bucket colocated handoff", self.trainer_rank, EXPORT_ENDPOINT

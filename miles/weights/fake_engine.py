@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 import torch
 
-from miles.weights.colocated_direct import StaleWeightBufferError, WeightArena, wait_for_writer
+from miles.weights.colocated_direct import SharedWeights, wait_for_writer
 from miles.weights.groups import dtype_from_name, dtype_name, find_free_port
 
 logger = logging.getLogger(__name__)
@@ -42,37 +42,28 @@ class FakeEngine:
         self.weight_version = 0
         self.flushes = 0
         self.installs = 0
-        self._arena: WeightArena | None = None
-        self._generation = 0
+        self._shared = SharedWeights(device)  # the shared weight buffer, once a direct update asked for it
 
     # direct colocated updates: the tensors become views of one shared buffer on first export
     def export_weight_buffer(self, generation: int | None = None) -> dict:
-        if self._arena is None:
+        if self._shared.arena is None:
             self.repack()
-        if self._arena.device.type == "cuda":
-            torch.cuda.synchronize(self._arena.device)
-        return self._arena.export(self.tensors, known_generation=generation)
+        if self._shared.device.type == "cuda":
+            torch.cuda.synchronize(self._shared.device)
+        return self._shared.export(self.tensors, None, generation)
 
     def install_weight_buffer(self, generation: int, weight_version: int, ready_event: str | None = None) -> None:
         wait_for_writer(ready_event, self.device)
-        current = None if self._arena is None else self._arena.generation
-        if current != generation:
-            raise StaleWeightBufferError(f"weight buffer generation {generation} is stale; the engine has {current}")
+        self._shared.check_install(generation)
         self.installs += 1
         self.weight_version = weight_version
 
     def repack(self) -> None:
         """Move the tensors into a fresh shared buffer (a new generation), as a memory resume does."""
-        self._generation += 1
-        old, self._arena = self._arena, WeightArena(self.tensors, self.device, self._generation)
-        self.tensors = dict(self._arena.views)
-        if old is not None:
-            old.close()
+        self.tensors = self._shared.pack(self.tensors)
 
     def close(self) -> None:
-        if self._arena is not None:
-            self._arena.close()
-            self._arena = None
+        self._shared.close()
 
     def load_weights(self, named) -> None:
         for name, t in named:

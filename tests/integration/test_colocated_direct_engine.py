@@ -4,13 +4,14 @@ The engine's q/k/v (and gate/up) are stored fused, so each HF name is a row slic
 the trainer must land every name in its own rows. A tied lm_head goes to the embedding."""
 
 import asyncio
+import os
 
 import pytest
 import torch
 
 from miles.engines.embedded.engine import EmbeddedEngine
 from miles.engines.tiny_model import make_tiny_model
-from miles.weights.colocated_direct import StaleWeightBufferError, open_export, write_into
+from miles.weights.colocated_direct import MappedBuffer, StaleWeightBufferError, open_export, write_into
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +59,16 @@ def test_export_answers_unchanged_for_the_current_generation_only(model_dir):
         current = export["generation"]
         assert engine.export_weight_buffer(generation=current) == {"generation": current, "unchanged": True}
         assert "tensors" in engine.export_weight_buffer(generation=current - 1)
+        mapped = MappedBuffer(export)
+        try:
+            assert mapped.still_current()  # the engine's generation word holds this buffer's generation
+            engine._shared.drop()  # what a weight release does: the word reads 0 before the buffer goes
+            assert not mapped.still_current()
+        finally:
+            mapped.close()
     finally:
         asyncio.run(engine.shutdown())
+    assert not os.path.exists(f"/dev/shm/{export['generation_word']}")  # unlinked at shutdown
 
 
 def test_tied_lm_head_goes_to_the_embedding_and_stale_generation_is_refused(model_dir):

@@ -45,7 +45,7 @@ from miles.engines.embedded.model import CausalLM, iter_safetensors, read_config
 from miles.engines.embedded.runner import ModelRunner
 from miles.engines.embedded.sampler import SamplingParams
 from miles.engines.embedded.scheduler import Request, Scheduler
-from miles.weights.colocated_direct import StaleWeightBufferError, WeightArena, wait_for_writer
+from miles.weights.colocated_direct import SharedWeights, wait_for_writer
 
 logger = logging.getLogger(__name__)
 
@@ -111,8 +111,7 @@ class EmbeddedEngine:
         self.deterministic = deterministic
         self.eos_ids = self._eos_ids(config)
         self._weight_version = 0
-        self._arena: WeightArena | None = None  # the shared weight buffer, once a direct update asked for it
-        self._arena_generation = 0
+        self._shared = SharedWeights(self.device)  # the shared weight buffer, once a direct update asked for it
         self._repack_on_resume = False
         self._children: dict[str, list[str]] = {}
         self._batch_generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -152,22 +151,19 @@ class EmbeddedEngine:
         self._task = asyncio.create_task(self.scheduler.run(), name="embedded-engine-scheduler")
 
     async def shutdown(self) -> None:
-        if self._task is None:
-            return
-        self.scheduler.abort(None)
-        self.scheduler.stop()
-        self._task.cancel()
-        try:
-            await self._task
-        except asyncio.CancelledError:
-            pass
-        except Exception:  # already logged by the scheduler; its requests were failed
-            pass
-        self.scheduler.abort_pending()  # a step cancelled mid-flight must not leave callers waiting
-        self._task = None
-        if self._arena is not None:
-            self._arena.close()  # unlinks the CPU segment; the model's views keep their mapping
-            self._arena = None
+        if self._task is not None:
+            self.scheduler.abort(None)
+            self.scheduler.stop()
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            except Exception:  # already logged by the scheduler; its requests were failed
+                pass
+            self.scheduler.abort_pending()  # a step cancelled mid-flight must not leave callers waiting
+            self._task = None
+        self._shared.close()  # unlinks the CPU segment; the model's views keep their mapping
 
     def _require_started(self) -> Scheduler:
         if self.scheduler is None or self._task is None:
@@ -362,12 +358,12 @@ class EmbeddedEngine:
         with self.runner.lock:
             if not self.runner.weights_on_device:
                 raise RuntimeError("weights are released; call resume_memory_occupation(['weights']) first")
-            if self._arena is None:
+            if self._shared.arena is None:
                 self._pack_weights(self.model.storage)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # no engine kernel still touches the weights
             aliases = {"lm_head.weight": "model.embed_tokens.weight"} if self.model.spec.tie_word_embeddings else {}
-            return self._arena.export(self.model.params, aliases, known_generation=generation)
+            return self._shared.export(self.model.params, aliases, generation)
 
     def install_weight_buffer(
         self, generation: int, weight_version: str | int, ready_event: str | None = None
@@ -377,12 +373,7 @@ class EmbeddedEngine:
         self._require_quiet("install_weight_buffer")
         wait_for_writer(ready_event, self.device)
         with self.runner.lock:
-            current = self._arena.generation if self._arena is not None else None
-            if current != int(generation):
-                raise StaleWeightBufferError(
-                    f"weights were written into weight buffer generation {generation}, but the engine's "
-                    f"buffer is now {current} (memory was released or resumed mid-update); push the weights again"
-                )
+            self._shared.check_install(generation)
             self.runner.invalidate_kv()
         self.weight_version = int(weight_version)
 
@@ -395,9 +386,7 @@ class EmbeddedEngine:
 
     def _pack_weights(self, storage: dict[str, torch.Tensor]) -> None:
         """Storage -> views of one fresh flat buffer on the engine's device (copies from host if released)."""
-        self._arena_generation += 1
-        self._arena = WeightArena(storage, self.device, self._arena_generation)
-        self.model.storage = dict(self._arena.views)
+        self.model.storage = self._shared.pack(storage)
         self.model._rebuild_views()  # noqa: SLF001 - params are views into storage
         self.runner.graphs = None  # captured decode graphs hold the old weight addresses
 
@@ -412,10 +401,9 @@ class EmbeddedEngine:
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:
         tags_set = self._tags(tags)
         with self.runner.lock:
-            if "weights" in tags_set and self._arena is not None and self.device.type == "cuda":
+            if "weights" in tags_set and self._shared.arena is not None and self.device.type == "cuda":
                 # The runner moves the views to host memory; then nothing holds the flat buffer.
-                self._arena.close()
-                self._arena = None
+                self._shared.drop()
                 self._repack_on_resume = True
             self.runner.release(tags_set)
 
