@@ -36,6 +36,7 @@ of colocated.py; the updater falls back to it on the first update.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import struct
@@ -58,6 +59,7 @@ from miles.weights.colocated import (
     share_cuda_buffer,
 )
 from miles.weights.groups import dtype_from_name, dtype_name
+from miles.weights.updater import EngineCallError
 
 logger = logging.getLogger(__name__)
 
@@ -444,13 +446,12 @@ class DirectColocatedUpdater(ColocatedUpdater):
     def _transfer(self, named, version: int) -> dict[str, float]:
         if not self.is_sender or self.direct is False:
             return super()._transfer(named, version)
-        engine = self.engines[self.trainer_rank]
         t0 = time.perf_counter()
         if self._mapped is not None and self._mapped.still_current():
             export = {"generation": self._mapped.generation, "unchanged": True}
         else:
             known = {} if self._mapped is None else {"generation": self._mapped.generation}
-            export = self._run(_post_miles(engine, "export_weight_buffer", known))
+            export = self._call_engine("export_weight_buffer", known)
         if export is None:
             logger.info(
                 "engine %d has no %s; using the per-bucket colocated handoff", self.trainer_rank, EXPORT_ENDPOINT
@@ -471,7 +472,7 @@ class DirectColocatedUpdater(ColocatedUpdater):
             if stream is not None:
                 payload["ready_event"] = self._record_ready(stream)
             t_install = time.perf_counter()
-            self._run(_post_miles(engine, "install_weight_buffer", payload))
+            self._call_engine("install_weight_buffer", payload)
             if stream is not None:
                 stream.synchronize()  # already done (the engine waited for it): the trainer may reuse its tensors
             t_done = time.perf_counter()
@@ -489,6 +490,20 @@ class DirectColocatedUpdater(ColocatedUpdater):
             "weight_sync/direct_seconds": t_done - t_copy,  # first copy issued -> install answered
             "weight_sync/direct_unmap_seconds": time.perf_counter() - t_done,
         }
+
+    def _call_engine(self, method: str, payload: dict) -> dict | None:
+        """One miles-only call to this rank's engine; a failure or timeout names the engine."""
+        engine = self.engines[self.trainer_rank]
+        try:
+            return self._run(asyncio.wait_for(_post_miles(engine, method, payload), self.timeout_s))
+        except (asyncio.TimeoutError, TimeoutError) as exc:
+            raise EngineCallError(
+                f"engine {self.trainer_rank} ({engine!r}) did not finish {method} within {self.timeout_s}s"
+            ) from exc
+        except Exception as exc:
+            raise EngineCallError(
+                f"engine {self.trainer_rank} ({engine!r}) failed {method}: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def _record_ready(self, stream: torch.cuda.Stream) -> str:
         if self._ready is None:

@@ -163,6 +163,20 @@ def test_direct_colocated_refuses_a_wrong_shape(engines):
     assert version == 0  # nothing was installed
 
 
+def test_dead_engine_is_named_on_the_direct_colocated_path():
+    [proc] = spawn_engines(SPEC, 1, seeds=[SEED])
+    up = DirectColocatedUpdater(WeightsConfig(weight_sync_timeout_s=8))
+    try:
+        up.connect([HTTPEngineControl(proc.url, timeout_s=10)])
+        up.update(_stream(_versions()[0]), 1)  # maps the engine's buffer and keeps it
+        proc.stop()
+        with pytest.raises(EngineCallError, match=f"engine 0 .*{proc.url.split('//')[1]}.*(export|install)_weight_buffer"):
+            up.update(_stream(_versions()[1]), 2)
+    finally:
+        up.close()
+        proc.stop()
+
+
 def test_dead_engine_is_named_not_hung(tmp_path):
     procs = spawn_engines(SPEC, 2, seeds=[SEED, SEED])
     try:

@@ -7,6 +7,7 @@ import torch
 
 from miles.config_sections import WeightsConfig
 from miles.weights.broadcast import BroadcastUpdater
+from miles.weights.colocated_direct import DirectColocatedUpdater
 from miles.weights.fake_engine import HTTPEngineControl, spawn_engines
 from miles.weights.verify import WeightMismatchError
 
@@ -37,6 +38,13 @@ class CorruptingBroadcast(BroadcastUpdater):
                 yield n, t
 
         return super()._transfer(corrupt(named), version)
+
+
+class SkippingDirect(DirectColocatedUpdater):
+    """Fault injection: a direct colocated write that never writes one tensor into the engine's buffer."""
+
+    def _transfer(self, named, version):
+        return super()._transfer(((n, t) for n, t in named if n != SKIPPED), version)
 
 
 @pytest.fixture(scope="module")
@@ -88,3 +96,9 @@ def test_single_bit_difference_is_caught(engines):
 def test_without_check_a_skipped_tensor_goes_unnoticed(engines):
     asyncio.run(engines[0].reset())
     _push(SkippingBroadcast, engines, check=False)  # no error: the check is what catches it
+
+
+def test_direct_colocated_write_that_skips_a_tensor_is_caught(engines):
+    asyncio.run(engines[0].reset())
+    with pytest.raises(WeightMismatchError, match=f"mismatched: {SKIPPED}"):
+        _push(SkippingDirect, engines[:1])  # the direct path: trainer rank 0 writes into engine 0's buffer
