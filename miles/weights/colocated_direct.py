@@ -167,7 +167,6 @@ class WeightArena:
             self._shm = None
 
 
-
 class GenerationWord:
     """Eight bytes of shared memory in which an engine publishes its weight buffer's generation (0: none).
 

@@ -209,9 +209,7 @@ def test_engine_waits_for_the_newest_record_of_the_trainers_event():
     event.record()
     torch.cuda.synchronize()
     parent, child = mp.get_context("spawn").Pipe()
-    proc = mp.get_context("spawn").Process(
-        target=_wait_in_child, args=(_b64(event.ipc_handle()), child), daemon=True
-    )
+    proc = mp.get_context("spawn").Process(target=_wait_in_child, args=(_b64(event.ipc_handle()), child), daemon=True)
     proc.start()
     try:
         assert parent.poll(120) and parent.recv() == "ready"

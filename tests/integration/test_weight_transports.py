@@ -170,7 +170,9 @@ def test_dead_engine_is_named_on_the_direct_colocated_path():
         up.connect([HTTPEngineControl(proc.url, timeout_s=10)])
         up.update(_stream(_versions()[0]), 1)  # maps the engine's buffer and keeps it
         proc.stop()
-        with pytest.raises(EngineCallError, match=f"engine 0 .*{proc.url.split('//')[1]}.*(export|install)_weight_buffer"):
+        with pytest.raises(
+            EngineCallError, match=f"engine 0 .*{proc.url.split('//')[1]}.*(export|install)_weight_buffer"
+        ):
             up.update(_stream(_versions()[1]), 2)
     finally:
         up.close()
