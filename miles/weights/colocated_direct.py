@@ -458,6 +458,7 @@ class DirectColocatedUpdater(ColocatedUpdater):
             self.direct = False
             return super()._transfer(named, version)
         self.direct = True
+        t_map = time.perf_counter()
         try:
             if not export.get("unchanged"):
                 self._drop_mapping()
@@ -484,7 +485,8 @@ class DirectColocatedUpdater(ColocatedUpdater):
         return {
             "weight_sync/buckets": 0.0,
             "weight_sync/direct_tensors": float(tensors),
-            "weight_sync/direct_export_seconds": t_copy - t0,  # generation check (+ mapping a new buffer)
+            "weight_sync/direct_export_seconds": t_map - t0,  # generation check, or the export call
+            "weight_sync/direct_map_seconds": t_copy - t_map,  # opening a new buffer (0 when kept)
             "weight_sync/direct_issue_seconds": t_install - t_copy,  # the host issuing the copies
             "weight_sync/direct_seconds": t_done - t_copy,  # first copy issued -> install answered
             "weight_sync/direct_unmap_seconds": time.perf_counter() - t_done,
