@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import struct
 import time
@@ -266,6 +267,14 @@ def wait_for_writer(ready_event: str | None, device: torch.device | str) -> None
 # -- trainer side -------------------------------------------------------------------------------
 
 
+def _contiguous_strides(shape: list[int]) -> list[int]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return strides[::-1]
+
+
 class BufferWriter:
     """Writes (HF name, tensor) pairs into a mapped engine weight buffer through cached per-name views."""
 
@@ -276,7 +285,8 @@ class BufferWriter:
         self.flat = flat
         self.entries: dict[str, dict] = export["tensors"]
         self.aliases: dict[str, str] = export.get("aliases", {})
-        self._typed: dict[torch.dtype, torch.Tensor] = {}  # the flat buffer viewed as each dtype it holds
+        self._typed_views: dict[torch.dtype, torch.Tensor] = {}  # the flat buffer viewed as each dtype it holds
+        self._views: dict[str, torch.Tensor] | None = None  # by export key, built on first use
         # per HF name: (view, shape, dtype, device, bytes, whether it gets a copy of its own)
         self._slots: dict[str, tuple[torch.Tensor, torch.Size, torch.dtype, torch.device, int, bool]] = {}
 
@@ -293,27 +303,65 @@ class BufferWriter:
         return slot
 
     def _make_view(self, name: str) -> torch.Tensor:
-        key = self.aliases.get(name, name)
-        entry = self.entries.get(key)
-        if entry is None:
+        if self._views is None:
+            self._views = self._build_views()
+        view = self._views.get(self.aliases.get(name, name))
+        if view is None:
             raise ValueError(
                 f"the engine has no weight {name!r} (its export lists {len(self.entries)} names, e.g. "
                 f"{next(iter(self.entries), None)!r}); trainer and engine must run the same architecture"
             )
-        dtype = dtype_from_name(entry["dtype"])
-        typed = self._typed.get(dtype)
+        return view
+
+    def _build_views(self) -> dict[str, torch.Tensor]:
+        """Every export entry as a view of the flat buffer. Contiguous entries of one dtype come out of a
+        single `split` of the buffer (one call for hundreds of views); any other entry is an as_strided view."""
+        views: dict[str, torch.Tensor] = {}
+        contiguous: dict[torch.dtype, list[tuple[int, int, str, list[int]]]] = {}
+        for key, entry in self.entries.items():
+            dtype = dtype_from_name(entry["dtype"])
+            offset, shape, stride = int(entry["offset"]), list(entry["shape"]), list(entry["stride"])
+            if offset % dtype.itemsize:
+                raise ValueError(f"export entry {key!r} at byte offset {offset} is not aligned to its {dtype}")
+            numel = math.prod(shape)
+            extent = 1 + sum((n - 1) * st for n, st in zip(shape, stride, strict=True)) if numel else 0
+            if offset + extent * dtype.itemsize > self.flat.numel():
+                raise ValueError(
+                    f"export entry {key!r} at offset {offset} runs past the {self.flat.numel()}-byte weight buffer"
+                )
+            if stride == _contiguous_strides(shape):
+                contiguous.setdefault(dtype, []).append((offset // dtype.itemsize, numel, key, shape))
+            else:
+                views[key] = torch.as_strided(self._typed(dtype), shape, stride, offset // dtype.itemsize)
+        for dtype, items in contiguous.items():
+            typed = self._typed(dtype)
+            sizes: list[int] = []
+            keys: list[tuple[str, list[int]] | None] = []
+            pos = 0
+            for start, numel, key, shape in sorted(items):
+                if start < pos:  # overlaps the previous entry: a view of its own
+                    views[key] = torch.as_strided(typed, shape, _contiguous_strides(shape), start)
+                    continue
+                if start > pos:
+                    sizes.append(start - pos)  # alignment padding between entries
+                    keys.append(None)
+                sizes.append(numel)
+                keys.append((key, shape))
+                pos = start + numel
+            sizes.append(typed.numel() - pos)
+            keys.append(None)
+            for piece, named in zip(typed.split(sizes), keys, strict=True):
+                if named is not None:
+                    views[named[0]] = piece.view(named[1])
+        return views
+
+    def _typed(self, dtype: torch.dtype) -> torch.Tensor:
+        """The flat buffer viewed as `dtype` (whole elements only)."""
+        typed = self._typed_views.get(dtype)
         if typed is None:
             size = dtype.itemsize
-            typed = self._typed[dtype] = self.flat[: self.flat.numel() // size * size].view(dtype)
-        offset = int(entry["offset"])
-        if offset % dtype.itemsize:
-            raise ValueError(f"export entry {key!r} at byte offset {offset} is not aligned to its {dtype}")
-        dst = torch.as_strided(typed, entry["shape"], entry["stride"], offset // dtype.itemsize)
-        if offset + tensor_nbytes(dst) > self.flat.numel():
-            raise ValueError(
-                f"export entry {key!r} at offset {offset} runs past the {self.flat.numel()}-byte weight buffer"
-            )
-        return dst
+            typed = self._typed_views[dtype] = self.flat[: self.flat.numel() // size * size].view(dtype)
+        return typed
 
     def write(self, named: Iterable[NamedTensor]) -> tuple[int, int]:
         """Copy every (HF name, tensor) into the engine's view; returns (tensors, bytes) written.
