@@ -50,7 +50,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from miles.weights import chunk_copy
 from miles.weights.bucket import NamedTensor, tensor_nbytes
+from miles.weights.chunk_copy import ChunkCopier
 from miles.weights.colocated import (
     ALIGN_BYTES,
     ColocatedUpdater,
@@ -267,6 +269,11 @@ def wait_for_writer(ready_event: str | None, device: torch.device | str) -> None
 # -- trainer side -------------------------------------------------------------------------------
 
 
+# per HF name: (view, shape, dtype, device, bytes, whether it gets a copy of its own without the kernel,
+# its byte offset if the chunked copy kernel can write it)
+_Slot = tuple[torch.Tensor, torch.Size, torch.dtype, torch.device, int, bool, "int | None"]
+
+
 def _contiguous_strides(shape: list[int]) -> list[int]:
     strides, step = [], 1
     for n in reversed(shape):
@@ -278,8 +285,9 @@ def _contiguous_strides(shape: list[int]) -> list[int]:
 class BufferWriter:
     """Writes (HF name, tensor) pairs into a mapped engine weight buffer through cached per-name views."""
 
-    SMALL_BYTES = 1 << 20  # below this a tensor joins a `_foreach_copy_` batch; above, its own copy
+    SMALL_BYTES = 1 << 20  # without the kernel: below this a tensor joins a `_foreach_copy_` batch
     BATCH_TENSORS = 64
+    USE_KERNEL = True  # chunk_copy.py's one-launch copies where they run (CUDA)
 
     def __init__(self, flat: torch.Tensor, export: dict) -> None:
         self.flat = flat
@@ -287,19 +295,20 @@ class BufferWriter:
         self.aliases: dict[str, str] = export.get("aliases", {})
         self._typed_views: dict[torch.dtype, torch.Tensor] = {}  # the flat buffer viewed as each dtype it holds
         self._views: dict[str, torch.Tensor] | None = None  # by export key, built on first use
-        # per HF name: (view, shape, dtype, device, bytes, whether it gets a copy of its own)
-        self._slots: dict[str, tuple[torch.Tensor, torch.Size, torch.dtype, torch.device, int, bool]] = {}
+        self._slots: dict[str, _Slot] = {}
+        self._copier = ChunkCopier(flat) if self.USE_KERNEL and chunk_copy.usable(flat) else None
 
     def view(self, name: str) -> torch.Tensor:
         """The engine's tensor for HF name `name` (an alias such as a tied lm_head maps to its owner)."""
         return self._slot(name)[0]
 
-    def _slot(self, name: str) -> tuple[torch.Tensor, torch.Size, torch.dtype, torch.device, int, bool]:
+    def _slot(self, name: str) -> _Slot:
         slot = self._slots.get(name)
         if slot is None:
             dst = self._make_view(name)
             size = tensor_nbytes(dst)
-            slot = self._slots[name] = (dst, dst.shape, dst.dtype, dst.device, size, size >= self.SMALL_BYTES)
+            offset = self._copier.slot_offset(dst) if self._copier is not None else None
+            slot = self._slots[name] = (dst, dst.shape, dst.dtype, dst.device, size, size >= self.SMALL_BYTES, offset)
         return slot
 
     def _make_view(self, name: str) -> torch.Tensor:
@@ -367,18 +376,23 @@ class BufferWriter:
         """Copy every (HF name, tensor) into the engine's view; returns (tensors, bytes) written.
 
         Copies are issued on the current stream and not waited for (on CPU they are synchronous).
-        Large same-dtype tensors get one copy each (a plain device memcpy); small ones go out in
-        batches through `_foreach_copy_`; a dtype cast is its own copy."""
+        On CUDA, same-dtype tensors go to the chunked copy kernel (chunk_copy.py: a launch per ~256 MiB);
+        otherwise large ones get one copy each (a plain device memcpy) and small ones go out in
+        batches through `_foreach_copy_`; a dtype cast is always its own copy."""
         small_dst: list[torch.Tensor] = []
         small_src: list[torch.Tensor] = []
         count = nbytes = 0
-        slots = self._slots
+        slots, copier = self._slots, self._copier
         for name, t in named:
             slot = slots.get(name) or self._slot(name)
-            dst, shape, dtype, device, size, own_copy = slot
+            dst, shape, dtype, device, size, own_copy, offset = slot
             if t.shape != shape:
                 raise ValueError(f"shape mismatch for {name!r}: trainer {tuple(t.shape)}, engine {tuple(shape)}")
-            if own_copy or t.dtype != dtype or t.device != device:
+            if t.dtype != dtype or t.device != device:
+                dst.copy_(t, non_blocking=True)
+            elif offset is not None and copier.takes(t):
+                copier.add(t, offset, size)
+            elif own_copy:
                 dst.copy_(t, non_blocking=True)
             else:
                 small_dst.append(dst)
@@ -390,6 +404,8 @@ class BufferWriter:
             nbytes += size
         if small_dst:
             torch._foreach_copy_(small_dst, small_src, non_blocking=True)
+        if copier is not None:
+            copier.flush()
         return count, nbytes
 
 

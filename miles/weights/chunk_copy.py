@@ -1,0 +1,122 @@
+"""Many device-to-device copies in one kernel launch: the direct colocated update's copies.
+
+`copy_` costs the host several microseconds per tensor and each copy ramps up and drains on its own
+on the GPU; a model of a few hundred tensors then spends more time issuing copies than copying.
+`ChunkCopier` only collects (source tensor, destination byte offset) pairs and hands every 64 KiB
+chunk of every pending tensor to one program of a Triton kernel, launched once per ~256 MiB
+collected (so the GPU starts while the host is still collecting).
+
+The kernel moves 4-byte words with 16-byte vector accesses: a source qualifies when it is
+contiguous, starts on a 16-byte boundary and is a multiple of 16 bytes long, and its destination
+offset is 16-byte aligned. Callers copy anything else themselves (`ChunkCopier.takes`).
+
+Source addresses travel as word offsets from the first pending source (signed: the other sources
+may sit below it), destination addresses as word offsets into the flat destination buffer. The
+copier holds a reference to every pending source until the launch: the caching allocator may reuse
+a tensor's memory as soon as its last reference goes, and only a launch orders that reuse after the copy.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+try:  # triton ships with CUDA builds of torch; CPU installs usually lack it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on machines without triton
+    triton = None
+    tl = None
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+CHUNK_WORDS = 16384  # 64 KiB of 4-byte words per program
+BLOCK_WORDS = 2048  # words moved per loop iteration of a program
+FLUSH_BYTES = 256 << 20  # launch once this much is pending
+ALIGN = 16
+
+if triton is not None:
+
+    @triton.jit
+    def _chunk_copy_kernel(
+        src_base, dst_base, src_off_ptr, dst_off_ptr, count_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        """Program p copies count[p] words from src_base + src_off[p] to dst_base + dst_off[p] (all multiples of 4)."""
+        p = tl.program_id(0)
+        src_off = tl.multiple_of(tl.load(src_off_ptr + p), 4)
+        dst_off = tl.multiple_of(tl.load(dst_off_ptr + p), 4)
+        count = tl.multiple_of(tl.load(count_ptr + p), 4)
+        for start in range(0, CHUNK, BLOCK):
+            idx = start + tl.arange(0, BLOCK)
+            mask = idx < count
+            words = tl.load(src_base + src_off + idx, mask=mask)
+            tl.store(dst_base + dst_off + idx, words, mask=mask)
+
+
+def usable(flat: torch.Tensor) -> bool:
+    """Whether the kernel can copy into `flat` (a CUDA buffer, or any under Triton's interpreter)."""
+    return triton is not None and (flat.is_cuda or INTERPRET) and flat.data_ptr() % ALIGN == 0
+
+
+class ChunkCopier:
+    """Collects copies into the flat uint8 buffer `flat` and runs them as chunked kernel launches."""
+
+    def __init__(self, flat: torch.Tensor, flush_bytes: int = FLUSH_BYTES) -> None:
+        self.flat = flat
+        self.words = flat[: flat.numel() // 4 * 4].view(torch.int32)
+        self.flush_bytes = flush_bytes
+        self._sources: list[torch.Tensor] = []
+        self._offsets: list[int] = []  # destination byte offsets
+        self._sizes: list[int] = []
+        self._pending = 0
+        self.launches = 0
+
+    def slot_offset(self, dst: torch.Tensor) -> int | None:
+        """The byte offset of destination view `dst` if the kernel can write it, else None."""
+        offset = dst.data_ptr() - self.flat.data_ptr()
+        nbytes = dst.numel() * dst.element_size()
+        ok = dst.is_contiguous() and offset % ALIGN == 0 and nbytes % ALIGN == 0
+        return offset if ok and 0 <= offset and offset + nbytes <= self.words.numel() * 4 else None
+
+    @staticmethod
+    def takes(src: torch.Tensor) -> bool:
+        """Whether source `src` (same dtype, device and shape as its destination) qualifies."""
+        return src.data_ptr() % ALIGN == 0 and src.is_contiguous()
+
+    def add(self, src: torch.Tensor, dst_offset: int, nbytes: int) -> None:
+        """Queue `src` (see `takes`) for bytes [dst_offset, dst_offset + nbytes) of the buffer (`slot_offset`)."""
+        if nbytes == 0:
+            return
+        self._sources.append(src)
+        self._offsets.append(dst_offset)
+        self._sizes.append(nbytes)
+        self._pending += nbytes
+        if self._pending >= self.flush_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        """Launch the pending copies on the current stream (no wait)."""
+        if not self._sources:
+            return
+        sources, offsets, sizes = self._sources, self._offsets, self._sizes
+        self._sources, self._offsets, self._sizes, self._pending = [], [], [], 0
+        base = sources[0]
+        base_words = base.reshape(-1).view(torch.uint8).view(torch.int32)
+        src_words = (np.fromiter((t.data_ptr() for t in sources), np.int64, len(sources)) - base.data_ptr()) // 4
+        dst_words = np.asarray(offsets, dtype=np.int64) // 4
+        words = np.asarray(sizes, dtype=np.int64) // 4
+        chunks = -(-words // CHUNK_WORDS)
+        owner = np.repeat(np.arange(len(sources)), chunks)  # the tensor of every chunk
+        first = np.repeat(np.cumsum(chunks) - chunks, chunks)  # ... and where its chunks begin
+        within = (np.arange(owner.size, dtype=np.int64) - first) * CHUNK_WORDS
+        table = np.stack(
+            [src_words[owner] + within, dst_words[owner] + within, np.minimum(CHUNK_WORDS, words[owner] - within)]
+        )
+        table_dev = torch.from_numpy(table).to(self.flat.device, non_blocking=True)
+        _chunk_copy_kernel[(owner.size,)](
+            base_words, self.words, table_dev[0], table_dev[1], table_dev[2], CHUNK=CHUNK_WORDS, BLOCK=BLOCK_WORDS
+        )
+        self.launches += 1
+        del sources  # launched: from here on the allocator orders any reuse after the kernel
