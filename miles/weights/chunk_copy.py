@@ -111,10 +111,13 @@ class ChunkCopier:
         owner = np.repeat(np.arange(len(sources)), chunks)  # the tensor of every chunk
         first = np.repeat(np.cumsum(chunks) - chunks, chunks)  # ... and where its chunks begin
         within = (np.arange(owner.size, dtype=np.int64) - first) * CHUNK_WORDS
-        table = np.stack(
-            [src_words[owner] + within, dst_words[owner] + within, np.minimum(CHUNK_WORDS, words[owner] - within)]
-        )
-        table_dev = torch.from_numpy(table).to(self.flat.device, non_blocking=True)
+        # pinned on CUDA: a copy from pageable memory would wait for the kernels already queued
+        host = torch.empty((3, owner.size), dtype=torch.int64, pin_memory=self.flat.is_cuda)
+        table = host.numpy()
+        np.add(src_words[owner], within, out=table[0])
+        np.add(dst_words[owner], within, out=table[1])
+        np.minimum(CHUNK_WORDS, words[owner] - within, out=table[2])
+        table_dev = host.to(self.flat.device, non_blocking=True)
         _chunk_copy_kernel[(owner.size,)](
             base_words, self.words, table_dev[0], table_dev[1], table_dev[2], CHUNK=CHUNK_WORDS, BLOCK=BLOCK_WORDS
         )
