@@ -4,7 +4,7 @@
 on the GPU; a model of a few hundred tensors then spends more time issuing copies than copying.
 `ChunkCopier` only collects (source tensor, destination byte offset) pairs and hands every 64 KiB
 chunk of every pending tensor to one program of a Triton kernel, launched once per ~256 MiB
-collected (so the GPU starts while the host is still collecting).
+collected (so the GPU starts while the host is still collecting); `finish()` ends a round (an update).
 
 The kernel moves 4-byte words with 16-byte vector accesses: a source qualifies when it is
 contiguous, starts on a 16-byte boundary and is a multiple of 16 bytes long, and its destination
@@ -32,8 +32,9 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-CHUNK_WORDS = 16384  # 64 KiB of 4-byte words per program
-BLOCK_WORDS = 2048  # words moved per loop iteration of a program
+CHUNK_WORDS = 65536  # 256 KiB of 4-byte words per program
+BLOCK_WORDS = 4096  # words moved per loop iteration of a program
+NUM_WARPS = 8
 FLUSH_BYTES = 256 << 20  # launch once this much is pending
 ALIGN = 16
 
@@ -72,6 +73,13 @@ class ChunkCopier:
         self._sizes: list[int] = []
         self._pending = 0
         self.launches = 0
+        # the chunk tables of one round of copies (one update), staged in pinned memory: a copy from
+        # pageable memory would wait for the kernels already queued, and a fresh pinned allocation per
+        # launch synchronises too. Columns [0, used) are taken by this round's launches.
+        self._host: torch.Tensor | None = None
+        self._dev: torch.Tensor | None = None
+        self._used = 0
+        self._staged: torch.cuda.Event | None = None  # the last round's table copies are done
 
     def slot_offset(self, dst: torch.Tensor) -> int | None:
         """The byte offset of destination view `dst` if the kernel can write it, else None."""
@@ -96,6 +104,31 @@ class ChunkCopier:
         if self._pending >= self.flush_bytes:
             self.flush()
 
+    def finish(self) -> None:
+        """Launch what is pending; the next `add` starts a new round (reusing the staging tables)."""
+        self.flush()
+        if self._used and self.flat.is_cuda:
+            self._staged = torch.cuda.Event()
+            self._staged.record()
+        self._used = 0
+
+    def _tables(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """n free columns of the host table and the matching device columns."""
+        if self._used == 0 and self._staged is not None:
+            self._staged.synchronize()  # the previous round's copies out of the host table are done
+            self._staged = None
+        if self._host is None or self._used + n > self._host.shape[1]:
+            cap = max(2 * (self._host.shape[1] if self._host is not None else 0), n, 4096)
+            # launched kernels keep reading the old device table: the allocator orders its reuse after them
+            self._host = torch.empty((3, cap), dtype=torch.int64, pin_memory=self.flat.is_cuda)
+            self._dev = (
+                torch.empty((3, cap), dtype=torch.int64, device=self.flat.device) if self.flat.is_cuda else self._host
+            )
+            self._used = 0
+        cols = slice(self._used, self._used + n)
+        self._used += n
+        return self._host[:, cols], self._dev[:, cols]
+
     def flush(self) -> None:
         """Launch the pending copies on the current stream (no wait)."""
         if not self._sources:
@@ -111,15 +144,22 @@ class ChunkCopier:
         owner = np.repeat(np.arange(len(sources)), chunks)  # the tensor of every chunk
         first = np.repeat(np.cumsum(chunks) - chunks, chunks)  # ... and where its chunks begin
         within = (np.arange(owner.size, dtype=np.int64) - first) * CHUNK_WORDS
-        # pinned on CUDA: a copy from pageable memory would wait for the kernels already queued
-        host = torch.empty((3, owner.size), dtype=torch.int64, pin_memory=self.flat.is_cuda)
-        table = host.numpy()
+        table_host, table_dev = self._tables(owner.size)
+        table = table_host.numpy()
         np.add(src_words[owner], within, out=table[0])
         np.add(dst_words[owner], within, out=table[1])
         np.minimum(CHUNK_WORDS, words[owner] - within, out=table[2])
-        table_dev = host.to(self.flat.device, non_blocking=True)
+        if table_dev.is_cuda:  # from the pinned allocation itself, so torch keeps it until the copy is done
+            table_dev.copy_(table_host, non_blocking=True)
         _chunk_copy_kernel[(owner.size,)](
-            base_words, self.words, table_dev[0], table_dev[1], table_dev[2], CHUNK=CHUNK_WORDS, BLOCK=BLOCK_WORDS
+            base_words,
+            self.words,
+            table_dev[0],
+            table_dev[1],
+            table_dev[2],
+            CHUNK=CHUNK_WORDS,
+            BLOCK=BLOCK_WORDS,
+            num_warps=NUM_WARPS,
         )
         self.launches += 1
         del sources  # launched: from here on the allocator orders any reuse after the kernel

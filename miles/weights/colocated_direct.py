@@ -405,7 +405,7 @@ class BufferWriter:
         if small_dst:
             torch._foreach_copy_(small_dst, small_src, non_blocking=True)
         if copier is not None:
-            copier.flush()
+            copier.finish()
         return count, nbytes
 
 
