@@ -41,14 +41,13 @@ ALIGN = 16
 if triton is not None:
 
     @triton.jit
-    def _chunk_copy_kernel(
-        src_base, dst_base, src_off_ptr, dst_off_ptr, count_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr
-    ):
-        """Program p copies count[p] words from src_base + src_off[p] to dst_base + dst_off[p] (all multiples of 4)."""
-        p = tl.program_id(0)
-        src_off = tl.multiple_of(tl.load(src_off_ptr + p), 4)
-        dst_off = tl.multiple_of(tl.load(dst_off_ptr + p), 4)
-        count = tl.multiple_of(tl.load(count_ptr + p), 4)
+    def _chunk_copy_kernel(src_base, dst_base, table_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        """Program p copies table[p, 2] words from src_base + table[p, 0] to dst_base + table[p, 1]
+        (all multiples of 4 words)."""
+        p = tl.program_id(0).to(tl.int64)
+        src_off = tl.multiple_of(tl.load(table_ptr + 3 * p), 4)
+        dst_off = tl.multiple_of(tl.load(table_ptr + 3 * p + 1), 4)
+        count = tl.multiple_of(tl.load(table_ptr + 3 * p + 2), 4)
         for start in range(0, CHUNK, BLOCK):
             idx = start + tl.arange(0, BLOCK)
             mask = idx < count
@@ -59,6 +58,46 @@ if triton is not None:
 def usable(flat: torch.Tensor) -> bool:
     """Whether the kernel can copy into `flat` (a CUDA buffer, or any under Triton's interpreter)."""
     return triton is not None and (flat.is_cuda or INTERPRET) and flat.data_ptr() % ALIGN == 0
+
+
+class _Staging:
+    """The chunk tables of one round of copies (one update) on one device: rows [0, used) are taken.
+
+    Staged in pinned memory and kept for the process (every update, every mapping): a copy from
+    pageable memory waits for the kernels already queued, and a pinned allocation per launch
+    synchronises as well. Row-major [rows, 3] so that a launch's rows are one contiguous block."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.host: torch.Tensor | None = None
+        self.dev: torch.Tensor | None = None
+        self.used = 0
+        self.done: torch.cuda.Event | None = None  # the previous round's table copies are done
+
+    def take(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """n free rows of the host table and the matching device rows."""
+        if self.used == 0 and self.done is not None:
+            self.done.synchronize()  # the previous round's copies out of the host table are finished
+            self.done = None
+        if self.host is None or self.used + n > self.host.shape[0]:
+            rows = max(2 * (self.host.shape[0] if self.host is not None else 0), n, 4096)
+            cuda = self.device.type == "cuda"
+            # launched kernels keep reading the old device table: the allocator orders its reuse after them
+            self.host = torch.empty((rows, 3), dtype=torch.int64, pin_memory=cuda)
+            self.dev = torch.empty((rows, 3), dtype=torch.int64, device=self.device) if cuda else self.host
+            self.used = 0
+        block = slice(self.used, self.used + n)
+        self.used += n
+        return self.host[block], self.dev[block]
+
+    def end_round(self) -> None:
+        if self.used and self.device.type == "cuda":
+            self.done = torch.cuda.Event()
+            self.done.record()
+        self.used = 0
+
+
+_STAGING: dict[torch.device, _Staging] = {}
 
 
 class ChunkCopier:
@@ -73,13 +112,7 @@ class ChunkCopier:
         self._sizes: list[int] = []
         self._pending = 0
         self.launches = 0
-        # the chunk tables of one round of copies (one update), staged in pinned memory: a copy from
-        # pageable memory would wait for the kernels already queued, and a fresh pinned allocation per
-        # launch synchronises too. Columns [0, used) are taken by this round's launches.
-        self._host: torch.Tensor | None = None
-        self._dev: torch.Tensor | None = None
-        self._used = 0
-        self._staged: torch.cuda.Event | None = None  # the last round's table copies are done
+        self._staging = _STAGING.setdefault(flat.device, _Staging(flat.device))
 
     def slot_offset(self, dst: torch.Tensor) -> int | None:
         """The byte offset of destination view `dst` if the kernel can write it, else None."""
@@ -107,27 +140,7 @@ class ChunkCopier:
     def finish(self) -> None:
         """Launch what is pending; the next `add` starts a new round (reusing the staging tables)."""
         self.flush()
-        if self._used and self.flat.is_cuda:
-            self._staged = torch.cuda.Event()
-            self._staged.record()
-        self._used = 0
-
-    def _tables(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """n free columns of the host table and the matching device columns."""
-        if self._used == 0 and self._staged is not None:
-            self._staged.synchronize()  # the previous round's copies out of the host table are done
-            self._staged = None
-        if self._host is None or self._used + n > self._host.shape[1]:
-            cap = max(2 * (self._host.shape[1] if self._host is not None else 0), n, 4096)
-            # launched kernels keep reading the old device table: the allocator orders its reuse after them
-            self._host = torch.empty((3, cap), dtype=torch.int64, pin_memory=self.flat.is_cuda)
-            self._dev = (
-                torch.empty((3, cap), dtype=torch.int64, device=self.flat.device) if self.flat.is_cuda else self._host
-            )
-            self._used = 0
-        cols = slice(self._used, self._used + n)
-        self._used += n
-        return self._host[:, cols], self._dev[:, cols]
+        self._staging.end_round()
 
     def flush(self) -> None:
         """Launch the pending copies on the current stream (no wait)."""
@@ -144,19 +157,17 @@ class ChunkCopier:
         owner = np.repeat(np.arange(len(sources)), chunks)  # the tensor of every chunk
         first = np.repeat(np.cumsum(chunks) - chunks, chunks)  # ... and where its chunks begin
         within = (np.arange(owner.size, dtype=np.int64) - first) * CHUNK_WORDS
-        table_host, table_dev = self._tables(owner.size)
+        table_host, table_dev = self._staging.take(owner.size)
         table = table_host.numpy()
-        np.add(src_words[owner], within, out=table[0])
-        np.add(dst_words[owner], within, out=table[1])
-        np.minimum(CHUNK_WORDS, words[owner] - within, out=table[2])
+        np.add(src_words[owner], within, out=table[:, 0])
+        np.add(dst_words[owner], within, out=table[:, 1])
+        np.minimum(CHUNK_WORDS, words[owner] - within, out=table[:, 2])
         if table_dev.is_cuda:  # from the pinned allocation itself, so torch keeps it until the copy is done
             table_dev.copy_(table_host, non_blocking=True)
         _chunk_copy_kernel[(owner.size,)](
             base_words,
             self.words,
-            table_dev[0],
-            table_dev[1],
-            table_dev[2],
+            table_dev,
             CHUNK=CHUNK_WORDS,
             BLOCK=BLOCK_WORDS,
             num_warps=NUM_WARPS,
