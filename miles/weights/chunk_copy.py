@@ -3,8 +3,10 @@
 `copy_` costs the host several microseconds per tensor and each copy ramps up and drains on its own
 on the GPU; a model of a few hundred tensors then spends more time issuing copies than copying.
 `ChunkCopier` only collects (source tensor, destination byte offset) pairs and hands every 64 KiB
-chunk of every pending tensor to one program of a Triton kernel, launched once per ~256 MiB
-collected (so the GPU starts while the host is still collecting); `finish()` ends a round (an update).
+chunk of every pending tensor to one program of a Triton kernel. The first launch of a round goes
+out after 64 MiB (so the GPU starts while the host is still collecting), each later one after twice
+as much as the one before (a launch costs the host about as long as the GPU takes for 256 MiB);
+`finish()` launches the rest and ends the round (an update).
 
 The kernel moves 4-byte words with 16-byte vector accesses: a source qualifies when it is
 contiguous, starts on a 16-byte boundary and is a multiple of 16 bytes long, and its destination
@@ -35,7 +37,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 CHUNK_WORDS = 65536  # 256 KiB of 4-byte words per program
 BLOCK_WORDS = 4096  # words moved per loop iteration of a program
 NUM_WARPS = 8
-FLUSH_BYTES = 256 << 20  # launch once this much is pending
+FIRST_FLUSH_BYTES = 64 << 20  # the first launch of a round, so the GPU starts early ...
+MAX_FLUSH_BYTES = 1 << 30  # ... then each launch takes twice as much (a launch costs the host ~0.1 ms)
 ALIGN = 16
 
 if triton is not None:
@@ -103,10 +106,13 @@ _STAGING: dict[torch.device, _Staging] = {}
 class ChunkCopier:
     """Collects copies into the flat uint8 buffer `flat` and runs them as chunked kernel launches."""
 
-    def __init__(self, flat: torch.Tensor, flush_bytes: int = FLUSH_BYTES) -> None:
+    def __init__(
+        self, flat: torch.Tensor, first_flush_bytes: int = FIRST_FLUSH_BYTES, max_flush_bytes: int = MAX_FLUSH_BYTES
+    ) -> None:
         self.flat = flat
         self.words = flat[: flat.numel() // 4 * 4].view(torch.int32)
-        self.flush_bytes = flush_bytes
+        self.first_flush_bytes, self.max_flush_bytes = first_flush_bytes, max_flush_bytes
+        self.flush_bytes = first_flush_bytes
         self._sources: list[torch.Tensor] = []
         self._offsets: list[int] = []  # destination byte offsets
         self._sizes: list[int] = []
@@ -136,11 +142,13 @@ class ChunkCopier:
         self._pending += nbytes
         if self._pending >= self.flush_bytes:
             self.flush()
+            self.flush_bytes = min(2 * self.flush_bytes, self.max_flush_bytes)
 
     def finish(self) -> None:
         """Launch what is pending; the next `add` starts a new round (reusing the staging tables)."""
         self.flush()
         self._staging.end_round()
+        self.flush_bytes = self.first_flush_bytes
 
     def flush(self) -> None:
         """Launch the pending copies on the current stream (no wait)."""

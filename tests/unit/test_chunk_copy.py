@@ -57,7 +57,7 @@ def test_chunks_of_many_tensors_land_at_their_offsets():
         offsets.append(pos)
         pos += -(-n // 256) * 256 + 256
     flat = torch.zeros(pos, dtype=torch.uint8, device=DEVICE)
-    copier = ChunkCopier(flat, flush_bytes=CHUNK_WORDS * 4 * 3)  # several launches
+    copier = ChunkCopier(flat, first_flush_bytes=CHUNK_WORDS * 4)  # several launches
     for round_ in range(2):  # the second round reuses the staging tables
         sources = [s + 1 for s in sources] if round_ else sources
         for src, off, n in zip(sources, offsets, sizes, strict=True):
