@@ -291,20 +291,12 @@ def bench_colocated(reps: int, bucket_bytes: int) -> dict:
         _phases("buffer kept mapped", steady)
         fresh = _direct_updates(proc.url, master, reps, fresh_buffer=True)
         _phases("new buffer every update", fresh)
-        BufferWriter.USE_KERNEL = False  # variants: torch's copies instead of the chunked copy kernel
+        BufferWriter.LARGE_COPY_BYTES = 1 << 20  # variant: a memcpy of its own for every tensor >= 1 MiB
         try:
-            torch_copies = _direct_updates(proc.url, master, reps)
-            _phases(
-                "buffer kept mapped, torch copies (memcpy per tensor >= 1 MiB, _foreach_copy_ below)", torch_copies
-            )
-            default_small, BufferWriter.SMALL_BYTES = BufferWriter.SMALL_BYTES, 1 << 62
-            try:
-                foreach_only = _direct_updates(proc.url, master, reps)
-            finally:
-                BufferWriter.SMALL_BYTES = default_small
-            _phases("buffer kept mapped, every copy through _foreach_copy_ batches", foreach_only)
+            memcpy_large = _direct_updates(proc.url, master, reps)
         finally:
-            BufferWriter.USE_KERNEL = True
+            BufferWriter.LARGE_COPY_BYTES = None
+        _phases("buffer kept mapped, a copy_ (memcpy) per tensor >= 1 MiB, _foreach_copy_ below", memcpy_large)
         seconds, pack_s = _colocated_updates(engine, master, bucket_bytes, reps)
         one_bucket_s, _ = _colocated_updates(engine, master, nbytes, reps)  # how much the per-bucket calls cost
         copy_after = bench_device_copy(nbytes, max(reps, 5))  # the copy again: the GPU did not change clocks
@@ -326,8 +318,7 @@ def bench_colocated(reps: int, bucket_bytes: int) -> dict:
             "colocated_direct_fresh_s": fresh["update"],
             "colocated_direct_fresh_copy_fraction": copy_s / fresh["update"],
             "colocated_direct_fresh_phases_s": fresh,
-            "colocated_direct_torch_copies_s": torch_copies["update"],
-            "colocated_direct_foreach_only_s": foreach_only["update"],
+            "colocated_direct_memcpy_large_s": memcpy_large["update"],
         }
     finally:
         proc.stop()
@@ -395,8 +386,7 @@ def _print_colocated(col: dict) -> None:
         f"{col['colocated_direct_GBps']:.0f} GB/s; device copy {col['copy_s'] * 1e3:.2f} ms = {col['copy_GBps']:.0f} GB/s;"
         f" direct / copy = {col['colocated_direct_copy_fraction']:.3f} (target >= 0.5). With a new engine buffer every "
         f"update: {col['colocated_direct_fresh_s'] * 1e3:.2f} ms = {col['colocated_direct_fresh_copy_fraction']:.3f}"
-        f" of copy; with torch's copies instead of the chunked kernel: {col['colocated_direct_torch_copies_s'] * 1e3:.2f}"
-        f" ms (all through _foreach_copy_: {col['colocated_direct_foreach_only_s'] * 1e3:.2f} ms)",
+        f" of copy; with a memcpy per tensor >= 1 MiB: {col['colocated_direct_memcpy_large_s'] * 1e3:.2f} ms",
         flush=True,
     )
     print(

@@ -11,9 +11,8 @@ An update (`DirectColocatedUpdater`) per engine:
    generation in eight bytes of shared memory (`GenerationWord`), which the trainer reads; only when
    it changed (or at first) does the trainer ask for the export over HTTP, map the new buffer and
    build its per-name views once;
-2. copies each (HF name, tensor) the trainer yields into the engine's view: one device-to-device
-   copy per tensor, cast to the engine dtype, no staging buffer (small tensors batched through
-   `_foreach_copy_`);
+2. copies each (HF name, tensor) the trainer yields into the engine's view, device to device, cast to
+   the engine dtype, no staging buffer: same-dtype tensors in `_foreach_copy_` batches of 64;
 3. records an inter-process CUDA event behind the copies and makes one install call carrying it:
    the engine waits for that event (so the call travels while the GPU still copies), checks the
    generation is still current, bumps its KV epoch (no KV computed with the old weights is reused)
@@ -50,9 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from miles.weights import chunk_copy
 from miles.weights.bucket import NamedTensor, tensor_nbytes
-from miles.weights.chunk_copy import ChunkCopier
 from miles.weights.colocated import (
     ALIGN_BYTES,
     ColocatedUpdater,
@@ -269,9 +266,8 @@ def wait_for_writer(ready_event: str | None, device: torch.device | str) -> None
 # -- trainer side -------------------------------------------------------------------------------
 
 
-# per HF name: (view, shape, dtype, device, bytes, whether it gets a copy of its own without the kernel,
-# its byte offset if the chunked copy kernel can write it)
-_Slot = tuple[torch.Tensor, torch.Size, torch.dtype, torch.device, int, bool, "int | None"]
+# per HF name: (view, shape, dtype, device, bytes, whether it gets a copy_ of its own)
+_Slot = tuple[torch.Tensor, torch.Size, torch.dtype, torch.device, int, bool]
 
 
 def _contiguous_strides(shape: list[int]) -> list[int]:
@@ -285,9 +281,12 @@ def _contiguous_strides(shape: list[int]) -> list[int]:
 class BufferWriter:
     """Writes (HF name, tensor) pairs into a mapped engine weight buffer through cached per-name views."""
 
-    SMALL_BYTES = 1 << 20  # without the kernel: below this a tensor joins a `_foreach_copy_` batch
+    # Same-dtype tensors go out in `_foreach_copy_` batches of BATCH_TENSORS (a few launches per batch,
+    # issued as each batch fills, so the GPU starts early). Tensors of LARGE_COPY_BYTES or more get a
+    # copy_ (a memcpy) of their own when it is set: faster on the GPU, but ~10 us of host time each,
+    # which on the H200 hosts measured left the host issuing copies longer than the GPU took.
     BATCH_TENSORS = 64
-    USE_KERNEL = True  # chunk_copy.py's one-launch copies where they run (CUDA)
+    LARGE_COPY_BYTES: int | None = None
 
     def __init__(self, flat: torch.Tensor, export: dict) -> None:
         self.flat = flat
@@ -296,7 +295,6 @@ class BufferWriter:
         self._typed_views: dict[torch.dtype, torch.Tensor] = {}  # the flat buffer viewed as each dtype it holds
         self._views: dict[str, torch.Tensor] | None = None  # by export key, built on first use
         self._slots: dict[str, _Slot] = {}
-        self._copier = ChunkCopier(flat) if self.USE_KERNEL and chunk_copy.usable(flat) else None
 
     def view(self, name: str) -> torch.Tensor:
         """The engine's tensor for HF name `name` (an alias such as a tied lm_head maps to its owner)."""
@@ -307,8 +305,8 @@ class BufferWriter:
         if slot is None:
             dst = self._make_view(name)
             size = tensor_nbytes(dst)
-            offset = self._copier.slot_offset(dst) if self._copier is not None else None
-            slot = self._slots[name] = (dst, dst.shape, dst.dtype, dst.device, size, size >= self.SMALL_BYTES, offset)
+            own_copy = self.LARGE_COPY_BYTES is not None and size >= self.LARGE_COPY_BYTES
+            slot = self._slots[name] = (dst, dst.shape, dst.dtype, dst.device, size, own_copy)
         return slot
 
     def _make_view(self, name: str) -> torch.Tensor:
@@ -376,23 +374,18 @@ class BufferWriter:
         """Copy every (HF name, tensor) into the engine's view; returns (tensors, bytes) written.
 
         Copies are issued on the current stream and not waited for (on CPU they are synchronous).
-        On CUDA, same-dtype tensors go to the chunked copy kernel (chunk_copy.py: a launch per ~256 MiB);
-        otherwise large ones get one copy each (a plain device memcpy) and small ones go out in
-        batches through `_foreach_copy_`; a dtype cast is always its own copy."""
+        Same-dtype tensors go out in `_foreach_copy_` batches (see LARGE_COPY_BYTES); a dtype cast is
+        its own copy."""
         small_dst: list[torch.Tensor] = []
         small_src: list[torch.Tensor] = []
         count = nbytes = 0
-        slots, copier = self._slots, self._copier
+        slots = self._slots
         for name, t in named:
             slot = slots.get(name) or self._slot(name)
-            dst, shape, dtype, device, size, own_copy, offset = slot
+            dst, shape, dtype, device, size, own_copy = slot
             if t.shape != shape:
                 raise ValueError(f"shape mismatch for {name!r}: trainer {tuple(t.shape)}, engine {tuple(shape)}")
-            if t.dtype != dtype or t.device != device:
-                dst.copy_(t, non_blocking=True)
-            elif offset is not None and copier.takes(t):
-                copier.add(t, offset, size)
-            elif own_copy:
+            if own_copy or t.dtype != dtype or t.device != device:
                 dst.copy_(t, non_blocking=True)
             else:
                 small_dst.append(dst)
@@ -404,8 +397,6 @@ class BufferWriter:
             nbytes += size
         if small_dst:
             torch._foreach_copy_(small_dst, small_src, non_blocking=True)
-        if copier is not None:
-            copier.finish()
         return count, nbytes
 
 
