@@ -291,12 +291,17 @@ def bench_colocated(reps: int, bucket_bytes: int) -> dict:
         _phases("buffer kept mapped", steady)
         fresh = _direct_updates(proc.url, master, reps, fresh_buffer=True)
         _phases("new buffer every update", fresh)
-        BufferWriter.LARGE_COPY_BYTES = 1 << 20  # variant: a memcpy of its own for every tensor >= 1 MiB
-        try:
-            memcpy_large = _direct_updates(proc.url, master, reps)
-        finally:
-            BufferWriter.LARGE_COPY_BYTES = None
-        _phases("buffer kept mapped, a copy_ (memcpy) per tensor >= 1 MiB, _foreach_copy_ below", memcpy_large)
+        variants = {}
+        default_large = BufferWriter.LARGE_COPY_BYTES
+        for label, large in (("foreach only", None), ("memcpy >= 16 MiB", 16 << 20), ("memcpy >= 1 MiB", 1 << 20)):
+            if large == default_large:
+                continue
+            BufferWriter.LARGE_COPY_BYTES = large  # variant: which tensors get a copy_ (memcpy) of their own
+            try:
+                variants[label] = _direct_updates(proc.url, master, reps)
+            finally:
+                BufferWriter.LARGE_COPY_BYTES = default_large
+            _phases(f"buffer kept mapped, variant {label}", variants[label])
         seconds, pack_s = _colocated_updates(engine, master, bucket_bytes, reps)
         one_bucket_s, _ = _colocated_updates(engine, master, nbytes, reps)  # how much the per-bucket calls cost
         copy_after = bench_device_copy(nbytes, max(reps, 5))  # the copy again: the GPU did not change clocks
@@ -318,7 +323,7 @@ def bench_colocated(reps: int, bucket_bytes: int) -> dict:
             "colocated_direct_fresh_s": fresh["update"],
             "colocated_direct_fresh_copy_fraction": copy_s / fresh["update"],
             "colocated_direct_fresh_phases_s": fresh,
-            "colocated_direct_memcpy_large_s": memcpy_large["update"],
+            "colocated_direct_variants_s": {k: v["update"] for k, v in variants.items()},
         }
     finally:
         proc.stop()
@@ -386,7 +391,7 @@ def _print_colocated(col: dict) -> None:
         f"{col['colocated_direct_GBps']:.0f} GB/s; device copy {col['copy_s'] * 1e3:.2f} ms = {col['copy_GBps']:.0f} GB/s;"
         f" direct / copy = {col['colocated_direct_copy_fraction']:.3f} (target >= 0.5). With a new engine buffer every "
         f"update: {col['colocated_direct_fresh_s'] * 1e3:.2f} ms = {col['colocated_direct_fresh_copy_fraction']:.3f}"
-        f" of copy; with a memcpy per tensor >= 1 MiB: {col['colocated_direct_memcpy_large_s'] * 1e3:.2f} ms",
+        f" of copy; variants: {', '.join(f'{k} {v * 1e3:.2f} ms' for k, v in col['colocated_direct_variants_s'].items())}",
         flush=True,
     )
     print(

@@ -286,7 +286,7 @@ class BufferWriter:
     # copy_ (a memcpy) of their own when it is set: faster on the GPU, but ~10 us of host time each,
     # which on the H200 hosts measured left the host issuing copies longer than the GPU took.
     BATCH_TENSORS = 64
-    LARGE_COPY_BYTES: int | None = None
+    LARGE_COPY_BYTES: int | None = 16 << 20
 
     def __init__(self, flat: torch.Tensor, export: dict) -> None:
         self.flat = flat
