@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from miles.weights import gather_copy
 from miles.weights.bucket import NamedTensor, tensor_nbytes
 from miles.weights.colocated import (
     ALIGN_BYTES,
@@ -58,6 +59,7 @@ from miles.weights.colocated import (
     open_cuda_buffer,
     share_cuda_buffer,
 )
+from miles.weights.gather_copy import GatherCopy
 from miles.weights.groups import dtype_from_name, dtype_name
 from miles.weights.updater import EngineCallError
 
@@ -266,8 +268,9 @@ def wait_for_writer(ready_event: str | None, device: torch.device | str) -> None
 # -- trainer side -------------------------------------------------------------------------------
 
 
-# per HF name: (view, shape, dtype, device, bytes, whether it gets a copy_ of its own)
-_Slot = tuple[torch.Tensor, torch.Size, torch.dtype, torch.device, int, bool]
+# per HF name: (view, shape, dtype, device, bytes, whether it gets a copy_ of its own,
+# its byte offset in the buffer if gather_copy can write it)
+_Slot = tuple[torch.Tensor, torch.Size, torch.dtype, torch.device, int, bool, "int | None"]
 
 
 def _contiguous_strides(shape: list[int]) -> list[int]:
@@ -286,7 +289,8 @@ class BufferWriter:
     # copy_ (a memcpy) of their own when it is set: faster on the GPU, but ~10 us of host time each,
     # which on the H200 hosts measured left the host issuing copies longer than the GPU took.
     BATCH_TENSORS = 64
-    LARGE_COPY_BYTES: int | None = 16 << 20
+    LARGE_COPY_BYTES: int | None = None
+    USE_GATHER = True  # gather_copy.py's two-launch copies where they run (CUDA)
 
     def __init__(self, flat: torch.Tensor, export: dict) -> None:
         self.flat = flat
@@ -295,6 +299,8 @@ class BufferWriter:
         self._typed_views: dict[torch.dtype, torch.Tensor] = {}  # the flat buffer viewed as each dtype it holds
         self._views: dict[str, torch.Tensor] | None = None  # by export key, built on first use
         self._slots: dict[str, _Slot] = {}
+        self._gather_ok = self.USE_GATHER and gather_copy.usable(flat)
+        self._plan: tuple[tuple[str, ...], GatherCopy] | None = None  # learned by the previous write
 
     def view(self, name: str) -> torch.Tensor:
         """The engine's tensor for HF name `name` (an alias such as a tied lm_head maps to its owner)."""
@@ -306,7 +312,8 @@ class BufferWriter:
             dst = self._make_view(name)
             size = tensor_nbytes(dst)
             own_copy = self.LARGE_COPY_BYTES is not None and size >= self.LARGE_COPY_BYTES
-            slot = self._slots[name] = (dst, dst.shape, dst.dtype, dst.device, size, own_copy)
+            offset = dst.data_ptr() - self.flat.data_ptr() if self._gather_ok and gather_copy.eligible(dst) else None
+            slot = self._slots[name] = (dst, dst.shape, dst.dtype, dst.device, size, own_copy, offset)
         return slot
 
     def _make_view(self, name: str) -> torch.Tensor:
@@ -374,30 +381,82 @@ class BufferWriter:
         """Copy every (HF name, tensor) into the engine's view; returns (tensors, bytes) written.
 
         Copies are issued on the current stream and not waited for (on CPU they are synchronous).
-        Same-dtype tensors go out in `_foreach_copy_` batches (see LARGE_COPY_BYTES); a dtype cast is
-        its own copy."""
-        small_dst: list[torch.Tensor] = []
-        small_src: list[torch.Tensor] = []
+        From the second update on, a stream of the same names in the same order, every tensor
+        `gather_copy.eligible`, goes through `GatherCopy` (two kernel launches). Otherwise same-dtype
+        tensors go out in `_foreach_copy_` batches (see LARGE_COPY_BYTES) and a dtype cast is its own copy;
+        such an update also learns the plan for the next one."""
+        batches = _Batches(self.BATCH_TENSORS)
+        plan, self._plan = self._plan, None  # kept below only if this update follows it to the end
+        names, gather = plan if plan is not None else ((), None)
+        pending: list[torch.Tensor] = []  # sources of the current part, not launched yet
+        part = 0
+        seen: list[str] = []
+        learn = self._gather_ok and plan is None
+        offsets: list[int] = []
+        sizes: list[int] = []
         count = nbytes = 0
         slots = self._slots
         for name, t in named:
             slot = slots.get(name) or self._slot(name)
-            dst, shape, dtype, device, size, own_copy = slot
+            dst, shape, dtype, device, size, own_copy, offset = slot
             if t.shape != shape:
                 raise ValueError(f"shape mismatch for {name!r}: trainer {tuple(t.shape)}, engine {tuple(shape)}")
-            if own_copy or t.dtype != dtype or t.device != device:
-                dst.copy_(t, non_blocking=True)
+            same = t.dtype == dtype and t.device == device
+            i = len(seen)
+            if gather is not None and i < len(names) and names[i] == name and same and gather_copy.eligible(t):
+                pending.append(t)
+                if i + 1 == gather.part_ends[part]:
+                    gather.launch(part, pending)
+                    pending, part = [], part + 1
             else:
-                small_dst.append(dst)
-                small_src.append(t)
-                if len(small_dst) >= self.BATCH_TENSORS:
-                    torch._foreach_copy_(small_dst, small_src, non_blocking=True)
-                    small_dst, small_src = [], []
+                if gather is not None:  # the stream left the plan: the rest goes through torch's copies
+                    for n, src in zip(seen[i - len(pending) :], pending, strict=True):
+                        batches.add(slots[n], src)
+                    pending, gather = [], None
+                batches.add(slot, t)
+            if learn:
+                if same and offset is not None and gather_copy.eligible(t):
+                    offsets.append(offset)
+                    sizes.append(size)
+                else:
+                    learn = False
+            seen.append(name)
             count += 1
             nbytes += size
-        if small_dst:
-            torch._foreach_copy_(small_dst, small_src, non_blocking=True)
+        if gather is not None and len(seen) < len(names):  # the stream ended early
+            for n, src in zip(seen[len(seen) - len(pending) :], pending, strict=True):
+                batches.add(slots[n], src)
+            gather = None
+        batches.finish()
+        if gather is not None:
+            self._plan = plan
+        elif learn and seen:
+            self._plan = (tuple(seen), GatherCopy(self.flat, offsets, sizes))
         return count, nbytes
+
+
+class _Batches:
+    """torch's copies: `_foreach_copy_` batches for same-dtype tensors, a copy_ for casts and large ones."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+        self.dst: list[torch.Tensor] = []
+        self.src: list[torch.Tensor] = []
+
+    def add(self, slot: _Slot, t: torch.Tensor) -> None:
+        dst, _, dtype, device, _, own_copy, _ = slot
+        if own_copy or t.dtype != dtype or t.device != device:
+            dst.copy_(t, non_blocking=True)
+            return
+        self.dst.append(dst)
+        self.src.append(t)
+        if len(self.dst) >= self.batch:
+            self.finish()
+
+    def finish(self) -> None:
+        if self.dst:
+            torch._foreach_copy_(self.dst, self.src, non_blocking=True)
+            self.dst, self.src = [], []
 
 
 def write_into(flat: torch.Tensor, export: dict, named: Iterable[NamedTensor]) -> tuple[int, int]:
