@@ -14,9 +14,11 @@ An update (`DirectColocatedUpdater`) per engine:
 2. copies each (HF name, tensor) the trainer yields into the engine's view, device to device, cast to
    the engine dtype, no staging buffer: same-dtype tensors in `_foreach_copy_` batches of 64;
 3. records an inter-process CUDA event behind the copies and makes one install call carrying it:
-   the engine waits for that event (so the call travels while the GPU still copies), checks the
-   generation is still current, bumps its KV epoch (no KV computed with the old weights is reused)
-   and takes the weight version. Its answer means the new weights are in place.
+   the engine makes its stream wait for that event (the call and its answer travel while the GPU
+   still copies), checks the generation is still current, bumps its KV epoch (no KV computed with
+   the old weights is reused) and takes the weight version. The update returns once the answer is
+   in and the trainer's stream has finished the copies; only then does the controller let
+   generation go on.
 The controller pauses the engines around an update; the engine refuses an export or install while
 it is generating.
 
@@ -49,7 +51,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from miles.weights import gather_copy
 from miles.weights.bucket import NamedTensor, tensor_nbytes
 from miles.weights.colocated import (
     ALIGN_BYTES,
@@ -59,7 +60,6 @@ from miles.weights.colocated import (
     open_cuda_buffer,
     share_cuda_buffer,
 )
-from miles.weights.gather_copy import GatherCopy
 from miles.weights.groups import dtype_from_name, dtype_name
 from miles.weights.updater import EngineCallError
 
@@ -250,10 +250,13 @@ _WRITER_EVENTS: dict[str, Any] = {}  # opened inter-process events by handle; a 
 
 
 def wait_for_writer(ready_event: str | None, device: torch.device | str) -> None:
-    """Block until the trainer's copies behind `ready_event` (a base64 CUDA IPC event handle) finished.
+    """Order the engine's work after the trainer's copies behind `ready_event` (a base64 CUDA IPC event
+    handle): the current stream of `device` waits for the event, the host does not.
 
-    Engines call this first thing in `install_weight_buffer`; None (CPU, or an older trainer that
-    synchronised its stream before calling) returns at once."""
+    Engines call this first thing in `install_weight_buffer`, so their answer travels back while the
+    GPU may still copy; the trainer's update returns only after its own stream finished the copies,
+    and generation goes on only after that. None (CPU, or an older trainer that synchronised its
+    stream before calling) returns at once."""
     if ready_event is None:
         return
     event = _WRITER_EVENTS.get(ready_event)
@@ -262,15 +265,14 @@ def wait_for_writer(ready_event: str | None, device: torch.device | str) -> None
             _WRITER_EVENTS.clear()
         event = torch.cuda.Event.from_ipc_handle(torch.device(device), _unb64(ready_event))
         _WRITER_EVENTS[ready_event] = event
-    event.synchronize()
+    torch.cuda.current_stream(torch.device(device)).wait_event(event)
 
 
 # -- trainer side -------------------------------------------------------------------------------
 
 
-# per HF name: (view, shape, dtype, device, bytes, whether it gets a copy_ of its own,
-# its byte offset in the buffer if gather_copy can write it)
-_Slot = tuple[torch.Tensor, torch.Size, torch.dtype, torch.device, int, bool, "int | None"]
+# per HF name: (view, shape, dtype, device, bytes, whether it gets a copy_ of its own)
+_Slot = tuple[torch.Tensor, torch.Size, torch.dtype, torch.device, int, bool]
 
 
 def _contiguous_strides(shape: list[int]) -> list[int]:
@@ -290,7 +292,6 @@ class BufferWriter:
     # which on the H200 hosts measured left the host issuing copies longer than the GPU took.
     BATCH_TENSORS = 64
     LARGE_COPY_BYTES: int | None = None
-    USE_GATHER = True  # gather_copy.py's two-launch copies where they run (CUDA)
 
     def __init__(self, flat: torch.Tensor, export: dict) -> None:
         self.flat = flat
@@ -299,8 +300,6 @@ class BufferWriter:
         self._typed_views: dict[torch.dtype, torch.Tensor] = {}  # the flat buffer viewed as each dtype it holds
         self._views: dict[str, torch.Tensor] | None = None  # by export key, built on first use
         self._slots: dict[str, _Slot] = {}
-        self._gather_ok = self.USE_GATHER and gather_copy.usable(flat)
-        self._plan: tuple[tuple[str, ...], GatherCopy] | None = None  # learned by the previous write
 
     def view(self, name: str) -> torch.Tensor:
         """The engine's tensor for HF name `name` (an alias such as a tied lm_head maps to its owner)."""
@@ -312,8 +311,7 @@ class BufferWriter:
             dst = self._make_view(name)
             size = tensor_nbytes(dst)
             own_copy = self.LARGE_COPY_BYTES is not None and size >= self.LARGE_COPY_BYTES
-            offset = dst.data_ptr() - self.flat.data_ptr() if self._gather_ok and gather_copy.eligible(dst) else None
-            slot = self._slots[name] = (dst, dst.shape, dst.dtype, dst.device, size, own_copy, offset)
+            slot = self._slots[name] = (dst, dst.shape, dst.dtype, dst.device, size, own_copy)
         return slot
 
     def _make_view(self, name: str) -> torch.Tensor:
@@ -381,57 +379,19 @@ class BufferWriter:
         """Copy every (HF name, tensor) into the engine's view; returns (tensors, bytes) written.
 
         Copies are issued on the current stream and not waited for (on CPU they are synchronous).
-        From the second update on, a stream of the same names in the same order, every tensor
-        `gather_copy.eligible`, goes through `GatherCopy` (two kernel launches). Otherwise same-dtype
-        tensors go out in `_foreach_copy_` batches (see LARGE_COPY_BYTES) and a dtype cast is its own copy;
-        such an update also learns the plan for the next one."""
+        Same-dtype tensors go out in `_foreach_copy_` batches (see LARGE_COPY_BYTES); a dtype cast is
+        its own copy."""
         batches = _Batches(self.BATCH_TENSORS)
-        plan, self._plan = self._plan, None  # kept below only if this update follows it to the end
-        names, gather = plan if plan is not None else ((), None)
-        pending: list[torch.Tensor] = []  # sources of the current part, not launched yet
-        part = 0
-        seen: list[str] = []
-        learn = self._gather_ok and plan is None
-        offsets: list[int] = []
-        sizes: list[int] = []
         count = nbytes = 0
         slots = self._slots
         for name, t in named:
             slot = slots.get(name) or self._slot(name)
-            dst, shape, dtype, device, size, own_copy, offset = slot
-            if t.shape != shape:
-                raise ValueError(f"shape mismatch for {name!r}: trainer {tuple(t.shape)}, engine {tuple(shape)}")
-            same = t.dtype == dtype and t.device == device
-            i = len(seen)
-            if gather is not None and i < len(names) and names[i] == name and same and gather_copy.eligible(t):
-                pending.append(t)
-                if i + 1 == gather.part_ends[part]:
-                    gather.launch(part, pending)
-                    pending, part = [], part + 1
-            else:
-                if gather is not None:  # the stream left the plan: the rest goes through torch's copies
-                    for n, src in zip(seen[i - len(pending) :], pending, strict=True):
-                        batches.add(slots[n], src)
-                    pending, gather = [], None
-                batches.add(slot, t)
-            if learn:
-                if same and offset is not None and gather_copy.eligible(t):
-                    offsets.append(offset)
-                    sizes.append(size)
-                else:
-                    learn = False
-            seen.append(name)
+            if t.shape != slot[1]:
+                raise ValueError(f"shape mismatch for {name!r}: trainer {tuple(t.shape)}, engine {tuple(slot[1])}")
+            batches.add(slot, t)
             count += 1
-            nbytes += size
-        if gather is not None and len(seen) < len(names):  # the stream ended early
-            for n, src in zip(seen[len(seen) - len(pending) :], pending, strict=True):
-                batches.add(slots[n], src)
-            gather = None
+            nbytes += slot[4]
         batches.finish()
-        if gather is not None:
-            self._plan = plan
-        elif learn and seen:
-            self._plan = (tuple(seen), GatherCopy(self.flat, offsets, sizes))
         return count, nbytes
 
 
@@ -444,7 +404,7 @@ class _Batches:
         self.src: list[torch.Tensor] = []
 
     def add(self, slot: _Slot, t: torch.Tensor) -> None:
-        dst, _, dtype, device, _, own_copy, _ = slot
+        dst, _, dtype, device, _, own_copy = slot
         if own_copy or t.dtype != dtype or t.device != device:
             dst.copy_(t, non_blocking=True)
             return
@@ -588,7 +548,7 @@ class DirectColocatedUpdater(ColocatedUpdater):
             t_install = time.perf_counter()
             self._call_engine("install_weight_buffer", payload)
             if stream is not None:
-                stream.synchronize()  # already done (the engine waited for it): the trainer may reuse its tensors
+                stream.synchronize()  # the copies are done: the engine may serve, the trainer reuse its tensors
             t_done = time.perf_counter()
         except BaseException:
             self._drop_mapping()  # a stale or failed write: map afresh next time

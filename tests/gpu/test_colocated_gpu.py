@@ -198,11 +198,14 @@ def _wait_in_child(handle: str, conn) -> None:
     conn.send("ready")
     conn.recv()  # "go": the trainer re-recorded the event behind a long kernel
     start = time.perf_counter()
-    wait_for_writer(handle, "cuda:0")
-    conn.send(time.perf_counter() - start)
+    wait_for_writer(handle, "cuda:0")  # the engine's stream now waits for the trainer's kernel ...
+    returned = time.perf_counter() - start
+    done = torch.ones(1, device="cuda:0") * 2  # ... so engine work queued now runs after it
+    torch.cuda.current_stream().synchronize()
+    conn.send((returned, time.perf_counter() - start, float(done)))
 
 
-def test_engine_waits_for_the_newest_record_of_the_trainers_event():
+def test_engine_work_is_ordered_after_the_newest_record_of_the_trainers_event():
     from miles.weights.colocated import _b64
 
     event = torch.cuda.Event(interprocess=True)
@@ -220,9 +223,11 @@ def test_engine_waits_for_the_newest_record_of_the_trainers_event():
         torch.cuda.synchronize()
         busy = time.perf_counter() - start
         assert parent.poll(60), "the engine side did not answer"
-        waited = parent.recv()
+        returned, ordered, value = parent.recv()
         assert busy > 0.3, f"the kernel ran only {busy:.2f} s; the check needs a longer one"
-        assert waited >= 0.8 * busy, f"the engine side returned after {waited:.2f} s of a {busy:.2f} s kernel"
+        assert returned < 0.5 * busy, f"the engine side blocked {returned:.2f} s (a stream wait should not)"
+        assert ordered >= 0.8 * busy, f"engine work finished after {ordered:.2f} s of a {busy:.2f} s trainer kernel"
+        assert value == 2.0
     finally:
         proc.join(10)
         if proc.is_alive():
