@@ -37,6 +37,13 @@ class KVCache:
         self.device = device
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
+        # per layer: k, v [slots, kv_heads, capacity, head_dim], and the same viewed as rows
+        # [slots * kv_heads * capacity, head_dim] (views built once: indexing a layer is an op per use)
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._rows: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # row of (slot, kv head, position 0) in that flat view
+        heads = torch.arange(num_kv_heads, device=device)
+        self._slot_head_rows = (torch.arange(num_slots, device=device)[:, None] * num_kv_heads + heads) * self.capacity
         self.allocate()
 
     @property
@@ -59,12 +66,26 @@ class KVCache:
         if self.k is None:
             self.k = torch.zeros(self._shape, dtype=self.dtype, device=self.device)
             self.v = torch.zeros(self._shape, dtype=self.dtype, device=self.device)
+            self.layers = list(zip(self.k.unbind(0), self.v.unbind(0), strict=True))
+            self._rows = [(k.view(-1, k.shape[-1]), v.view(-1, v.shape[-1])) for k, v in self.layers]
             logger.info("allocated KV cache %s (%.1f MiB)", self._shape, self.nbytes / 2**20)
 
     def release(self) -> None:
         """Drop the cache storage (its contents are lost; running requests must be re-prefilled)."""
-        self.k = None
-        self.v = None
+        self.k = self.v = None
+        self.layers, self._rows = [], []
+
+    def cache_rows(self, slot_start: int, positions: torch.Tensor) -> torch.Tensor:
+        """Where the entries of slots slot_start.. at `positions` [B, T] live, for every kv head: rows
+        [B * T, kv_heads] of a layer's cache viewed flat (see `write`). One index per step, all layers."""
+        heads = self._slot_head_rows[slot_start : slot_start + positions.shape[0]]  # [B, kv_heads]
+        return (heads[:, None, :] + positions[:, :, None]).view(-1, heads.shape[1])
+
+    def write(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [B * T, kv_heads, head_dim] of `layer` at `rows` (from cache_rows)."""
+        k_rows, v_rows = self._rows[layer]
+        k_rows.index_put_((rows,), k)
+        v_rows.index_put_((rows,), v)
 
     def move_slot(self, src: int, dst: int, length: int) -> None:
         """Copy the first `length` positions of slot `src` into slot `dst` (compaction after a removal)."""

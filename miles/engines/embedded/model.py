@@ -10,6 +10,7 @@ address (`load_weights`) and what `named_weights` returns: no module tree to kee
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import logging
@@ -158,12 +159,32 @@ def _check_params(spec: ModelSpec, params: dict[str, torch.Tensor]) -> None:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    if x.is_cuda or dtype == torch.float32:  # one fused op (fp32 inside); bf16 on CUDA: last-bit differences
+    if x.is_cuda:  # one fused kernel (fp32 inside); bf16: last-bit differences from HF's formula
         return F.rms_norm(x, (x.shape[-1],), weight, eps=eps)
+    if x.dtype == torch.float32:  # HF's formula, in fewer CPU ops than F.rms_norm's composite
+        eps_t, dim_t = _norm_constants(eps, x.shape[-1])
+        mean_sq_eps = torch.addcdiv(eps_t, x.pow(2).sum(-1, keepdim=True), dim_t)  # == mean(x^2) + eps
+        return (x * mean_sq_eps.rsqrt_()).mul_(weight)  # == weight * (x * rsqrt(...))
+    dtype = x.dtype
     x = x.to(torch.float32)
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x.to(dtype)
+
+
+@functools.cache
+def _norm_constants(eps: float, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """eps and the row size as fp32 scalar tensors: a Python number operand costs a dtype conversion
+    per op on CPU (what torch.mean and `+ eps` do), a matching scalar tensor does not."""
+    return torch.tensor(eps, dtype=torch.float32), torch.tensor(float(dim), dtype=torch.float32)
+
+
+def _linear_residual(
+    h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """h + F.linear(x, weight, bias), the residual add done by the GEMM's accumulate when there is no bias."""
+    if bias is not None:
+        return h + F.linear(x, weight, bias)
+    return torch.addmm(h, x, weight.t())
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -200,6 +221,8 @@ class CausalLM:
         self._rope_table_len = min(spec.max_position_embeddings, 32768)
         self._aranges: torch.Tensor | None = None
         self._mask_fill: tuple[torch.Tensor, torch.Tensor] | None = None
+        # decode attention as baddbmm/softmax/bmm (CPU fp32) instead of SDPA (see _decode_attention)
+        self._bmm_attention = device.type == "cpu" and dtype == torch.float32
 
     @classmethod
     def from_pretrained(cls, model_path: str, device: torch.device, dtype: torch.dtype) -> CausalLM:
@@ -286,34 +309,40 @@ class CausalLM:
         slot_start: int,
         write_pos: torch.Tensor,
         kv_len: int | None,
+        out_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run the decoder over tokens [B, T] of the slots [slot_start, slot_start+B); return hidden [B, T, D].
 
         kv_len None: prefill from position 0 (causal attention over the fresh keys; padded tail queries
         are discarded by the caller). kv_len L: decode (T == 1) attending to cache positions < L masked by
         position. K/V of every token are written to the cache at `write_pos` (scratch slot for padding).
+
+        out_index [B] (prefill only): return just the hidden state of token out_index[b] of each row,
+        [B, D]. The last layer then needs every token only for its K/V: its attention (over the cache,
+        as in decode), output projection, MLP and the final norm run for those B tokens alone.
+
+        The residual stream is kept flat, [B * T, D], so that each residual add rides on the GEMM before
+        it (`addmm` accumulates into it): at decode sizes on CPU every op's dispatch costs about as much
+        as its arithmetic.
         """
-        s = self.spec
-        h = F.embedding(tokens, self.storage["model.embed_tokens.weight"])
-        cos, sin = self._rope_lookup(positions, tokens.shape[1] if kv_len is None else kv_len)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        rows = self._arange(slot_start + tokens.shape[0])[slot_start:, None]
-        keep = None  # decode: [B, 1, 1, L] additive mask, 0 where a cache position is at or before the row's token
-        if kv_len is not None:
-            # the float form SDPA would convert a boolean mask to in every layer, built once per step
-            if self._mask_fill is None:
-                self._mask_fill = (
-                    torch.zeros((), dtype=self.dtype, device=self.device),
-                    torch.full((), float("-inf"), dtype=self.dtype, device=self.device),
-                )
-            visible = self._arange(kv_len)[None, :] <= positions[:, -1:]
-            keep = torch.where(visible, *self._mask_fill)[:, None, None, :]
+        s, st = self.spec, self.storage
+        B, T = tokens.shape
+        h = F.embedding(tokens.reshape(-1), st["model.embed_tokens.weight"])
+        cos, sin = self._rope_lookup(positions.reshape(-1), T if kv_len is None else kv_len)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B * T, 1, hd]: the same for every head
+        rows = kv.cache_rows(slot_start, write_pos)  # [B * T, kv_heads]: where this step's K/V go
+        keep = None if kv_len is None else self._decode_mask(positions[:, -1], kv_len)
+        select = None
         for i, names in enumerate(self._layer_names):
-            x = rms_norm(h, self.storage[names["ln1"]], s.rms_norm_eps)
-            h = h + self._attention(i, names, x, cos, sin, kv, rows, slot_start, write_pos, keep, kv_len)
-            x = rms_norm(h, self.storage[names["ln2"]], s.rms_norm_eps)
-            h = h + (self._moe(names, x) if i in s.moe_layers else self._mlp(names, x))
-        return rms_norm(h, self.storage["model.norm.weight"], s.rms_norm_eps)
+            if out_index is not None and i + 1 == s.num_layers:
+                select = self._arange(B) * T + out_index  # flat rows of the tokens that go on
+                keep, kv_len = self._decode_mask(out_index, T), T
+            x = rms_norm(h, st[names["ln1"]], s.rms_norm_eps)
+            h = self._attention(i, names, x, h, (B, T), cos, sin, kv, rows, slot_start, keep, kv_len, select)
+            x = rms_norm(h, st[names["ln2"]], s.rms_norm_eps)
+            h = (h + self._moe(names, x)) if i in s.moe_layers else self._mlp(names, x, h)
+        h = rms_norm(h, st["model.norm.weight"], s.rms_norm_eps)
+        return h if out_index is not None else h.view(B, T, -1)
 
     def decode_fused(
         self,
@@ -360,59 +389,88 @@ class CausalLM:
         layer: int,
         names: dict[str, str],
         x: torch.Tensor,
+        h: torch.Tensor,
+        shape: tuple[int, int],
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv: KVCache,
         rows: torch.Tensor,
         slot_start: int,
-        write_pos: torch.Tensor,
         keep: torch.Tensor | None,
         kv_len: int | None,
+        select: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """h + the attention block's output, for the normed tokens x [B * T, D] (shape = (B, T)). select
+        [B]: flat rows of one token per sequence, the only ones attended from and returned (see forward)."""
         s, st = self.spec, self.storage
-        B, T, _ = x.shape
+        B, T = shape
         H, KVH = s.num_heads, s.num_kv_heads
-        qkv = F.linear(x, st[names["qkv"]], st.get(names["qkv_b"])).view(B, T, H + 2 * KVH, s.head_dim)
-        qk = qkv[:, :, : H + KVH]
+        qkv = F.linear(x, st[names["qkv"]], st.get(names["qkv_b"])).view(B * T, H + 2 * KVH, s.head_dim)
+        qk = qkv[:, : H + KVH]
         if s.qk_norm:
             qk = torch.cat(
                 [
-                    rms_norm(qk[:, :, :H], st[names["qn"]], s.rms_norm_eps),
-                    rms_norm(qk[:, :, H:], st[names["kn"]], s.rms_norm_eps),
+                    rms_norm(qk[:, :H], st[names["qn"]], s.rms_norm_eps),
+                    rms_norm(qk[:, H:], st[names["kn"]], s.rms_norm_eps),
                 ],
-                dim=2,
+                dim=1,
             )
-        qk = qk.transpose(1, 2)  # [B, H + KVH, T, hd]: one RoPE for queries and keys
-        qk = qk * cos + torch.roll(qk, s.head_dim // 2, -1) * sin  # sin carries rotate_half's sign
-        q, k = qk[:, :H], qk[:, H:]
-        v = qkv[:, :, H + KVH :]
-        # index_put with [B,1] rows x [B,T] positions selects [B, T, kv_heads, hd] cache entries
-        kv.k[layer][rows, :, write_pos] = k.transpose(1, 2)
-        kv.v[layer][rows, :, write_pos] = v
+        # one RoPE for queries and keys; sin carries rotate_half's sign
+        qk = qk * cos + torch.roll(qk, s.head_dim // 2, -1) * sin
+        q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + KVH :]
+        kv.write(layer, rows, k, v)
+        if select is not None:
+            q, h = q[select], h[select]
         if kv_len is None:
-            out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, enable_gqa=H != KVH)
+            q, k, v = (t.view(B, T, -1, s.head_dim).transpose(1, 2) for t in (q, k, v))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != KVH)
+            out = out.transpose(1, 2).reshape(B * T, H * s.head_dim)
         else:
-            out = self._decode_attention(q, kv, layer, slot_start, keep, kv_len)
-        out = out.transpose(1, 2).reshape(B, T, H * s.head_dim)
-        return F.linear(out, st[names["o"]], st.get(names["ob"]))
+            out = self._decode_attention(q, kv, layer, slot_start, keep, kv_len).reshape(-1, H * s.head_dim)
+        return _linear_residual(h, out, st[names["o"]], st.get(names["ob"]))
+
+    def _decode_mask(self, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """The additive mask (0 / -inf) of the cache positions < kv_len each row attends to (those at or
+        before its token's position [B]), built once per step in the layout `_decode_attention` takes."""
+        if self._mask_fill is None:
+            self._mask_fill = (
+                torch.zeros((), dtype=self.dtype, device=self.device),
+                torch.full((), float("-inf"), dtype=self.dtype, device=self.device),
+            )
+        keep = torch.where(self._arange(kv_len)[None, :] <= positions[:, None], *self._mask_fill)[:, None, None, :]
+        if not self._bmm_attention:
+            return keep  # [B, 1, 1, L]: SDPA broadcasts it over the heads (the float form it would build itself)
+        s = self.spec
+        group = s.num_heads // s.num_kv_heads
+        return keep.expand(-1, s.num_kv_heads, group, -1).reshape(-1, group, kv_len)  # [B * kvh, group, L]
 
     def _decode_attention(
         self, q: torch.Tensor, kv: KVCache, layer: int, start: int, keep: torch.Tensor, kv_len: int
     ) -> torch.Tensor:
-        """Grouped-query attention of one new token per row over its cached keys (no K/V head repeat)."""
+        """Grouped-query attention of one new token per row (q [B, H, hd]) over its cached keys (no K/V
+        head repeat: the query heads of a group act as `group` queries of one KV head); returns the H
+        heads' outputs in order, [B, kv_heads, group, hd] or its [B * kv_heads, group, hd] view."""
         s = self.spec
         B = q.shape[0]
         group = s.num_heads // s.num_kv_heads
-        keys = kv.k[layer][start : start + B, :, :kv_len]  # [B, kvh, L, hd] (a view: slots are contiguous)
-        values = kv.v[layer][start : start + B, :, :kv_len]
-        qg = q.reshape(B, s.num_kv_heads, group, s.head_dim)
-        # the query heads of a group act as `group` queries of one KV head: no K/V repeat, one fused op
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=keep)
-        return out.reshape(B, s.num_heads, 1, s.head_dim)
+        k_cache, v_cache = kv.layers[layer]
+        keys = k_cache[start : start + B, :, :kv_len]  # [B, kvh, L, hd] (a view: slots are contiguous)
+        values = v_cache[start : start + B, :, :kv_len]
+        if not self._bmm_attention:
+            qg = q.view(B, s.num_kv_heads, group, s.head_dim)
+            return F.scaled_dot_product_attention(qg, keys, values, attn_mask=keep)
+        # CPU fp32: three batched ops beat SDPA's flash kernel, whose per-(row, head) set-up dominates here
+        scores = torch.baddbmm(
+            keep, q.reshape(-1, group, s.head_dim), keys.flatten(0, 1).transpose(1, 2), alpha=s.head_dim**-0.5
+        )
+        return torch.bmm(torch.softmax(scores, dim=-1), values.flatten(0, 1))
 
-    def _mlp(self, names: dict[str, str], x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.storage[names["gate_up"]]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.storage[names["down"]])
+    def _mlp(self, names: dict[str, str], x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """h + the SwiGLU MLP of x (SiLU(gate) * up computed in place, in the gate half of the GEMM output)."""
+        gate_up = F.linear(x, self.storage[names["gate_up"]])
+        half = gate_up.shape[-1] // 2
+        act = F.silu(gate_up[:, :half], inplace=True).mul_(gate_up[:, half:])
+        return _linear_residual(h, act, self.storage[names["down"]], None)
 
     def _moe(self, names: dict[str, str], x: torch.Tensor) -> torch.Tensor:
         s = self.spec

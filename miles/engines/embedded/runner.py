@@ -12,6 +12,7 @@ import logging
 import threading
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from miles.engines.embedded import triton_ops
@@ -26,6 +27,14 @@ logger = logging.getLogger(__name__)
 class PrefillResult:
     last_logits: torch.Tensor  # [N, V] fp32: logits at each sequence's last token
     all_logits: list[torch.Tensor | None]  # per sequence [T, V] fp32 where requested
+
+
+def _long_tensor(values: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An int64 tensor on `device` of a host list, or of a tensor already on the device. A list goes
+    through numpy, about 4x faster than torch.tensor on a list: it counts in a CPU decode step."""
+    if isinstance(values, torch.Tensor):
+        return values.to(device)
+    return torch.from_numpy(np.array(values, dtype=np.int64)).to(device)
 
 
 class DecodeGraphs:
@@ -163,9 +172,14 @@ class ModelRunner:
         positions = torch.arange(width, device=device)[None, :].expand(len(seqs), width)
         valid = positions < torch.tensor(lens, device=device)[:, None]
         write_pos = torch.where(valid, positions, torch.full_like(positions, self.kv.scratch_pos))
+        last_idx = torch.tensor(lens, device=device) - 1
         with self.lock:
+            if not any(want_all):  # only the last tokens' hidden states are needed
+                last_hidden = self.model.forward(
+                    tokens, positions, self.kv, slot_start, write_pos, kv_len=None, out_index=last_idx
+                )
+                return PrefillResult(self.model.logits(last_hidden), [None] * len(seqs))
             hidden = self.model.forward(tokens, positions, self.kv, slot_start, write_pos, kv_len=None)
-            last_idx = torch.tensor(lens, device=device) - 1
             last_hidden = hidden[torch.arange(len(seqs), device=device), last_idx]
             last_logits = self.model.logits(last_hidden)
             all_logits = [
@@ -188,8 +202,7 @@ class ModelRunner:
                 tok, pos = torch.as_tensor(tokens, device=device), torch.tensor(positions, device=device)
                 hidden = self.model.decode_fused(tok, pos, pos + 1, self.kv, self.attention)
                 return self.model.logits(hidden, fp32=False)
-            tok = torch.as_tensor(tokens, device=device)[:, None]
-            pos = torch.tensor(positions, device=device)[:, None]
+            tok, pos = _long_tensor(tokens, device)[:, None], _long_tensor(positions, device)[:, None]
             hidden = self.model.forward(tok, pos, self.kv, 0, pos, kv_len=max(positions) + 1)
             return self.model.logits(hidden[:, -1])
 

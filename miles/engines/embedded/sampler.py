@@ -144,8 +144,20 @@ class SamplingBatch:
         self.params = params
         self.temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
         self.greedy = [p.greedy for p in params]
+        self.top_k = [p.top_k for p in params]
+        self.top_p = [p.top_p for p in params]
+        self.min_p = [p.min_p for p in params]
+        self.all_greedy, self.any_greedy = all(self.greedy), any(self.greedy)
+        self.unit_temps = all(t == 1.0 for t in self.temps)
         self.truncates = any(_truncates(p) for p in params)
+        self._tensors: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._fused_inputs: tuple[torch.device, torch.Tensor] | None = None
+
+    def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(temperatures [B] fp32, greedy flags [B] bool) on `device`."""
+        if device not in self._tensors:
+            self._tensors[device] = (torch.tensor(self.temps, device=device), torch.tensor(self.greedy, device=device))
+        return self._tensors[device]
 
     def fused_inputs(self, device: torch.device) -> torch.Tensor:
         """[2, B] fp32 on `device`: 1 / temperature, greedy flag (one pinned copy, not waited for)."""
@@ -170,33 +182,27 @@ def sample(
     five times, bf16 logits as they are) when no row truncates (top-k/top-p/min-p); truncating batches
     take the torch path."""
     batch = params if isinstance(params, SamplingBatch) else SamplingBatch(params)
-    temps, greedy = batch.temps, batch.greedy
+    device = logits.device
     if fused and not batch.truncates:
         from miles.engines.embedded import triton_ops
 
-        device = logits.device
         inputs = batch.fused_inputs(device)
-        u = _uniforms(len(temps), device, generators, batch_generator, torch.float32)
+        u = _uniforms(len(batch.temps), device, generators, batch_generator, torch.float32)
         return triton_ops.sample_rows(logits, inputs[0], u, inputs[1])
     logits = logits.float()  # a no-op for fp32; bf16 logits of the fused decode path
-    if all(t == 1.0 for t in temps):
-        scaled = logits
-    else:
-        scaled = logits / torch.tensor(temps, device=logits.device, dtype=logits.dtype)[:, None]
-    logprobs = torch.log_softmax(scaled, dim=-1)
-    if all(greedy):
+    temps, is_greedy = batch.tensors(device)
+    scaled = logits if batch.unit_temps else logits / temps[:, None]
+    probs = torch.softmax(scaled, dim=-1)
+    if batch.all_greedy:
         tokens = logits.argmax(dim=-1)
     else:
-        probs = logprobs.exp()
-        params = batch.params
-        top_k, top_p, min_p = [p.top_k for p in params], [p.top_p for p in params], [p.min_p for p in params]
-        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p) or any(m > 0 for m in min_p):
-            probs = _truncate(probs, top_k, top_p, min_p)
-        tokens = _inverse_cdf(probs, generators, batch_generator)
-        if any(greedy):
-            is_greedy = torch.tensor(greedy, device=logits.device)
+        kept = _truncate(probs, batch.top_k, batch.top_p, batch.min_p) if batch.truncates else probs
+        tokens = _inverse_cdf(kept, generators, batch_generator)
+        if batch.any_greedy:
             tokens = torch.where(is_greedy, logits.argmax(dim=-1), tokens)
-    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    # log_softmax at the chosen tokens; a chosen token's probability is never 0 or subnormal in practice
+    # (the inverse CDF never picks a zero-mass token), so the log loses nothing to the rounding of p
+    return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1).log_()
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:

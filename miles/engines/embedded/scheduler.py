@@ -379,9 +379,10 @@ class Scheduler:
         return any(len(r.output_ids) + 1 < r.params.max_new_tokens for r in reqs)
 
     def _sampling_batch(self, params: list[SamplingParams]) -> SamplingBatch:
-        """The batch's sampling parameters; reused while the same requests run in the same order."""
+        """The batch's sampling parameters; reused while the same requests run in the same order (the list
+        comparison checks identity first, element by element, in C)."""
         cached = self._sampling_cache
-        if cached and len(cached[0]) == len(params) and all(a is b for a, b in zip(cached[0], params, strict=True)):
+        if cached is not None and cached[0] == params:
             return cached[1]
         batch = SamplingBatch(params)
         self._sampling_cache = (params, batch)
