@@ -27,7 +27,7 @@ reference count right away, so its own release frees the memory at once. With `k
 (the default) the trainer keeps its mapping and views between updates and never writes into them
 unless step 1 found the generation still current (the engine publishes 0 before it frees a buffer;
 the controller never releases engine memory during an update); a run whose engines
-release their weights between updates (`--offload-rollout-level` with `weights`) makes the updater
+release their weights between updates (`--offload-rollout-level` with `weight`) makes the updater
 close its mapping at the end of every update instead, so nothing of the trainer pins the buffer
 the engine is about to free.
 
