@@ -65,8 +65,7 @@ from miles.weights.updater import EngineCallError
 
 logger = logging.getLogger(__name__)
 
-EXPORT_ENDPOINT = "/miles/export_weight_buffer"  # miles-only: real SGLang has neither endpoint
-INSTALL_ENDPOINT = "/miles/install_weight_buffer"
+EXPORT_ENDPOINT = "/miles/export_weight_buffer"  # miles-only, like its install endpoint: SGLang has neither
 
 
 class StaleWeightBufferError(ValueError):

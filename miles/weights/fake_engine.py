@@ -15,6 +15,7 @@ import multiprocessing as mp
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import aiohttp
@@ -184,6 +185,19 @@ def spawn_engines(
             h.stop()
         raise
     return handles
+
+
+@contextmanager
+def fake_engines(spec: TensorSpec, count: int, **kw: Any) -> Iterator[list[HTTPEngineControl]]:
+    """`count` fake engines (`spawn_engines(spec, count, **kw)`) as clients; stopped on exit, and
+    checked to be gone when the block ended normally."""
+    procs = spawn_engines(spec, count, **kw)
+    try:
+        yield [HTTPEngineControl(p.url) for p in procs]
+    finally:
+        for p in procs:
+            p.stop()
+    assert not any(p.proc.is_alive() for p in procs), "a fake engine process outlived stop()"
 
 
 async def _ping(url: str) -> bool:

@@ -16,7 +16,7 @@ from miles.engines.client import EngineClient
 from miles.weights import verify
 from miles.weights.colocated import ColocatedUpdater
 from miles.weights.colocated_direct import DirectColocatedUpdater
-from miles.weights.fake_engine import HTTPEngineControl, run_trainer_ranks, spawn_engines
+from miles.weights.fake_engine import fake_engines, run_trainer_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CUDA IPC)")]
 
@@ -33,11 +33,8 @@ BUCKET_BYTES = 16 * 1024  # several buckets per update
 
 @pytest.fixture(scope="module")
 def engines():
-    procs = spawn_engines(SPEC, 2, device="cuda", seeds=[1, 2])
-    yield [HTTPEngineControl(p.url) for p in procs]
-    for p in procs:
-        p.stop()
-    assert not any(p.proc.is_alive() for p in procs)
+    with fake_engines(SPEC, 2, device="cuda", seeds=[1, 2]) as controls:
+        yield controls
 
 
 def _fresh(version: int) -> dict[str, torch.Tensor]:

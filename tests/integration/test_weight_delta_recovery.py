@@ -11,7 +11,7 @@ import torch
 from miles.config_sections import WeightsConfig
 from miles.weights.delta_updater import DiskDeltaUpdater
 from miles.weights.disk_delta import version_dir
-from miles.weights.fake_engine import FakeEngine, HTTPEngineControl, spawn_engines
+from miles.weights.fake_engine import FakeEngine, HTTPEngineControl, fake_engines
 from miles.weights.updater import EngineCallError
 
 SPEC = [
@@ -25,11 +25,8 @@ SEED = 5
 @pytest.fixture(scope="module")
 def engines():
     torch.set_num_threads(1)
-    procs = spawn_engines(SPEC, 2, seeds=[SEED, SEED])
-    yield [HTTPEngineControl(p.url) for p in procs]
-    for p in procs:
-        p.stop()
-    assert not any(p.proc.is_alive() for p in procs)
+    with fake_engines(SPEC, 2, seeds=[SEED, SEED]) as controls:
+        yield controls
 
 
 def _versions(n: int) -> list[dict[str, torch.Tensor]]:

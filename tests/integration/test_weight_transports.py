@@ -11,7 +11,7 @@ import torch
 from miles.config_sections import WeightsConfig
 from miles.weights.colocated import ColocatedUpdater
 from miles.weights.colocated_direct import DirectColocatedUpdater
-from miles.weights.fake_engine import FakeEngine, HTTPEngineControl, run_trainer_ranks, spawn_engines
+from miles.weights.fake_engine import FakeEngine, HTTPEngineControl, fake_engines, run_trainer_ranks, spawn_engines
 from miles.weights.groups import WeightSyncTimeoutError, find_free_port
 from miles.weights.updater import EngineCallError, make_updater
 
@@ -28,11 +28,8 @@ SEED = 3  # engines and trainer start from the same weights (disk-delta needs a 
 @pytest.fixture(scope="module")
 def engines():
     torch.set_num_threads(1)
-    procs = spawn_engines(SPEC, 2, seeds=[SEED, SEED])
-    yield [HTTPEngineControl(p.url) for p in procs]
-    for p in procs:
-        p.stop()
-    assert not any(p.proc.is_alive() for p in procs)
+    with fake_engines(SPEC, 2, seeds=[SEED, SEED]) as controls:
+        yield controls
 
 
 def _versions() -> list[dict[str, torch.Tensor]]:

@@ -8,7 +8,7 @@ import torch
 from miles.config_sections import WeightsConfig
 from miles.weights.broadcast import BroadcastUpdater
 from miles.weights.colocated_direct import DirectColocatedUpdater
-from miles.weights.fake_engine import HTTPEngineControl, spawn_engines
+from miles.weights.fake_engine import fake_engines
 from miles.weights.verify import WeightMismatchError
 
 SPEC = [
@@ -50,10 +50,8 @@ class SkippingDirect(DirectColocatedUpdater):
 @pytest.fixture(scope="module")
 def engines():
     torch.set_num_threads(1)
-    procs = spawn_engines(SPEC, 2)
-    yield [HTTPEngineControl(p.url) for p in procs]
-    for p in procs:
-        p.stop()
+    with fake_engines(SPEC, 2) as controls:
+        yield controls
 
 
 def _weights() -> dict[str, torch.Tensor]:
