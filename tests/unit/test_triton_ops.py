@@ -89,6 +89,46 @@ def test_decode_attention_matches_sdpa_over_each_rows_length(batch, splits_sms):
         torch.testing.assert_close(out[b], ref, rtol=1e-4, atol=1e-5)
 
 
+def _rope_table(positions: int, head_dim: int, theta: float = 10000.0) -> torch.Tensor:
+    """[P, 2 x head_dim]: cos | sin with rotate_half's sign folded in (CausalLM's table layout)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    freqs = torch.arange(positions).float()[:, None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    sign = torch.cat((-torch.ones(head_dim // 2), torch.ones(head_dim // 2)))
+    return torch.cat((emb.cos(), emb.sin() * sign), dim=-1)
+
+
+@needs_kernels
+@pytest.mark.parametrize("splits_sms", [1, 64])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_attend_equals_rope_write_then_attention(splits_sms, qk_norm):
+    """The one-launch RoPE + KV write + attention against the two kernels it replaces: same outputs for
+    real rows, same cache contents everywhere (the padded row writes its scratch position)."""
+    g = _gen(7)
+    H, KVH, HD, CAP = 6, 2, 16, 600
+    positions = torch.tensor([576, 0, 299, CAP - 1], device=DEVICE)  # the last row is padding
+    lens = torch.tensor([577, 1, 300, 1], device=DEVICE)
+    B = len(positions)
+    qkv = torch.randn(B, (H + 2 * KVH) * HD, generator=g).to(DEVICE)
+    k = torch.randn(B, KVH, CAP, HD, generator=g).to(DEVICE)
+    v = torch.randn(B, KVH, CAP, HD, generator=g).to(DEVICE)
+    norms = (
+        (torch.randn(HD, generator=g).to(DEVICE), torch.randn(HD, generator=g).to(DEVICE)) if qk_norm else (None, None)
+    )
+    table = _rope_table(CAP, HD).to(DEVICE)
+    attn = triton_ops.DecodeAttention(H, KVH, HD, CAP, num_sms=splits_sms)
+    assert (attn.splits(B) > 1) == (splits_sms > 1)
+    k_ref, v_ref = k.clone(), v.clone()
+    slots = torch.arange(B, device=DEVICE)
+    q = triton_ops.rope_kv_write(qkv, positions, slots, table, k_ref, v_ref, H, KVH, *norms, 1e-6)
+    ref = attn(q, k_ref, v_ref, lens)
+    out = attn.rope_attend(qkv, positions, lens, table, k, v, *norms, 1e-6)
+    torch.testing.assert_close(out[:3], ref[:3], rtol=1e-4, atol=1e-5)
+    assert torch.isfinite(out[3]).all()
+    torch.testing.assert_close(k, k_ref)  # q/k-norm: a row sum in another order, so not bit-equal
+    torch.testing.assert_close(v, v_ref, rtol=0, atol=0)
+
+
 @needs_kernels
 def test_fused_sampler_follows_the_inverse_cdf_rule():
     g = _gen(3)
@@ -107,6 +147,19 @@ def test_fused_sampler_follows_the_inverse_cdf_rule():
             expected = int(torch.searchsorted(cdf, u[i].double() * cdf[-1], right=True))
         assert int(tokens[i]) == expected, (i, int(tokens[i]), expected)
         assert abs(float(lps[i]) - float(log_p[expected])) < 1e-5
+
+
+@needs_kernels
+def test_greedy_rows_take_the_first_argmax_across_chunks():
+    v = 3000  # several chunks, in the interpreter and on a GPU
+    logits = torch.zeros(3, v)
+    logits[0, [2500, 2900]] = 5.0  # tie in two late chunks
+    logits[1, [7, 8, 2999]] = 4.0  # tie inside the first chunk
+    logits[2, v - 1] = 1.0  # the max is the last token
+    ones = torch.ones(3, device=DEVICE)
+    tokens, lps = triton_ops.sample_rows(logits.to(DEVICE), ones, torch.rand(3).to(DEVICE), ones)
+    assert tokens.tolist() == [2500, 7, v - 1]
+    torch.testing.assert_close(lps.cpu(), torch.log_softmax(logits, -1)[torch.arange(3), [2500, 7, v - 1]])
 
 
 @needs_kernels
@@ -155,3 +208,34 @@ def test_fused_decode_step_equals_the_torch_decode_step(tmp_path, arch):
         for b, n in enumerate(lens):
             torch.testing.assert_close(caches[1].k[layer, b, :, : n + 1], caches[0].k[layer, b, :, : n + 1])
             torch.testing.assert_close(caches[1].v[layer, b, :, : n + 1], caches[0].v[layer, b, :, : n + 1])
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_fused_prefill_equals_the_torch_prefill(tmp_path, arch):
+    """Rows of different lengths into slots 1..3: the last tokens' hidden states and every cache entry
+    the prompts wrote match the torch prefill (fp32)."""
+    path = make_tiny_model(str(tmp_path / arch), arch=arch, init_std=0.2, seed=4)
+    model = CausalLM.from_pretrained(path, DEVICE, torch.float32)
+    s = model.spec
+    lens = [5, 9, 3]
+    B, width, start = len(lens), max(lens), 1
+    g = _gen(8)
+    seqs = [torch.randint(3, s.vocab_size, (n,), generator=g).tolist() for n in lens]
+    tokens = torch.tensor([q + [0] * (width - len(q)) for q in seqs], device=DEVICE)
+    pos = torch.arange(width, device=DEVICE)[None].expand(B, width)
+    last = torch.tensor(lens, device=DEVICE) - 1
+    caches = []
+    for _ in range(2):
+        kw = dict(num_layers=s.num_layers, num_slots=B + 2, max_seq_len=40, num_kv_heads=s.num_kv_heads)
+        caches.append(KVCache(**kw, head_dim=s.head_dim, dtype=torch.float32, device=DEVICE))
+    write = torch.where(pos <= last[:, None], pos, caches[0].scratch_pos)
+    ref = model.forward(tokens, pos, caches[0], start, write, kv_len=None, out_index=last)
+    attention = triton_ops.DecodeAttention(s.num_heads, s.num_kv_heads, s.head_dim, caches[1].capacity, 4)
+    fused = model.prefill_fused(tokens, pos, write, last, caches[1], start, attention)
+    torch.testing.assert_close(fused, ref, rtol=1e-4, atol=1e-5)
+    for layer in range(s.num_layers):
+        for b, n in enumerate(lens):
+            for cache in ("k", "v"):
+                got = getattr(caches[1], cache)[layer, start + b, :, :n]
+                torch.testing.assert_close(got, getattr(caches[0], cache)[layer, start + b, :, :n])

@@ -359,22 +359,78 @@ class CausalLM:
         """
         s, st = self.spec, self.storage
         eps = s.rms_norm_eps
-        B, H, KVH = tokens.shape[0], s.num_heads, s.num_kv_heads
-        cap = kv.k.shape[3]
-        table = self._rope_table_covering(cap)
-        slots = self._arange(B)
+        B, H = tokens.shape[0], s.num_heads
+        table = self._rope_table_covering(kv.k.shape[3])
         h = F.embedding(tokens, st["model.embed_tokens.weight"])  # the residual stream, updated in place
         x = triton_ops.add_rms_norm(h, None, st[self._layer_names[0]["ln1"]], eps)
         for i, names in enumerate(self._layer_names):
             qkv = F.linear(x, st[names["qkv"]], st.get(names["qkv_b"]))
-            q = triton_ops.rope_kv_write(
-                qkv, positions, slots, table, kv.k[i], kv.v[i], H, KVH,
-                st.get(names["qn"]), st.get(names["kn"]), eps,
-            )  # fmt: skip
-            attn = attention(q, kv.k[i], kv.v[i], lens).view(B, H * s.head_dim)
+            attn = attention.rope_attend(
+                qkv, positions, lens, table, kv.k[i], kv.v[i], st.get(names["qn"]), st.get(names["kn"]), eps
+            ).view(B, H * s.head_dim)
             x = triton_ops.add_rms_norm(F.linear(attn, st[names["o"]], st.get(names["ob"])), h, st[names["ln2"]], eps)
             mlp = F.linear(triton_ops.silu_mul(F.linear(x, st[names["gate_up"]])), st[names["down"]])
             last = i + 1 == s.num_layers
+            next_norm = st["model.norm.weight"] if last else st[self._layer_names[i + 1]["ln1"]]
+            x = triton_ops.add_rms_norm(mlp, h, next_norm, eps)
+        return x
+
+    def prefill_fused(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        write_pos: torch.Tensor,
+        last_idx: torch.Tensor,
+        kv: KVCache,
+        slot_start: int,
+        attention: triton_ops.DecodeAttention,
+    ) -> torch.Tensor:
+        """`forward(..., kv_len=None, out_index=last_idx)` with the Triton kernels: prefill tokens [B, T]
+        into slots [slot_start, slot_start + B) and return the final-normed hidden of token last_idx[b] of
+        each row, [B, D]. Dense models only.
+
+        Norms, residual adds, RoPE + the KV write and SiLU*up are the decode step's kernels over all B x T
+        tokens; attention is SDPA's causal kernel over the fresh keys (padded keys stay in the batch, so
+        the cache's stale tail is never read). The last layer attends from the B selected tokens alone,
+        over the keys just written to the cache (the decode attention kernel), and runs its output
+        projection and MLP for those B tokens.
+        """
+        s, st = self.spec, self.storage
+        eps = s.rms_norm_eps
+        B, T = tokens.shape
+        H, KVH, hd = s.num_heads, s.num_kv_heads, s.head_dim
+        n = B * T
+        table = self._rope_table_covering(kv.k.shape[3])
+        rows = self._arange(B)
+        slots = (slot_start + rows)[:, None].expand(B, T).reshape(-1)
+        select = rows * T + last_idx
+        pos, wpos = positions.reshape(-1), write_pos.reshape(-1)
+        keys = torch.empty((n, KVH, hd), dtype=self.dtype, device=self.device)
+        h = F.embedding(tokens.reshape(-1), st["model.embed_tokens.weight"])
+        x = triton_ops.add_rms_norm(h, None, st[self._layer_names[0]["ln1"]], eps)
+        for i, names in enumerate(self._layer_names):
+            last = i + 1 == s.num_layers
+            qkv = F.linear(x, st[names["qkv"]], st.get(names["qkv_b"]))
+            q = triton_ops.rope_kv_write(
+                qkv, pos, slots, table, kv.k[i], kv.v[i], H, KVH, st.get(names["qn"]), st.get(names["kn"]), eps,
+                write_positions=wpos, k_out=None if last else keys,
+            )  # fmt: skip
+            if last:
+                k_cache, v_cache = kv.k[i][slot_start:], kv.v[i][slot_start:]
+                attn = attention(q[select], k_cache, v_cache, last_idx + 1).view(B, H * hd)
+                h = h[select]
+            else:
+                values = qkv.view(B, T, H + 2 * KVH, hd)[:, :, H + KVH :]
+                attn = F.scaled_dot_product_attention(
+                    q.view(B, T, H, hd).transpose(1, 2),
+                    keys.view(B, T, KVH, hd).transpose(1, 2),
+                    values.transpose(1, 2),
+                    is_causal=True,
+                    enable_gqa=H != KVH,
+                )
+                attn = attn.transpose(1, 2).reshape(n, H * hd)
+            x = triton_ops.add_rms_norm(F.linear(attn, st[names["o"]], st.get(names["ob"])), h, st[names["ln2"]], eps)
+            mlp = F.linear(triton_ops.silu_mul(F.linear(x, st[names["gate_up"]])), st[names["down"]])
             next_norm = st["model.norm.weight"] if last else st[self._layer_names[i + 1]["ln1"]]
             x = triton_ops.add_rms_norm(mlp, h, next_norm, eps)
         return x

@@ -168,12 +168,17 @@ class ModelRunner:
         device = self.model.device
         lens = [len(s) for s in seqs]
         width = max(lens)
-        tokens = torch.tensor([s + [0] * (width - len(s)) for s in seqs], device=device)
+        tokens = _long_tensor([s + [0] * (width - len(s)) for s in seqs], device)
         positions = torch.arange(width, device=device)[None, :].expand(len(seqs), width)
         valid = positions < torch.tensor(lens, device=device)[:, None]
         write_pos = torch.where(valid, positions, torch.full_like(positions, self.kv.scratch_pos))
         last_idx = torch.tensor(lens, device=device) - 1
         with self.lock:
+            if not any(want_all) and self.attention is not None:  # fused kernels; last tokens only
+                last_hidden = self.model.prefill_fused(
+                    tokens, positions, write_pos, last_idx, self.kv, slot_start, self.attention
+                )
+                return PrefillResult(self.model.logits(last_hidden), [None] * len(seqs))
             if not any(want_all):  # only the last tokens' hidden states are needed
                 last_hidden = self.model.forward(
                     tokens, positions, self.kv, slot_start, write_pos, kv_len=None, out_index=last_idx

@@ -62,6 +62,7 @@ class Request:
     kv_epoch: int = -1  # epoch of the KV in this request's slot; -1 = none
     abort_requested: bool = False
     prefill_count: int = 0
+    stop_ids: frozenset[int] = frozenset()  # token ids that finish it (its stop_token_ids, eos unless ignored)
 
     @property
     def all_ids(self) -> list[int]:
@@ -247,7 +248,7 @@ class Scheduler:
         A thread hand-off costs about as much as a whole decode step of a tiny model on CPU, so steps
         whose recent duration is under `inline_step_s` run on the loop (which is yielded every step).
         """
-        if prefill or self._decode_step_s > self.inline_step_s:
+        if prefill or (self._decode_step_s > self.inline_step_s and self._lookahead is None):
             result = await asyncio.to_thread(self._compute, decode, prefill)
         else:
             result = self._compute(decode, prefill)
@@ -398,25 +399,28 @@ class Scheduler:
 
     # ---- bookkeeping (event loop thread) -----------------------------------------------------------------
     def _apply(self, result: StepResult, n_decode: int) -> None:
-        # the host's share of every decode step: kept to plain list operations (it runs once per token)
+        # the host's share of every decode step: kept to plain list operations (it runs once per token).
+        # Stop ids and lengths are checked here; `check_stop` only runs for requests with stop strings.
         finished: list[tuple[int, dict]] = []
         input_lps, check_stop, max_len = result.input_logprobs, self.check_stop, self.runner.max_seq_len
         version = result.weight_version
         for i, (req, token, logprob) in enumerate(zip(self.running, result.tokens, result.logprobs, strict=True)):
             if input_lps and i in input_lps:
                 req.input_logprobs = input_lps[i]
-            if req.params.max_new_tokens == 0:  # prefill-only scoring: nothing is sampled
+            params = req.params
+            if params.max_new_tokens == 0:  # prefill-only scoring: nothing is sampled
                 finished.append((i, {"type": "length", "length": 0}))
                 continue
             out = req.output_ids
             out.append(token)
             req.output_logprobs.append(logprob)
             req.output_versions.append(version)
-            reason = check_stop(req)
-            if reason is None and len(req.prompt_ids) + len(out) >= max_len:
-                reason = {"type": "length", "length": len(out)}
-            if reason is not None:
+            if token in req.stop_ids:
+                finished.append((i, {"type": "stop", "matched": token}))
+            elif params.stop and (reason := check_stop(req)) is not None:
                 finished.append((i, reason))
+            elif len(out) >= params.max_new_tokens or len(req.prompt_ids) + len(out) >= max_len:
+                finished.append((i, {"type": "length", "length": len(out)}))
         for i, reason in reversed(finished):
             self._remove_running(i, reason)
 

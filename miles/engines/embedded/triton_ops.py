@@ -1,10 +1,12 @@
-"""Triton kernels for the embedded engine's GPU decode step and sampler.
+"""Triton kernels for the embedded engine's GPU decode step, prefill and sampler.
 
 A decode step of a small model at a large batch is bound by the number of kernels, not by bandwidth:
 the eager layer is ~27 kernels (norms, RoPE pieces, index writes, masks, residual adds). These kernels
-bring a dense layer to ten launches: add+RMSNorm, the qkv GEMM, RoPE (+ q/k-norm) fused with the KV
-write, decode attention over each row's own length (plus a reduction when the keys are split), the
-o GEMM, add+RMSNorm, the gate/up GEMM, SiLU*up, the down GEMM. GEMMs stay with cuBLAS.
+bring a dense layer to nine launches: add+RMSNorm, the qkv GEMM, one kernel for RoPE (+ q/k-norm), the
+KV write and decode attention over each row's own length (plus a reduction when the keys are split),
+the o GEMM, add+RMSNorm, the gate/up GEMM, SiLU*up, the down GEMM. GEMMs stay with cuBLAS (Triton
+GEMMs tried at the decode shapes were no faster). A prefill uses the norm, RoPE + KV-write and SiLU
+kernels over all its tokens.
 
 Numerics: each kernel computes in fp32 and rounds once on store, where the eager path rounds after
 every bf16 op, so bf16 results differ in the last bits (fp32 agrees to rounding). The sampler kernel
@@ -71,11 +73,13 @@ if triton is not None:
 
     @triton.jit
     def _rope_kv_kernel(
-        qkv_ptr, pos_ptr, slot_ptr, table_ptr, qn_ptr, kn_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, eps,
+        qkv_ptr, pos_ptr, wpos_ptr, slot_ptr, table_ptr, qn_ptr, kn_ptr, q_out_ptr, k_out_ptr, k_cache_ptr,
+        v_cache_ptr, eps,
         H: tl.constexpr, KVH: tl.constexpr, HD: tl.constexpr, CAP: tl.constexpr, QK_NORM: tl.constexpr,
-        BLOCK_H: tl.constexpr,
+        K_OUT: tl.constexpr, BLOCK_H: tl.constexpr,
     ):  # fmt: skip
-        """One row, all heads: q/k heads get (q/k-norm and) RoPE; k and v heads are written to the cache.
+        """One row, all heads: q/k heads get (q/k-norm and) RoPE at position pos; k and v heads are written
+        to the cache at position wpos (K_OUT: the rotated k heads also to k_out).
 
         qkv row layout [H q heads | KVH k heads | KVH v heads] x HD; the RoPE table row holds cos | sin
         with rotate_half's sign folded into sin, so rope(x) = x * cos + roll(x, HD/2) * sin.
@@ -101,68 +105,62 @@ if triton is not None:
             x = tl.where(is_v, x, x_n)
             rolled = tl.where(is_v, rolled, rolled_n)
         pos = tl.load(pos_ptr + b)
+        wpos = tl.load(wpos_ptr + b)
         slot = tl.load(slot_ptr + b).to(tl.int64)
         cos = tl.load(table_ptr + pos * 2 * HD + d).to(tl.float32)
         sin = tl.load(table_ptr + pos * 2 * HD + HD + d).to(tl.float32)
         y = (x * cos + rolled * sin).to(q_out_ptr.dtype.element_ty)
         tl.store(q_out_ptr + b * H * HD + hh * HD + d, y, mask=is_q)
-        tl.store(k_cache_ptr + ((slot * KVH + (hh - H)) * CAP + pos) * HD + d, y, mask=is_k)
-        v_rows = ((slot * KVH + (hh - H - KVH)) * CAP + pos) * HD + d
+        tl.store(k_cache_ptr + ((slot * KVH + (hh - H)) * CAP + wpos) * HD + d, y, mask=is_k)
+        if K_OUT:
+            tl.store(k_out_ptr + (b * KVH + (hh - H)) * HD + d, y, mask=is_k)
+        v_rows = ((slot * KVH + (hh - H - KVH)) * CAP + wpos) * HD + d
         tl.store(v_cache_ptr + v_rows, x.to(v_cache_ptr.dtype.element_ty), mask=is_v)
 
     @triton.jit
-    def _decode_attention_kernel(
-        q_ptr,
-        k_cache_ptr,
-        v_cache_ptr,
-        lens_ptr,
-        out_ptr,
-        part_o_ptr,
-        part_lse_ptr,
-        scale_log2,
-        H: tl.constexpr,
-        KVH: tl.constexpr,
-        G: tl.constexpr,
-        HD: tl.constexpr,
-        CAP: tl.constexpr,
-        CHUNK: tl.constexpr,
-        SPLITS: tl.constexpr,
-        BLOCK_G: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-    ):
-        """One (row, kv head, split): the G query heads of the group attend to cache positions
-        [split x CHUNK, min((split + 1) x CHUNK, len)) of the row's slot with an online softmax (base 2).
-        One split writes the output; several write partial outputs and log-sum-exps for the reduction."""
-        b = tl.program_id(0).to(tl.int64)
-        kh = tl.program_id(1)
-        s = tl.program_id(2)
-        g = tl.arange(0, BLOCK_G)
+    def _attend(q, k_cache_ptr, v_cache_ptr, kv_base, start, end, m, l_sum, acc, scale_log2,
+                HD: tl.constexpr, BLOCK_N: tl.constexpr, PIPELINE: tl.constexpr, NUM_STAGES: tl.constexpr):  # fmt: skip
+        """Online softmax (base 2) of the queries q [G, HD] over cache positions [start, end) at kv_base.
+
+        PIPELINE: a `range` loop, which Triton software-pipelines (the next block's K/V loads are in flight
+        while this block computes); the interpreter cannot `range` over a loaded bound, so it takes the
+        equivalent while loop."""
         d = tl.arange(0, HD)
-        gmask = g < G
-        q = tl.load(q_ptr + b * H * HD + (kh * G + g)[:, None] * HD + d[None, :], mask=gmask[:, None], other=0.0)
-        length = tl.load(lens_ptr + b)
-        start = s * CHUNK
-        end = tl.minimum(start + CHUNK, length)
-        m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
-        l_sum = tl.zeros((BLOCK_G,), tl.float32)
-        acc = tl.zeros((BLOCK_G, HD), tl.float32)
-        kv_base = (b * KVH + kh) * CAP * HD
-        n0 = start
-        while n0 < end:  # a while loop: its bound is loaded, which Triton's interpreter cannot range() over
-            n = n0 + tl.arange(0, BLOCK_N)
-            nmask = n < end
-            k = tl.load(k_cache_ptr + kv_base + n[:, None] * HD + d[None, :], mask=nmask[:, None], other=0.0)
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # ieee: fp32 stays exact
-            scores = tl.where(nmask[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(scores - m_new[:, None])
-            l_sum = l_sum * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_cache_ptr + kv_base + n[:, None] * HD + d[None, :], mask=nmask[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            m = m_new
-            n0 += BLOCK_N
-        heads = kh * G + g
+        if PIPELINE:
+            for n0 in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
+                m, l_sum, acc = _attend_block(
+                    q, k_cache_ptr, v_cache_ptr, kv_base, n0, end, d, m, l_sum, acc, scale_log2, HD, BLOCK_N
+                )
+        else:
+            n0 = start
+            while n0 < end:
+                m, l_sum, acc = _attend_block(
+                    q, k_cache_ptr, v_cache_ptr, kv_base, n0, end, d, m, l_sum, acc, scale_log2, HD, BLOCK_N
+                )
+                n0 += BLOCK_N
+        return m, l_sum, acc
+
+    @triton.jit
+    def _attend_block(q, k_cache_ptr, v_cache_ptr, kv_base, n0, end, d, m, l_sum, acc, scale_log2,
+                      HD: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+        n = n0 + tl.arange(0, BLOCK_N)
+        nmask = n < end
+        k = tl.load(k_cache_ptr + kv_base + n[:, None] * HD + d[None, :], mask=nmask[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + kv_base + n[:, None] * HD + d[None, :], mask=nmask[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # ieee: fp32 stays exact
+        scores = tl.where(nmask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        return m_new, l_sum, acc
+
+    @triton.jit
+    def _attention_store(out_ptr, part_o_ptr, part_lse_ptr, b, heads, gmask, s, m, l_sum, acc,
+                         H: tl.constexpr, HD: tl.constexpr, SPLITS: tl.constexpr):  # fmt: skip
+        """One split writes the output; several write partial outputs and log-sum-exps for the reduction."""
+        d = tl.arange(0, HD)
         if SPLITS == 1:
             out = acc / l_sum[:, None]
             tl.store(
@@ -177,6 +175,102 @@ if triton is not None:
             row = (b * H + heads) * SPLITS + s
             tl.store(part_o_ptr + row[:, None] * HD + d[None, :], out, mask=gmask[:, None])
             tl.store(part_lse_ptr + row, lse, mask=gmask)
+
+    @triton.jit
+    def _decode_attention_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, lens_ptr, out_ptr, part_o_ptr, part_lse_ptr, scale_log2,
+        H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, HD: tl.constexpr, CAP: tl.constexpr,
+        CHUNK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+        PIPELINE: tl.constexpr, NUM_STAGES: tl.constexpr,
+    ):  # fmt: skip
+        """One (row, kv head, split): the G query heads of the group attend to cache positions
+        [split x CHUNK, min((split + 1) x CHUNK, len)) of the row's slot."""
+        b = tl.program_id(0).to(tl.int64)
+        kh = tl.program_id(1)
+        s = tl.program_id(2)
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, HD)
+        gmask = g < G
+        q = tl.load(q_ptr + b * H * HD + (kh * G + g)[:, None] * HD + d[None, :], mask=gmask[:, None], other=0.0)
+        length = tl.load(lens_ptr + b)
+        start = s * CHUNK
+        end = tl.minimum(start + CHUNK, length)
+        m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+        l_sum = tl.zeros((BLOCK_G,), tl.float32)
+        acc = tl.zeros((BLOCK_G, HD), tl.float32)
+        kv_base = (b * KVH + kh) * CAP * HD
+        m, l_sum, acc = _attend(
+            q, k_cache_ptr, v_cache_ptr, kv_base, start, end, m, l_sum, acc, scale_log2,
+            HD, BLOCK_N, PIPELINE, NUM_STAGES,
+        )  # fmt: skip
+        _attention_store(out_ptr, part_o_ptr, part_lse_ptr, b, kh * G + g, gmask, s, m, l_sum, acc, H, HD, SPLITS)
+
+    @triton.jit
+    def _rope_decode_attention_kernel(
+        qkv_ptr, pos_ptr, lens_ptr, table_ptr, qn_ptr, kn_ptr, k_cache_ptr, v_cache_ptr,
+        out_ptr, part_o_ptr, part_lse_ptr, scale_log2, eps,
+        H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, HD: tl.constexpr, CAP: tl.constexpr,
+        CHUNK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+        QK_NORM: tl.constexpr, PIPELINE: tl.constexpr, NUM_STAGES: tl.constexpr,
+    ):  # fmt: skip
+        """`_rope_kv_kernel` and `_decode_attention_kernel` in one launch, for one new token per row.
+
+        Each (row, kv head, split) applies (q-norm and) RoPE to its G query heads itself. The cached keys
+        are the positions < min(pos, len); the new token's own key and value (k-norm + RoPE of its k head,
+        its v head) enter the online softmax first, from registers, in the split whose chunk holds `pos`,
+        which also writes them to the cache at `pos`. Padded rows (pos = the scratch position, len = 1)
+        write there and attend to one stale key: finite, and discarded by the caller.
+
+        Every load that does not depend on another is issued up front (a decode step's attention is a
+        chain of dependent loads at low occupancy: latency, not bandwidth, sets its time)."""
+        b = tl.program_id(0).to(tl.int64)
+        kh = tl.program_id(1)
+        s = tl.program_id(2)
+        dt = k_cache_ptr.dtype.element_ty
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, HD)
+        d_rolled = (d + HD // 2) % HD
+        gmask = g < G
+        pos = tl.load(pos_ptr + b)
+        length = tl.minimum(tl.load(lens_ptr + b), pos)
+        row = qkv_ptr + b * (H + 2 * KVH) * HD
+        q_rows = row + (kh * G + g)[:, None] * HD
+        x = tl.load(q_rows + d[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+        rolled = tl.load(q_rows + d_rolled[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+        k_row = row + (H + kh) * HD
+        k = tl.load(k_row + d).to(tl.float32)
+        k_rolled = tl.load(k_row + d_rolled).to(tl.float32)
+        v = tl.load(row + (H + KVH + kh) * HD + d).to(tl.float32)
+        cos = tl.load(table_ptr + pos * 2 * HD + d).to(tl.float32)
+        sin = tl.load(table_ptr + pos * 2 * HD + HD + d).to(tl.float32)
+        if QK_NORM:  # per-head RMSNorm before RoPE (qwen3), rounded as the unfused kernel rounds
+            qn = tl.load(qn_ptr + d).to(tl.float32)[None, :]
+            qn_r = tl.load(qn_ptr + d_rolled).to(tl.float32)[None, :]
+            kn = tl.load(kn_ptr + d).to(tl.float32)
+            kn_r = tl.load(kn_ptr + d_rolled).to(tl.float32)
+            inv = tl.rsqrt(tl.sum(x * x, axis=1) / HD + eps)[:, None]
+            x = ((x * inv).to(dt).to(tl.float32) * qn).to(dt).to(tl.float32)
+            rolled = ((rolled * inv).to(dt).to(tl.float32) * qn_r).to(dt).to(tl.float32)
+            inv_k = tl.rsqrt(tl.sum(k * k, axis=0) / HD + eps)
+            k = ((k * inv_k).to(dt).to(tl.float32) * kn).to(dt).to(tl.float32)
+            k_rolled = ((k_rolled * inv_k).to(dt).to(tl.float32) * kn_r).to(dt).to(tl.float32)
+        q = (x * cos[None, :] + rolled * sin[None, :]).to(dt)
+        k = (k * cos + k_rolled * sin).to(dt)
+        kv_base = (b * KVH + kh) * CAP * HD
+        owner = tl.minimum(pos // CHUNK, SPLITS - 1) == s  # this split holds the new token
+        tl.store(k_cache_ptr + kv_base + pos * HD + d, k, mask=owner & (d < HD))
+        tl.store(v_cache_ptr + kv_base + pos * HD + d, v.to(dt), mask=owner & (d < HD))
+        score = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], axis=1) * scale_log2
+        m = tl.where(owner, score, float("-inf"))
+        l_sum = tl.where(owner, 1.0, 0.0) + tl.zeros((BLOCK_G,), tl.float32)
+        acc = tl.where(owner, v.to(dt).to(tl.float32)[None, :], 0.0) + tl.zeros((BLOCK_G, HD), tl.float32)
+        start = s * CHUNK
+        end = tl.minimum(start + CHUNK, length)
+        m, l_sum, acc = _attend(
+            q, k_cache_ptr, v_cache_ptr, kv_base, start, end, m, l_sum, acc, scale_log2,
+            HD, BLOCK_N, PIPELINE, NUM_STAGES,
+        )  # fmt: skip
+        _attention_store(out_ptr, part_o_ptr, part_lse_ptr, b, kh * G + g, gmask, s, m, l_sum, acc, H, HD, SPLITS)
 
     @triton.jit
     def _attention_reduce_kernel(
@@ -206,36 +300,33 @@ if triton is not None:
 
     @triton.jit
     def _sample_stats_kernel(
-        logits_ptr, inv_temp_ptr, m_ptr, s_ptr, arg_ptr,
-        V: tl.constexpr, CH: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr,
+        logits_ptr, inv_temp_ptr, m_ptr, s_ptr, V: tl.constexpr, CH: tl.constexpr, C: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):  # fmt: skip
-        """One (row, chunk of CH logits): max m, sum of exp(x - m) and first argmax of x = logits / T."""
+        """One (row, chunk of CH logits): max m and sum of exp(x - m) of x = logits / T."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
         inv_t = tl.load(inv_temp_ptr + row)
         cols = tl.arange(0, BLOCK)
         m = float("-inf")
         total = 0.0
-        arg = 0
         for i in range(0, CH // BLOCK):
             idx = c * CH + i * BLOCK + cols
             x = tl.load(logits_ptr + row * V + idx, mask=idx < V, other=float("-inf")).to(tl.float32) * inv_t
-            bmax = tl.max(x, axis=0)
-            arg = tl.where(bmax > m, tl.argmax(x, axis=0) + c * CH + i * BLOCK, arg)
-            m_new = tl.maximum(m, bmax)
+            m_new = tl.maximum(m, tl.max(x, axis=0))
             total = total * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
             m = m_new
         tl.store(m_ptr + row * C + c, m)
         tl.store(s_ptr + row * C + c, total)
-        tl.store(arg_ptr + row * C + c, arg)
 
     @triton.jit
     def _sample_pick_kernel(
-        logits_ptr, inv_temp_ptr, u_ptr, greedy_ptr, m_ptr, s_ptr, arg_ptr, tokens_ptr, logprobs_ptr,
+        logits_ptr, inv_temp_ptr, u_ptr, greedy_ptr, m_ptr, s_ptr, tokens_ptr, logprobs_ptr,
         V: tl.constexpr, CH: tl.constexpr, C: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
-        """One row: log-sum-exp from the chunk stats; greedy rows take the first argmax; sampled rows find
-        the chunk where the running mass first exceeds u x total, then the token inside it."""
+        """One row: log-sum-exp from the chunk stats; greedy rows take the first argmax (the first index
+        equal to the max, in the first chunk whose max it is); sampled rows find the chunk where the
+        running mass first exceeds u x total, then the token inside it. Either way one chunk is read."""
         row = tl.program_id(0).to(tl.int64)
         cs = tl.arange(0, BLOCK_C)
         cmask = cs < C
@@ -243,17 +334,24 @@ if triton is not None:
         s = tl.load(s_ptr + row * C + cs, mask=cmask, other=0.0)
         big = tl.max(m, axis=0)
         lse = big + tl.log(tl.sum(s * tl.exp(m - big), axis=0))
-        first_max = tl.min(tl.where(m == big, cs, C), axis=0)
-        token = tl.load(arg_ptr + row * C + first_max)
         inv_t = tl.load(inv_temp_ptr + row)
-        if tl.load(greedy_ptr + row) == 0.0:
+        cols = tl.arange(0, BLOCK)
+        if tl.load(greedy_ptr + row) != 0.0:
+            chunk = tl.min(tl.where(m == big, cs, C), axis=0)
+            token = chunk * CH
+            found = V
+            for i in range(0, CH // BLOCK):
+                idx = chunk * CH + i * BLOCK + cols
+                x = tl.load(logits_ptr + row * V + idx, mask=idx < V, other=float("-inf")).to(tl.float32) * inv_t
+                found = tl.minimum(found, tl.min(tl.where((x == big) & (idx < V), idx, V), axis=0))
+            token = tl.where(found < V, found, token)
+        else:
             mass = tl.where(cmask, s * tl.exp(m - lse), 0.0)  # each chunk's probability mass
             cum = tl.cumsum(mass, axis=0)
             target = tl.load(u_ptr + row) * tl.sum(mass, axis=0)
             chunk = tl.min(tl.where((cum > target) & cmask, cs, C), axis=0)
             chunk = tl.where(chunk < C, chunk, tl.max(tl.where(mass > 0.0, cs, 0), axis=0))  # rounding past the end
             run = tl.sum(tl.where(cs < chunk, mass, 0.0), axis=0)
-            cols = tl.arange(0, BLOCK)
             found = V
             last_nonzero = chunk * CH
             for i in range(0, CH // BLOCK):
@@ -299,19 +397,23 @@ def rope_kv_write(
     k_norm: torch.Tensor | None = None,
     eps: float = 1e-6,
     q_out: torch.Tensor | None = None,
+    write_positions: torch.Tensor | None = None,
+    k_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """RoPE (after q/k-norm if given) of one token per row; k/v go to cache[slot, :, position]; returns q.
 
-    qkv [B, (H + 2 KVH) x HD]; positions, slots [B] int; caches [slots, KVH, CAP, HD] (one layer)."""
+    qkv [B, (H + 2 KVH) x HD]; positions, slots [B] int; caches [slots, KVH, CAP, HD] (one layer).
+    write_positions [B]: cache positions to write at instead of `positions` (a prefill's padding goes to
+    the scratch position); k_out [B, KVH, HD]: also receives the rotated keys."""
     b = qkv.shape[0]
     hd = k_cache.shape[-1]
     q_out = torch.empty((b, num_heads, hd), dtype=qkv.dtype, device=qkv.device) if q_out is None else q_out
     qk_norm = q_norm is not None
     _rope_kv_kernel[(b,)](
-        qkv, positions, slots, rope_table,
+        qkv, positions, positions if write_positions is None else write_positions, slots, rope_table,
         q_norm if qk_norm else qkv, k_norm if qk_norm else qkv,
-        q_out, k_cache, v_cache, eps,
-        H=num_heads, KVH=num_kv_heads, HD=hd, CAP=k_cache.shape[2], QK_NORM=qk_norm,
+        q_out, q_out if k_out is None else k_out, k_cache, v_cache, eps,
+        H=num_heads, KVH=num_kv_heads, HD=hd, CAP=k_cache.shape[2], QK_NORM=qk_norm, K_OUT=k_out is not None,
         BLOCK_H=_next_pow2(num_heads + 2 * num_kv_heads),
     )  # fmt: skip
     return q_out
@@ -321,46 +423,91 @@ class DecodeAttention:
     """Decode attention of one query token per row over its slot's first `lens[row]` cache positions.
 
     The number of key splits is fixed per batch size (CUDA-graph friendly): enough (row, kv head,
-    split) programs to fill the device twice over, each split a fixed chunk of the cache capacity;
-    splits past a row's length exit at once.
+    split) programs to fill the device `programs_per_sm` times over, each split a fixed chunk of the
+    cache capacity; splits past a row's length exit at once. `rope_attend` also does the RoPE and the
+    cache write of the step's new token (one launch instead of two); `__call__` takes ready queries.
     """
 
     BLOCK_N = 64
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, capacity: int, num_sms: int):
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        num_sms: int,
+        *,
+        programs_per_sm: int = 2,
+        blocks_per_split: int = 4,
+        num_warps: int = 4,
+        num_stages: int = 2,
+    ):
         self.h, self.kvh, self.hd, self.cap = num_heads, num_kv_heads, head_dim, capacity
         self.group = num_heads // num_kv_heads
         self.num_sms = num_sms
+        self.programs_per_sm, self.blocks_per_split = programs_per_sm, blocks_per_split
+        self.num_warps, self.num_stages = num_warps, num_stages
         self.scale_log2 = (1.0 / math.sqrt(head_dim)) * 1.4426950408889634  # log2(e): softmax in base 2
 
     def splits(self, batch: int) -> int:
-        """Key splits per (row, kv head): 2 x SMs programs in all, each split >= 4 key blocks."""
-        most = max(1, self.cap // (4 * self.BLOCK_N))
-        want = -(-2 * self.num_sms // (batch * self.kvh))
+        """Key splits per (row, kv head): programs_per_sm x SMs programs in all, each split at least
+        blocks_per_split key blocks of the capacity."""
+        most = max(1, self.cap // (self.blocks_per_split * self.BLOCK_N))
+        want = -(-self.programs_per_sm * self.num_sms // (batch * self.kvh))
         return min(_next_pow2(want), 1 << (most.bit_length() - 1))
 
-    def __call__(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: torch.Tensor, out=None
-    ) -> torch.Tensor:
-        b = q.shape[0]
-        out = torch.empty_like(q) if out is None else out
+    def _launch(self, kernel, b: int, device: torch.device, out: torch.Tensor, args: tuple, **meta) -> None:
         splits = self.splits(b)
         chunk = -(-self.cap // splits)
         chunk = -(-chunk // self.BLOCK_N) * self.BLOCK_N
         if splits > 1:
-            part_o = torch.empty((b, self.h, splits, self.hd), dtype=torch.float32, device=q.device)
-            part_lse = torch.empty((b, self.h, splits), dtype=torch.float32, device=q.device)
+            part_o = torch.empty((b, self.h, splits, self.hd), dtype=torch.float32, device=device)
+            part_lse = torch.empty((b, self.h, splits), dtype=torch.float32, device=device)
         else:
             part_o = part_lse = out
-        _decode_attention_kernel[(b, self.kvh, splits)](
-            q, k_cache, v_cache, lens, out, part_o, part_lse, self.scale_log2,
+        kernel[(b, self.kvh, splits)](
+            *args, out, part_o, part_lse, self.scale_log2, *meta.pop("scalars", ()),
             H=self.h, KVH=self.kvh, G=self.group, HD=self.hd, CAP=self.cap, CHUNK=chunk, SPLITS=splits,
-            BLOCK_G=max(16, _next_pow2(self.group)), BLOCK_N=self.BLOCK_N,
+            BLOCK_G=max(16, _next_pow2(self.group)), BLOCK_N=self.BLOCK_N, PIPELINE=not INTERPRET,
+            NUM_STAGES=self.num_stages, num_warps=self.num_warps, **meta,
         )  # fmt: skip
         if splits > 1:
             _attention_reduce_kernel[(b * self.h,)](
                 part_o, part_lse, out, HD=self.hd, SPLITS=splits, BLOCK_S=max(2, _next_pow2(splits))
             )
+
+    def __call__(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: torch.Tensor, out=None
+    ) -> torch.Tensor:
+        """q [B, H, HD]; caches [slots >= B, KVH, CAP, HD] (row b reads slot b); returns [B, H, HD]."""
+        out = torch.empty_like(q) if out is None else out
+        self._launch(_decode_attention_kernel, q.shape[0], q.device, out, (q, k_cache, v_cache, lens))
+        return out
+
+    def rope_attend(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        lens: torch.Tensor,
+        rope_table: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        q_norm: torch.Tensor | None = None,
+        k_norm: torch.Tensor | None = None,
+        eps: float = 1e-6,
+    ) -> torch.Tensor:
+        """The step's token of each row: RoPE (after q/k-norm if given) of its q and k heads, its k and v
+        written to cache[row, :, positions[row]], then attention over the positions < lens[row] (the
+        cached ones before it and itself). qkv [B, (H + 2 KVH) x HD]; returns [B, H, HD]."""
+        b = qkv.shape[0]
+        out = torch.empty((b, self.h, self.hd), dtype=qkv.dtype, device=qkv.device)
+        qk_norm = q_norm is not None
+        args = (
+            qkv, positions, lens, rope_table,
+            q_norm if qk_norm else qkv, k_norm if qk_norm else qkv, k_cache, v_cache,
+        )  # fmt: skip
+        self._launch(_rope_decode_attention_kernel, b, qkv.device, out, args, scalars=(eps,), QK_NORM=qk_norm)
         return out
 
 
@@ -385,21 +532,23 @@ def sample_rows(
     b, v = logits.shape
     block, ch, c = _sample_chunking(v)
     stats = torch.empty((2, b, c), dtype=torch.float32, device=logits.device)
-    args = torch.empty((b, c), dtype=torch.int32, device=logits.device)
-    _sample_stats_kernel[(b, c)](logits, inv_temp, stats[0], stats[1], args, V=v, CH=ch, C=c, BLOCK=block)
+    _sample_stats_kernel[(b, c)](logits, inv_temp, stats[0], stats[1], V=v, CH=ch, C=c, BLOCK=block)
     tokens = torch.empty(b, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(b, dtype=torch.float32, device=logits.device)
     _sample_pick_kernel[(b,)](
-        logits, inv_temp, u, greedy, stats[0], stats[1], args, tokens, logprobs,
+        logits, inv_temp, u, greedy, stats[0], stats[1], tokens, logprobs,
         V=v, CH=ch, C=c, BLOCK_C=max(2, _next_pow2(c)), BLOCK=block,
     )  # fmt: skip
     return tokens, logprobs
 
 
+SAMPLE_BLOCK, SAMPLE_MAX_CHUNKS = 4096, 64  # H200, vocab 152K, batch 256: 36 us (1024 / 32: 47 us)
+
+
 @functools.cache
 def _sample_chunking(v: int) -> tuple[int, int, int]:
-    """(BLOCK, chunk length CH, chunks C) for a vocabulary of v: up to 32 chunks of whole blocks."""
-    block = min(1024 if not INTERPRET else 64, _next_pow2(v))
+    """(BLOCK, chunk length CH, chunks C) for a vocabulary of v: up to SAMPLE_MAX_CHUNKS chunks of whole blocks."""
+    block = min(SAMPLE_BLOCK if not INTERPRET else 64, _next_pow2(v))
     blocks = -(-v // block)
-    per_chunk = -(-blocks // 32)
+    per_chunk = -(-blocks // SAMPLE_MAX_CHUNKS)
     return block, per_chunk * block, -(-blocks // per_chunk)
