@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from collections.abc import Callable
 
 import numpy as np
@@ -97,6 +98,12 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple) -> None:
         fn(rank, world, *args)
     finally:
         dist.destroy_process_group()
+    # A rank that finished leaves without the interpreter's teardown, as the workers do
+    # (miles/workers/main.py): a library thread still joinable at exit can abort the process
+    # ("terminate called without an active exception", SIGABRT) after its work is done.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(fn: Callable, world: int, *args) -> None:
