@@ -142,7 +142,7 @@ class EmbeddedEngine:
             raise RuntimeError("EmbeddedEngine.start() called twice")
         self.scheduler = Scheduler(
             self.runner,
-            check_stop=self._check_stop,
+            check_stop_strings=self._check_stop_strings,
             weight_version=lambda: self.weight_version,
             max_prefill_tokens=self._max_prefill_tokens,
             batch_generator=self._batch_generator,
@@ -243,7 +243,7 @@ class EmbeddedEngine:
             return None
         return torch.Generator(device=self.device).manual_seed(seed)
 
-    def _check_stop(self, req: Request) -> dict | None:
+    def _check_stop_strings(self, req: Request) -> dict | None:
         """A stop string in the output's tail (the scheduler checks stop ids and lengths itself)."""
         p = req.params
         window = 4 * max(len(s) for s in p.stop) + 4  # a token decodes to >= 1 char or a byte piece

@@ -142,7 +142,7 @@ class ModelRunner:
                 f"(device={model.device}, head_dim={spec.head_dim}, moe={bool(spec.moe_layers)}); "
                 "leave it unset to use them where they work"
             )
-        # None = on where they work (CUDA + triton, dense): about 10 kernels a layer instead of ~27
+        # None = on where they work (CUDA + triton, dense): nine kernels a decode layer instead of ~27
         self.fused_kernels = fused_ok if fused_kernels is None else fused_kernels
         self.attention = None
         if self.fused_kernels:
@@ -174,15 +174,15 @@ class ModelRunner:
         write_pos = torch.where(valid, positions, torch.full_like(positions, self.kv.scratch_pos))
         last_idx = torch.tensor(lens, device=device) - 1
         with self.lock:
-            if not any(want_all) and self.attention is not None:  # fused kernels; last tokens only
-                last_hidden = self.model.prefill_fused(
-                    tokens, positions, write_pos, last_idx, self.kv, slot_start, self.attention
-                )
-                return PrefillResult(self.model.logits(last_hidden), [None] * len(seqs))
             if not any(want_all):  # only the last tokens' hidden states are needed
-                last_hidden = self.model.forward(
-                    tokens, positions, self.kv, slot_start, write_pos, kv_len=None, out_index=last_idx
-                )
+                if self.attention is not None:  # the Triton kernels
+                    last_hidden = self.model.prefill_fused(
+                        tokens, positions, write_pos, last_idx, self.kv, slot_start, self.attention
+                    )
+                else:
+                    last_hidden = self.model.forward(
+                        tokens, positions, self.kv, slot_start, write_pos, kv_len=None, out_index=last_idx
+                    )
                 return PrefillResult(self.model.logits(last_hidden), [None] * len(seqs))
             hidden = self.model.forward(tokens, positions, self.kv, slot_start, write_pos, kv_len=None)
             last_hidden = hidden[torch.arange(len(seqs), device=device), last_idx]

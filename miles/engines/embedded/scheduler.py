@@ -119,7 +119,7 @@ class Scheduler:
         self,
         runner: ModelRunner,
         *,
-        check_stop: Callable[[Request], dict | None],
+        check_stop_strings: Callable[[Request], dict | None],
         weight_version: Callable[[], int],
         max_prefill_tokens: int,
         batch_generator: torch.Generator,
@@ -127,7 +127,7 @@ class Scheduler:
         lookahead: bool = False,
     ):
         self.runner = runner
-        self.check_stop = check_stop
+        self.check_stop_strings = check_stop_strings
         self.weight_version = weight_version
         self.max_prefill_tokens = max_prefill_tokens
         self.batch_generator = batch_generator
@@ -400,9 +400,9 @@ class Scheduler:
     # ---- bookkeeping (event loop thread) -----------------------------------------------------------------
     def _apply(self, result: StepResult, n_decode: int) -> None:
         # the host's share of every decode step: kept to plain list operations (it runs once per token).
-        # Stop ids and lengths are checked here; `check_stop` only runs for requests with stop strings.
+        # Stop ids and lengths are checked here; `check_stop_strings` runs for requests with stop strings.
         finished: list[tuple[int, dict]] = []
-        input_lps, check_stop, max_len = result.input_logprobs, self.check_stop, self.runner.max_seq_len
+        input_lps, check_strings, max_len = result.input_logprobs, self.check_stop_strings, self.runner.max_seq_len
         version = result.weight_version
         for i, (req, token, logprob) in enumerate(zip(self.running, result.tokens, result.logprobs, strict=True)):
             if input_lps and i in input_lps:
@@ -417,7 +417,7 @@ class Scheduler:
             req.output_versions.append(version)
             if token in req.stop_ids:
                 finished.append((i, {"type": "stop", "matched": token}))
-            elif params.stop and (reason := check_stop(req)) is not None:
+            elif params.stop and (reason := check_strings(req)) is not None:
                 finished.append((i, reason))
             elif len(out) >= params.max_new_tokens or len(req.prompt_ids) + len(out) >= max_len:
                 finished.append((i, {"type": "length", "length": len(out)}))

@@ -118,14 +118,18 @@ if triton is not None:
         tl.store(v_cache_ptr + v_rows, x.to(v_cache_ptr.dtype.element_ty), mask=is_v)
 
     @triton.jit
-    def _attend(q, k_cache_ptr, v_cache_ptr, kv_base, start, end, m, l_sum, acc, scale_log2,
-                HD: tl.constexpr, BLOCK_N: tl.constexpr, PIPELINE: tl.constexpr, NUM_STAGES: tl.constexpr):  # fmt: skip
-        """Online softmax (base 2) of the queries q [G, HD] over cache positions [start, end) at kv_base.
+    def _attend(q, k_cache_ptr, v_cache_ptr, kv_base, s, length, m, l_sum, acc, scale_log2,
+                HD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, PIPELINE: tl.constexpr,
+                NUM_STAGES: tl.constexpr):  # fmt: skip
+        """Online softmax (base 2) of the queries q [G, HD] over split s's cache positions at kv_base,
+        [s x CHUNK, min((s + 1) x CHUNK, length)).
 
         PIPELINE: a `range` loop, which Triton software-pipelines (the next block's K/V loads are in flight
         while this block computes); the interpreter cannot `range` over a loaded bound, so it takes the
         equivalent while loop."""
         d = tl.arange(0, HD)
+        start = s * CHUNK
+        end = tl.minimum(start + CHUNK, length)
         if PIPELINE:
             for n0 in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
                 m, l_sum, acc = _attend_block(
@@ -193,15 +197,13 @@ if triton is not None:
         gmask = g < G
         q = tl.load(q_ptr + b * H * HD + (kh * G + g)[:, None] * HD + d[None, :], mask=gmask[:, None], other=0.0)
         length = tl.load(lens_ptr + b)
-        start = s * CHUNK
-        end = tl.minimum(start + CHUNK, length)
         m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
         l_sum = tl.zeros((BLOCK_G,), tl.float32)
         acc = tl.zeros((BLOCK_G, HD), tl.float32)
         kv_base = (b * KVH + kh) * CAP * HD
         m, l_sum, acc = _attend(
-            q, k_cache_ptr, v_cache_ptr, kv_base, start, end, m, l_sum, acc, scale_log2,
-            HD, BLOCK_N, PIPELINE, NUM_STAGES,
+            q, k_cache_ptr, v_cache_ptr, kv_base, s, length, m, l_sum, acc, scale_log2,
+            HD, CHUNK, BLOCK_N, PIPELINE, NUM_STAGES,
         )  # fmt: skip
         _attention_store(out_ptr, part_o_ptr, part_lse_ptr, b, kh * G + g, gmask, s, m, l_sum, acc, H, HD, SPLITS)
 
@@ -264,11 +266,9 @@ if triton is not None:
         m = tl.where(owner, score, float("-inf"))
         l_sum = tl.where(owner, 1.0, 0.0) + tl.zeros((BLOCK_G,), tl.float32)
         acc = tl.where(owner, v.to(dt).to(tl.float32)[None, :], 0.0) + tl.zeros((BLOCK_G, HD), tl.float32)
-        start = s * CHUNK
-        end = tl.minimum(start + CHUNK, length)
         m, l_sum, acc = _attend(
-            q, k_cache_ptr, v_cache_ptr, kv_base, start, end, m, l_sum, acc, scale_log2,
-            HD, BLOCK_N, PIPELINE, NUM_STAGES,
+            q, k_cache_ptr, v_cache_ptr, kv_base, s, length, m, l_sum, acc, scale_log2,
+            HD, CHUNK, BLOCK_N, PIPELINE, NUM_STAGES,
         )  # fmt: skip
         _attention_store(out_ptr, part_o_ptr, part_lse_ptr, b, kh * G + g, gmask, s, m, l_sum, acc, H, HD, SPLITS)
 
