@@ -1,7 +1,7 @@
 """The `miles` command.
 
 Each subcommand imports its implementation only when it runs, so `miles --help` stays instant.
-Configuration errors exit with status 2 and a message on stderr, without a traceback.
+Configuration and placement errors exit with status 2 and a message on stderr, without a traceback.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import importlib
 import inspect
+import json
 import logging
 import sys
 from collections.abc import Callable
@@ -66,14 +67,23 @@ def cmd_train(argv: list[str], base: dict[str, Any] | None = None) -> int:
     from pathlib import Path
 
     from miles.config import load_config, save_config
+    from miles.controller.placement import PlacementError
 
     cfg = load_config(argv, base=base)
-    loop = "miles.controller.loop_async" if cfg.async_.fully_async else "miles.controller.loop_sync"
-    run = _import_entry(loop, "run", "miles train: the training loop is not available yet")
-    # The resolved config (derived knobs included) next to the run's metrics: `--config` reruns it.
-    save_config(cfg, Path(cfg.runtime.output_dir) / "config.yaml")
-    logger.info("starting %s with output_dir=%s", loop, cfg.runtime.output_dir)
-    return _result_code(run(cfg))
+    try:
+        if cfg.runtime.dry_run:  # the config and the placement plan, nothing started, no model built
+            from miles.controller.machine import dry_run_report
+
+            print(json.dumps(dry_run_report(cfg), indent=2))
+            return 0
+        loop = "miles.controller.loop_async" if cfg.async_.fully_async else "miles.controller.loop_sync"
+        run = _import_entry(loop, "run", "miles train: the training loop is not available yet")
+        # The resolved config (derived knobs included) next to the run's metrics: `--config` reruns it.
+        save_config(cfg, Path(cfg.runtime.output_dir) / "config.yaml")
+        logger.info("starting %s with output_dir=%s", loop, cfg.runtime.output_dir)
+        return _result_code(run(cfg))
+    except PlacementError as e:  # raised before any worker starts
+        raise UsageError(f"placement error: {e}") from None
 
 
 def cmd_tiny_model(argv: list[str]) -> int:

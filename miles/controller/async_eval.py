@@ -3,8 +3,9 @@
 - `shared`: the rollout fleet evaluates the weights it holds; new generation pauses while it
   runs (in-flight trajectories finish). Scores arrive at once (delay 0).
 - `dedicated`: `--eval-num-engines` extra engines (role `eval_rollout`, never part of weight
-  updates) load an HF snapshot exported by the trainer; every engine must report the snapshot's
-  version before the eval starts, so no score mixes two versions. Runs in the background.
+  updates; `miles.controller.placement` plans them, on GPUs after the rollout engines') load an
+  HF snapshot exported by the trainer; every engine must report the snapshot's version before
+  the eval starts, so no score mixes two versions. Runs in the background.
 - `external`: `--eval-external-command` (a template with `{checkpoint_dir}` and `{step}`) runs
   on the snapshot in a subprocess and prints a JSON object of scores on its last stdout line.
 
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import json
 import logging
 import os
@@ -28,32 +28,11 @@ from dataclasses import dataclass
 
 from miles.controller.eval import Evaluator
 from miles.controller.router import Router
-from miles.controller.runtime import WorkerSpec
 
 logger = logging.getLogger(__name__)
 
-EVAL_ROLE = "eval_rollout"
 EXTERNAL_NAME = "external"
 MODES = ("shared", "dedicated", "external")
-
-
-def eval_engine_specs(cfg, rollout_specs: list[WorkerSpec], *, num_trainer_gpus: int, device: str) -> list[WorkerSpec]:
-    """Dedicated eval engines: copies of the rollout engine spec with role `eval_rollout`."""
-    n = cfg.eval.eval_num_engines
-    if n <= 0 or not rollout_specs or not cfg.async_.fully_async:  # only the async loop evaluates on them
-        return []
-    gpus_per_engine = cfg.engine.rollout_num_gpus_per_engine
-    specs = []
-    for i in range(n):
-        base = rollout_specs[0]
-        env = dict(base.env)
-        if device == "cuda":  # after the trainer's and the rollout fleet's devices
-            first = num_trainer_gpus + (len(rollout_specs) + i) * gpus_per_engine
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + k) for k in range(gpus_per_engine))
-        kwargs = copy.deepcopy(base.init_kwargs)
-        kwargs["seed"] = cfg.data.rollout_seed + 10_000 + i
-        specs.append(WorkerSpec(role=EVAL_ROLE, rank=i, entry=base.entry, node=base.node, env=env, init_kwargs=kwargs))
-    return specs
 
 
 @dataclass(slots=True)

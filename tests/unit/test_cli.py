@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import types
@@ -63,6 +64,7 @@ def test_train_help_lists_groups_in_launch_order(capsys):
     assert positions == sorted(positions)
     assert "--rollout-batch-size" in out and "--no-colocate" in out
     assert "--sglang-args" not in out  # cli=False fields are YAML-only
+    assert "--dry-run" in out and "--num-gpus-per-node" in out and "--num-nodes" in out
 
 
 def test_config_error_exits_2_without_traceback(capsys):
@@ -97,6 +99,64 @@ def test_train_dispatches_sync_and_async(monkeypatch):
     assert saved["rollout"]["global_batch_size"] == 4 and saved["model"]["hf_checkpoint"] == "/m"
     assert main([*TRAIN, "--fully-async"]) == 0
     assert seen["async"].async_.fully_async is True
+
+
+ROOT = Path(__file__).resolve().parents[2]
+NO_LAUNCHER = ("GROUP_RANK", "GROUP_WORLD_SIZE", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NNODES")
+
+
+def _cli(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    """`python -m miles.cli train` in tmp_path, outside any torchrun/Slurm job, with its own model cache."""
+    env = {k: v for k, v in os.environ.items() if k not in NO_LAUNCHER}
+    env["MILES_CACHE"] = str(tmp_path / "cache")
+    cmd = [sys.executable, "-m", "miles.cli", "train", "--config", str(ROOT / "launch/configs/demo_cpu.yaml"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+
+
+def test_dry_run_prints_config_and_plan_and_starts_nothing(tmp_path):
+    proc = _cli(tmp_path, "--dry-run", "--num-gpus-per-node", "2")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["placement"] == {
+        "device": "cuda",
+        "num_nodes": 1,
+        "gpus_per_node": 2,
+        "gpus_needed": 2,
+        "workers": [
+            {"role": "trainer", "rank": 0, "node": 0, "gpus": [0]},
+            {"role": "rollout", "rank": 0, "node": 0, "gpus": [1]},
+        ],
+    }
+    assert out["config"]["model"]["hf_checkpoint"] == "tiny:qwen2:2x64"  # no model built
+    assert out["config"]["rollout"]["rollout_batch_size"] == 16
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no run directory, no model cache
+
+
+def test_real_run_refuses_num_nodes_the_launch_does_not_have(tmp_path):
+    proc = _cli(tmp_path, "--num-nodes", "2")
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("placement error: --num-nodes=2 but the launch environment (single) has 1 node(s)")
+    assert "Traceback" not in proc.stderr and not (tmp_path / "cache").exists()  # refused before the model is built
+
+
+def test_dry_run_on_several_nodes(capsys):
+    flags = ["--dry-run", "--num-nodes", "2", "--num-gpus-per-node", "1", "--rollout-num-engines", "1"]
+    assert main([*TRAIN, *flags]) == 0
+    plan = json.loads(capsys.readouterr().out)["placement"]
+    assert (plan["num_nodes"], plan["gpus_needed"]) == (2, 2)
+    assert [(w["role"], w["node"], w["gpus"]) for w in plan["workers"]] == [("trainer", 0, [0]), ("rollout", 1, [0])]
+
+
+def test_dry_run_refusal_is_one_line_exit_2(capsys):
+    assert main([*TRAIN, "--dry-run", "--num-gpus-per-node", "1"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (
+        "placement error: placement needs 2 GPUs (1 for trainers + 1 rollout engine(s) x 1) but the cluster has 1 "
+        "(1 node(s) x 1 GPUs); lower --actor-num-nodes, --actor-num-gpus-per-node, --rollout-num-engines or "
+        "--eval-num-engines, use --colocate, or run on more nodes\n"
+    )
 
 
 def test_forwarding_subcommands(monkeypatch):
