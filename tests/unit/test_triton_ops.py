@@ -212,13 +212,15 @@ def test_fused_decode_step_equals_the_torch_decode_step(tmp_path, arch):
 
 @needs_kernels
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-def test_fused_prefill_equals_the_torch_prefill(tmp_path, arch):
-    """Rows of different lengths into slots 1..3: the last tokens' hidden states and every cache entry
-    the prompts wrote match the torch prefill (fp32)."""
+@pytest.mark.parametrize("lens", [[5, 9, 3], [9]], ids=["three_rows", "one_row"])
+def test_fused_prefill_equals_the_torch_prefill(tmp_path, arch, lens):
+    """Rows of different lengths into slots from 1: the last tokens' hidden states and every cache entry
+    the prompts wrote match the torch prefill (fp32), and no other slot is touched. One row is the
+    prefill of a request that arrives alone (its slot index once reached the kernel as a stride-0 view,
+    read past its one-element storage: KV written into random slots, or an illegal address on CUDA)."""
     path = make_tiny_model(str(tmp_path / arch), arch=arch, init_std=0.2, seed=4)
     model = CausalLM.from_pretrained(path, DEVICE, torch.float32)
     s = model.spec
-    lens = [5, 9, 3]
     B, width, start = len(lens), max(lens), 1
     g = _gen(8)
     seqs = [torch.randint(3, s.vocab_size, (n,), generator=g).tolist() for n in lens]
@@ -239,3 +241,9 @@ def test_fused_prefill_equals_the_torch_prefill(tmp_path, arch):
             for cache in ("k", "v"):
                 got = getattr(caches[1], cache)[layer, start + b, :, :n]
                 torch.testing.assert_close(got, getattr(caches[0], cache)[layer, start + b, :, :n])
+    for cache in ("k", "v"):  # every other slot stays empty (the scratch position takes the padding)
+        t = getattr(caches[1], cache)
+        others = [i for i in range(t.shape[1]) if not start <= i < start + B]
+        assert not t[:, others].any()
+        for b, n in enumerate(lens):
+            assert not t[:, start + b, :, n : caches[1].scratch_pos].any()

@@ -402,7 +402,7 @@ class CausalLM:
         n = B * T
         table = self._rope_table_covering(kv.k.shape[3])
         rows = self._arange(B)
-        slots = (slot_start + rows)[:, None].expand(B, T).reshape(-1)
+        slots = (slot_start + rows).repeat_interleave(T)  # dense: one slot per token, B = 1 included
         select = rows * T + last_idx
         pos, wpos = positions.reshape(-1), write_pos.reshape(-1)
         keys = torch.empty((n, KVH, hd), dtype=self.dtype, device=self.device)

@@ -371,11 +371,31 @@ if triton is not None:
 
 # ---- host wrappers ---------------------------------------------------------------------------------
 
+# The kernels index every tensor as dense row-major memory (`ptr + row * width + col`). Inputs pass
+# through `_dense` (a no-op when already dense): an expanded or strided view, such as the slots of a
+# one-request prefill `slot[:, None].expand(1, T).reshape(-1)` (stride 0, one element of storage), would
+# otherwise be read past its storage. Tensors written in place (caches, residuals) must already be dense.
+
+
+def _dense(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    return tuple(None if t is None else t.contiguous() for t in tensors)
+
+
+def _check_dense(**tensors: torch.Tensor | None) -> None:
+    for name, t in tensors.items():
+        if t is not None and not t.is_contiguous():
+            raise ValueError(
+                f"{name} must be contiguous for the Triton kernels (shape {tuple(t.shape)}, "
+                f"strides {t.stride()}); it is written in place"
+            )
+
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, out=None):
     """RMSNorm(x + residual) * weight over the last dim; `residual` (if given) becomes x + residual."""
     n = x.shape[-1]
     rows = x.numel() // n
+    (x, weight) = _dense(x, weight)
+    _check_dense(residual=residual, out=out)
     out = torch.empty_like(x) if out is None else out
     _add_rms_norm_kernel[(rows,)](
         x, residual if residual is not None else x, weight, out, n, eps,
@@ -407,6 +427,10 @@ def rope_kv_write(
     the scratch position); k_out [B, KVH, HD]: also receives the rotated keys."""
     b = qkv.shape[0]
     hd = k_cache.shape[-1]
+    qkv, positions, slots, rope_table, q_norm, k_norm, write_positions = _dense(
+        qkv, positions, slots, rope_table, q_norm, k_norm, write_positions
+    )
+    _check_dense(k_cache=k_cache, v_cache=v_cache, q_out=q_out, k_out=k_out)
     q_out = torch.empty((b, num_heads, hd), dtype=qkv.dtype, device=qkv.device) if q_out is None else q_out
     qk_norm = q_norm is not None
     _rope_kv_kernel[(b,)](
@@ -481,6 +505,8 @@ class DecodeAttention:
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: torch.Tensor, out=None
     ) -> torch.Tensor:
         """q [B, H, HD]; caches [slots >= B, KVH, CAP, HD] (row b reads slot b); returns [B, H, HD]."""
+        q, lens = _dense(q, lens)
+        _check_dense(k_cache=k_cache, v_cache=v_cache, out=out)
         out = torch.empty_like(q) if out is None else out
         self._launch(_decode_attention_kernel, q.shape[0], q.device, out, (q, k_cache, v_cache, lens))
         return out
@@ -501,6 +527,8 @@ class DecodeAttention:
         written to cache[row, :, positions[row]], then attention over the positions < lens[row] (the
         cached ones before it and itself). qkv [B, (H + 2 KVH) x HD]; returns [B, H, HD]."""
         b = qkv.shape[0]
+        qkv, positions, lens, rope_table, q_norm, k_norm = _dense(qkv, positions, lens, rope_table, q_norm, k_norm)
+        _check_dense(k_cache=k_cache, v_cache=v_cache)
         out = torch.empty((b, self.h, self.hd), dtype=qkv.dtype, device=qkv.device)
         qk_norm = q_norm is not None
         args = (
@@ -515,6 +543,8 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
     """silu(gate) * up of gate_up [B, 2N] -> [B, N]."""
     b, n2 = gate_up.shape
     n = n2 // 2
+    (gate_up,) = _dense(gate_up)
+    _check_dense(out=out)
     out = torch.empty((b, n), dtype=gate_up.dtype, device=gate_up.device) if out is None else out
     block = min(1024, _next_pow2(n))
     _silu_mul_kernel[(b, triton.cdiv(n, block))](gate_up, out, n, BLOCK=block)
@@ -530,6 +560,7 @@ def sample_rows(
     Two kernels: per-chunk statistics over (row, chunk) programs, then one program per row that
     reads only the chunk its token falls in."""
     b, v = logits.shape
+    logits, inv_temp, u, greedy = _dense(logits, inv_temp, u, greedy)
     block, ch, c = _sample_chunking(v)
     stats = torch.empty((2, b, c), dtype=torch.float32, device=logits.device)
     _sample_stats_kernel[(b, c)](logits, inv_temp, stats[0], stats[1], V=v, CH=ch, C=c, BLOCK=block)
