@@ -14,6 +14,11 @@ from miles.workers.base import Worker
 logger = logging.getLogger(__name__)
 
 
+def embedded_options(sglang_args: dict[str, Any]) -> dict[str, Any]:
+    """The `--sglang-*` passthrough flags the embedded engine honours as well: `disable_cuda_graph`."""
+    return {"cuda_graphs": False} if sglang_args.get("disable_cuda_graph") else {}
+
+
 class RolloutWorker(Worker):
     def __init__(self, ctx, *, engine: str, model_path: str, device: str = "cpu", dtype: str = "auto",
                  max_running_requests: int = 64, max_total_tokens: int | None = None, seed: int = 0,
@@ -57,7 +62,7 @@ class RolloutWorker(Worker):
         self._engine = await asyncio.to_thread(
             EmbeddedEngine, self.model_path, device=self.device, dtype=self.dtype,
             max_running_requests=self.max_running_requests, max_total_tokens=self.max_total_tokens, seed=self.seed,
-            deterministic=self.deterministic)
+            deterministic=self.deterministic, **embedded_options(self.sglang_args))
         await self._engine.start()
         self._http = await start_http_server(self._engine, self.host, 0, receiver=WeightReceiver(self._engine))
         logger.info("embedded engine serving at %s", self._http.url)

@@ -21,8 +21,12 @@ from miles.workers.base import Worker
 logger = logging.getLogger(__name__)
 
 
-def _dtype(name: str | None) -> torch.dtype | None:
-    return None if name in (None, "auto") else getattr(torch, name)
+def push_dtype(model_dtype: str | None, device: str) -> torch.dtype | None:
+    """The dtype weights travel to the engines in: the one they compute in, `--dtype` (auto: bf16 on GPU;
+    on CPU the fp32 master as it is, None)."""
+    if model_dtype not in (None, "auto"):
+        return getattr(torch, model_dtype)
+    return None if device == "cpu" else torch.bfloat16
 
 
 class TrainerWorker(Worker):
@@ -84,7 +88,7 @@ class TrainerWorker(Worker):
 
     def push_weights(self, version: int) -> dict[str, float]:
         start = time.perf_counter()
-        dtype = _dtype(self.model_cfg.dtype) if self.device == "cpu" else torch.bfloat16
+        dtype = push_dtype(self.model_cfg.dtype, self.device)
         with nvtx_range(f"push_weights/{version}"):
             metrics = self.updater.update(self.backend.named_hf_tensors(dtype), version) or {}
         self.backend.weight_version = version
