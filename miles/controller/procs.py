@@ -46,11 +46,37 @@ def log_path_for(run_dir: str | os.PathLike, role: str, rank: int) -> Path:
     return Path(run_dir) / "logs" / f"{role}_{rank}.log"
 
 
+def visible_devices(worker_gpus: str | None, parent_visible: str | None) -> str | None:
+    """The worker's CUDA_VISIBLE_DEVICES in the node's own numbering.
+
+    The placement numbers GPUs 0..G-1 as this process sees them; when this process was itself started
+    with CUDA_VISIBLE_DEVICES (say `2,3`), its GPU 1 is the node's GPU 3, and that is what the worker
+    must be given. Entries may be indices or UUIDs; they are passed through as written."""
+    if worker_gpus is None or not parent_visible or not parent_visible.strip():
+        return worker_gpus
+    parent = [d.strip() for d in parent_visible.split(",") if d.strip()]
+    if not worker_gpus.strip():
+        return worker_gpus
+    chosen = []
+    for index in worker_gpus.split(","):
+        i = int(index)
+        if not 0 <= i < len(parent):
+            raise ValueError(
+                f"the placement gives a worker GPU {i}, but this process sees only {len(parent)} "
+                f"(CUDA_VISIBLE_DEVICES={parent_visible!r}); widen CUDA_VISIBLE_DEVICES or pass --num-gpus-per-node"
+            )
+        chosen.append(parent[i])
+    return ",".join(chosen)
+
+
 def spawn_worker_process(role: str, rank: int, env: dict[str, str], run_dir: str | os.PathLike) -> ChildProcess:
     """Start ``python -m miles.workers.main`` with stdout/stderr appended to its per-worker log."""
     log_path = log_path_for(run_dir, role, rank)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
+    if "CUDA_VISIBLE_DEVICES" in env:
+        full_env["CUDA_VISIBLE_DEVICES"] = visible_devices(env["CUDA_VISIBLE_DEVICES"],
+                                                           os.environ.get("CUDA_VISIBLE_DEVICES"))
     # the child must import the same miles as this process, whatever its working directory
     package_root = str(Path(__file__).resolve().parents[2])
     full_env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, full_env.get("PYTHONPATH", "")) if p)

@@ -299,3 +299,15 @@ def test_gpu_flag_refusals_in_a_real_run():
         runtime_of("--num-gpus-per-node", "8", "--num-nodes", "2"), SINGLE, dry_run=True, cuda_count=0
     )
     assert dry == Machine("cuda", 2, 8)
+
+
+def test_worker_gpus_are_translated_through_the_launchers_visible_devices():
+    from miles.controller.procs import visible_devices
+
+    assert visible_devices("1", None) == "1"  # nothing restricted: the node's own numbering
+    assert visible_devices("0", "1") == "1"  # `CUDA_VISIBLE_DEVICES=1 miles train`: its GPU 0 is the node's 1
+    assert visible_devices("0,1", "2, 3") == "2,3"
+    assert visible_devices("1", "GPU-aaa,GPU-bbb") == "GPU-bbb"
+    assert visible_devices("", "2,3") == ""  # a CPU worker stays without GPUs
+    with pytest.raises(ValueError, match="sees only 2"):
+        visible_devices("2", "2,3")
