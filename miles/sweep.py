@@ -136,6 +136,23 @@ def run_point(sweep: Sweep, index: int, extra: list[str] | None = None) -> int:
     return cmd_train(argv, base=sweep.base if isinstance(sweep.base, dict) else None)
 
 
+def invalid_points(sweep: Sweep, extra: list[str] | None = None) -> dict[int, str]:
+    """{index: why} for the points whose config does not pass `miles train`'s start-up checks."""
+    from miles.config import load_config
+
+    bad = {}
+    quiet = logging.getLogger("miles.config_checks")
+    level, quiet.level = quiet.level, logging.WARNING  # the derivations are logged again when a point runs
+    for index in range(len(sweep.points)):
+        try:
+            load_config(point_argv(sweep, index) + list(extra or []),
+                        base=sweep.base if isinstance(sweep.base, dict) else None)
+        except ConfigError as e:
+            bad[index] = str(e).replace("\n", " ")
+    quiet.level = level
+    return bad
+
+
 def submit(sweep: Sweep, script: Path, extra: list[str] | None = None) -> str:
     """sbatch an array of len(points) tasks running this sweep; returns the job id."""
     repo_copy = Path(__file__).resolve().parents[1] / script
@@ -157,6 +174,9 @@ def submit(sweep: Sweep, script: Path, extra: list[str] | None = None) -> str:
     return proc.stdout.strip().split(";")[0]  # --parsable prints "jobid[;cluster]"
 
 
+EXIT_INVALID = 2  # --list found invalid points
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="miles sweep",
@@ -170,11 +190,20 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--sbatch-script", type=Path, default=SBATCH_SCRIPT, help="array job script for --submit")
     args, extra = parser.parse_known_args(argv)  # the rest: `miles train` flags applied to every point
     sweep = load_sweep(args.sweep_file)
+    if args.list or args.submit:
+        bad = invalid_points(sweep, extra)
     if args.list:
         for index, point in enumerate(sweep.points):
-            print(f"{index}\t{' '.join(override_argv(point))}")
-        return 0
+            note = f"\tINVALID: {bad[index]}" if index in bad else ""
+            print(f"{index}\t{' '.join(override_argv(point))}{note}")
+        return EXIT_INVALID if bad else 0
     if args.submit:
+        if bad:  # an array whose tasks fail at start-up wastes the allocation
+            first = min(bad)
+            raise ConfigError(
+                f"{len(bad)} of {len(sweep.points)} points of {sweep.path} are invalid (e.g. point {first}: "
+                f"{bad[first]}); fix the grid or the base config (miles sweep {sweep.path} --list shows each)"
+            )
         job_id = submit(sweep, args.sbatch_script, extra)
         print(job_id)
         return 0

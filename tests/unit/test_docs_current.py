@@ -41,3 +41,33 @@ def test_readme_links_resolve():
     assert links
     missing = [link for link in links if not link.startswith("http") and not (ROOT / link).exists()]
     assert not missing, f"README links to missing files: {missing}"
+
+
+def test_quickstart_sweep_example_is_valid_at_every_point(tmp_path, monkeypatch):
+    from miles.sweep import invalid_points, load_sweep
+
+    block = next(b for b in fenced_blocks((ROOT / "docs" / "quickstart.md").read_text()) if b.startswith("# lr-sweep"))
+    (tmp_path / "lr-sweep.yaml").write_text(block)
+    monkeypatch.chdir(ROOT)
+    sweep = load_sweep(tmp_path / "lr-sweep.yaml")
+    assert len(sweep.points) == 6
+    assert invalid_points(sweep) == {}
+    # the check is real: the grid over n-samples-per-prompt the quickstart warns about fails at 4
+    bad_grid = block.replace("rollout-temperature: [0.8, 1.0]", "n-samples-per-prompt: [4, 8]")
+    (tmp_path / "bad.yaml").write_text(bad_grid)
+    assert sorted(invalid_points(load_sweep(tmp_path / "bad.yaml"))) == [0, 2, 4]
+
+
+def test_quickstart_config_errors_happen_as_shown():
+    import subprocess
+    import sys
+
+    for block in fenced_blocks((ROOT / "docs" / "quickstart.md").read_text()):
+        if not block.startswith("$ miles train"):
+            continue
+        command, *expected = block.splitlines()
+        args = command.removeprefix("$ miles train ").split()
+        proc = subprocess.run([sys.executable, "-m", "miles.cli", "train", *args], cwd=ROOT, capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 2
+        assert proc.stderr.strip().splitlines()[-len(expected):] == expected
