@@ -10,13 +10,18 @@ inlined because an extra frame costs more than copying a few hundred bytes.
 Supported values: None, bool, int, float, str, bytes, list/tuple (decoded as list), dict (any
 msgpack-able keys), numpy arrays of any non-object dtype, numpy scalars (decoded as Python
 scalars), torch tensors of any non-quantized dtype incl. bfloat16 and float8 (decoded on CPU).
+
+Signed messages (TCP) carry one more leading frame, the seal (:class:`FrameAuth`): version, run id,
+the sender's counter and an HMAC-SHA256 over run id, sender, recipient, counter and every other frame.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import struct
 import sys
+import time
 import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -31,6 +36,11 @@ INLINE_MAX_BYTES = 1024
 _EXT_NDARRAY = 1
 _EXT_TENSOR = 2
 SIGNATURE_BYTES = 32  # HMAC-SHA256 digest size
+RUN_ID_BYTES = 16
+NO_RUN_ID = bytes(RUN_ID_BYTES)  # claimed only by a worker that has not learnt the run id yet (hello)
+SEAL_VERSION = 2
+_SEAL = struct.Struct(f">B{RUN_ID_BYTES}sQ{SIGNATURE_BYTES}s")  # version, run id, counter, MAC
+SEAL_BYTES = _SEAL.size
 
 Frame = bytes | memoryview
 
@@ -176,3 +186,86 @@ def derive_key(run_secret: str) -> bytes:
 
 def verify(secret: bytes, signature: Frame, frames: Sequence[Frame]) -> bool:
     return len(signature) == SIGNATURE_BYTES and hmac.compare_digest(bytes(signature), sign(secret, frames))
+
+
+class FrameRefused(ValueError):
+    """A signed message failed a check; ``reason`` is one of unsigned, bad_signature, wrong_run, replay."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        self.reason = reason
+        super().__init__(detail)
+
+
+def run_id_field(run_id: str) -> bytes:
+    raw = run_id.encode()
+    if not 0 < len(raw) <= RUN_ID_BYTES:
+        raise ValueError(f"run id {run_id!r} must be 1 to {RUN_ID_BYTES} bytes")
+    return raw.ljust(RUN_ID_BYTES, b"\0")
+
+
+class FrameAuth:
+    """Seals one endpoint's outgoing messages and checks incoming ones.
+
+    The MAC binds each message to the run, to who sent it and to whom (the controller is ``b""``,
+    a worker its routing id), and to the sender's counter, which only goes up: the receiver keeps
+    the last counter per sender and refuses one not above it. Counters start at the wall clock in
+    nanoseconds, so a restarted sender still counts upwards from where its predecessor was.
+    """
+
+    __slots__ = ("_key", "identity", "run_id", "_counter", "_last_counter")
+
+    def __init__(self, key: bytes, identity: bytes, run_id: str | None) -> None:
+        self._key = key
+        self.identity = identity
+        self.run_id = run_id_field(run_id) if run_id else NO_RUN_ID
+        self._counter = time.time_ns()
+        self._last_counter: dict[bytes, int] = {}
+
+    def _mac(self, run_id: bytes, sender: bytes, recipient: bytes, counter: int, frames: Sequence[Frame]) -> bytes:
+        sender_len, recipient_len = len(sender).to_bytes(2, "big"), len(recipient).to_bytes(2, "big")
+        context = b"".join(
+            (b"miles-rpc-v2\0", run_id, sender_len, sender, recipient_len, recipient, counter.to_bytes(8, "big"))
+        )
+        return sign(self._key, [context, *frames])
+
+    def seal(self, recipient: bytes, frames: Sequence[Frame]) -> bytes:
+        """The seal frame that goes in front of ``frames`` on their way to ``recipient``."""
+        self._counter += 1
+        mac = self._mac(self.run_id, self.identity, recipient, self._counter, frames)
+        return _SEAL.pack(SEAL_VERSION, self.run_id, self._counter, mac)
+
+    def open(self, sender: bytes, seal: Frame, frames: Sequence[Frame]) -> tuple[bytes, int]:
+        """Checks a message from ``sender``; returns (run id, counter) or raises FrameRefused.
+
+        A run id other than ours passes only when one side claims NO_RUN_ID (the hello/welcome
+        exchange by which a node agent learns the run id): the caller must then accept nothing
+        but that exchange. The counter is not recorded: call :meth:`accept` once the message is taken.
+        """
+        if len(seal) != SEAL_BYTES:
+            raise FrameRefused("unsigned", f"no {SEAL_BYTES}-byte seal in front (first frame has {len(seal)})")
+        version, run_id, counter, mac = _SEAL.unpack(seal)
+        if version != SEAL_VERSION or not hmac.compare_digest(
+            mac, self._mac(run_id, sender, self.identity, counter, frames)
+        ):
+            raise FrameRefused("bad_signature", "mis-signed; is MILES_RUN_SECRET the same on every node?")
+        # equal real run ids pass; so does the handshake, where exactly one side has no run id yet
+        if (run_id != self.run_id or run_id == NO_RUN_ID) and (run_id == NO_RUN_ID) == (self.run_id == NO_RUN_ID):
+            raise FrameRefused(
+                "wrong_run",
+                f"signed for run {_show_run(run_id)}, this is run {_show_run(self.run_id)}: "
+                "a process of another run with the same secret?",
+            )
+        last = self._last_counter.get(sender, -1)
+        if counter <= last:
+            raise FrameRefused("replay", f"counter {counter} is not above the last one seen ({last}): a replay")
+        return run_id, counter
+
+    def accept(self, sender: bytes, counter: int) -> None:
+        self._last_counter[sender] = counter
+
+    def adopt_run_id(self, run_id: bytes) -> None:
+        self.run_id = run_id
+
+
+def _show_run(run_id: bytes) -> str:
+    return run_id.rstrip(b"\0").decode(errors="replace") or "<none>"

@@ -1,9 +1,15 @@
 """Async RPC over ZeroMQ: ROUTER in the controller, DEALER in each worker.
 
 Envelope (frame 0, msgpack via :mod:`miles.controller.codec`): ``[kind, request_id, method,
-deadline_unix, payload]``; tensors and arrays ride in further frames. On TCP a leading frame holds
-an HMAC-SHA256 signature of all others under the per-run secret; unsigned or mis-signed messages
-are dropped and counted in :class:`RpcStats`.
+deadline_unix, payload]``; tensors and arrays ride in further frames. On TCP a leading seal frame
+(:class:`miles.controller.codec.FrameAuth`) signs the run id, sender, recipient, the sender's counter
+and all other frames with the per-run key; a message that is unsigned, mis-signed, for another run,
+a replay, or from a peer the controller does not expect is dropped (counted in :class:`RpcStats`,
+warned about at a bounded rate) and never acted on. A node agent, which gets the key but not the run
+id, learns it first: its hello (sealed with no run id) is answered by a welcome carrying the run id
+and bound to the hello's nonce; nothing else goes out before. Every frame is capped at
+``max_frame_bytes`` (``MILES_RPC_MAX_FRAME_MB``, default 256) by ZMQ's MAXMSGSIZE, which reads the
+size from the frame header and drops the connection before allocating.
 
 Both ends can call and serve: the controller calls worker methods; workers call the controller to
 register. Replies resolve asyncio futures keyed by request id, so thousands of calls can be in
@@ -21,9 +27,11 @@ import enum
 import functools
 import itertools
 import logging
+import os
+import secrets
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
 import zmq
@@ -54,13 +62,29 @@ class Kind(enum.IntEnum):
     REPLY = 1
     ERROR = 2
     NOTIFY = 3
+    HELLO = 4  # a dealer without the run id asks for it (payload: a nonce)
+    WELCOME = 5  # the router's answer, sealed with the run id (payload: the hello's nonce)
 
 
 # plain ints on the hot path: enum arithmetic costs microseconds per message
-_REQUEST, _REPLY, _ERROR, _NOTIFY = (int(k) for k in Kind)
+_REQUEST, _REPLY, _ERROR, _NOTIFY, _HELLO, _WELCOME = (int(k) for k in Kind)
 _EVENTS, _POLLIN, _RCVMORE, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE), int(zmq.NOBLOCK)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE) | _NOBLOCK
 _ZERO_COPY_MIN_BYTES = 64 * 1024
+MAX_FRAME_MB_ENV = "MILES_RPC_MAX_FRAME_MB"
+_DEFAULT_MAX_FRAME_MB = 256  # control traffic; weights travel over their own transports
+
+
+def max_frame_bytes_from_env() -> int:
+    """The per-frame cap of the control channel: ``MILES_RPC_MAX_FRAME_MB`` MiB, default 256."""
+    raw = os.environ.get(MAX_FRAME_MB_ENV, str(_DEFAULT_MAX_FRAME_MB))
+    try:
+        mb = int(raw)
+    except ValueError:
+        mb = 0
+    if mb <= 0:
+        raise ValueError(f"{MAX_FRAME_MB_ENV}={raw!r} is not a positive whole number of MiB; e.g. 256")
+    return mb << 20
 
 
 class RemoteError(RuntimeError):
@@ -88,6 +112,9 @@ class RpcStats:
     received: int = 0
     dropped_unsigned: int = 0
     dropped_bad_signature: int = 0
+    dropped_wrong_run: int = 0
+    dropped_replay: int = 0
+    dropped_unknown_sender: int = 0
     dropped_unknown_reply: int = 0
     dropped_malformed: int = 0
 
@@ -105,10 +132,25 @@ class _Endpoint:
 
     _is_router = False
 
-    def __init__(self, sock: zmq.Socket, *, secret: bytes | None, name: str) -> None:
+    def __init__(
+        self,
+        sock: zmq.Socket,
+        *,
+        secret: bytes | None,
+        name: str,
+        identity: bytes,
+        run_id: str | None,
+        max_frame_bytes: int,
+        known_peers: Iterable[bytes] | None = None,
+    ) -> None:
         self._sock = sock
-        self._secret = secret
+        self._auth = codec.FrameAuth(secret, identity, run_id) if secret is not None else None
         self.name = name
+        self.max_frame_bytes = max_frame_bytes
+        # the router takes messages only from these routing ids (None: from anyone)
+        self.known_peers = set(known_peers) if known_peers is not None else None
+        self._backlog: list[tuple[bytes, list]] | None = None  # messages held until the run id is known
+        self._hello_nonce: bytes | None = None
         self.stats = RpcStats()
         self._loop = asyncio.get_running_loop()
         self._pending: dict[int, _Pending] = {}
@@ -127,8 +169,21 @@ class _Endpoint:
     # ---------------------------------------------------------------- sending
     def _send(self, peer: bytes, envelope: list) -> None:
         frames = codec.encode(envelope)
-        if self._secret is not None:
-            frames.insert(0, codec.sign(self._secret, frames))
+        for frame in frames:
+            if len(frame) > self.max_frame_bytes:
+                raise codec.CodecError(
+                    f"{self.name}: a {len(frame) / 2**20:.1f} MiB frame exceeds the control channel's cap of "
+                    f"{self.max_frame_bytes / 2**20:.1f} MiB per frame; send less per call, or raise "
+                    f"{MAX_FRAME_MB_ENV} on every node"
+                )
+        if self._backlog is not None and envelope[0] != _HELLO:
+            self._backlog.append((peer, frames))
+            return
+        self._send_frames(peer, frames)
+
+    def _send_frames(self, peer: bytes, frames: list) -> None:
+        if self._auth is not None:
+            frames.insert(0, self._auth.seal(peer, frames))
         if self._is_router:
             frames.insert(0, peer)
         try:
@@ -227,35 +282,47 @@ class _Endpoint:
                 logger.exception("%s: dropped a malformed message", self.name)
 
     def _recv_message(self) -> list:
-        """Small leading frames (routing id, signature, header) as bytes; payload frames zero-copy."""
+        """Small leading frames (routing id, seal, header) as bytes; payload frames zero-copy."""
         sock = self._sock
         frames: list = [sock.recv(_NOBLOCK)]
+        n_small = self._n_small_frames
+        if self._is_router and self.known_peers is not None and frames[0] not in self.known_peers:
+            n_small = 1  # a stranger's frames are dropped unread: copy nothing
         while sock.getsockopt(_RCVMORE):
-            frames.append(sock.recv(copy=len(frames) < self._n_small_frames))
+            frames.append(sock.recv(copy=len(frames) < n_small))
         return frames
+
+    def _drop(self, reason: str, peer: bytes, detail: str) -> None:
+        field = f"dropped_{reason}"
+        n = getattr(self.stats, field) + 1
+        setattr(self.stats, field, n)
+        if n <= 10 or n % 1000 == 0:  # a flood must not flood the log
+            logger.warning("%s: dropped a message from %r: %s (%d %s so far)", self.name, peer, detail, n, reason)
 
     def _dispatch(self, frames: list) -> None:
         peer = frames[0] if self._is_router else b""
         body = frames[1:] if self._is_router else frames
-        if self._secret is not None:
-            if len(body) < 2 or not isinstance(body[0], bytes) or len(body[0]) != codec.SIGNATURE_BYTES:
-                self.stats.dropped_unsigned += 1
-                logger.warning(
-                    "%s: dropped an unsigned message from %r (%d so far)", self.name, peer, self.stats.dropped_unsigned
-                )
+        if self.known_peers is not None and peer not in self.known_peers:
+            self._drop("unknown_sender", peer, "not a worker or node agent of this run")
+            return
+        if self._auth is not None:
+            if len(body) < 2:
+                self._drop("unsigned", peer, f"{len(body)} frame(s): no seal and envelope")
                 return
-            if not codec.verify(self._secret, body[0], [f if isinstance(f, bytes) else f.buffer for f in body[1:]]):
-                self.stats.dropped_bad_signature += 1
-                logger.warning(
-                    "%s: dropped a mis-signed message from %r (%d so far); is MILES_RUN_SECRET the same "
-                    "on every node?",
-                    self.name,
-                    peer,
-                    self.stats.dropped_bad_signature,
+            try:
+                run_id, counter = self._auth.open(
+                    peer, body[0], [f if isinstance(f, bytes) else f.buffer for f in body[1:]]
                 )
+            except codec.FrameRefused as e:
+                self._drop(e.reason, peer, str(e))
                 return
             body = body[1:]
         kind, req_id, method, deadline, payload = codec.decode(body)
+        if self._auth is not None:
+            if run_id != self._auth.run_id:
+                self._handshake(peer, kind, run_id, counter, payload)
+                return
+            self._auth.accept(peer, counter)
         self.stats.received += 1
         if self.on_message is not None:
             self.on_message(peer)
@@ -268,6 +335,25 @@ class _Endpoint:
                 self.notify_handler(peer, method, payload)
         else:
             self.stats.dropped_malformed += 1
+
+    def _handshake(self, peer: bytes, kind: int, run_id: bytes, counter: int, payload: Any) -> None:
+        """The one exchange sealed without our run id: a hello, and the welcome that answers it."""
+        auth = self._auth
+        assert auth is not None
+        if self._is_router and kind == _HELLO and run_id == codec.NO_RUN_ID and isinstance(payload, bytes):
+            auth.accept(peer, counter)
+            try:
+                self._send(peer, [_WELCOME, 0, "", 0.0, payload])
+            except RpcClosed:
+                logger.warning("%s: %r left before its welcome", self.name, peer)
+        elif not self._is_router and kind == _WELCOME and payload == self._hello_nonce:
+            auth.accept(peer, counter)
+            auth.adopt_run_id(run_id)
+            backlog, self._backlog = self._backlog or [], None
+            for to, frames in backlog:
+                self._send_frames(to, frames)
+        else:
+            self._drop("wrong_run", peer, f"message of kind {kind} sealed for another run ({run_id!r})")
 
     def _resolve(self, peer: bytes, req_id: int, kind: int, payload: Any) -> None:
         pending = self._pop_pending(req_id)
@@ -373,8 +459,10 @@ async def _await(awaitable: Awaitable) -> Any:
     return await awaitable
 
 
-def _new_socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
+def _new_socket(ctx: zmq.Context, kind: int, max_frame_bytes: int) -> zmq.Socket:
     sock = ctx.socket(kind)
+    # ZMQ reads each frame's size from its header and drops a peer announcing more, before allocating
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
     # unlimited queues, set before bind/connect (pipes keep the values they were created with):
     # thousands of calls in flight must neither block nor be dropped
     sock.setsockopt(zmq.SNDHWM, 0)
@@ -392,8 +480,21 @@ class RouterEndpoint(_Endpoint):
 
     _is_router = True
 
-    def __init__(self, ctx: zmq.Context, address: str, *, secret: bytes | None = None, name: str = "controller"):
-        sock = _new_socket(ctx, zmq.ROUTER)
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        address: str,
+        *,
+        secret: bytes | None = None,
+        run_id: str | None = None,
+        peers: Iterable[bytes] | None = None,
+        max_frame_bytes: int | None = None,
+        name: str = "controller",
+    ):
+        """``secret`` signs every frame for run ``run_id`` (default: a fresh random id); ``peers``: the only
+        routing ids whose messages are taken (default: any); ``max_frame_bytes``: default from the env."""
+        max_frame_bytes = max_frame_bytes or max_frame_bytes_from_env()
+        sock = _new_socket(ctx, zmq.ROUTER, max_frame_bytes)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer -> error instead of a silent drop
         # no ROUTER_HANDOVER: a second connection claiming a live worker's id must not hijack its traffic
         if address.startswith("tcp://") and address.endswith(":0"):
@@ -401,18 +502,51 @@ class RouterEndpoint(_Endpoint):
             address = f"{address.rsplit(':', 1)[0]}:{port}"
         else:
             sock.bind(address)
+        if address.startswith("ipc://") and not address.startswith("ipc://@"):
+            os.chmod(address.removeprefix("ipc://"), 0o600)  # unsigned IPC: only this user may connect
         self.address = address
-        super().__init__(sock, secret=secret, name=name)
+        super().__init__(
+            sock,
+            secret=secret,
+            name=name,
+            identity=b"",
+            run_id=run_id or secrets.token_hex(6),
+            max_frame_bytes=max_frame_bytes,
+            known_peers=peers,
+        )
 
 
 class DealerEndpoint(_Endpoint):
     """Worker side: one DEALER connected to the controller; the peer argument is ignored."""
 
-    def __init__(self, ctx: zmq.Context, address: str, identity: str, *, secret: bytes | None = None):
-        sock = _new_socket(ctx, zmq.DEALER)
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        address: str,
+        identity: str,
+        *,
+        secret: bytes | None = None,
+        run_id: str | None = None,
+        max_frame_bytes: int | None = None,
+    ):
+        """Without ``run_id`` a signed dealer first asks the controller for it (hello/welcome) and holds
+        every other message until the answer."""
+        max_frame_bytes = max_frame_bytes or max_frame_bytes_from_env()
+        sock = _new_socket(ctx, zmq.DEALER, max_frame_bytes)
         sock.setsockopt(zmq.ROUTING_ID, identity.encode())
         sock.connect(address)
-        super().__init__(sock, secret=secret, name=identity)
+        super().__init__(
+            sock,
+            secret=secret,
+            name=identity,
+            identity=identity.encode(),
+            run_id=run_id,
+            max_frame_bytes=max_frame_bytes,
+        )
+        if secret is not None and not run_id:
+            self._backlog = []
+            self._hello_nonce = secrets.token_bytes(16)
+            self._send(b"", [_HELLO, 0, "", 0.0, self._hello_nonce])
 
     async def call_controller(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
         return await self.call(b"", method, args, kwargs, timeout_s)

@@ -64,8 +64,8 @@ class Runtime:
         self._ipc_dir: str | None = None
         self._ipc_path: str | None = None
         if transport == "ipc":
-            # IPC frames are unsigned: the socket file gets the umask's permissions (no write, so no connect,
-            # for other users). Unix socket paths are limited to ~107 bytes: fall back to a 0700 temp dir.
+            # IPC frames are unsigned: the endpoint makes the socket file 0600, so only this user can connect.
+            # Unix socket paths are limited to ~107 bytes: fall back to a 0700 temp dir.
             ipc_path = os.path.join(self.run_dir, f".ctl-{self.run_id}.sock")
             if len(ipc_path) > 100:
                 self._ipc_dir = tempfile.mkdtemp(prefix=f"miles-{self.run_id}-")
@@ -75,13 +75,6 @@ class Runtime:
             bind = f"ipc://{ipc_path}"
         else:
             bind = f"tcp://{opts.host}:{opts.port}"
-        self.rpc = RouterEndpoint(self._zmq, bind, secret=self._secret)
-        self.address = self.rpc.address
-        if transport == "tcp" and opts.advertise_host:
-            self.address = f"tcp://{opts.advertise_host}:{self.address.rsplit(':', 1)[1]}"
-        self.rpc.request_handler = self._on_request
-        self.rpc.notify_handler = self._on_notify
-        self.rpc.on_message = self._on_message
         self._peers: dict[bytes, Peer] = {}
         for spec in specs:
             ident = spec.name.encode()
@@ -96,6 +89,14 @@ class Runtime:
         for node in range(1, num_nodes):
             ident = f"{AGENT_ROLE}:{node}".encode()
             self._peers[ident] = Peer(AGENT_ROLE, node, node, ident)
+        # only the workers and agents of this plan are heard; on TCP every frame is sealed for this run id
+        self.rpc = RouterEndpoint(self._zmq, bind, secret=self._secret, run_id=self.run_id, peers=self._peers)
+        self.address = self.rpc.address
+        if transport == "tcp" and opts.advertise_host:
+            self.address = f"tcp://{opts.advertise_host}:{self.address.rsplit(':', 1)[1]}"
+        self.rpc.request_handler = self._on_request
+        self.rpc.notify_handler = self._on_notify
+        self.rpc.on_message = self._on_message
         self._failure: BaseException | None = None
         self._failure_future: asyncio.Future = asyncio.get_running_loop().create_future()
         self._progress = asyncio.Event()  # set whenever a peer registers/readies or the run fails
@@ -235,7 +236,11 @@ class Runtime:
         raise AttributeError(f"the controller has no method {method!r} for {ident.decode()}")
 
     def _on_notify(self, ident: bytes, topic: str, payload: Any) -> None:
-        if topic == "worker_exited" and not self._closing:  # from a node agent
+        if topic == "worker_exited" and not self._closing:
+            reporter = self._peers.get(ident)
+            if reporter is None or reporter.role != AGENT_ROLE:  # only node agents report deaths
+                logger.warning("ignored worker_exited from %s, which is not a node agent", ident.decode())
+                return
             p = payload
             self._fail(
                 WorkerDied(

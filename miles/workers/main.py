@@ -46,6 +46,7 @@ class WorkerEnv:
     heartbeat_interval_s: float
     heartbeat_timeout_s: float
     register_timeout_s: float
+    run_id: str | None = None  # signed frames are sealed for it; None: learnt from the controller (node agents)
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> WorkerEnv:
@@ -70,6 +71,7 @@ class WorkerEnv:
             heartbeat_interval_s=float(env.get("MILES_HEARTBEAT_INTERVAL_S", "1.0")),
             heartbeat_timeout_s=float(env.get("MILES_HEARTBEAT_TIMEOUT_S", "30.0")),
             register_timeout_s=float(env.get("MILES_REGISTER_TIMEOUT_S", "120.0")),
+            run_id=env.get("MILES_RUN_ID") or None,
         )
 
 
@@ -93,7 +95,7 @@ class WorkerHost:
         self.identity = f"{cfg.role}:{cfg.rank}"
         self._worker_cls = worker_cls
         self._zmq = zmq.Context()
-        self.rpc = DealerEndpoint(self._zmq, cfg.controller_addr, self.identity, secret=cfg.secret)
+        self.rpc = DealerEndpoint(self._zmq, cfg.controller_addr, self.identity, secret=cfg.secret, run_id=cfg.run_id)
         self.rpc.request_handler = self._handle
         self.rpc.notify_handler = self._on_notify
         self.rpc.on_message = self._seen

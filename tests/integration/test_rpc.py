@@ -95,10 +95,10 @@ def test_mis_signed_and_unsigned_frames_are_rejected() -> None:
     async def main():
         key = codec.derive_key("the-run-secret")
         ctx = zmq.Context()
-        router = RouterEndpoint(ctx, "tcp://127.0.0.1:0", secret=key)
+        router = RouterEndpoint(ctx, "tcp://127.0.0.1:0", secret=key, run_id="run-a")
         served: list[str] = []
         router.request_handler = lambda peer, method, args, kwargs: served.append(peer.decode()) or "ok"
-        good = DealerEndpoint(ctx, router.address, "good:0", secret=key)
+        good = DealerEndpoint(ctx, router.address, "good:0", secret=key, run_id="run-a")
         assert await good.call_controller("hello", timeout_s=10) == "ok"
 
         rogue = ctx.socket(zmq.DEALER)
@@ -106,15 +106,16 @@ def test_mis_signed_and_unsigned_frames_are_rejected() -> None:
         rogue.connect(router.address)
         request = codec.encode([Kind.REQUEST, 1, "hello", 0.0, [[], {}]])
         rogue.send_multipart(request)  # unsigned
-        rogue.send_multipart([codec.sign(codec.derive_key("wrong-secret"), request), *request])  # wrong key
-        signed = codec.sign(key, request)
+        wrong_key = codec.FrameAuth(codec.derive_key("wrong-secret"), b"rogue:0", "run-a")
+        rogue.send_multipart([wrong_key.seal(b"", request), *request])
+        right_key = codec.FrameAuth(key, b"rogue:0", "run-a")
         tampered = codec.encode([Kind.REQUEST, 1, "hellO", 0.0, [[], {}]])
-        rogue.send_multipart([signed, *tampered])  # right key, body changed after signing
+        rogue.send_multipart([right_key.seal(b"", request), *tampered])  # right key, body changed after signing
         await wait_for_condition(lambda: router.stats.dropped_unsigned + router.stats.dropped_bad_signature == 3)
         assert router.stats.dropped_unsigned == 1 and router.stats.dropped_bad_signature == 2
         assert served == ["good:0"]  # nothing from the rogue reached the handler
 
-        rogue.send_multipart([signed, *request])  # a correctly signed frame is accepted
+        rogue.send_multipart([right_key.seal(b"", request), *request])  # a correctly sealed frame is accepted
         await wait_for_condition(lambda: len(served) == 2)
         rogue.close(linger=0)
         good.close()
@@ -134,8 +135,9 @@ def test_tcp_runtime_signs_every_frame(tmp_path) -> None:
             rogue.setsockopt(zmq.ROUTING_ID, b"rogue:1")
             rogue.connect(rt.address)
             frames = codec.encode([Kind.NOTIFY, 0, "hb", 0.0, None])
-            rogue.send_multipart([codec.sign(codec.derive_key("guess"), frames), *frames])
-            await wait_for_condition(lambda: rt.stats.dropped_bad_signature == 1)
+            guess = codec.FrameAuth(codec.derive_key("guess"), b"rogue:1", rt.run_id)
+            rogue.send_multipart([guess.seal(b"", frames), *frames])
+            await wait_for_condition(lambda: rt.stats.dropped_unknown_sender == 1)  # not in the plan: unread
             rogue.close(linger=0)
             assert await rt.worker("noop").call("echo", 1) == 1
 

@@ -149,3 +149,31 @@ def test_signature_detects_any_tampering() -> None:
     # moving a byte across a frame boundary keeps the concatenation but must still fail
     assert not codec.verify(key, sig, [frames[0] + frames[1][:1], frames[1][1:]])
     assert not codec.verify(key, b"short", frames)
+
+
+def test_seal_binds_run_sender_recipient_and_counter() -> None:
+    key = codec.derive_key("run-secret")
+    frames = [bytes(f) for f in codec.encode({"topic": "worker_exited"})]
+    worker = codec.FrameAuth(key, b"w:0", "run-a")
+    controller = codec.FrameAuth(key, b"", "run-a")
+    seal = worker.seal(b"", frames)
+    run_id, counter = controller.open(b"w:0", seal, frames)
+    assert run_id == codec.run_id_field("run-a")
+    controller.accept(b"w:0", counter)
+
+    def refusal(auth: codec.FrameAuth, sender: bytes, seal: bytes, frames: list) -> str:
+        with pytest.raises(codec.FrameRefused) as err:
+            auth.open(sender, seal, frames)
+        return err.value.reason
+
+    assert refusal(controller, b"w:0", seal, frames) == "replay"  # same bytes again
+    assert refusal(controller, b"w:1", seal, frames) == "bad_signature"  # same bytes, other sender
+    assert refusal(codec.FrameAuth(key, b"w:1", "run-a"), b"", seal, frames) == "bad_signature"  # other recipient
+    other_run = codec.FrameAuth(key, b"w:0", "run-b").seal(b"", frames)
+    assert refusal(controller, b"w:0", other_run, frames) == "wrong_run"
+    assert refusal(controller, b"w:0", codec.sign(key, frames), frames) == "unsigned"  # the old 32-byte signature
+    forged = bytearray(worker.seal(b"", frames))
+    forged[20] ^= 1  # raise the counter by hand: the MAC covers it
+    assert refusal(controller, b"w:0", bytes(forged), frames) == "bad_signature"
+    later = worker.seal(b"", frames)
+    assert controller.open(b"w:0", later, frames)[1] > counter
