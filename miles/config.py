@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,8 @@ from miles.config_sections import (
 logger = logging.getLogger(__name__)
 
 SGLANG_PREFIX = "--sglang-"
+# Fields never written out (config.yaml, --dry-run, logs): the engines' API key.
+SECRET_FIELDS = frozenset(f.name for cls in SECTIONS.values() for f in fields(cls) if f.metadata.get("secret"))
 
 
 @dataclass
@@ -84,8 +86,16 @@ class MilesConfig:
         return argparse.Namespace(**{name: self.get(name) for name in FIELDS})
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        """Nested by section (YAML-ready; `load_config(["--config", f])` reads it back)."""
-        return {section.rstrip("_"): asdict(getattr(self, section)) for section in SECTIONS}
+        """Nested by section (YAML-ready; `load_config(["--config", f])` reads it back).
+
+        Secret fields (`SECRET_FIELDS`) are written as None: a run read back from its config.yaml makes a
+        fresh API key, and one given by the user must be given again.
+        """
+        out = {section.rstrip("_"): asdict(getattr(self, section)) for section in SECTIONS}
+        for values in out.values():
+            for name in SECRET_FIELDS.intersection(values):
+                values[name] = None
+        return out
 
 
 # ---------------------------------------------------------------- command line

@@ -180,6 +180,8 @@ class EngineConfig:
     max_total_tokens: int | None = _f(None, "SGLANG", "embedded engine: KV cache capacity in tokens")
     deterministic: bool = _f(False, "SGLANG", "deterministic engine (fixed per-request seeds, batch-invariant ops)")
     rollout_external_engine_addrs: list[str] = _f([], "SGLANG", "use already running engines at these URLs", metadata={"nargs": "*"})
+    api_key: str | None = _f(None, "SGLANG", "key every engine wants as 'Authorization: Bearer KEY' (as SGLang's --api-key); default: a fresh random key per run, given to the engines it starts; external engines need this one. Never written to the run's config.yaml", metadata={"secret": True})
+    http_max_body_mb: float = _f(64.0, "SGLANG", "embedded engine: largest HTTP request body in MiB (413 above)")
     sglang_args: dict = _f({}, "SGLANG", "--sglang-* passthrough flags for sglang.launch_server", metadata={"cli": False})
 
 

@@ -16,6 +16,7 @@ node 0, or round-robin over the nodes after the trainers' when there are several
 from __future__ import annotations
 
 import copy
+import os
 import socket
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 
@@ -227,8 +228,18 @@ def _engine_spec(cfg, role: str, rank: int, node: int, gpus: list[int], device: 
             "deterministic": engine.deterministic,
             "sglang_args": copy.deepcopy(engine.sglang_args),
             "tp_size": engine.rollout_num_gpus_per_engine,
+            "api_key": engine.api_key,
+            "weight_dirs": engine_weight_dirs(cfg),
+            "max_body_mb": engine.http_max_body_mb,
         },
     )
+
+
+def engine_weight_dirs(cfg) -> list[str]:
+    """The directories an engine's weight endpoints may use: the run's directory (eval snapshots) and
+    --update-weight-disk-dir (disk-delta copies); the served model is readable besides."""
+    dirs = [cfg.runtime.output_dir, cfg.weights.update_weight_disk_dir]
+    return [os.path.abspath(d) for d in dirs if d]
 
 
 def plan_placement(

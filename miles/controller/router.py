@@ -12,12 +12,29 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from miles.engines.client import EngineClient
 
 logger = logging.getLogger(__name__)
+
+
+async def engine_clients(
+    runtime: Any, role: str, *, api_key: str | None, external: Iterable[str] = ()
+) -> list[EngineClient]:
+    """Clients of the engines a run started as `role` workers, then of the `external` URLs, all with the run's key.
+
+    A started engine's client is named after its worker (`rollout:0`) and, once the runtime knows the
+    worker is gone, raises the runtime's WorkerDied instead of retrying a dead address.
+    """
+    clients = [
+        EngineClient((await w.call("info"))["url"], api_key=api_key, name=f"{w.role}:{w.rank}",
+                     known_failure=lambda: runtime.failure)
+        for w in runtime.workers(role)
+    ]
+    return clients + [EngineClient(url, api_key=api_key) for url in external]
 
 
 class RoutingKeyMissing(ValueError):

@@ -18,9 +18,10 @@ import numpy as np
 from miles.config_checks import engine_memory_tags
 from miles.controller.machine import plan_run, resolve_machine
 from miles.controller.placement import Placement
-from miles.controller.router import Router
+from miles.controller.router import Router, engine_clients
 from miles.controller.runtime import Runtime
 from miles.engines.client import EngineClient
+from miles.engines.doors import new_api_key
 from miles.launch import launch_env, runtime_options
 from miles.rollout.data_source import load_data_source
 from miles.rollout.sample import Sample
@@ -107,6 +108,7 @@ class MilesRun:
         from transformers import AutoTokenizer
 
         le = launch_env()
+        cfg.engine.api_key = cfg.engine.api_key or new_api_key()  # one key per run: every engine and client
         machine = resolve_machine(cfg.runtime, le)
         placement = plan_run(cfg, machine, le)  # a layout the cluster cannot hold is refused here, before any work
         run_dir = cfg.runtime.output_dir
@@ -119,9 +121,9 @@ class MilesRun:
                                       install_signal_handlers=False, **runtime_options(le))
         try:
             await runtime.call_all("trainer", "setup", timeout_s=cfg.runtime.rpc_timeout_s)
-            urls = [(await w.call("info"))["url"] for w in runtime.workers("rollout")]
-            urls += list(cfg.engine.rollout_external_engine_addrs)
-            engines = [EngineClient(u) for u in urls]
+            engines = await engine_clients(runtime, "rollout", api_key=cfg.engine.api_key,
+                                           external=cfg.engine.rollout_external_engine_addrs)
+            urls = [e.base_url for e in engines]
             router = Router(engines, session_mode=cfg.rollout.use_session_server)
             tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint,
                                                       trust_remote_code=cfg.model.trust_remote_code)
@@ -130,7 +132,7 @@ class MilesRun:
                                wandb_group=cfg.logging.wandb_group, run_name=cfg.runtime.run_name)
             run = cls(cfg, runtime, placement, router, engines, tokenizer, sink)
             # dedicated eval engines (fully async --eval-mode dedicated): never part of weight updates
-            run.eval_engines = [EngineClient((await w.call("info"))["url"]) for w in runtime.workers("eval_rollout")]
+            run.eval_engines = await engine_clients(runtime, "eval_rollout", api_key=cfg.engine.api_key)
             if cfg.rollout.num_rollout is None:
                 from miles.config import derive_num_rollout
 

@@ -2,9 +2,14 @@
 
 The same client drives the embedded engine's HTTP front (`miles.engines.http_front`) and a real
 `sglang.launch_server`. One pooled `aiohttp` session carries thousands of concurrent `/generate`
-calls. Connection failures (refused, reset, server gone mid-request) are retried with exponential
+calls; every request carries the engine's API key (`Authorization: Bearer`) when one is given.
+
+Connection failures (refused, reset, server gone mid-request) are retried with exponential
 backoff; HTTP errors are not retried, and a timeout is not retried either: the engine may still be
-working on a timed-out request, so sending it again would double the load.
+working on a timed-out request, so sending it again would double the load. An outage is logged
+once per engine, not once per request, and is bounded: once it has lasted the whole retry budget,
+new requests get one attempt. When the owner knows why an engine is gone (`known_failure`, e.g.
+the runtime's WorkerDied for the engine's process), that error is raised instead of retrying.
 """
 
 from __future__ import annotations
@@ -12,9 +17,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
+
+from miles.engines.doors import auth_headers
 
 logger = logging.getLogger(__name__)
 
@@ -30,10 +39,13 @@ class EngineHTTPError(RuntimeError):
         self.endpoint = endpoint
         self.body = body
         detail = _error_detail(body)
-        super().__init__(
-            f"engine {url} answered HTTP {status} on {endpoint}: {detail}"
-            + (" (the request was rejected; fix the payload, it is not retried)" if 400 <= status < 500 else "")
-        )
+        if status == 401:
+            hint = " (give the client the key the engine was started with: --api-key)"
+        elif 400 <= status < 500:
+            hint = " (the request was rejected; fix the payload, it is not retried)"
+        else:
+            hint = ""
+        super().__init__(f"engine {url} answered HTTP {status} on {endpoint}: {detail}{hint}")
 
 
 class EngineConnectionError(ConnectionError):
@@ -71,13 +83,22 @@ class EngineClient:
         session: aiohttp.ClientSession | None = None,
         max_connections: int = 4096,
         retry_backoff_s: float = 0.2,
+        api_key: str | None = None,
+        name: str | None = None,
+        known_failure: Callable[[], BaseException | None] | None = None,
     ) -> None:
+        """`api_key`: sent as `Authorization: Bearer` on every request. `name`: the engine's worker name, for
+        errors. `known_failure`: returns why the engine is known to be gone (or None); raised instead of retrying."""
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"engine base_url={base_url!r} has no scheme; pass e.g. 'http://127.0.0.1:30000'")
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.retry_backoff_s = retry_backoff_s
+        self.name = name
+        self._headers = auth_headers(api_key)
+        self._known_failure = known_failure
+        self._outage_since: float | None = None  # monotonic time of the first failure of the current outage
         self._max_connections = max_connections
         self._session = session
         self._session_loop: asyncio.AbstractEventLoop | None = None
@@ -85,6 +106,11 @@ class EngineClient:
 
     def __repr__(self) -> str:
         return f"EngineClient({self.base_url!r})"
+
+    @property
+    def label(self) -> str:
+        """How errors name this engine: its worker name and URL when the name is known."""
+        return f"{self.name} at {self.base_url}" if self.name else self.base_url
 
     def _get_session(self) -> aiohttp.ClientSession:
         # Created lazily so the session binds to the loop that uses it; a session left on another
@@ -124,33 +150,57 @@ class EngineClient:
         """Send one request, retrying connection failures; returns (status, parsed JSON or text or None)."""
         url = self.base_url + endpoint
         retries = self.max_retries if max_retries is None else max_retries
+        if self._outage_since is not None and time.monotonic() - self._outage_since > self._retry_budget_s():
+            retries = 0  # the engine has been unreachable for a whole retry budget already: one attempt
         timeout = aiohttp.ClientTimeout(total=timeout_s if timeout_s is not None else self.timeout_s)
+        headers = {**self._headers, **headers} if headers else self._headers
         for attempt in range(retries + 1):
             try:
                 async with self._get_session().request(
                     method, url, json=payload, headers=headers, timeout=timeout
                 ) as resp:
                     body = await resp.text()
-                    if resp.status >= 300 and resp.status not in ok_statuses:
-                        raise EngineHTTPError(resp.status, self.base_url, endpoint, body)
-                    return resp.status, _parse_body(body, resp.content_type)
+                self._reachable()
+                if resp.status >= 300 and resp.status not in ok_statuses:
+                    raise EngineHTTPError(resp.status, self.base_url, endpoint, body)
+                return resp.status, _parse_body(body, resp.content_type)
             except aiohttp.ClientConnectionError as exc:
                 # ServerTimeoutError is a connection error subclass in aiohttp but means a read timeout.
                 if isinstance(exc, aiohttp.ServerTimeoutError):
                     raise EngineTimeoutError(f"{method} {url} timed out: {exc}") from exc
+                failure = self._known_failure() if self._known_failure is not None else None
+                if failure is not None:  # shared by every request that hits it: keep only this raise's frames
+                    raise failure.with_traceback(None) from None
                 if attempt >= retries:
+                    down_s = time.monotonic() - (self._outage_since or time.monotonic())
                     raise EngineConnectionError(
-                        f"{method} {url} failed after {attempt + 1} attempts: {type(exc).__name__}: {exc}; "
-                        "is the engine running and listening on that address?"
+                        f"engine {self.label} is unreachable: {method} {endpoint} failed after {attempt + 1} "
+                        f"attempts, {down_s:.1f}s into the outage ({type(exc).__name__}: {exc}); its process "
+                        "died or stopped listening on that address"
                     ) from exc
-                delay = self.retry_backoff_s * (2**attempt)
-                logger.warning("%s %s: %s; retry %d/%d in %.2fs", method, url, exc, attempt + 1, retries, delay)
-                await asyncio.sleep(delay)
+                self._unreachable(exc, retries)
+                await asyncio.sleep(self.retry_backoff_s * (2**attempt))
             except asyncio.TimeoutError as exc:
                 raise EngineTimeoutError(
                     f"{method} {url} did not answer within {timeout.total}s; raise timeout_s if the engine is slow"
                 ) from exc
         raise AssertionError("unreachable")
+
+    def _retry_budget_s(self) -> float:
+        return self.retry_backoff_s * (2**self.max_retries - 1)
+
+    def _unreachable(self, exc: Exception, retries: int) -> None:
+        if self._outage_since is None:  # one warning per outage, however many requests hit it
+            self._outage_since = time.monotonic()
+            logger.warning(
+                "engine %s is unreachable (%s: %s); retrying each request up to %d times over %.1fs",
+                self.label, type(exc).__name__, exc, retries, self._retry_budget_s(),
+            )
+
+    def _reachable(self) -> None:
+        if self._outage_since is not None:
+            logger.warning("engine %s answers again after %.1fs", self.label, time.monotonic() - self._outage_since)
+            self._outage_since = None
 
     async def _post(self, endpoint: str, payload: dict | None = None, **kw: Any) -> Any:
         return (await self.request("POST", endpoint, payload if payload is not None else {}, **kw))[1]
@@ -168,9 +218,17 @@ class EngineClient:
         return await self._post("/generate", payload, headers=headers, timeout_s=timeout_s)
 
     async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
+        """Abort one request or all; an engine that cannot be reached has nothing left to abort (not an error)."""
         if rid is None and not abort_all:
             raise ValueError("abort_request needs a rid or abort_all=True")
-        await self._post("/abort_request", {"rid": rid or "", "abort_all": abort_all})
+        try:
+            await self._post("/abort_request", {"rid": rid or "", "abort_all": abort_all})
+        except EngineConnectionError as exc:
+            logger.debug("abort on %s skipped: %s", self.label, exc)
+        except Exception as exc:
+            if self._known_failure is None or exc is not self._known_failure():
+                raise
+            logger.debug("abort on %s skipped: the engine is gone (%s)", self.label, exc)
 
     async def pause_generation(self, mode: str = "retract") -> None:
         await self._post("/pause_generation", {"mode": mode})

@@ -5,9 +5,11 @@ reply shape, so `EngineClient` (and any SGLang client) cannot tell the two apart
 control map one-to-one onto `EmbeddedEngine`; weight-update endpoints go to the engine-side
 `WeightReceiver`. Deliberate differences from SGLang are listed in docs/engines.md.
 
-Errors: a ValueError (bad input) becomes HTTP 400, anything else 500, both with
-{"error": message, "success": false, "message": message}, which carries both our contract's
-`error` key and the `success`/`message` pair SGLang's weight endpoints answer with.
+Errors: a ValueError (bad input) becomes HTTP 400, a path outside the engine's weight directories
+403, anything else 500, all with {"error": message, "success": false, "message": message}, which
+carries both our contract's `error` key and the `success`/`message` pair SGLang's weight endpoints
+answer with. Who may call, how large a body may be and which paths a request may name are decided
+in `miles.engines.doors` (401 without the key, 413 over the size limit).
 """
 
 from __future__ import annotations
@@ -15,15 +17,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import inspect
-import json
 import logging
+import os
 import signal
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
+from miles.engines.doors import (
+    DEFAULT_MAX_BODY_MB,
+    PathRefused,
+    WeightDirs,
+    api_key_middleware,
+    body_limit_middleware,
+    json_error,
+    loads_strict,
+    warn_if_open,
+)
 from miles.engines.sglang_protocol import PAUSE_MODES, parse_generate_body
 
 logger = logging.getLogger(__name__)
@@ -37,10 +50,6 @@ class ReceiverUnavailable(RuntimeError):
     """The weight receiver module cannot be imported (answered with HTTP 501)."""
 
 
-def _json_error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": message, "success": False, "message": message}, status=status)
-
-
 @web.middleware
 async def _error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     try:
@@ -48,13 +57,16 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
     except web.HTTPException:
         raise
     except ReceiverUnavailable as exc:
-        return _json_error(501, str(exc))
+        return json_error(501, str(exc))
+    except PathRefused as exc:
+        logger.warning("%s %s refused: %s", request.method, request.path, exc)
+        return json_error(403, str(exc))
     except ValueError as exc:  # includes malformed JSON (JSONDecodeError)
         logger.info("%s %s rejected: %s", request.method, request.path, exc)
-        return _json_error(400, str(exc))
+        return json_error(400, str(exc))
     except Exception as exc:
         logger.exception("%s %s failed", request.method, request.path)
-        return _json_error(500, f"{type(exc).__name__}: {exc}")
+        return json_error(500, f"{type(exc).__name__}: {exc}")
 
 
 async def _json_body(request: web.Request) -> dict:
@@ -63,7 +75,7 @@ async def _json_body(request: web.Request) -> dict:
     raw = await request.read()
     if not raw.strip():
         return {}
-    body = json.loads(raw)
+    body = loads_strict(raw)
     if body is None:
         return {}
     if not isinstance(body, dict):
@@ -74,9 +86,10 @@ async def _json_body(request: web.Request) -> dict:
 class EngineFront:
     """Request handlers bound to one engine (and, lazily, its weight receiver)."""
 
-    def __init__(self, engine: Any, receiver: Any = None) -> None:
+    def __init__(self, engine: Any, receiver: Any = None, weight_dirs: WeightDirs | None = None) -> None:
         self.engine = engine
         self._receiver = receiver
+        self.weight_dirs = weight_dirs or WeightDirs.of((), getattr(engine, "model_path", None))
         self.paused = False
 
     # -- generation -------------------------------------------------------------------------------
@@ -222,6 +235,7 @@ class EngineFront:
                 inspect.signature(method).bind(**body)
             except TypeError as exc:
                 raise ValueError(f"/{method_name} payload {sorted(body)} does not match: {exc}") from exc
+            self.weight_dirs.check(method_name, body)
             result = await method(**body)
             content = {"success": True, "message": f"{method_name} done"}
             if isinstance(result, dict):
@@ -278,10 +292,26 @@ MILES_WEIGHT_ENDPOINTS = ("export_weight_buffer", "install_weight_buffer")
 FRONT_KEY = web.AppKey("front", EngineFront)
 
 
-def build_app(engine: Any, receiver: Any = None) -> web.Application:
-    """The aiohttp application serving `engine` with SGLang's endpoints."""
-    front = EngineFront(engine, receiver)
-    app = web.Application(middlewares=[_error_middleware], client_max_size=1024**3)
+def build_app(
+    engine: Any,
+    receiver: Any = None,
+    *,
+    api_key: str | None = None,
+    max_body_mb: float = DEFAULT_MAX_BODY_MB,
+    weight_dirs: Iterable[str] = (),
+) -> web.Application:
+    """The aiohttp application serving `engine` with SGLang's endpoints.
+
+    `api_key`: required as `Authorization: Bearer <key>` on every endpoint but GET /health (None:
+    open). `max_body_mb`: larger bodies get 413. `weight_dirs`: the directories `/pull_weights` and
+    `/update_weights_from_disk` may name (besides the engine's own model path, readable).
+    """
+    front = EngineFront(engine, receiver, WeightDirs.of(weight_dirs, getattr(engine, "model_path", None)))
+    max_bytes = int(max_body_mb * 2**20)
+    middlewares = [body_limit_middleware(max_bytes), _error_middleware]
+    if api_key:
+        middlewares.insert(0, api_key_middleware(api_key))
+    app = web.Application(middlewares=middlewares, client_max_size=max_bytes)
     app[FRONT_KEY] = front
     add = app.router.add_route
     for method in ("POST", "PUT"):
@@ -322,12 +352,21 @@ class HttpServerHandle:
         await self.runner.cleanup()
 
 
-async def start_http_server(engine: Any, host: str, port: int, receiver: Any = None) -> HttpServerHandle:
-    """Serve `engine` on host:port (port 0 picks a free one) on the running loop."""
+async def start_http_server(
+    engine: Any,
+    host: str,
+    port: int,
+    receiver: Any = None,
+    *,
+    api_key: str | None = None,
+    max_body_mb: float = DEFAULT_MAX_BODY_MB,
+    weight_dirs: Iterable[str] = (),
+) -> HttpServerHandle:
+    """Serve `engine` on host:port (port 0 picks a free one) on the running loop (doors: see build_app)."""
+    warn_if_open(host, api_key)
+    app = build_app(engine, receiver, api_key=api_key, max_body_mb=max_body_mb, weight_dirs=weight_dirs)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts the request.
-    runner = web.AppRunner(
-        build_app(engine, receiver), handler_cancellation=True, access_log=None, shutdown_timeout=5.0
-    )
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=4096)
     try:
@@ -343,7 +382,7 @@ async def start_http_server(engine: Any, host: str, port: int, receiver: Any = N
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="miles engine serve", description="Serve the embedded engine over HTTP.")
     parser.add_argument("--model-path", required=True, help="HF model directory (weights + tokenizer)")
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default="127.0.0.1", help="listen address (default loopback only)")
     parser.add_argument("--port", type=int, default=30000, help="0 picks a free port")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
@@ -351,6 +390,22 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-total-tokens", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--deterministic", action="store_true")
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every endpoint but GET /health (default: open; "
+        "then keep the default loopback --host)",
+    )
+    parser.add_argument(
+        "--max-body-mb", type=float, default=DEFAULT_MAX_BODY_MB, help="largest request body in MiB (413 above)"
+    )
+    parser.add_argument(
+        "--weight-dir",
+        action="append",
+        default=[],
+        help="a directory /pull_weights and /update_weights_from_disk may use (repeatable; "
+        "the served --model-path is always readable)",
+    )
     return parser.parse_args(argv)
 
 
@@ -373,7 +428,14 @@ async def _serve(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)
     handle = None
     try:
-        handle = await start_http_server(engine, args.host, args.port)
+        handle = await start_http_server(
+            engine,
+            args.host,
+            args.port,
+            api_key=args.api_key,
+            max_body_mb=args.max_body_mb,
+            weight_dirs=[os.path.abspath(d) for d in args.weight_dir],
+        )
         # One parseable line on stdout: launchers read the bound port from it.
         print(f"miles engine serving {args.model_path} on {handle.url}", flush=True)
         await stop.wait()

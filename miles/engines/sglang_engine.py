@@ -25,11 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from miles.engines.client import EngineClient
+from miles.engines.doors import auth_headers, redact
 
 logger = logging.getLogger(__name__)
 
 # Set by SGLangServer itself; passing them in sglang_args would give SGLang two conflicting values.
-RESERVED_ARGS = frozenset({"model_path", "host", "port", "tp_size", "tp"})
+RESERVED_ARGS = frozenset({"model_path", "host", "port", "tp_size", "tp", "api_key"})
 # Miles' launcher skips SGLang's warm-up request: wait_healthy() sends a real generation anyway.
 DEFAULT_SGLANG_ARGS: dict[str, Any] = {"skip_server_warmup": True}
 
@@ -41,6 +42,8 @@ def normalize_sglang_args(sglang_args: dict[str, Any] | None) -> dict[str, Any]:
         key = raw_key.lstrip("-").replace("-", "_")
         if key.startswith("sglang_"):
             key = key[len("sglang_") :]
+        if key == "api_key":
+            raise ValueError(f"sglang_args[{raw_key!r}]: give the engines' key with --api-key (api_key=...)")
         if key in RESERVED_ARGS:
             raise ValueError(
                 f"sglang_args[{raw_key!r}] is set by the launcher; pass it as SGLangServer("
@@ -76,12 +79,14 @@ def build_sglang_command(
     sglang_args: dict[str, Any] | None = None,
     tp_size: int = 1,
     python: str = sys.executable,
+    api_key: str | None = None,
 ) -> list[str]:
     if tp_size < 1:
         raise ValueError(f"tp_size={tp_size} must be >= 1 (it is --rollout-num-gpus-per-engine)")
     merged = {**DEFAULT_SGLANG_ARGS, **normalize_sglang_args(sglang_args)}
     head = [python, "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", host]
-    return head + ["--port", str(port), "--tp-size", str(tp_size), *sglang_flags(merged)]
+    key = ["--api-key", api_key] if api_key else []
+    return head + ["--port", str(port), "--tp-size", str(tp_size), *key, *sglang_flags(merged)]
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
@@ -111,13 +116,15 @@ class SGLangServer:
         *,
         log_path: str | Path | None = None,
         python: str = sys.executable,
+        api_key: str | None = None,
     ) -> None:
         self.model_path = model_path
         self.host = host
         self.port = port
         self.env = dict(env or {})
         self.log_path = Path(log_path) if log_path is not None else None
-        self.command = build_sglang_command(model_path, port, host, sglang_args, tp_size, python)
+        self.api_key = api_key
+        self.command = build_sglang_command(model_path, port, host, sglang_args, tp_size, python, api_key)
         self.process: subprocess.Popen | None = None
         self._finalizer: weakref.finalize | None = None
 
@@ -126,14 +133,19 @@ class SGLangServer:
         return f"http://{self.host}:{self.port}"
 
     def client(self, **kw: Any) -> EngineClient:
-        return EngineClient(self.url, **kw)
+        return EngineClient(self.url, api_key=self.api_key, **kw)
+
+    @property
+    def command_text(self) -> str:
+        """The command line as logs and errors show it (the API key redacted)."""
+        return redact(" ".join(self.command), self.api_key)
 
     def start(self) -> None:
         if self.process is not None:
             raise RuntimeError(f"SGLang server on {self.url} was already started (pid {self.process.pid})")
         env = {**os.environ, **self.env}
         out = open(self.log_path, "ab") if self.log_path is not None else None  # noqa: SIM115 (child owns it)
-        logger.info("starting SGLang: %s", " ".join(self.command))
+        logger.info("starting SGLang: %s", self.command_text)
         try:
             # Own process group: SGLang forks scheduler/detokenizer children; stop() ends them all.
             self.process = subprocess.Popen(
@@ -152,7 +164,8 @@ class SGLangServer:
 
     def _probe(self, timeout_s: float) -> bool:
         try:
-            with urllib.request.urlopen(self.url + "/health_generate", timeout=timeout_s) as resp:
+            probe = urllib.request.Request(self.url + "/health_generate", headers=auth_headers(self.api_key))
+            with urllib.request.urlopen(probe, timeout=timeout_s) as resp:
                 return resp.status == 200
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
             return False
@@ -167,7 +180,7 @@ class SGLangServer:
             if code is not None:
                 raise RuntimeError(
                     f"SGLang server exited with code {code} before becoming healthy; command: "
-                    f"{' '.join(self.command)}\n{self._log_tail()}"
+                    f"{self.command_text}\n{self._log_tail()}"
                 )
             if self._probe(timeout_s=min(30.0, max(1.0, deadline - time.monotonic()))):
                 self._flush_cache()
@@ -185,7 +198,8 @@ class SGLangServer:
 
     def _flush_cache(self) -> None:
         try:
-            with urllib.request.urlopen(self.url + "/flush_cache", timeout=30):
+            flush = urllib.request.Request(self.url + "/flush_cache", headers=auth_headers(self.api_key))
+            with urllib.request.urlopen(flush, timeout=30):
                 pass
         except (urllib.error.URLError, OSError) as exc:
             logger.warning("flush_cache after boot failed on %s: %s", self.url, exc)

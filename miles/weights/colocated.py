@@ -37,6 +37,7 @@ from miles.weights.updater import WeightUpdater
 logger = logging.getLogger(__name__)
 
 LOAD_FORMAT = "miles_colocated"
+SHM_DIR = "/dev/shm"
 ALIGN_BYTES = 256  # every tensor starts on a 256-byte boundary of the flat buffer (aligned, vectorised copies)
 
 
@@ -187,11 +188,29 @@ def _views(flat: torch.Tensor, entries: list[dict]) -> list[NamedTensor]:
     return named
 
 
+def shm_path(segment: object) -> str:
+    """The file of a POSIX shared-memory segment: a plain name (one optional leading '/'), under /dev/shm.
+
+    The name comes over HTTP, so anything that could lead elsewhere (a '/', '..', a NUL, a symlink
+    out of /dev/shm) is refused with ValueError (HTTP 400).
+    """
+    name = segment[1:] if isinstance(segment, str) and segment.startswith("/") else segment
+    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\0" in name:
+        raise ValueError(
+            f"shared-memory segment {segment!r} is not a plain segment name (like 'psm_1a2b'); "
+            f"it must name a file directly under {SHM_DIR}"
+        )
+    path = os.path.join(SHM_DIR, name)
+    if os.path.dirname(os.path.realpath(path)) != os.path.realpath(SHM_DIR):
+        raise ValueError(f"shared-memory segment {segment!r} links out of {SHM_DIR}; refused")
+    return path
+
+
 @contextmanager
 def _open_shm(desc: dict) -> Iterator[list[NamedTensor]]:
     # Mapped as a plain file under /dev/shm: Python's SharedMemory would register the segment with a
     # resource tracker that the trainer process shares, and unregister it twice.
-    path = f"/dev/shm/{desc['segment'].lstrip('/')}"
+    path = shm_path(desc.get("segment"))
     try:
         mapped = np.memmap(path, dtype=np.uint8, mode="r+")
     except FileNotFoundError as exc:

@@ -59,6 +59,7 @@ from miles.weights.colocated import (
     _unb64,
     open_cuda_buffer,
     share_cuda_buffer,
+    shm_path,
 )
 from miles.weights.groups import dtype_from_name, dtype_name
 from miles.weights.updater import EngineCallError
@@ -435,7 +436,7 @@ class MappedBuffer:
         self.generation = int(export["generation"])
         self._mmap: np.memmap | None = None
         if handle["kind"] == "shm":
-            path = f"/dev/shm/{handle['segment'].lstrip('/')}"
+            path = shm_path(handle["segment"])
             try:
                 self._mmap = np.memmap(path, dtype=np.uint8, mode="r+")
             except FileNotFoundError as exc:
@@ -452,7 +453,7 @@ class MappedBuffer:
         if export.get("generation_word"):
             try:
                 self._word = np.memmap(
-                    f"/dev/shm/{export['generation_word'].lstrip('/')}", dtype=np.int64, mode="r", shape=(1,)
+                    shm_path(export["generation_word"]), dtype=np.int64, mode="r", shape=(1,)
                 )
             except FileNotFoundError:
                 self._word = None  # then every update asks the engine

@@ -1,4 +1,9 @@
-"""A rollout engine process: the embedded engine (or a real SGLang server) behind the SGLang HTTP protocol."""
+"""A rollout engine process: the embedded engine (or a real SGLang server) behind the SGLang HTTP protocol.
+
+Its doors (miles/engines/doors.py): the run's API key on every endpoint, loopback unless the run spans
+several nodes (then every interface, and the key is mandatory), weight endpoints limited to the run's
+directories (`weight_dirs`) and the served model, request bodies up to `max_body_mb`.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import os
 import socket
 from typing import Any
 
+from miles.engines.doors import DEFAULT_MAX_BODY_MB, is_loopback
 from miles.utils.profiling import WorkerProfiler
 from miles.workers.base import Worker
 
@@ -23,7 +29,8 @@ class RolloutWorker(Worker):
     def __init__(self, ctx, *, engine: str, model_path: str, device: str = "cpu", dtype: str = "auto",
                  max_running_requests: int = 64, max_total_tokens: int | None = None, seed: int = 0,
                  deterministic: bool = False, host: str = "127.0.0.1", sglang_args: dict | None = None,
-                 tp_size: int = 1):
+                 tp_size: int = 1, api_key: str | None = None, weight_dirs: list[str] | None = None,
+                 max_body_mb: float = DEFAULT_MAX_BODY_MB):
         super().__init__(ctx)
         self.kind = engine
         self.model_path = model_path
@@ -35,6 +42,14 @@ class RolloutWorker(Worker):
         self.deterministic = deterministic
         # several nodes: listen on every interface so the controller and trainers elsewhere can reach us
         self.host = "0.0.0.0" if int(os.environ.get("MILES_NUM_NODES", "1")) > 1 else host
+        if not is_loopback(self.host) and not api_key:
+            raise ValueError(
+                f"rollout engine {ctx.role}:{ctx.rank} would listen on {self.host} without an API key; "
+                "every run passes one (--api-key, or a fresh key per run): start it through `miles train`"
+            )
+        self.api_key = api_key
+        self.weight_dirs = list(weight_dirs or [])
+        self.max_body_mb = max_body_mb
         self.sglang_args = sglang_args or {}
         self.tp_size = tp_size
         self._engine = None
@@ -47,12 +62,13 @@ class RolloutWorker(Worker):
 
         torch.set_num_threads(max(1, int(os.environ.get("MILES_TORCH_THREADS", "1"))))
         if self.kind == "sglang":
-            from miles.engines.sglang_engine import SGLangServer
+            from miles.engines.sglang_engine import SGLangServer, find_free_port
 
-            self._sglang = SGLangServer(self.model_path, port=0, host=self.host, sglang_args=self.sglang_args,
-                                        tp_size=self.tp_size)
-            await self._sglang.start()
-            await self._sglang.wait_healthy()
+            port = find_free_port(self.host)
+            self._sglang = SGLangServer(self.model_path, port=port, host=self.host, sglang_args=self.sglang_args,
+                                        tp_size=self.tp_size, api_key=self.api_key)
+            self._sglang.start()
+            await self._sglang.wait_healthy_async()
             return
         from miles.engines.embedded.engine import EmbeddedEngine
         from miles.engines.http_front import start_http_server
@@ -64,7 +80,9 @@ class RolloutWorker(Worker):
             max_running_requests=self.max_running_requests, max_total_tokens=self.max_total_tokens, seed=self.seed,
             deterministic=self.deterministic, **embedded_options(self.sglang_args))
         await self._engine.start()
-        self._http = await start_http_server(self._engine, self.host, 0, receiver=WeightReceiver(self._engine))
+        self._http = await start_http_server(self._engine, self.host, 0, receiver=WeightReceiver(self._engine),
+                                             api_key=self.api_key, max_body_mb=self.max_body_mb,
+                                             weight_dirs=self.weight_dirs)
         logger.info("embedded engine serving at %s", self._http.url)
 
     def url(self) -> str:
@@ -90,4 +108,4 @@ class RolloutWorker(Worker):
         if self._engine is not None:
             await self._engine.shutdown()
         if self._sglang is not None:
-            await self._sglang.stop()
+            await asyncio.to_thread(self._sglang.stop)

@@ -37,6 +37,7 @@ class TrainerWorker(Worker):
         self.algo_cfg = AlgoConfig(**sections["algo"])
         self.rollout_cfg = RolloutConfig(**sections["rollout"])
         self.weights_cfg = WeightsConfig(**sections["weights"])
+        self.engine_api_key = sections.get("engine", {}).get("api_key")  # the run's key, for the weight updaters
         self.device = device
         self.backend = None
         self.updater = None
@@ -77,7 +78,7 @@ class TrainerWorker(Worker):
             master_address = socket.gethostbyname(socket.gethostname()) if multi_node else "127.0.0.1"
         if mode is not None:
             self.weights_cfg.update_weight_transfer_mode = mode
-        engines = [EngineClient(u) for u in engine_urls]
+        engines = [EngineClient(u, api_key=self.engine_api_key) for u in engine_urls]
         self.updater = make_updater(self.weights_cfg, colocate=colocated, keep_mapping=keep_weight_mapping)
         # every trainer rank must agree on the weight-sync group's port (p2p has several senders)
         port = [free_port(master_address) if dist.get_rank() == 0 else None]

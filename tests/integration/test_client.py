@@ -112,6 +112,103 @@ def test_unreachable_engine_raises_after_all_retries():
     assert "after 3 attempts" in str(info.value)
 
 
+def test_a_dead_engine_is_one_warning_and_one_error_naming_it(caplog):
+    port = find_free_port()  # nothing listens there: the engine died
+
+    async def main():
+        client = EngineClient(f"http://127.0.0.1:{port}", max_retries=2, retry_backoff_s=0.01, name="rollout:0")
+        try:
+            results = await asyncio.gather(
+                *(client.generate({"input_ids": [i]}) for i in range(30)), return_exceptions=True
+            )
+            await client.abort_request(abort_all=True)  # nothing left to abort on a dead engine: no error
+        finally:
+            await client.close()
+        return results
+
+    with caplog.at_level("WARNING", logger="miles.engines.client"):
+        results = run(main())
+    assert all(isinstance(r, EngineConnectionError) for r in results)
+    assert f"engine rollout:0 at http://127.0.0.1:{port} is unreachable" in str(results[0])
+    warnings = [r for r in caplog.records if r.name == "miles.engines.client"]
+    assert len(warnings) == 1 and "rollout:0" in warnings[0].getMessage()
+
+
+def test_an_outage_past_the_retry_budget_gets_one_attempt_per_request():
+    attempts = []
+
+    async def drop(request: web.Request) -> web.Response:
+        attempts.append(1)
+        request.transport.close()
+        await asyncio.sleep(0.05)
+        return web.Response()
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/generate", drop)
+        runner, url = await serve_app(app)
+        client = EngineClient(url, max_retries=2, retry_backoff_s=0.01)
+        try:
+            for _ in range(2):
+                with pytest.raises(EngineConnectionError):
+                    await client.generate({"input_ids": [1]})
+        finally:
+            await client.close()
+            await runner.cleanup()
+
+    run(main())
+    assert len(attempts) == 3 + 1  # the first request retried twice; the outage then outlasted the budget
+
+
+def test_a_known_failure_is_raised_instead_of_retrying():
+    port = find_free_port()
+    died = RuntimeError("rollout:0 (pid 123) was killed by SIGKILL")
+
+    async def main():
+        client = EngineClient(f"http://127.0.0.1:{port}", max_retries=50, retry_backoff_s=10, known_failure=lambda: died)
+        try:
+            with pytest.raises(RuntimeError) as info:
+                await client.generate({"input_ids": [1]})
+            await client.abort_request(rid="r")  # the engine is known gone: nothing to abort, no error
+        finally:
+            await client.close()
+        return info.value
+
+    assert run(main()) is died
+
+
+def test_the_api_key_travels_on_every_request():
+    seen = []
+
+    async def record(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Authorization"))
+        return web.json_response({"ok": True})
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/generate", record)
+        app.router.add_post("/abort_request", record)
+        runner, url = await serve_app(app)
+        client = EngineClient(url, api_key="k1")
+        try:
+            await client.generate({"input_ids": [1]}, routing_key="s")
+            await client.abort_request(abort_all=True)
+        finally:
+            await client.close()
+            await runner.cleanup()
+
+    run(main())
+    assert seen == ["Bearer k1", "Bearer k1"]
+
+
+def test_sglang_command_carries_the_key_but_its_log_line_does_not():
+    server = SGLangServer("/m", 30000, api_key="sekrit")
+    assert server.command[server.command.index("--api-key") + 1] == "sekrit"
+    assert "sekrit" not in server.command_text
+    with pytest.raises(ValueError, match="--api-key"):
+        build_sglang_command("/m", 1, sglang_args={"api_key": "x"})
+
+
 @pytest.mark.parametrize("status", [400, 404, 422])
 def test_4xx_is_not_retried_and_carries_the_message(status):
     attempts = []

@@ -16,8 +16,8 @@ from miles.engines.sglang_protocol import parse_generate_body
 
 
 @asynccontextmanager
-async def serving(engine, receiver=None):
-    handle = await start_http_server(engine, "127.0.0.1", 0, receiver=receiver)
+async def serving(engine, receiver=None, **doors):
+    handle = await start_http_server(engine, "127.0.0.1", 0, receiver=receiver, **doors)
     client = EngineClient(handle.url, timeout_s=30, max_retries=0)
     try:
         yield client
@@ -445,7 +445,8 @@ def test_real_weight_receiver_behind_front_loads_from_disk(tmp_path):
 
     async def main():
         engine = FakeEngine()
-        async with serving(engine) as client:  # no receiver passed: the front creates WeightReceiver(engine)
+        # no receiver passed: the front creates WeightReceiver(engine); tmp_path is a directory it may read
+        async with serving(engine, weight_dirs=[str(tmp_path)]) as client:
             await client.update_weights_from_disk(model_path=str(tmp_path), weight_version="5")
             version = await client.get_weight_version()
         return engine, version

@@ -51,6 +51,9 @@ from miles.weights.colocated_direct import SharedWeights, wait_for_writer
 logger = logging.getLogger(__name__)
 
 _MEMORY_TAGS = frozenset({"weights", "kv_cache", "cuda_graph"})
+# Prompts up to this many characters are tokenised on the event loop (about a millisecond); longer
+# ones in a thread, so one huge prompt does not stall every other request.
+INLINE_TOKENIZE_CHARS = 4096
 
 
 def _resolve_dtype(dtype: str, config: dict, device: torch.device) -> torch.dtype:
@@ -100,6 +103,9 @@ class EmbeddedEngine:
                     f"max_running_requests={max_running_requests}; raise max_total_tokens"
                 )
         self.max_seq_len = max_seq_len
+        # No token spans more characters than the longest vocabulary entry, so a longer text cannot fit
+        # the context and is refused before tokenising (x2: normalizers may fold characters).
+        self.max_prompt_chars = 2 * max_seq_len * max((len(t) for t in self.tokenizer.get_vocab()), default=1)
         self.runner = ModelRunner(
             self.model,
             max_running_requests=max_running_requests,
@@ -186,7 +192,9 @@ class EmbeddedEngine:
     ) -> dict | list[dict]:
         scheduler = self._require_started()
         params = SamplingParams.from_dict(sampling_params)
-        prompt = self._prompt_ids(input_ids, text, params)
+        if (input_ids is None) == (text is None):
+            raise ValueError("pass exactly one of input_ids or text")
+        prompt = self._check_prompt(list(input_ids) if input_ids is not None else await self._encode(text), params)
         if logprob_start_len >= len(prompt):
             raise ValueError(f"logprob_start_len={logprob_start_len} must be < prompt length {len(prompt)}")
         rid = rid or uuid.uuid4().hex
@@ -216,10 +224,19 @@ class EmbeddedEngine:
         outs = [self._response(req) for req in done]
         return outs[0] if params.n == 1 else outs
 
-    def _prompt_ids(self, input_ids: list[int] | None, text: str | None, params: SamplingParams) -> list[int]:
-        if (input_ids is None) == (text is None):
-            raise ValueError("pass exactly one of input_ids or text")
-        ids = list(input_ids) if input_ids is not None else self.tokenizer(text)["input_ids"]
+    async def _encode(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise ValueError(f"text must be a string, got {type(text).__name__}")
+        if len(text) > self.max_prompt_chars:
+            raise ValueError(
+                f"prompt of {len(text)} characters cannot fit the engine's {self.max_seq_len}-token context per "
+                f"request (refused above {self.max_prompt_chars} characters, before tokenising); shorten it"
+            )
+        if len(text) <= INLINE_TOKENIZE_CHARS:
+            return self.tokenizer(text)["input_ids"]
+        return (await asyncio.to_thread(self.tokenizer, text))["input_ids"]
+
+    def _check_prompt(self, ids: list[int], params: SamplingParams) -> list[int]:
         if not ids:
             raise ValueError("the prompt is empty; pass at least one token")
         vocab = self.model.spec.vocab_size

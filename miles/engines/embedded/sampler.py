@@ -14,6 +14,7 @@ other requests share the batch.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -66,13 +67,19 @@ class SamplingParams:
         if isinstance(p.stop, str):
             p.stop = [p.stop]
         p.stop = [s for s in p.stop if s]
-        p.stop_token_ids = [int(t) for t in p.stop_token_ids]
-        p.temperature, p.top_p, p.min_p = float(p.temperature), float(p.top_p), float(p.min_p)
-        p.top_k, p.max_new_tokens, p.n = int(p.top_k), int(p.max_new_tokens), int(p.n)
+        try:
+            p.stop_token_ids = [int(t) for t in p.stop_token_ids]
+            p.temperature, p.top_p, p.min_p = float(p.temperature), float(p.top_p), float(p.min_p)
+            p.top_k, p.max_new_tokens, p.n = int(p.top_k), int(p.max_new_tokens), int(p.n)
+        except (TypeError, OverflowError) as exc:  # a list or an infinite count: bad input, not a crash
+            raise ValueError(f"bad sampling params: {exc}") from exc
         p.validate()
         return p
 
     def validate(self) -> None:
+        for name in ("temperature", "top_p", "min_p"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name}={getattr(self, name)} must be a finite number")
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
         if not 0 < self.top_p <= 1:
