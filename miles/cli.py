@@ -19,6 +19,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 EXIT_USAGE = 2
+EXIT_RUN_FAILED = 1
 
 COMMANDS = {
     "train": "train with RL: miles train --config FILE [--flag value ...] (see miles train --help)",
@@ -68,6 +69,7 @@ def cmd_train(argv: list[str], base: dict[str, Any] | None = None) -> int:
 
     from miles.config import load_config, save_config
     from miles.controller.placement import PlacementError
+    from miles.errors import as_run_failure
 
     cfg = load_config(argv, base=base)
     try:
@@ -84,6 +86,12 @@ def cmd_train(argv: list[str], base: dict[str, Any] | None = None) -> int:
         return _result_code(run(cfg))
     except PlacementError as e:  # raised before any worker starts
         raise UsageError(f"placement error: {e}") from None
+    except Exception as e:  # a run stopped for a known cause (every group dropped, NaN loss): one line
+        failure = as_run_failure(e)
+        if failure is None:
+            raise
+        print(f"miles train: {failure}", file=sys.stderr)
+        return EXIT_RUN_FAILED
 
 
 def cmd_tiny_model(argv: list[str]) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -288,6 +289,55 @@ def check_algo(cfg: MilesConfig) -> list[str]:
     return e
 
 
+# field -> (interval, what it means); "(" and ")" exclude the bound, "[" and "]" include it.
+NUMBER_RANGES: dict[str, tuple[str, str]] = {
+    "lr": ("[0, inf)", "a negative learning rate climbs the loss; typical values are 1e-6 to 1e-5"),
+    "min_lr": ("[0, inf)", "the floor of the decay schedule"),
+    "critic_lr": ("[0, inf)", "the critic's learning rate"),
+    "weight_decay": ("[0, inf)", "AdamW's decoupled decay"),
+    "adam_beta1": ("[0, 1)", "a moving-average factor, e.g. 0.9"),
+    "adam_beta2": ("[0, 1)", "a moving-average factor, e.g. 0.95"),
+    "adam_eps": ("(0, inf)", "e.g. 1e-8"),
+    "clip_grad": ("[0, inf)", "the max grad norm; 0 turns clipping off"),
+    "rollout_temperature": ("[0, inf)", "0 is greedy"),
+    "eval_temperature": ("[0, inf)", "0 is greedy"),
+    "rollout_top_p": ("(0, 1]", "a probability mass"),
+    "eval_top_p": ("(0, 1]", "a probability mass"),
+    "rollout_min_p": ("[0, 1]", "a probability"),
+    "eps_clip": ("[0, inf)", "the PPO clip range"),
+    "eps_clip_high": ("[0, inf)", "the PPO clip range"),
+    "gamma": ("[0, 1]", "a discount"),
+    "lambd": ("[0, 1]", "the GAE lambda"),
+    "rm_timeout_s": ("(0, inf)", "seconds"),
+    "rpc_timeout_s": ("(0, inf)", "seconds"),
+    "weight_sync_timeout_s": ("(0, inf)", "seconds"),
+    "rollout_max_consecutive_drops": ("[1, inf)", "groups dropped in a row before the run stops"),
+}
+
+
+def _in_interval(value: float, interval: str) -> bool:
+    low, high = (float(x) for x in interval[1:-1].split(","))
+    above = value > low if interval[0] == "(" else value >= low
+    below = value < high if interval[-1] == ")" else value <= high
+    return above and below
+
+
+def check_numbers(cfg: MilesConfig, explicit: set[str]) -> list[str]:
+    """Every float flag given is a finite number (no nan, no inf) and ranged flags lie in their range:
+    `--lr inf` would otherwise train to NaN weights and exit 0. Defaults are valid, and derived
+    values (`--critic-lr` from `--lr`) are copies of flags checked here."""
+    errors = []
+    for name in sorted(explicit & FIELDS.keys()):
+        spec, value = FIELDS[name], cfg.get(name)
+        if spec.base is float and value is not None and not math.isfinite(value):
+            default = f" (default {spec.default})" if spec.default is not None else ""
+            errors.append(f"{flag(name)}={value} is not a finite number; give a real value{default}")
+        elif name in NUMBER_RANGES and value is not None and not _in_interval(value, NUMBER_RANGES[name][0]):
+            interval, meaning = NUMBER_RANGES[name]
+            errors.append(f"{flag(name)}={value} is outside {interval} ({meaning})")
+    return errors
+
+
 def check_train_inputs(cfg: MilesConfig) -> list[str]:
     """What a training run cannot start without."""
     e: list[str] = []
@@ -311,7 +361,7 @@ def finalize(cfg: MilesConfig, explicit: set[str], *, for_train: bool = True) ->
     errors = resolve_batch_knobs(cfg, explicit)
     apply_derivations(cfg, explicit)
     errors += check_enums(cfg) + check_modes(cfg) + check_batching(cfg) + check_algo(cfg)
-    errors += check_sglang_passthrough(cfg)
+    errors += check_sglang_passthrough(cfg) + check_numbers(cfg, explicit)
     if for_train:
         errors += check_train_inputs(cfg)
     if errors:

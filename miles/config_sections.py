@@ -64,6 +64,7 @@ class RolloutConfig:
     rollout_skip_special_tokens: bool = _f(False, "ROLLOUT", "skip special tokens when decoding")
     over_sampling_batch_size: int | None = _f(None, "ROLLOUT", "groups submitted per refill (default: rollout_batch_size)")
     dynamic_sampling_filter_path: str | None = _f(None, "ROLLOUT", "import path of a group filter (e.g. miles.rollout.filters.check_reward_nonzero_std)")
+    rollout_max_consecutive_drops: int | None = _f(None, "ROLLOUT", "stop the run after this many dropped groups in a row: reward failed, aborted or filtered (default: 16 x over_sampling_batch_size)")
     rollout_submission_granularity: str | None = _f(None, "ROLLOUT", "group | sample (default: group in sync, sample in fully async)")
     rollout_function_path: str | None = _f(None, "ROLLOUT", "import path of a custom rollout function/class")
     custom_generate_function_path: str | None = _f(None, "ROLLOUT", "import path of a custom generate function")

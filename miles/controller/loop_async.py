@@ -20,11 +20,19 @@ import os
 
 from miles.controller.async_eval import AsyncEval
 from miles.controller.buffer import BufferConfig, DataBuffer, Group
-from miles.controller.rollout_manager import GroupRunner, SyncRolloutManager, sampling_from_config
+from miles.controller.drop_guard import DropGuard, max_consecutive_drops
+from miles.controller.rollout_manager import (
+    GroupRunner,
+    SyncRolloutManager,
+    group_drop_reason,
+    retry_after_reward_failure,
+    sampling_from_config,
+)
 from miles.controller.run import MilesRun, run_driver
-from miles.controller.signals import StopRequest
+from miles.controller.signals import StopRequest, StopRequested
+from miles.errors import RunFailed
 from miles.rollout.filters import apply_filter
-from miles.rollout.sample import Sample
+from miles.rollout.sample import Sample, SampleStatus
 from miles.utils.misc import load_function
 from miles.utils.progress import StepProgress
 
@@ -73,7 +81,8 @@ def staleness_at_take(position: int, batch_groups: int, *, trainer_waiting: bool
 class AsyncProducer:
     """Keeps generation running; replacement by sample (default) or by group."""
 
-    def __init__(self, cfg, run: MilesRun, buffer: DataBuffer, ledger: GroupLedger):
+    def __init__(self, cfg, run: MilesRun, buffer: DataBuffer, ledger: GroupLedger, *,
+                 stop: asyncio.Event | None = None):
         self.cfg = cfg
         self.run = run
         self.buffer = buffer
@@ -89,6 +98,10 @@ class AsyncProducer:
         self.max_staleness = cfg.async_.max_weight_staleness
         self.pace = cfg.async_.async_staleness_policy == "pace" and self.max_staleness is not None
         self.runner = GroupRunner(run.args, run.router, run.tokenizer, sampling_from_config(cfg.rollout))
+        # every group dropped on arrival, many in a row: stop with the cause instead of generating forever
+        self.guard = DropGuard(max_consecutive_drops(cfg.rollout), target=None, args=run.args,
+                               where="fully async generation")
+        self.stop_event = stop  # a stop signal ends a trainer's wait for groups at once
         self._slots = asyncio.Semaphore(self.max_in_flight)
         self._tasks: set[asyncio.Task] = set()
         self._main: asyncio.Task | None = None
@@ -119,29 +132,36 @@ class AsyncProducer:
 
     # ---- the trainer side ------------------------------------------------------------------
     async def take(self, num_groups: int, *, current_version: int) -> list[Group]:
-        """A batch from the buffer; raises if generation failed instead of waiting forever."""
+        """A batch from the buffer; raises if generation failed (or a stop signal came) instead of waiting forever."""
         self._trainer_waiting = True
         take = asyncio.ensure_future(self.buffer.take(num_groups, current_version=current_version))
+        stop = asyncio.ensure_future(self.stop_event.wait()) if self.stop_event is not None else None
         try:
-            while not (await asyncio.wait([take, self._failure], timeout=_STALL_WARN_S,
-                                          return_when=asyncio.FIRST_COMPLETED))[0]:
+            while not (await asyncio.wait([w for w in (take, self._failure, stop) if w is not None],
+                                          timeout=_STALL_WARN_S, return_when=asyncio.FIRST_COMPLETED))[0]:
                 logger.warning("the trainer has waited %.0f s for %d groups: %d started and unresolved, paused=%s, "
                                "pace=%s (is the data source exhausted or the engines stuck?)", _STALL_WARN_S,
                                num_groups, len(self.ledger), not self._running.is_set(), self.pace)
+            if self._failure.done():
+                failure = self._failure.exception()
+                if isinstance(failure, RunFailed):
+                    raise failure
+                raise RuntimeError("fully async generation failed") from failure
             if not take.done():
-                raise RuntimeError("fully async generation failed") from self._failure.exception()
+                raise StopRequested  # groups taken so far stay in the ledger: the checkpoint keeps their prompts
             groups = take.result()
         finally:
             self._trainer_waiting = False
-            if not take.done():
-                take.cancel()
+            for waiter in (take, stop):
+                if waiter is not None and not waiter.done():
+                    waiter.cancel()
         for g in groups:
             self.ledger.resolve(g)
         return groups
 
     def metrics(self) -> dict[str, float]:
         m = {"rollout/fully_async/unresolved_groups": float(len(self.ledger)),
-             "rollout/fully_async/paced_time": self._paced_s}
+             "rollout/fully_async/paced_time": self._paced_s, **self.runner.pop_metrics()}
         self._paced_s = 0.0
         return m
 
@@ -154,7 +174,7 @@ class AsyncProducer:
         return expected <= self.max_staleness
 
     async def _loop(self) -> None:
-        while True:
+        while not self._failure.done():
             await self._running.wait()
             for _ in range(self.n):  # a new group needs n free places
                 await self._slots.acquire()
@@ -180,11 +200,11 @@ class AsyncProducer:
 
     def _on_done(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
-        if task.cancelled() or task.exception() is None:
+        if task.cancelled() or task.exception() is None or self._failure.done():
             return
-        logger.error("fully async generation failed: %r", task.exception())
-        if not self._failure.done():
-            self._failure.set_exception(task.exception())
+        if not isinstance(task.exception(), RunFailed):  # a RunFailed is reported once, by the trainer's wait
+            logger.error("fully async generation failed: %r", task.exception())
+        self._failure.set_exception(task.exception())
 
     async def _run_group(self, group: Group) -> None:
         released = 0
@@ -204,22 +224,29 @@ class AsyncProducer:
                 await self.runner.score(group, whole_group=True)
         finally:
             self._release(self.n - released)
+        reason = group_drop_reason(group) or "filtered"  # why the buffer would drop it (read before a retry resets it)
         self._blocked_puts += 1
         try:
             accepted = await self.buffer.put(group)
         finally:
             self._blocked_puts -= 1
-        if not accepted:
+        if accepted:
+            self.guard.accept()
+        else:
             self.ledger.resolve(group)
+            self.guard.drop(group, reason)
 
 
 def _unused_handler(run: MilesRun, ledger: GroupLedger, policy: str):
     def handle(group: Group, reason: str) -> None:
         ledger.resolve(group)
-        if policy == "retry" and reason != "filtered":  # a filter-rejected group has no signal: discarded
-            for s in group:
-                s.reset_for_retry()
-            run.data_source.add_samples([group])
+        if policy != "retry" or reason == "filtered":  # a filter-rejected group has no signal: discarded
+            return
+        if any(s.status == SampleStatus.FAILED for s in group) and not retry_after_reward_failure(group):
+            return
+        for s in group:
+            s.reset_for_retry()
+        run.data_source.add_samples([group])
 
     return handle
 
@@ -254,7 +281,7 @@ async def train(cfg) -> str:
     async with run:
         ledger = GroupLedger()
         buffer = make_buffer(cfg, run, ledger)
-        producer = AsyncProducer(cfg, run, buffer, ledger)
+        producer = AsyncProducer(cfg, run, buffer, ledger, stop=stop.event)
         run.pending_state_fn = ledger.pending_prompts
         evals = AsyncEval(cfg, run, producer)
         trained_log = open(os.path.join(cfg.runtime.output_dir, "trained_prompts.jsonl"), "a", buffering=1)
@@ -266,8 +293,13 @@ async def train(cfg) -> str:
                 for rollout_id in range(run.start_rollout_id, cfg.rollout.num_rollout):
                     await run.profile_hooks(rollout_id, "start")
                     step_start = run.begin_step()
-                    groups = await run._wait("train_wait_time", producer.take(
-                        cfg.rollout.rollout_batch_size, current_version=run.weight_version))
+                    try:
+                        groups = await run._wait("train_wait_time", producer.take(
+                            cfg.rollout.rollout_batch_size, current_version=run.weight_version))
+                    except StopRequested:  # stopped while waiting for groups: the last finished step is the boundary
+                        if rollout_id > 0:
+                            await run.maybe_save(rollout_id - 1, force=True)
+                        break
                     rollout_metrics = {**buffer.metrics(), **producer.metrics(), **_group_metrics(groups)}
                     trained_log.write(json.dumps({"step": rollout_id,
                                                   "group_index": [g[0].group_index for g in groups]}) + "\n")

@@ -7,7 +7,7 @@ import logging
 from miles.controller.eval import Evaluator
 from miles.controller.rollout_manager import SyncRolloutManager
 from miles.controller.run import MilesRun, run_driver
-from miles.controller.signals import StopRequest
+from miles.controller.signals import StopRequest, StopRequested
 from miles.utils.progress import StepProgress
 
 logger = logging.getLogger(__name__)
@@ -18,7 +18,8 @@ async def train(cfg) -> str:
     run = await MilesRun.start(cfg)
     async with run:
         rollout = SyncRolloutManager(run.args, cfg.rollout, run.router, run.data_source, run.tokenizer,
-                                     seed=cfg.data.rollout_seed if cfg.engine.deterministic else None)
+                                     seed=cfg.data.rollout_seed if cfg.engine.deterministic else None,
+                                     stop=stop.event)
         evaluator = Evaluator(cfg, run)
         await run.push_weights(version=run.weight_version)  # engines start from the trainer's weights
         await evaluator.maybe_eval(run.start_rollout_id, before_train=True)
@@ -27,7 +28,14 @@ async def train(cfg) -> str:
                 await run.profile_hooks(rollout_id, "start")
                 step_start = run.begin_step()
                 await run.offload_trainer()
-                result = await run._wait("rollout/generate_time", rollout.generate(rollout_id))
+                try:
+                    result = await run._wait("rollout/generate_time", rollout.generate(rollout_id))
+                except StopRequested:  # stopped while generating: the last finished step is the boundary
+                    await run.release_engines()
+                    await run.onload_trainer()
+                    if rollout_id > 0:
+                        await run.maybe_save(rollout_id - 1, force=True)
+                    break
                 await run.release_engines()
                 await run.onload_trainer()
                 train_metrics = await run.train(rollout_id, run.to_train_batch(result.groups))

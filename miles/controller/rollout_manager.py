@@ -2,8 +2,10 @@
 
 Groups are the unit of scheduling, filtering and dropping. A group is accepted when every
 sample finished (completed or truncated), every reward is known, and the dynamic filter keeps
-it. Aborted groups and groups whose reward call failed after its retries are dropped and
-counted; their prompts go back to the data source so nothing is lost.
+it. Aborted groups and groups whose reward failed (after its retries, or a value that is not a
+finite number) are dropped and counted; their prompts go back to the data source so nothing is
+lost. Retries are bounded: when every group keeps dropping, `DropGuard` ends the run with one
+error naming the cause. A stop signal abandons the step at once and hands its prompts back.
 """
 
 from __future__ import annotations
@@ -17,14 +19,20 @@ from typing import Any
 
 import numpy as np
 
+from miles.controller.drop_guard import DropGuard, max_consecutive_drops
+from miles.controller.signals import StopRequested
+from miles.errors import RolloutStalled
 from miles.rollout.filters import DynamicFilterOutput, apply_filter
 from miles.rollout.generate import SamplingDefaults, generate_sample
-from miles.rollout.rm_hub import RewardFailed, async_rm, batched_async_rm
+from miles.rollout.rm_hub import RewardFailed, async_rm, batched_async_rm, check_reward
 from miles.rollout.sample import Sample, SampleStatus
 from miles.rollout.train_data import reward_value
 from miles.utils.misc import load_function
 
 logger = logging.getLogger(__name__)
+
+_REWARD_WARNINGS_PER_STEP = 5
+MAX_REWARD_ATTEMPTS = 3  # a prompt whose reward failed this many times is skipped, not retried forever
 
 
 @dataclass
@@ -112,23 +120,51 @@ class GroupRunner:
 
     async def _score(self, samples: list[Sample], *, whole_group: bool = False) -> None:
         try:
-            if whole_group and self.group_reward_fn is not None:
-                result = self.group_reward_fn(self.args, samples)
-                rewards = await result if asyncio.iscoroutine(result) else result
-            elif whole_group or self.args.group_rm:
-                rewards = await batched_async_rm(self.args, samples)
+            results = await self._rewards(samples, whole_group)
+        except RewardFailed as e:  # `.results` holds the siblings that did score
+            results = getattr(e, "results", None) or [e] * len(samples)
+        for s, r in zip(samples, results, strict=True):
+            if isinstance(r, RewardFailed):
+                self._reward_failed(s, r)
             else:
-                rewards = [await async_rm(self.args, samples[0])] if len(samples) == 1 else await asyncio.gather(
-                    *(async_rm(self.args, s) for s in samples))
+                s.reward = r
+
+    async def _rewards(self, samples: list[Sample], whole_group: bool) -> list[Any]:
+        if whole_group and self.group_reward_fn is not None:
+            result = self.group_reward_fn(self.args, samples)
+            rewards = await result if asyncio.iscoroutine(result) else result
+            source = f"--group-reward-path {self.args.group_reward_path}"
+            return [self._checked(r, s, source) for s, r in zip(samples, rewards, strict=True)]
+        if whole_group or self.args.group_rm or len(samples) > 1:
+            return await batched_async_rm(self.args, samples)
+        return [await async_rm(self.args, samples[0])]
+
+    def _checked(self, reward: Any, sample: Sample, source: str) -> Any:
+        try:
+            return check_reward(reward, sample, source=source, reward_key=self.args.reward_key)
         except RewardFailed as e:
-            self.reward_failures += len(samples)
-            logger.warning("reward failed for %d sample(s): %s", len(samples), e)
-            for s in samples:
-                s.status = SampleStatus.FAILED
-                s.metadata["reward_error"] = str(e)
-            return
-        for s, r in zip(samples, rewards, strict=True):
-            s.reward = r
+            return e
+
+    def _reward_failed(self, sample: Sample, error: RewardFailed) -> None:
+        """Mark the sample FAILED and count it; the first few of each step are named in a warning."""
+        self.reward_failures += 1
+        sample.status = SampleStatus.FAILED
+        sample.metadata["reward_error"] = str(error)
+        if self.reward_failures <= _REWARD_WARNINGS_PER_STEP:
+            more = ("; further failures this step are only counted (rollout/reward_failed_samples)"
+                    if self.reward_failures == _REWARD_WARNINGS_PER_STEP else "")
+            logger.warning("reward failed for sample %s (group %s): %s%s", sample.index, sample.group_index,
+                           error, more)
+
+    def pop_metrics(self) -> dict[str, float]:
+        """Reward failures and time summed over samples since the last call (rewards and re-scoring
+        run concurrently with generation, so these are sums, not wall time)."""
+        m = {"rollout/reward_failed_samples": float(self.reward_failures),
+             "perf/rollout/reward_time_sum": self.reward_time_s,
+             "perf/rollout/log_prob_recompute_time_sum": self.recompute_time_s}
+        self.reward_failures = 0
+        self.reward_time_s = self.recompute_time_s = 0.0
+        return m
 
 
 def group_drop_reason(group: list[Sample], *, scored: bool = True) -> str | None:
@@ -142,10 +178,27 @@ def group_drop_reason(group: list[Sample], *, scored: bool = True) -> str | None
     return None
 
 
+def retry_after_reward_failure(group: list[Sample]) -> bool:
+    """Count a reward failure of the group's prompt; False once it reached MAX_REWARD_ATTEMPTS (skip it).
+
+    Retrying covers a flaky reward server; a reward that always fails on one prompt (a bad label, a
+    plug-in bug) would otherwise come back first in every refill and crowd out fresh prompts.
+    """
+    attempts = int(group[0].metadata.get("reward_attempts", 0)) + 1
+    for s in group:
+        s.metadata["reward_attempts"] = attempts
+    if attempts < MAX_REWARD_ATTEMPTS:
+        return True
+    logger.warning("the reward of group %s failed %d times; its prompt is skipped (last error: %s)",
+                   group[0].group_index, attempts, group[0].metadata.get("reward_error"))
+    return False
+
+
 class SyncRolloutManager:
     """Produces one step's accepted groups from the data source through the router."""
 
-    def __init__(self, args, rollout_cfg, router, data_source, tokenizer, *, seed: int | None = None):
+    def __init__(self, args, rollout_cfg, router, data_source, tokenizer, *, seed: int | None = None,
+                 stop: asyncio.Event | None = None):
         self.args = args
         self.cfg = rollout_cfg
         self.router = router
@@ -155,10 +208,15 @@ class SyncRolloutManager:
                                   recompute_logprobs=rollout_cfg.recompute_logprobs_via_prefill)
         self.filter_fn = load_function(rollout_cfg.dynamic_sampling_filter_path)
         self.sample_filter_fn = load_function(rollout_cfg.rollout_sample_filter_path)
+        self.max_drops = max_consecutive_drops(rollout_cfg)
+        self.stop = stop  # set by a stop signal: the step is abandoned and its prompts handed back
 
     async def generate(self, rollout_id: int) -> RolloutResult:
+        """`rollout_batch_size` accepted groups; raises RolloutStalled when every group keeps dropping and
+        StopRequested (prompts handed back) when a stop signal arrives meanwhile."""
         target = self.cfg.rollout_batch_size
         refill = self.cfg.over_sampling_batch_size or target
+        guard = DropGuard(self.max_drops, target=target, args=self.args, where=f"rollout {rollout_id}")
         accepted: list[list[Sample]] = []
         drops: Counter[str] = Counter()
         pending: set[asyncio.Task] = set()
@@ -170,13 +228,12 @@ class SyncRolloutManager:
                     for group in self.data_source.get_samples(refill):
                         pending.add(asyncio.create_task(self.runner.run(group)))
                         submitted += 1
-                if pending:
-                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                    finished = [t.result() for t in done]
-                else:
-                    finished = []
+                if not pending and not generated:
+                    raise RolloutStalled(f"rollout {rollout_id}: the data source gave no prompts; "
+                                         f"{len(accepted)} of {target} groups accepted")
+                finished, pending = await self._next_finished(pending)
                 if not self.runner.reward_inline:
-                    generated += [g for g in finished if not self._drop(g, drops, scored=False)]
+                    generated += [g for g in finished if not self._drop(g, drops, guard, scored=False)]
                     if pending and len(accepted) + len(generated) < target:
                         continue  # keep generating; score once this round's generation is complete
                     finished, generated = generated, []
@@ -184,37 +241,67 @@ class SyncRolloutManager:
                                                              or self.runner.group_reward_fn is not None)
                                            for g in finished))
                 for group in finished:
-                    if self._drop(group, drops):
-                        continue
-                    verdict = self._filter(group)
-                    if not verdict.keep:
-                        drops[f"dynamic_filter/drop_{verdict.reason or 'filtered'}"] += 1
-                        continue
-                    if len(accepted) < target:
+                    if not self._drop(group, drops, guard) and len(accepted) < target:
                         accepted.append(group)
+                        guard.accept()
+        except StopRequested:
+            logger.warning("rollout %d abandoned by the stop signal (%d of %d groups accepted); its prompts go back "
+                           "to the data source", rollout_id, len(accepted), target)
+            self._hand_back(accepted + generated)
+            raise
         finally:
             await self._abort_leftovers(pending)
         accepted.sort(key=lambda g: min(s.index for s in g))
         if self.sample_filter_fn is not None:
             self.sample_filter_fn(self.args, accepted)
-        metrics = self._metrics(accepted, drops, submitted, self.args.reward_key)
-        metrics["rollout/reward_failed_samples"] = float(self.runner.reward_failures)
-        # summed over samples: rewards and re-scoring run concurrently with generation
-        metrics["perf/rollout/reward_time_sum"] = self.runner.reward_time_s
-        metrics["perf/rollout/log_prob_recompute_time_sum"] = self.runner.recompute_time_s
-        self.runner.reward_failures = 0
-        self.runner.reward_time_s = self.runner.recompute_time_s = 0.0
+        metrics = {**self._metrics(accepted, drops, submitted, self.args.reward_key), **self.runner.pop_metrics()}
         return RolloutResult(accepted, metrics)
 
-    def _drop(self, group: list[Sample], drops: Counter[str], *, scored: bool = True) -> bool:
+    async def _next_finished(self, pending: set[asyncio.Task]) -> tuple[list[list[Sample]], set[asyncio.Task]]:
+        """Wait for some groups to finish, or for a stop signal (then every task stays pending, to be aborted)."""
+        if self.stop is not None and self.stop.is_set():
+            raise StopRequested
+        if not pending:
+            return [], pending
+        stop_wait = asyncio.ensure_future(self.stop.wait()) if self.stop is not None else None
+        try:
+            done, _ = await asyncio.wait(pending | ({stop_wait} if stop_wait else set()),
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if stop_wait is not None:
+                stop_wait.cancel()
+        if self.stop is not None and self.stop.is_set():
+            raise StopRequested
+        return [t.result() for t in done], pending - done
+
+    def _drop(self, group: list[Sample], drops: Counter[str], guard: DropGuard, *, scored: bool = True) -> bool:
+        """True when the group cannot be trained on; a failed or aborted group's prompt is retried."""
         reason = group_drop_reason(group, scored=scored)
-        if reason is None:
+        if reason is not None:
+            drops[f"{reason}_groups"] += 1
+            if reason != "reward_failed" or retry_after_reward_failure(group):
+                self._hand_back([group])
+            else:
+                drops["reward_failed_skipped_prompts"] += 1
+            guard.drop(group, reason)
+            return True
+        if not scored:
             return False
-        drops[f"{reason}_groups"] += 1
-        for s in group:
-            s.reset_for_retry()
-        self.data_source.add_samples([group])  # the prompt is retried, never lost
+        verdict = self._filter(group)
+        if verdict.keep:
+            return False
+        key = f"dynamic_filter/drop_{verdict.reason or 'filtered'}"
+        drops[key] += 1
+        guard.drop(group, key)
         return True
+
+    def _hand_back(self, groups: list[list[Sample]]) -> None:
+        """Return groups' prompts to the data source, outputs cleared: they are generated again."""
+        for group in groups:
+            for s in group:
+                s.reset_for_retry()
+        if groups:
+            self.data_source.add_samples(groups)
 
     def _filter(self, group: list[Sample]) -> DynamicFilterOutput:
         if self.filter_fn is None:
@@ -226,12 +313,8 @@ class SyncRolloutManager:
             return
         await self.router.broadcast("abort_request", abort_all=True)
         results = await asyncio.gather(*pending, return_exceptions=True)
-        leftovers = [g for g in results if isinstance(g, list)]
-        for g in leftovers:
-            for s in g:
-                s.reset_for_retry()
-        if leftovers:  # over-sampled prompts that were not needed go back to the source in order
-            self.data_source.add_samples(leftovers)
+        # over-sampled prompts that were not needed go back to the source in order
+        self._hand_back([g for g in results if isinstance(g, list)])
 
     @staticmethod
     def _metrics(groups: list[list[Sample]], drops: Counter[str], submitted: int,

@@ -24,6 +24,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from miles.config_sections import AlgoConfig, ModelConfig, RolloutConfig, TrainConfig
+from miles.errors import NonFiniteTraining
 from miles.rollout.train_data import TrainBatch
 from miles.trainer import checkpoint as ckpt
 from miles.trainer.backend import register_backend
@@ -302,6 +303,7 @@ class FSDPBackend:
         return models
 
     def save(self, path: str, extra_state: dict) -> None:
+        self._refuse_non_finite_weights(path)
         meta = {
             "extra_state": extra_state,
             "weight_version": self.weight_version,
@@ -309,6 +311,18 @@ class FSDPBackend:
             "critic_lr_schedule": self.critic_scheduler.state_dict() if self.critic_scheduler else None,
         }
         ckpt.save_checkpoint(path, self._ckpt_models(), meta, save_optim=not self.train_cfg.no_save_optim)
+
+    def _refuse_non_finite_weights(self, path: str) -> None:
+        """No checkpoint of NaN or inf weights: every rank checks its shards, and all agree before raising."""
+        named = [(f"{key}.{name}", p._local_tensor if isinstance(p, DTensor) else p)
+                 for key, (model, _) in self._ckpt_models().items() for name, p in model.named_parameters()]
+        named = [(n, t) for n, t in named if t.numel()]
+        finite = torch.stack([torch.isfinite(t).all() for _, t in named]).tolist() if named else []  # one sync
+        local_bad = [n for (n, _), ok in zip(named, finite, strict=True) if not ok]
+        total_bad = int(_all_reduce([float(len(local_bad))], self.device)[0])
+        if total_bad:
+            raise NonFiniteTraining(f"refusing to save {path}: {total_bad} parameter shard(s) hold NaN or inf "
+                                    f"(on this rank: {local_bad[:3]}); the last complete checkpoint is kept")
 
     def load(self, path: str) -> dict:
         resolved = ckpt.resolve_load_path(path)

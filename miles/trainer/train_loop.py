@@ -9,6 +9,7 @@ loss denominators over all DP ranks first, so micro-batch losses sum to the step
 from __future__ import annotations
 
 import logging
+import math
 import zlib
 from collections import defaultdict
 from typing import TYPE_CHECKING
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from miles.algo.advantages import compute_advantages_and_returns
 from miles.algo.aggregation import StepDenominators
 from miles.algo.losses import LossInputs, get_loss_function, value_loss
+from miles.errors import NonFiniteTraining
 from miles.rollout.train_data import TrainBatch
 from miles.trainer.forward import dummy_batch, forward_micro_batch, response_values, token_index
 from miles.trainer.packing import pack_sequences
@@ -131,15 +133,16 @@ def run_rl_step(be: FSDPBackend, batch: TrainBatch, rollout_id: int) -> dict[str
     sums: dict[str, float] = defaultdict(float)
     tokens, t0 = 0, be.now()
     for step in range(n_steps):
+        where = f"step {rollout_id} (optimizer step {step + 1} of {n_steps})"
         idx = list(range(step * per_rank, (step + 1) * per_rank))
         step_batch = batch.select(idx)
         pos = _as_index(token_index(batch.response_lengths, idx))
         step_tok = {k: v[pos] for k, v in per_token.items()}
         if be.critic is not None:
-            for k, v in _optimizer_step(be, step_batch, step_tok, critic=True).items():
+            for k, v in _optimizer_step(be, step_batch, step_tok, critic=True, where=where).items():
                 sums[f"train/{k}" if k.startswith("value") else f"train/critic_{k}"] += v
         if train_actor:
-            for k, v in _optimizer_step(be, step_batch, step_tok, critic=False).items():
+            for k, v in _optimizer_step(be, step_batch, step_tok, critic=False, where=where).items():
                 sums[f"train/{k}"] += v
         tokens += step_batch.num_tokens
     elapsed = be.now() - t0
@@ -169,9 +172,13 @@ def _step_denominators(step_batch: TrainBatch, device: torch.device) -> StepDeno
 
 
 def _optimizer_step(
-    be: FSDPBackend, step_batch: TrainBatch, step_tok: dict[str, torch.Tensor], *, critic: bool
+    be: FSDPBackend, step_batch: TrainBatch, step_tok: dict[str, torch.Tensor], *, critic: bool, where: str
 ) -> dict[str, float]:
-    """Forward/backward over micro-batches, clip, AdamW step, LR schedule step; returns summed metrics."""
+    """Forward/backward over micro-batches, clip, AdamW step, LR schedule step; returns summed metrics.
+
+    A non-finite loss or grad norm raises NonFiniteTraining before the optimizer step, on every
+    rank alike (both are reduced over ranks), so the weights stay as they were.
+    """
     model = be.critic if critic else be.actor
     optimizer = be.critic_optimizer if critic else be.optimizer
     scheduler = be.critic_scheduler if critic else be.scheduler
@@ -230,12 +237,26 @@ def _optimizer_step(
         for k, v in parts.items():
             sums[k] = sums.get(k, 0.0) + v.detach().double()
     grad_norm = _clip_grad_norm(model, be.train_cfg.clip_grad, be.device)
+    out = _reduce_metrics(sums, be.device)
+    out["grad_norm"] = grad_norm
+    _refuse_non_finite(out, "critic" if critic else "actor", where, optimizer)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
-    out = _reduce_metrics(sums, be.device)
-    out["grad_norm"] = grad_norm
     return out
+
+
+def _refuse_non_finite(metrics: dict[str, float], model_name: str, where: str, optimizer: torch.optim.Optimizer) -> None:
+    bad = {k: v for k, v in metrics.items() if (k == "grad_norm" or k.endswith("loss")) and not math.isfinite(v)}
+    if not bad:
+        return
+    optimizer.zero_grad(set_to_none=True)
+    shown = ", ".join(f"{k}={v}" for k, v in sorted(bad.items()))
+    raise NonFiniteTraining(
+        f"{where}: the {model_name} has {shown}; the update was not applied and this step is not saved. "
+        "Look for rewards of extreme size (rollout/reward_mean; --disable-rewards-normalization passes them "
+        "through), a too high --lr, or a custom loss"
+    )
 
 
 def _clip_grad_norm(model: torch.nn.Module, max_norm: float, device: torch.device) -> float:
