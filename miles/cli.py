@@ -69,6 +69,7 @@ def cmd_train(argv: list[str], base: dict[str, Any] | None = None) -> int:
 
     from miles.config import load_config, save_config
     from miles.controller.placement import PlacementError
+    from miles.controller.preflight import PreflightError
     from miles.errors import as_run_failure
 
     cfg = load_config(argv, base=base)
@@ -86,6 +87,8 @@ def cmd_train(argv: list[str], base: dict[str, Any] | None = None) -> int:
         return _result_code(run(cfg))
     except PlacementError as e:  # raised before any worker starts
         raise UsageError(f"placement error: {e}") from None
+    except PreflightError as e:  # bad paths or data, also refused before any worker starts
+        raise UsageError(f"miles train: {e}") from None
     except Exception as e:  # a run stopped for a known cause (every group dropped, NaN loss): one line
         failure = as_run_failure(e)
         if failure is None:

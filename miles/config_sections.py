@@ -39,8 +39,9 @@ class DataConfig:
     apply_chat_template: bool = _f(False, "ROLLOUT", "render chat prompts with the tokenizer's chat template")
     rollout_shuffle: bool = _f(False, "ROLLOUT", "shuffle prompts every epoch")
     rollout_seed: int = _f(42, "ROLLOUT", "seed for shuffling and sampling")
-    rollout_max_prompt_len: int | None = _f(None, "ROLLOUT", "drop prompts longer than this many tokens")
-    skip_bad_rows: bool = _f(False, "ROLLOUT", "skip and count malformed JSONL rows instead of stopping")
+    rollout_max_prompt_len: int | None = _f(None, "ROLLOUT", "drop prompts longer than this many tokens (default: what the engines fit)")
+    refuse_long_prompts: bool = _f(False, "ROLLOUT", "stop at start-up on a prompt over the limit instead of skipping and counting it")
+    skip_bad_rows: bool = _f(False, "ROLLOUT", "skip and count malformed JSONL rows (bad JSON, not UTF-8) instead of stopping")
     data_source_path: str | None = _f(None, "ROLLOUT", "import path of a custom data source class")
     num_epoch: int | None = _f(None, "ROLLOUT", "epochs over the prompt data (derives --num-rollout)")
 

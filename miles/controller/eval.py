@@ -66,9 +66,12 @@ class Evaluator:
 
     async def evaluate(self, name: str, path: str, *, router=None, version: int | None = None) -> dict[str, float]:
         """Scores of one dataset on `router`'s engines (default: the rollout fleet at the run's version)."""
-        data_cfg = replace(self.cfg.data, prompt_data=path, rollout_shuffle=False)
-        source = JsonlDataSource(data_cfg, n_samples_per_prompt=self.cfg.eval.n_samples_per_eval_prompt,
-                                 tokenizer=self.run.tokenizer)
+        source = self.run.eval_sets.get(name)  # read and checked at start-up
+        if source is None or source.path != path:
+            data_cfg = replace(self.cfg.data, prompt_data=path, rollout_shuffle=False)
+            source = JsonlDataSource(data_cfg, n_samples_per_prompt=self.cfg.eval.n_samples_per_eval_prompt,
+                                     tokenizer=self.run.tokenizer)
+        source.rewind()  # every eval draws the whole set with the same ids
         groups = source.get_samples(len(source))
         args = self.run.args
         runner = GroupRunner(args, router or self.run.router, self.run.tokenizer, self.sampling)

@@ -276,7 +276,7 @@ def make_buffer(cfg, run: MilesRun, ledger: GroupLedger) -> DataBuffer:
 
 
 async def train(cfg) -> str:
-    stop = StopRequest().install()
+    stop = StopRequest(saves=bool(cfg.train.save)).install()
     run = await MilesRun.start(cfg)
     async with run:
         ledger = GroupLedger()

@@ -14,7 +14,7 @@ logger = logging.getLogger(__name__)
 
 
 async def train(cfg) -> str:
-    stop = StopRequest().install()
+    stop = StopRequest(saves=bool(cfg.train.save)).install()
     run = await MilesRun.start(cfg)
     async with run:
         rollout = SyncRolloutManager(run.args, cfg.rollout, run.router, run.data_source, run.tokenizer,

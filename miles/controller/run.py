@@ -18,12 +18,12 @@ import numpy as np
 from miles.config_checks import engine_memory_tags
 from miles.controller.machine import plan_run, resolve_machine
 from miles.controller.placement import Placement
+from miles.controller.preflight import RunData, check_checkpoint_paths, load_run_data, prompt_limit
 from miles.controller.router import Router, engine_clients
 from miles.controller.runtime import Runtime
 from miles.engines.client import EngineClient
 from miles.engines.doors import new_api_key
 from miles.launch import launch_env, runtime_options
-from miles.rollout.data_source import load_data_source
 from miles.rollout.sample import Sample
 from miles.rollout.train_data import TrainBatch, samples_to_train_batch, split_by_dp
 from miles.utils.metrics import MetricsSink
@@ -79,7 +79,7 @@ def resolve_model_path(cfg) -> bool:
 
 class MilesRun:
     def __init__(self, cfg, runtime: Runtime, placement: Placement, router: Router, engines: list[EngineClient],
-                 tokenizer, sink: MetricsSink):
+                 tokenizer, sink: MetricsSink, data: RunData):
         self.cfg = cfg
         self.args = cfg.flat()
         self.runtime = runtime
@@ -89,8 +89,8 @@ class MilesRun:
         self.tokenizer = tokenizer
         self.sink = sink
         self.timers = StepTimers()
-        self.data_source = load_data_source(cfg.data, n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
-                                            tokenizer=tokenizer)
+        self.data_source = data.prompts
+        self.eval_sets = data.eval_sets  # name -> source, read and checked at start-up
         self.weight_version = 0
         self.start_rollout_id = 0
         self.engine_versions: list[int] = [0] * len(engines)
@@ -111,10 +111,19 @@ class MilesRun:
         cfg.engine.api_key = cfg.engine.api_key or new_api_key()  # one key per run: every engine and client
         machine = resolve_machine(cfg.runtime, le)
         placement = plan_run(cfg, machine, le)  # a layout the cluster cannot hold is refused here, before any work
+        check_checkpoint_paths(cfg.train.load, cfg.train.save, cfg.train.save_hf)
         run_dir = cfg.runtime.output_dir
         os.makedirs(run_dir, exist_ok=True)
         if resolve_model_path(cfg):  # the plan carries the model path: plan again with the built/converted one
             placement = plan_run(cfg, machine, le)
+        # the data is read, validated and tokenised before any worker starts: bad data costs no start-up
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint,
+                                                  trust_remote_code=cfg.model.trust_remote_code)
+        data = load_run_data(cfg, tokenizer, prompt_limit(cfg, placement))
+        if cfg.rollout.num_rollout is None:
+            from miles.config import derive_num_rollout
+
+            derive_num_rollout(cfg, len(data.prompts))
         runtime = await Runtime.start(placement.specs, run_dir=run_dir,
                                       heartbeat_interval_s=cfg.runtime.heartbeat_interval_s,
                                       heartbeat_timeout_s=cfg.runtime.heartbeat_timeout_s,
@@ -125,18 +134,12 @@ class MilesRun:
                                            external=cfg.engine.rollout_external_engine_addrs)
             urls = [e.base_url for e in engines]
             router = Router(engines, session_mode=cfg.rollout.use_session_server)
-            tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint,
-                                                      trust_remote_code=cfg.model.trust_remote_code)
             sink = MetricsSink(run_dir, tensorboard=cfg.logging.use_tensorboard,
                                wandb_project=cfg.logging.wandb_project if cfg.logging.use_wandb else None,
                                wandb_group=cfg.logging.wandb_group, run_name=cfg.runtime.run_name)
-            run = cls(cfg, runtime, placement, router, engines, tokenizer, sink)
+            run = cls(cfg, runtime, placement, router, engines, tokenizer, sink, data)
             # dedicated eval engines (fully async --eval-mode dedicated): never part of weight updates
             run.eval_engines = await engine_clients(runtime, "eval_rollout", api_key=cfg.engine.api_key)
-            if cfg.rollout.num_rollout is None:
-                from miles.config import derive_num_rollout
-
-                derive_num_rollout(cfg, len(run.data_source))
             # engines that release their weights between updates get a fresh weight buffer each time
             releases_weights = bool(cfg.train.offload_rollout) and "weights" in engine_memory_tags(
                 cfg.train.offload_rollout_level)
@@ -253,26 +256,32 @@ class MilesRun:
         last = self.cfg.rollout.num_rollout - 1
         if not force and not (t.save_interval and (rollout_id + 1) % t.save_interval == 0) and rollout_id != last:
             return
-        from miles.trainer.checkpoint import COMPLETE_MARKER
+        from miles.controller.rpc import RemoteError
+        from miles.trainer.checkpoint import COMPLETE_MARKER, CheckpointWriteError
 
         if os.path.exists(os.path.join(self._ckpt_dir(rollout_id), COMPLETE_MARKER)):
             return  # this step is already saved (a stop signal right after a scheduled save)
         extra = {"rollout_id": rollout_id, "weight_version": self.weight_version,
                  "data_source": self.data_source.state_dict(),
                  "pending_groups": self.pending_state_fn() if self.pending_state_fn else []}
-        await self._wait("save_time", self.runtime.call_all("trainer", "save", self._ckpt_dir(rollout_id), extra,
-                                                           timeout_s=self.cfg.runtime.rpc_timeout_s))
+        try:
+            await self._wait("save_time", self.runtime.call_all("trainer", "save", self._ckpt_dir(rollout_id), extra,
+                                                               timeout_s=self.cfg.runtime.rpc_timeout_s))
+        except RemoteError as e:  # a full disk, say: the trainers' one-line reason, not their traceback
+            if e.exc_type != CheckpointWriteError.__qualname__:
+                raise
+            raise CheckpointWriteError(e.remote_message) from None
         if t.save_hf:
             path = t.save_hf.format(rollout_id=rollout_id)
             await self._wait("save_time", self.runtime.call_all("trainer", "export_hf", path))
 
     async def _maybe_resume(self) -> None:
-        from miles.trainer.checkpoint import latest_complete_checkpoint
+        from miles.trainer.checkpoint import latest_complete_checkpoint, resolve_load_path
 
         t = self.cfg.train
         path = None
-        if t.load:
-            path = latest_complete_checkpoint(t.load) or (t.load if os.path.isdir(t.load) else None)
+        if t.load:  # checked at start-up: a complete checkpoint, or the --save root of a run not saved yet
+            path = resolve_load_path(t.load) if os.path.isdir(t.load) else None
         elif t.auto_resume and t.save:
             path = latest_complete_checkpoint(t.save)
         if path is None:

@@ -19,6 +19,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 import time
@@ -46,6 +47,30 @@ __all__ = ["Runtime", "RuntimeOptions", "RunInterrupted", "WorkerDied", "WorkerH
 logger = logging.getLogger(__name__)
 
 
+def remove_stale_sockets(run_dir: str) -> list[str]:
+    """Remove the control sockets a killed controller left in `run_dir` (no one listens on them).
+
+    A socket someone still listens on belongs to a live run in the same directory: it is kept.
+    """
+    removed = []
+    for path in Path(run_dir).glob(".ctl-*.sock"):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            path.unlink(missing_ok=True)
+            removed.append(str(path))
+        except OSError as e:  # not a socket, or not ours to judge: leave it
+            logger.debug("leaving %s: %s", path, e)
+        else:
+            logger.warning("another run is listening on %s in this run directory; its files may mix with these", path)
+        finally:
+            probe.close()
+    if removed:
+        logger.info("removed %d stale control socket(s) of an earlier run: %s", len(removed), ", ".join(removed))
+    return removed
+
+
 class Runtime:
     """Owns the worker processes of one run; build it with ``await Runtime.start(...)``."""
 
@@ -71,6 +96,7 @@ class Runtime:
                 self._ipc_dir = tempfile.mkdtemp(prefix=f"miles-{self.run_id}-")
                 ipc_path = os.path.join(self._ipc_dir, "ctl.sock")
             Path(self.run_dir).mkdir(parents=True, exist_ok=True)
+            remove_stale_sockets(self.run_dir)
             self._ipc_path = ipc_path
             bind = f"ipc://{ipc_path}"
         else:

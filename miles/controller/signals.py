@@ -1,5 +1,6 @@
 """Graceful stop: SIGTERM / SIGUSR1 (Slurm's pre-timeout signal) / SIGINT end the run at the next
-step boundary after a checkpoint, so a requeued job resumes where this one stopped.
+step boundary after a checkpoint (when `--save` is set), so a requeued job resumes where this one
+stopped. Without `--save` the run stops at the step boundary and says that nothing is saved.
 
 A signal during training or a weight push lets that step finish. A signal while the step's
 rollout is still generating abandons the rollout at once (`StopRequested`; its prompts go back to
@@ -22,7 +23,8 @@ class StopRequested(Exception):
 
 
 class StopRequest:
-    def __init__(self) -> None:
+    def __init__(self, *, saves: bool = True) -> None:
+        self.saves = saves  # whether the run checkpoints before it stops (it has --save)
         self.signal: int | None = None
         self.event: asyncio.Event | None = None  # set by the first signal, for waits that race it
         self._installed: list[int] = []
@@ -44,8 +46,11 @@ class StopRequest:
         self.signal = sig
         if self.event is not None:
             self.event.set()
-        logger.warning("received %s: checkpointing at the end of this step, then exiting",
-                       signal.Signals(sig).name)
+        name = signal.Signals(sig).name
+        if self.saves:
+            logger.warning("received %s: checkpointing at the end of this step, then exiting", name)
+        else:
+            logger.warning("received %s: no --save: stopping at the end of this step without a checkpoint", name)
 
     @property
     def requested(self) -> bool:

@@ -1,9 +1,12 @@
 """Prompt sources: where the rollout loop gets its groups of prompt samples.
 
-`JsonlDataSource` reads `--prompt-data` once, validates every row (a malformed row stops the run
-with `file:line` and what is wrong, or is skipped and counted with `--skip-bad-rows`), then
-serves prompts epoch by epoch, reshuffled per epoch with `rollout_seed + epoch`. Every prompt
-becomes a group of `n_samples_per_prompt` Samples sharing `group_index`. Groups handed back with
+`JsonlDataSource` reads `--prompt-data` once, validates every row (a malformed row, non-UTF-8
+bytes included, stops the run with `file:line` and what is wrong, or is skipped and counted with
+`--skip-bad-rows`), drops prompts longer than its `PromptLimit` (skipped and counted with one
+warning naming the longest, as Miles' `--rollout-max-prompt-len` filters; refused with
+`--refuse-long-prompts`; a row with more characters than the limit times the vocabulary's longest
+token is judged without tokenising), then serves prompts epoch by epoch, reshuffled per epoch with
+`rollout_seed + epoch`. Every prompt becomes a group of `n_samples_per_prompt` Samples sharing `group_index`. Groups handed back with
 `add_samples` are served first. `state_dict()` holds the epoch, the offset inside it, the id
 counters and the handed-back groups, so a resumed run continues at the exact prompt.
 """
@@ -30,8 +33,38 @@ logger = logging.getLogger(__name__)
 _STATE_VERSION = 1
 
 
-class DataRowError(ValueError):
+class DataError(ValueError):
+    """The prompt data cannot be used; the message names the file and the fix."""
+
+
+class DataRowError(DataError):
     """A prompt row that cannot be used; the message starts with `file:line`."""
+
+
+# A prompt cannot pack more characters into one token than the vocabulary's longest token; this floor
+# keeps the bound generous for vocabularies that do not list their tokens.
+MIN_CHARS_PER_TOKEN_BOUND = 32
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLimit:
+    """The most tokens a prompt may have, and where that number comes from (named in messages)."""
+
+    max_tokens: int
+    source: str = "--rollout-max-prompt-len"
+
+
+class PromptTooLong(Exception):
+    """A row whose prompt exceeds the limit: `length` tokens, or characters when not tokenised."""
+
+    def __init__(self, length: int, unit: str) -> None:
+        super().__init__(f"{length} {unit}")
+        self.length, self.unit = length, unit
+
+
+def _longer(a: PromptTooLong, b: PromptTooLong) -> bool:
+    """Prompts judged by characters are past the character cap, so longer than any counted in tokens."""
+    return (a.unit == "characters", a.length) > (b.unit == "characters", b.length)
 
 
 class DataSource(ABC):
@@ -102,6 +135,31 @@ def _metadata_of(row: dict[str, Any], data: DataConfig) -> dict[str, Any]:
     return metadata
 
 
+def decode_line(raw: bytes) -> str:
+    """One line of the file as text; a byte that is not UTF-8 is a malformed row, with its column."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})") from None
+
+
+def prompt_chars(prompt: str | list[dict[str, Any]]) -> int:
+    """Characters of the prompt's text before any chat template (which only adds tokens); content
+    that is not text (multimodal parts) is not counted."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(m["content"]) for m in prompt if isinstance(m["content"], str))
+
+
+def max_chars_per_token(tokenizer: Any) -> int:
+    """An upper bound of the characters one token covers: the longest entry of the vocabulary."""
+    try:
+        longest = max(map(len, tokenizer.get_vocab()), default=0)
+    except (AttributeError, NotImplementedError, TypeError):
+        longest = 0
+    return max(longest, MIN_CHARS_PER_TOKEN_BOUND)
+
+
 def parse_row(line: str, data: DataConfig) -> PromptRow:
     """Validate one JSONL line; ValueError says what is wrong and how to fix it."""
     try:
@@ -150,7 +208,13 @@ def render_prompt(row: PromptRow, data: DataConfig, tokenizer: Any) -> None:
 
 class JsonlDataSource(DataSource):
     def __init__(
-        self, data: DataConfig, *, n_samples_per_prompt: int, tokenizer: Any = None, path: str | None = None
+        self,
+        data: DataConfig,
+        *,
+        n_samples_per_prompt: int,
+        tokenizer: Any = None,
+        path: str | None = None,
+        prompt_limit: PromptLimit | None = None,
     ) -> None:
         if n_samples_per_prompt < 1:
             raise ValueError(f"n_samples_per_prompt={n_samples_per_prompt} must be >= 1")
@@ -158,16 +222,20 @@ class JsonlDataSource(DataSource):
         self.n_samples_per_prompt = n_samples_per_prompt
         self.path = path or data.prompt_data
         if not self.path:
-            raise ValueError("no prompt data: set --prompt-data to a JSONL file")
+            raise DataError("no prompt data: set --prompt-data to a JSONL file")
         if data.apply_chat_template and tokenizer is None:
             raise ValueError("--apply-chat-template needs a tokenizer (from --hf-checkpoint)")
-        if data.rollout_max_prompt_len is not None and tokenizer is None:
-            logger.warning(
-                "--rollout-max-prompt-len=%s is ignored: no tokenizer to count prompt tokens",
-                data.rollout_max_prompt_len,
-            )
+        if prompt_limit is None and data.rollout_max_prompt_len is not None:
+            prompt_limit = PromptLimit(data.rollout_max_prompt_len)
+        if prompt_limit is not None and tokenizer is None:
+            logger.warning("the %d-token prompt limit (%s) is ignored: no tokenizer to count prompt tokens",
+                           prompt_limit.max_tokens, prompt_limit.source)
+            prompt_limit = None
+        self.prompt_limit = prompt_limit
+        self._max_prompt_chars = prompt_limit.max_tokens * max_chars_per_token(tokenizer) if prompt_limit else None
         self.bad_rows = 0
         self.long_prompts_dropped = 0
+        self._longest: tuple[PromptTooLong, int] | None = None  # the longest dropped prompt and its line
         self.rows = self._load(Path(self.path), tokenizer)
         self.epoch = 0
         self.offset = 0  # position inside this epoch's order
@@ -178,48 +246,81 @@ class JsonlDataSource(DataSource):
 
     def _load(self, path: Path, tokenizer: Any) -> list[PromptRow]:
         if not path.is_file():
-            raise FileNotFoundError(f"--prompt-data {str(path)!r} does not exist or is not a file")
+            raise DataError(f"prompt data {str(path)!r} does not exist or is not a file; check the path")
         rows: list[PromptRow] = []
-        with path.open(encoding="utf-8") as f:
-            for line_no, line in enumerate(f, start=1):
-                if not line.strip():
+        with path.open("rb") as f:  # bytes: a bad byte is reported with its line, not for the whole file
+            for line_no, raw in enumerate(f, start=1):
+                if not raw.strip():
                     continue  # blank lines (e.g. a trailing newline) are not rows
-                row = self._parse_or_skip(path, line_no, line, tokenizer)
-                if row is None:
-                    continue
-                limit = self.data.rollout_max_prompt_len
-                if limit is not None and row.tokens and len(row.tokens) > limit:
-                    self.long_prompts_dropped += 1
-                    continue
-                rows.append(row)
-        if self.bad_rows or self.long_prompts_dropped:
-            logger.warning(
-                "%s: skipped %d malformed rows and %d prompts longer than --rollout-max-prompt-len=%s",
-                path,
-                self.bad_rows,
-                self.long_prompts_dropped,
-                self.data.rollout_max_prompt_len,
-            )
+                try:
+                    if line_no == 1:
+                        raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark
+                    rows.append(self._read_row(raw, tokenizer))
+                except PromptTooLong as e:
+                    self._drop_long(path, line_no, e)
+                except ValueError as e:
+                    self._bad_row(path, line_no, e)
+        self._report_skipped(path)
         if not rows:
-            raise ValueError(f"--prompt-data {str(path)!r} has no usable rows ({self.bad_rows} malformed)")
+            raise DataError(
+                f"prompt data {str(path)!r} has no usable rows ({self.bad_rows} malformed, "
+                f"{self.long_prompts_dropped} too long)"
+            )
         logger.info("loaded %d prompts from %s", len(rows), path)
         return rows
 
-    def _parse_or_skip(self, path: Path, line_no: int, line: str, tokenizer: Any) -> PromptRow | None:
-        try:
-            row = parse_row(line, self.data)
-            render_prompt(row, self.data, tokenizer)
-            return row
-        except ValueError as e:
-            message = f"{path}:{line_no}: {e}"
-            if not self.data.skip_bad_rows:
-                raise DataRowError(f"{message} (or pass --skip-bad-rows to skip and count such rows)") from e
-            self.bad_rows += 1
-            logger.warning("skipping malformed row %s", message)
-            return None
+    def _read_row(self, raw: bytes, tokenizer: Any) -> PromptRow:
+        """Decode, validate, check the length, render; ValueError for a malformed row, PromptTooLong."""
+        row = parse_row(decode_line(raw), self.data)
+        if self._max_prompt_chars is not None:  # far too long to fit: not worth tokenising
+            chars = prompt_chars(row.prompt)
+            if chars > self._max_prompt_chars:
+                raise PromptTooLong(chars, "characters")
+        render_prompt(row, self.data, tokenizer)
+        if self.prompt_limit is not None and len(row.tokens) > self.prompt_limit.max_tokens:
+            raise PromptTooLong(len(row.tokens), "tokens")
+        return row
+
+    def _bad_row(self, path: Path, line_no: int, error: ValueError) -> None:
+        message = f"{path}:{line_no}: {error}"
+        if not self.data.skip_bad_rows:
+            raise DataRowError(f"{message}; fix the file or pass --skip-bad-rows to skip and count such rows") from None
+        self.bad_rows += 1
+        logger.warning("skipping malformed row %s", message)
+
+    def _drop_long(self, path: Path, line_no: int, error: PromptTooLong) -> None:
+        limit = self.prompt_limit
+        assert limit is not None
+        if self.data.refuse_long_prompts:
+            raise DataRowError(
+                f"{path}:{line_no}: the prompt has {error} (more than the {limit.max_tokens}-token limit of "
+                f"{limit.source}); shorten or drop the row, or drop --refuse-long-prompts to skip and count such rows"
+            )
+        self.long_prompts_dropped += 1
+        if self._longest is None or _longer(error, self._longest[0]):
+            self._longest = (error, line_no)
+
+    def _report_skipped(self, path: Path) -> None:
+        if self.bad_rows:
+            logger.warning("%s: skipped %d malformed rows (--skip-bad-rows)", path, self.bad_rows)
+        if self.long_prompts_dropped:
+            assert self.prompt_limit is not None and self._longest is not None
+            longest, line_no = self._longest
+            logger.warning(
+                "%s: skipped %d prompts longer than the %d-token limit of %s; the longest has %s (line %d). "
+                "Pass --refuse-long-prompts to stop instead",
+                path, self.long_prompts_dropped, self.prompt_limit.max_tokens, self.prompt_limit.source,
+                longest, line_no,
+            )
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def rewind(self) -> None:
+        """Back to the first prompt of epoch 0 with fresh ids (an eval set is drawn whole each time)."""
+        self.epoch = self.offset = self.next_group_index = self.next_sample_index = 0
+        self._buffer.clear()
+        self._order = self._epoch_order(0)
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
         if not self.data.rollout_shuffle:
@@ -312,10 +413,18 @@ class JsonlDataSource(DataSource):
         self._buffer = deque([Sample.from_dict(d) for d in group] for group in state.get("buffer", []))
 
 
-def load_data_source(data: DataConfig, *, n_samples_per_prompt: int, tokenizer: Any = None) -> DataSource:
-    """The JSONL source, or the class named by `--data-source-path` (same constructor keywords)."""
+def load_data_source(
+    data: DataConfig, *, n_samples_per_prompt: int, tokenizer: Any = None, prompt_limit: PromptLimit | None = None
+) -> DataSource:
+    """The JSONL source, or the class named by `--data-source-path` (same constructor keywords).
+
+    `prompt_limit` (default: `--rollout-max-prompt-len`) applies to the JSONL source; a custom source
+    checks its own prompts.
+    """
     if not data.data_source_path:
-        return JsonlDataSource(data, n_samples_per_prompt=n_samples_per_prompt, tokenizer=tokenizer)
+        return JsonlDataSource(
+            data, n_samples_per_prompt=n_samples_per_prompt, tokenizer=tokenizer, prompt_limit=prompt_limit
+        )
     cls = load_function(data.data_source_path)
     source = cls(data, n_samples_per_prompt=n_samples_per_prompt, tokenizer=tokenizer)
     missing = [m for m in ("get_samples", "add_samples", "state_dict", "load_state_dict") if not hasattr(source, m)]

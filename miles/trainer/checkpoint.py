@@ -4,13 +4,18 @@ Layout of one checkpoint directory (`<save>/iter_{step:07d}`):
     model/          DCP shards of the policy (and critic) parameters and optimizer states
     rng/rank_{r}.pt RNG states of rank r (torch, CUDA, numpy, python)
     meta.json       step, LR-schedule states and the caller's extra state (e.g. data-source state)
-    COMPLETE        written last, by rank 0, after every rank finished: only then is it a checkpoint
+    COMPLETE        written last (atomically), by rank 0, once every rank wrote its part: only then is
+                    it a checkpoint
 
-A directory without COMPLETE (a crash mid-save) is ignored by `latest_complete_checkpoint`.
+A directory without COMPLETE (a crash mid-save) is ignored by `latest_complete_checkpoint`. A save
+that fails on any rank (a full disk, say) raises `CheckpointWriteError` on every rank, naming the
+directory; the partial directory is removed and never gets its marker. `miles train` prints that
+one line and exits 1.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -25,10 +30,19 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from miles.errors import RunFailed
+
 logger = logging.getLogger(__name__)
 
 COMPLETE_MARKER = "COMPLETE"
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
+# torch.save reports a short write without its errno ("unexpected pos 704 vs 598"): with less free
+# space than this left on the device, a failed write is taken to be a full disk.
+_DISK_FULL_FREE_BYTES = 64 * 1024**2
+
+
+class CheckpointWriteError(RunFailed):
+    """A checkpoint could not be written; its directory holds no COMPLETE marker."""
 
 
 def checkpoint_dir(save_dir: str, step: int) -> str:
@@ -95,25 +109,100 @@ def save_checkpoint(
     *,
     save_optim: bool = True,
 ) -> None:
-    """Collective: every rank writes its shards; rank 0 writes meta.json and then COMPLETE."""
+    """Collective: every rank writes its shards; rank 0 writes meta.json and then COMPLETE.
+
+    Any rank's write failure is shared with every rank (none is left waiting in a barrier), and all
+    raise the same CheckpointWriteError.
+    """
     rank = dist.get_rank()
-    if rank == 0:
-        if os.path.exists(path):  # a stale or partial save of the same step: start clean
-            shutil.rmtree(path)
-        os.makedirs(os.path.join(path, "rng"), exist_ok=True)
-    dist.barrier()
-    dcp.save(_model_optim_state(models, save_optim), checkpoint_id=os.path.join(path, "model"))
-    torch.save(_rng_state(), os.path.join(path, "rng", f"rank_{rank}.pt"))
-    if rank == 0:
-        _write_json(os.path.join(path, "meta.json"), {**meta, "has_optim": save_optim})
-    dist.barrier()  # every rank's shards and RNG file exist before the marker
-    if rank == 0:
-        with open(os.path.join(path, COMPLETE_MARKER), "w") as f:
-            f.write("ok\n")
-            f.flush()
-            os.fsync(f.fileno())
-    dist.barrier()
+    error = None
+    try:
+        if rank == 0:
+            if os.path.exists(path):  # a stale or partial save of the same step: start clean
+                shutil.rmtree(path)
+            os.makedirs(os.path.join(path, "rng"), exist_ok=True)
+    except Exception as e:  # noqa: BLE001 - shared with every rank below
+        error = _write_error(path, e)
+    _raise_first(path, error)  # nothing to write into: every rank stops here
+    try:
+        dcp.save(_model_optim_state(models, save_optim), checkpoint_id=os.path.join(path, "model"))
+        torch.save(_rng_state(), os.path.join(path, "rng", f"rank_{rank}.pt"))
+        if rank == 0:
+            _write_json(os.path.join(path, "meta.json"), {**meta, "has_optim": save_optim})
+    except Exception as e:  # noqa: BLE001 - shared with every rank below
+        error = _write_error(path, e)
+    _raise_first(path, error)  # every rank's shards and RNG file exist before the marker
+    try:
+        if rank == 0:
+            _write_marker(path)
+    except Exception as e:  # noqa: BLE001 - shared with every rank below
+        error = _write_error(path, e)
+    _raise_first(path, error)
     logger.info("saved checkpoint %s", path)
+
+
+def _write_marker(path: str) -> None:
+    """COMPLETE appears whole or not at all: written beside, synced, renamed into place."""
+    marker = os.path.join(path, COMPLETE_MARKER)
+    with open(marker + ".tmp", "w") as f:
+        f.write("ok\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(marker + ".tmp", marker)
+    dir_fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _raise_first(path: str, local_error: str | None) -> None:
+    """Collective: every rank learns every rank's error; with any, the partial save is removed and all raise."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local_error)
+    errors = [e for e in gathered if e]
+    if not errors:
+        return
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)  # frees what was written; without COMPLETE it was never usable
+    raise CheckpointWriteError(errors[0])
+
+
+def _write_error(path: str, exc: BaseException) -> str:
+    """One line naming the checkpoint and the cause; a full disk is said so, whatever layer noticed it."""
+    if _is_disk_full(exc, path):
+        return (f"disk full (ENOSPC) while saving checkpoint {path}; free space or point --save elsewhere "
+                f"(the partial checkpoint was removed)")
+    return f"writing checkpoint {path} failed: {type(exc).__name__}: {exc} (the partial checkpoint was removed)"
+
+
+def _is_disk_full(exc: BaseException, path: str) -> bool:
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        failures = getattr(e, "failures", None)  # DCP's CheckpointException: {rank: exception}
+        if isinstance(failures, dict) and any(
+            isinstance(f, BaseException) and _is_disk_full(f, path) for f in failures.values()
+        ):
+            return True
+        if "No space left on device" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return _free_bytes(path) < _DISK_FULL_FREE_BYTES
+
+
+def _free_bytes(path: str) -> int:
+    """Free bytes on the device of `path` (or of its nearest existing parent); unknown is plenty."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    try:
+        return shutil.disk_usage(probe).free
+    except OSError:
+        return _DISK_FULL_FREE_BYTES
 
 
 def load_checkpoint(

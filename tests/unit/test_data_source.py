@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from miles.config_sections import DataConfig
-from miles.rollout.data_source import DataRowError, DataSource, JsonlDataSource, load_data_source
+from miles.rollout.data_source import DataRowError, DataSource, JsonlDataSource, PromptLimit, load_data_source
 from miles.rollout.sample import Sample
 
 
@@ -233,3 +233,81 @@ def test_load_data_source_honours_custom_path(tmp_path: Path) -> None:
     assert [len(g) for g in source.get_samples(2)] == [3, 3]
     default = load_data_source(DataConfig(prompt_data=str(_write(tmp_path, _rows(2)))), n_samples_per_prompt=1)
     assert isinstance(default, JsonlDataSource) and len(default) == 2
+
+
+# ---- bad bytes, long prompts, huge rows -------------------------------------------------------
+
+
+def test_non_utf8_byte_names_file_line_and_column(tmp_path: Path) -> None:
+    path = tmp_path / "x.jsonl"
+    path.write_bytes(b'{"input": "q0", "label": "0"}\n{"input": "q1", "label": "1"}\n{"in\xffput": "q", "label": "2"}\n')
+    with pytest.raises(DataRowError) as info:
+        _source(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}:3: not UTF-8 (byte 0xff at column 5)")
+    assert "fix the file or pass --skip-bad-rows" in message and "\n" not in message
+
+
+def test_skip_bad_rows_skips_and_counts_non_utf8_rows(tmp_path: Path) -> None:
+    path = tmp_path / "x.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"input": "q0", "label": "0"}\n{"input": "\xc3(", "label": "1"}\n'
+                     b'{"input": "q2", "label": "2"}\n')
+    source = _source(path, skip_bad_rows=True)
+    assert source.bad_rows == 1
+    assert _prompts(source.get_samples(2)) == ["q0", "q2"]  # the byte-order mark of line 1 is not an error
+
+
+class CountingTokenizer:
+    """The tiny tokenizer, recording the length of every text it was asked to tokenise."""
+
+    def __init__(self) -> None:
+        self.inner = _tiny_tokenizer()
+        self.texts: list[int] = []
+
+    def __call__(self, text: str, **kw):
+        self.texts.append(len(text))
+        return self.inner(text, **kw)
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.inner.get_vocab()
+
+
+def _long_rows(tmp_path: Path) -> Path:
+    rows = _rows(4)
+    rows[1] = {"input": " ".join(["a"] * 12), "label": "1"}  # 12 tokens
+    rows[3] = {"input": "b " * 2_000_000, "label": "3"}  # 4 MB: far more characters than 8 tokens can hold
+    return _write(tmp_path, rows)
+
+
+def test_too_long_prompts_are_skipped_and_counted_and_huge_rows_not_tokenised(tmp_path: Path, caplog) -> None:
+    path = _long_rows(tmp_path)
+    tokenizer = CountingTokenizer()
+    source = JsonlDataSource(DataConfig(prompt_data=str(path), label_key="label"), n_samples_per_prompt=1,
+                             tokenizer=tokenizer, prompt_limit=PromptLimit(8, "the engine's context"))
+    assert len(source) == 2 and source.long_prompts_dropped == 2
+    assert _prompts(source.get_samples(2)) == ["q0", "q2"]
+    assert max(tokenizer.texts) < 100  # the 4 MB row was judged by its characters alone
+    warning = next(r.getMessage() for r in caplog.records if "longer than" in r.getMessage())
+    assert "skipped 2 prompts longer than the 8-token limit of the engine's context" in warning
+    assert "the longest has 4000000 characters (line 4)" in warning and "--refuse-long-prompts" in warning
+
+
+def test_refuse_long_prompts_stops_at_the_first_with_file_and_line(tmp_path: Path) -> None:
+    path = _long_rows(tmp_path)
+    data = DataConfig(prompt_data=str(path), label_key="label", refuse_long_prompts=True)
+    with pytest.raises(DataRowError) as info:
+        JsonlDataSource(data, n_samples_per_prompt=1, tokenizer=_tiny_tokenizer(), prompt_limit=PromptLimit(8))
+    message = str(info.value)
+    assert message.startswith(f"{path}:2: the prompt has 12 tokens (more than the 8-token limit of "
+                              "--rollout-max-prompt-len)")
+    assert "drop --refuse-long-prompts" in message
+
+
+def test_rewind_serves_the_same_groups_again(tmp_path: Path) -> None:
+    source = _source(_write(tmp_path, _rows(3)), n=2)
+    first = source.get_samples(3)
+    source.add_samples([first[0]])
+    source.rewind()
+    again = source.get_samples(3)
+    assert _prompts(again) == _prompts(first)
+    assert [s.index for g in again for s in g] == [s.index for g in first for s in g] == list(range(6))

@@ -1,0 +1,160 @@
+"""Start-up checks that touch the filesystem, run by the controller before any worker starts.
+
+A run that cannot succeed is refused here in one line naming the path and the fix, instead of
+after the workers started or at the first save: `--load` must name a checkpoint, `--save` must be
+writable, and the prompt data (and eval data) must parse, decode as UTF-8 and fit the engines.
+The data is read and tokenised here once; the sources built here are the ones the run draws from.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass, replace
+from typing import Any
+
+from miles.controller.placement import Placement
+from miles.rollout.data_source import DataError, DataSource, JsonlDataSource, PromptLimit, load_data_source
+
+logger = logging.getLogger(__name__)
+
+
+class PreflightError(ValueError):
+    """A start-up check failed; the message is one line with what was wrong and the fix."""
+
+
+# ---------------------------------------------------------------- checkpoint paths
+
+
+def check_checkpoint_paths(load: str | None, save: str | None, save_hf: str | None) -> None:
+    """`--load` names a complete checkpoint (or is the `--save` root of a run not saved yet); outputs are writable."""
+    if load:
+        _check_load(load, resumes_save=bool(save) and os.path.realpath(load) == os.path.realpath(save))
+    if save:
+        _check_writable(save, "--save")
+    if save_hf:
+        _check_writable(os.path.dirname(os.path.abspath(save_hf.format(rollout_id=0))), "--save-hf")
+
+
+def _check_load(load: str, *, resumes_save: bool) -> None:
+    from miles.trainer.checkpoint import COMPLETE_MARKER, is_complete, resolve_load_path
+
+    fix = "or drop --load to start from --hf-checkpoint"
+    if os.path.exists(load) and not os.path.isdir(load):
+        raise PreflightError(f"--load {load!r} is a file; point it at an iter_* directory or a --save root, {fix}")
+    resolved = resolve_load_path(load) if os.path.isdir(load) else None
+    if resolved is not None and is_complete(resolved):
+        return
+    if resumes_save:  # Miles' requeue idiom `--load X --save X`: the first job finds nothing yet
+        logger.info("no checkpoint under --load %s (also --save) yet: starting from --hf-checkpoint", load)
+        return
+    if not os.path.exists(load):
+        raise PreflightError(
+            f"--load {load!r} does not exist; point it at a checkpoint (an iter_* directory or a --save root), {fix}"
+        )
+    if resolved is not None:
+        raise PreflightError(
+            f"--load {load!r} has no {COMPLETE_MARKER} marker (an interrupted save); "
+            f"point it at a complete iter_* directory or at its --save root, {fix}"
+        )
+    raise PreflightError(
+        f"--load {load!r} holds no complete checkpoint (no iter_*/{COMPLETE_MARKER}); "
+        f"point it at the --save root of a finished save, {fix}"
+    )
+
+
+def _check_writable(directory: str, flag: str) -> None:
+    """Create `directory` and a file in it, as the first save will."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".miles-write-probe-", dir=directory)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise PreflightError(
+            f"{flag} {directory!r} is not writable ({e.strerror or e}); point {flag} at a directory you can write"
+        ) from None
+
+
+# ---------------------------------------------------------------- prompt length limit
+
+
+def prompt_limit(cfg: Any, placement: Placement) -> PromptLimit | None:
+    """The most prompt tokens the run can take: the smallest of `--rollout-max-prompt-len`, the context
+    of every planned engine (which refuses a longer prompt at the step that draws it) and the model's
+    positions."""
+    limits = []
+    if cfg.data.rollout_max_prompt_len is not None:
+        limits.append(PromptLimit(cfg.data.rollout_max_prompt_len))
+    for spec in placement.specs:
+        kw = spec.init_kwargs
+        if spec.role not in ("rollout", "eval_rollout"):
+            continue
+        if kw.get("engine") == "embedded" and kw.get("max_total_tokens"):
+            per_request = kw["max_total_tokens"] // kw["max_running_requests"]
+            limits.append(
+                PromptLimit(
+                    per_request - 1,
+                    f"the engine's {per_request}-token context per request "
+                    "(--max-total-tokens / --max-running-requests; or set --rollout-max-prompt-len)",
+                )
+            )
+        elif kw.get("sglang_args", {}).get("context_length"):
+            ctx = int(kw["sglang_args"]["context_length"])
+            limits.append(PromptLimit(ctx - 1, f"--sglang-context-length={ctx}"))
+    positions = _max_positions(cfg.model.hf_checkpoint)
+    if positions:
+        limits.append(PromptLimit(positions - 1, f"the model's max_position_embeddings={positions}"))
+    return min(limits, key=lambda limit: limit.max_tokens) if limits else None
+
+
+def _max_positions(model_dir: str | None) -> int | None:
+    path = os.path.join(model_dir or "", "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        value = json.load(f).get("max_position_embeddings")
+    return int(value) if isinstance(value, int) and value > 1 else None
+
+
+# ---------------------------------------------------------------- data
+
+
+@dataclass(slots=True)
+class RunData:
+    """What the run draws from: the training prompts and every eval set, read and checked once."""
+
+    prompts: DataSource
+    eval_sets: dict[str, JsonlDataSource]
+
+
+def wants_eval_data(cfg: Any) -> bool:
+    """Eval sets are read when the loop will evaluate on them (not for an external eval command)."""
+    e = cfg.eval
+    external = cfg.async_.fully_async and e.eval_mode == "external"
+    return bool(e.eval_interval and e.eval_prompt_data and not external)
+
+
+def load_run_data(cfg: Any, tokenizer: Any, limit: PromptLimit | None) -> RunData:
+    """Read, validate and tokenise the prompt and eval data; refuse with PreflightError on bad data."""
+    from miles.controller.eval import parse_eval_datasets
+
+    try:
+        prompts = load_data_source(
+            cfg.data, n_samples_per_prompt=cfg.rollout.n_samples_per_prompt, tokenizer=tokenizer, prompt_limit=limit
+        )
+        eval_sets: dict[str, JsonlDataSource] = {}
+        if wants_eval_data(cfg):
+            for name, path in parse_eval_datasets(cfg.eval.eval_prompt_data):
+                data = replace(cfg.data, prompt_data=path, rollout_shuffle=False)
+                eval_sets[name] = JsonlDataSource(
+                    data,
+                    n_samples_per_prompt=cfg.eval.n_samples_per_eval_prompt,
+                    tokenizer=tokenizer,
+                    prompt_limit=limit,
+                )
+    except DataError as e:
+        raise PreflightError(str(e)) from None
+    return RunData(prompts, eval_sets)
