@@ -70,7 +70,7 @@ def cmd_train(argv: list[str], base: dict[str, Any] | None = None) -> int:
     from miles.config import load_config, save_config
     from miles.controller.placement import PlacementError
     from miles.controller.preflight import PreflightError
-    from miles.errors import as_run_failure
+    from miles.errors import one_line
 
     cfg = load_config(argv, base=base)
     try:
@@ -89,11 +89,14 @@ def cmd_train(argv: list[str], base: dict[str, Any] | None = None) -> int:
         raise UsageError(f"placement error: {e}") from None
     except PreflightError as e:  # bad paths or data, also refused before any worker starts
         raise UsageError(f"miles train: {e}") from None
-    except Exception as e:  # a run stopped for a known cause (every group dropped, NaN loss): one line
-        failure = as_run_failure(e)
-        if failure is None:
+    except Exception as e:  # a known cause (every group dropped, NaN loss, a dead worker or engine): one line
+        line = one_line(e)
+        if line is None:
             raise
-        print(f"miles train: {failure}", file=sys.stderr)
+        logger.debug("the run ended with", exc_info=e)
+        if getattr(e, "log_tail", None):
+            logger.info("last lines of %s:\n%s", getattr(e, "log_path", "its log"), e.log_tail)
+        print(f"miles train: {line}", file=sys.stderr)
         return EXIT_RUN_FAILED
 
 

@@ -24,6 +24,29 @@ class NonFiniteTraining(RunFailed):
 _KINDS = {kind.__name__: kind for kind in (RunFailed, RolloutStalled, NonFiniteTraining)}
 
 
+def one_line(exc: BaseException) -> str | None:
+    """The one line `miles train` prints for a run that ended for a known cause, else None (a bug:
+    keep the traceback). A dead worker is named with how it died and where its log is; an engine
+    that stopped answering is named with its address."""
+    from miles.controller.specs import WorkerDied
+    from miles.engines.client import EngineConnectionError
+
+    failure = as_run_failure(exc)
+    if failure is not None:
+        return str(failure)
+    if isinstance(exc, WorkerDied):
+        how = (
+            f"killed by {exc.signal}"
+            if exc.signal
+            else (f"exit code {exc.exitcode}" if exc.exitcode is not None else "no answer")
+        )
+        where = f"; its log: {exc.log_path}" if exc.log_path else ""
+        return f"worker {exc.role}:{exc.rank} (pid {exc.pid}, node {exc.node}) {exc.reason} ({how}){where}"
+    if isinstance(exc, EngineConnectionError):
+        return str(exc).splitlines()[0]
+    return None
+
+
 def as_run_failure(exc: BaseException) -> RunFailed | None:
     """`exc` as a RunFailed: itself, or one a worker raised (an RPC error with `exc_type`); else None."""
     if isinstance(exc, RunFailed):

@@ -154,10 +154,11 @@ class MilesRun:
     async def close(self) -> None:
         if self._profiling:  # stopped inside a profile window: still write the traces
             await self._stop_profile()
-        try:
-            await self.runtime.call_all("trainer", "close_weights", timeout_s=30)
-        except Exception as e:  # noqa: BLE001 - best effort on the way out
-            logger.warning("closing weight sync failed: %s", e)
+        if self.runtime.failure is None:  # a dead worker is reported once, by the run's own error
+            try:
+                await self.runtime.call_all("trainer", "close_weights", timeout_s=30)
+            except Exception as e:  # noqa: BLE001 - best effort on the way out
+                logger.warning("closing weight sync failed: %s", e)
         for e in self.engines + self.eval_engines:
             await e.close()
         self.sink.close()

@@ -250,3 +250,35 @@ def test_the_trainer_refuses_a_non_finite_step_and_a_non_finite_checkpoint(tmp_p
         )
     assert not (tmp_path / "save" / "iter_0000007" / COMPLETE_MARKER).exists()
     assert latest_complete_checkpoint(str(tmp_path / "save")) is None
+
+
+def test_a_killed_engine_ends_the_run_with_one_line_naming_it(tmp_path) -> None:
+    """SIGKILL the rollout engine once a step is done: the run stops with exit status 1 and one last line
+    naming the worker, how it died and its log; no retry storm, no unretrieved task errors."""
+    out = tmp_path / "run"
+    err_path = tmp_path / "stderr.txt"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(
+            _cmd(out, "--num-rollout", "200"), cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=err, text=True
+        )
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / "metrics.jsonl").exists() or not read_rows(out):
+            assert proc.poll() is None, f"the run ended early:\n{err_path.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, "no finished step within 240 s"
+            time.sleep(0.2)
+        pid = int(re.search(r"rollout:0 pid=(\d+)", (out / "logs" / "rollout_0.log").read_text()).group(1))
+        os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stderr = err_path.read_text()
+    assert proc.returncode == 1, stderr[-3000:]
+    last = _last_line(stderr)
+    assert last.startswith("miles train: worker rollout:0 ") and "SIGKILL" in last and "rollout_0.log" in last, last
+    assert "Task exception was never retrieved" not in stderr
+    assert "Traceback" not in stderr
+    assert stderr.count("WARNING") <= 3, stderr[-3000:]
+    assert not leftover_processes(str(out)), "processes of the run are still alive"
