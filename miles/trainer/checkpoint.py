@@ -31,6 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from miles.errors import RunFailed
+from miles.trainer.safe_load import SafeLoadPlanner, SafeReader
 
 logger = logging.getLogger(__name__)
 
@@ -217,7 +218,8 @@ def load_checkpoint(
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
     state = _model_optim_state(models, meta.get("has_optim", True))
-    dcp.load(state, checkpoint_id=os.path.join(path, "model"))
+    model_dir = os.path.join(path, "model")  # read without unpickling arbitrary objects (safe_load.py)
+    dcp.load(state, storage_reader=SafeReader(model_dir), planner=SafeLoadPlanner())
     for key, (model, optim) in models.items():
         if "optim" in state[key]:
             set_state_dict(model, optim, model_state_dict=state[key]["model"], optim_state_dict=state[key]["optim"])
