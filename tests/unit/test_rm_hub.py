@@ -35,6 +35,14 @@ MATH_TABLE = [
     (r"\boxed{\frac{\sqrt{3}}{2}}", r"\frac{\sqrt3}{2}", True),
     (r"\boxed{2\sqrt{3}}", r"\sqrt{12}", True),
     (r"\boxed{\frac{1}{3}}", "0.333", False),
+    # mixed numbers: 2 1/2 = 5/2, not 2 * 1/2 = 1
+    (r"\boxed{2\frac{1}{2}}", "2.5", True),
+    (r"\boxed{2\frac{1}{2}}", "1", False),
+    (r"\boxed{2\frac12}", r"\frac{5}{2}", True),
+    (r"\boxed{-3\frac{1}{4}}", "-3.25", True),  # -(3 + 1/4)
+    (r"\boxed{12\frac{3}{4}}", "12.75", True),
+    (r"\boxed{2\frac{\sqrt{3}}{3}}", r"\frac{2\sqrt{3}}{3}", True),  # not integers: a product
+    (r"\boxed{2\cdot\frac{1}{2}}", "1", True),
     # formatting of numbers
     (r"\boxed{1,000}", "1000", True),
     (r"\boxed{1{,}234{,}567}", "1234567", True),
@@ -94,6 +102,38 @@ def test_table_is_large_and_balanced() -> None:
 def test_label_with_worked_solution() -> None:
     assert grade("math", r"\boxed{72}", "She has 48 + 24 = 72 apples.\n#### 72") == 1.0
     assert grade("math", "answer: 9", r"so it is \boxed{9}") == 1.0
+
+
+# (answer, label, equivalent?) -- only sympy can tell these; without it none of them match.
+SYMBOLIC_TABLE = [
+    ("x+1", "1+x", True),
+    ("2(x+1)", "2x+2", True),
+    (r"\frac{x^2-1}{x-1}", "x+1", True),  # (x-1)(x+1)/(x-1)
+    ("(a+b)^2", "a^2+2ab+b^2", True),
+    (r"\frac{3x}{2}", "1.5x", True),
+    (r"2\sqrt{2}x", r"\sqrt{8}x", True),
+    (r"\frac{\pi r^2}{2}", r"\frac{1}{2}\pi r^2", True),
+    ("x^2", "2x", False),  # equal at x = 2 only
+    ("x+1", "y+1", False),
+    ("(x+1)^2", "x^2+1", False),
+    ("yes", "sey", False),  # words are not products of one-letter variables
+    (r"x^{9^{9}}", "x", False),  # exponent too large: refused, not expanded
+]
+
+
+@pytest.mark.parametrize(("answer", "label", "equivalent"), SYMBOLIC_TABLE)
+def test_symbolic_equivalence_with_sympy(answer: str, label: str, equivalent: bool) -> None:
+    pytest.importorskip("sympy")
+    assert grade("math", rf"\boxed{{{answer}}}", label) == (1.0 if equivalent else 0.0)
+
+
+def test_without_sympy_expressions_match_only_as_text(monkeypatch: pytest.MonkeyPatch) -> None:
+    from miles.rollout.rm_hub import math_symbolic
+
+    monkeypatch.setattr(math_symbolic, "_sympy", lambda: None)
+    assert all(grade("math", rf"\boxed{{{a}}}", b) == 0.0 for a, b, _ in SYMBOLIC_TABLE)
+    assert grade("math", r"\boxed{x+1}", "x+1") == 1.0
+    assert grade("math", r"\boxed{2\frac{1}{2}}", "2.5") == 1.0  # numbers need no sympy
 
 
 @pytest.mark.parametrize(

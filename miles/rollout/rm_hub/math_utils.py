@@ -3,8 +3,10 @@
 Two steps: pull the final answer out of a free-form response (`\\boxed{}`, "#### X",
 "The answer is X", the text after a reasoning block), then decide whether two answer strings
 mean the same thing. Equivalence is decided on a normalised string first and, failing that,
-numerically through a small restricted arithmetic evaluator (no sympy): enough for fractions,
-decimals, percentages, thousands separators, units, and tuples/intervals compared element-wise.
+numerically through a small restricted arithmetic evaluator: enough for fractions, mixed
+numbers, decimals, percentages, thousands separators, units, and tuples/intervals compared
+element-wise. When sympy is installed, expressions in one-letter variables are also compared
+symbolically (`math_symbolic.py`); without it, they match only as text.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import ast
 import math
 import re
 from fractions import Fraction
+
+from miles.rollout.rm_hub.math_symbolic import symbolically_equal
 
 # ---- extraction ---------------------------------------------------------------------------
 
@@ -112,6 +116,25 @@ _ASSIGN_RE = re.compile(r"^[a-zA-Z]\w*\s*=\s*(?=[^=])")
 _SPACING_RE = re.compile(r"\\[,;:! ]|\\(?:quad|qquad|displaystyle)|~")
 
 
+# `2\frac{1}{2}` is two and a half, not a product: an integer written right before a proper
+# fraction of integers (not after `.`, `^`, a letter or a bracket, where it is a factor).
+_MIXED_NUMBER_RE = re.compile(
+    r"(?<![\w.^})\]])(?P<whole>\d+)\s*\\[dt]?frac\s*(?:\{\s*(?P<num>\d+)\s*\}\s*\{\s*(?P<den>\d+)\s*\}|(?P<n1>\d)(?P<d1>\d))"
+)
+
+
+def _replace_mixed_number(s: str) -> str:
+    """`2\\frac{1}{2}` -> `(2+(1)/(2))`; an improper fraction after an integer stays a product."""
+
+    def mixed(m: re.Match[str]) -> str:
+        num, den = m.group("num") or m.group("n1"), m.group("den") or m.group("d1")
+        if not 0 < int(num) < int(den):
+            return m.group(0)
+        return f"({m.group('whole')}+({num})/({den}))"
+
+    return _MIXED_NUMBER_RE.sub(mixed, s)
+
+
 def _replace_frac(s: str) -> str:
     """`\\frac{a}{b}` -> `(a)/(b)`, innermost first; `\\frac12` -> `(1)/(2)`."""
     s = re.sub(r"\\[dt]?frac\s*(\d)\s*(\d)", r"(\1)/(\2)", s)
@@ -155,7 +178,7 @@ def normalize_answer(answer: str) -> str:
     unit = _UNIT_SUFFIX_RE.match(s)
     if unit:
         s = unit.group("value")
-    s = _replace_sqrt(_replace_frac(s))
+    s = _replace_sqrt(_replace_frac(_replace_mixed_number(s)))
     s = re.sub(r"\s+", "", s)
     if _THOUSANDS_RE.match(s):
         s = s.replace(",", "")
@@ -297,7 +320,9 @@ def _equal_normalized(a: str, b: str) -> bool:
     if a.count(",") and a.count(",") == b.count(","):  # bare lists "1,2" vs "1, 2.0"
         return all(_equal_normalized(x, y) for x, y in zip(a.split(","), b.split(","), strict=True))
     value_a, value_b = evaluate_number(a), evaluate_number(b)
-    return value_a is not None and value_b is not None and _numbers_equal(value_a, value_b)
+    if value_a is not None and value_b is not None:
+        return _numbers_equal(value_a, value_b)
+    return symbolically_equal(a, b)
 
 
 def is_equiv(answer: str, reference: str) -> bool:
