@@ -31,7 +31,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    prompt_data: str | None = _f(None, "ROLLOUT", "JSONL file of prompts")
+    prompt_data: str | None = _f(None, "ROLLOUT", "JSONL or parquet file of prompts (parquet needs the parquet extra)")
     input_key: str = _f("input", "ROLLOUT", "JSONL key of the prompt (text or chat messages)")
     label_key: str | None = _f(None, "ROLLOUT", "JSONL key of the label / ground truth")
     metadata_key: str = _f("metadata", "ROLLOUT", "JSONL key of per-row metadata (dict)")
@@ -190,7 +190,7 @@ class EngineConfig:
 @dataclass
 class EvalConfig:
     eval_interval: int | None = _f(None, "EVAL", "evaluate every N steps")
-    eval_prompt_data: list[str] = _f([], "EVAL", "name path [name path ...]", metadata={"nargs": "*"})
+    eval_prompt_data: list[str] = _f([], "EVAL", "name path [name path ...] (JSONL or parquet)", metadata={"nargs": "*"})
     n_samples_per_eval_prompt: int = _f(1, "EVAL", "samples per eval prompt")
     eval_temperature: float | None = _f(None, "EVAL", "eval sampling temperature (default rollout's)")
     eval_top_p: float | None = _f(None, "EVAL", "eval top-p")

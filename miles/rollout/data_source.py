@@ -1,6 +1,6 @@
 """Prompt sources: where the rollout loop gets its groups of prompt samples.
 
-`JsonlDataSource` reads `--prompt-data` once, validates every row (a malformed row, non-UTF-8
+`JsonlDataSource` reads `--prompt-data` (JSONL, or parquet: `prompt_files.py`) once, validates every row (a malformed row, non-UTF-8
 bytes included, stops the run with `file:line` and what is wrong, or is skipped and counted with
 `--skip-bad-rows`), drops prompts longer than its `PromptLimit` (skipped and counted with one
 warning naming the longest, as Miles' `--rollout-max-prompt-len` filters; refused with
@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from miles.config_sections import DataConfig
+from miles.rollout.prompt_files import PromptFileError, is_parquet, iter_prompt_rows
 from miles.rollout.sample import Sample
 from miles.utils.misc import load_function
 
@@ -168,6 +169,11 @@ def parse_row(line: str, data: DataConfig) -> PromptRow:
         raise ValueError(f"not valid JSON ({e.msg} at column {e.colno})") from e
     if not isinstance(row, dict):
         raise ValueError(f"a row must be a JSON object, got {type(row).__name__}")
+    return row_from_dict(row, data)
+
+
+def row_from_dict(row: dict[str, Any], data: DataConfig) -> PromptRow:
+    """Validate one decoded row (a JSONL object or a parquet row); ValueError says what is wrong."""
     if data.input_key not in row:
         raise ValueError(f"missing prompt key {data.input_key!r} (keys: {sorted(row)}); set --input-key")
     prompt = row[data.input_key]
@@ -222,7 +228,7 @@ class JsonlDataSource(DataSource):
         self.n_samples_per_prompt = n_samples_per_prompt
         self.path = path or data.prompt_data
         if not self.path:
-            raise DataError("no prompt data: set --prompt-data to a JSONL file")
+            raise DataError("no prompt data: set --prompt-data to a JSONL or parquet file")
         if data.apply_chat_template and tokenizer is None:
             raise ValueError("--apply-chat-template needs a tokenizer (from --hf-checkpoint)")
         if prompt_limit is None and data.rollout_max_prompt_len is not None:
@@ -248,18 +254,16 @@ class JsonlDataSource(DataSource):
         if not path.is_file():
             raise DataError(f"prompt data {str(path)!r} does not exist or is not a file; check the path")
         rows: list[PromptRow] = []
-        with path.open("rb") as f:  # bytes: a bad byte is reported with its line, not for the whole file
-            for line_no, raw in enumerate(f, start=1):
-                if not raw.strip():
-                    continue  # blank lines (e.g. a trailing newline) are not rows
+        try:
+            for line_no, raw in iter_prompt_rows(path):
                 try:
-                    if line_no == 1:
-                        raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark
                     rows.append(self._read_row(raw, tokenizer))
                 except PromptTooLong as e:
                     self._drop_long(path, line_no, e)
                 except ValueError as e:
                     self._bad_row(path, line_no, e)
+        except PromptFileError as e:
+            raise DataError(f"prompt data {str(path)!r} {e}") from None
         self._report_skipped(path)
         if not rows:
             raise DataError(
@@ -269,9 +273,11 @@ class JsonlDataSource(DataSource):
         logger.info("loaded %d prompts from %s", len(rows), path)
         return rows
 
-    def _read_row(self, raw: bytes, tokenizer: Any) -> PromptRow:
-        """Decode, validate, check the length, render; ValueError for a malformed row, PromptTooLong."""
-        row = parse_row(decode_line(raw), self.data)
+    def _read_row(self, raw: bytes | dict[str, Any], tokenizer: Any) -> PromptRow:
+        """Decode, validate, check the length, render; ValueError for a malformed row, PromptTooLong.
+
+        `raw` is a JSONL line's bytes or a parquet row's dict."""
+        row = parse_row(decode_line(raw), self.data) if isinstance(raw, bytes) else row_from_dict(raw, self.data)
         if self._max_prompt_chars is not None:  # far too long to fit: not worth tokenising
             chars = prompt_chars(row.prompt)
             if chars > self._max_prompt_chars:
@@ -307,10 +313,10 @@ class JsonlDataSource(DataSource):
             assert self.prompt_limit is not None and self._longest is not None
             longest, line_no = self._longest
             logger.warning(
-                "%s: skipped %d prompts longer than the %d-token limit of %s; the longest has %s (line %d). "
+                "%s: skipped %d prompts longer than the %d-token limit of %s; the longest has %s (%s %d). "
                 "Pass --refuse-long-prompts to stop instead",
                 path, self.long_prompts_dropped, self.prompt_limit.max_tokens, self.prompt_limit.source,
-                longest, line_no,
+                longest, "row" if is_parquet(path) else "line", line_no,
             )
 
     def __len__(self) -> int:
