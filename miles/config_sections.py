@@ -22,7 +22,7 @@ def _f(default, group: str, help: str, **kw):
 
 @dataclass
 class ModelConfig:
-    hf_checkpoint: str | None = _f(None, "MODEL", "HF model directory (weights + tokenizer) for engines and trainer")
+    hf_checkpoint: str | None = _f(None, "MODEL", "HF model directory (weights + tokenizer) for engines and trainer, or a Hub id ORG/NAME[@REV] already in the local HF cache")
     ref_load: str | None = _f(None, "CKPT", "HF directory of the frozen reference model (default: --hf-checkpoint when a KL term needs it)")
     critic_load: str | None = _f(None, "CKPT", "HF directory to initialise the PPO critic from (default: --hf-checkpoint)")
     dtype: str = _f("auto", "MODEL", "parameter dtype: auto (bf16 on GPU, fp32 on CPU), bfloat16, float16, float32")

