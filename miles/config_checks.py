@@ -312,6 +312,7 @@ NUMBER_RANGES: dict[str, tuple[str, str]] = {
     "rpc_timeout_s": ("(0, inf)", "seconds"),
     "weight_sync_timeout_s": ("(0, inf)", "seconds"),
     "rollout_max_consecutive_drops": ("[1, inf)", "groups dropped in a row before the run stops"),
+    "max_checkpoints": ("[1, inf)", "complete checkpoints kept under --save; leave it unset to keep all"),
 }
 
 

@@ -151,6 +151,7 @@ class TrainConfig:
     save: str | None = _f(None, "CKPT", "checkpoint directory")
     save_interval: int | None = _f(None, "CKPT", "save every N rollout steps")
     save_hf: str | None = _f(None, "CKPT", "HF export directory template, may contain {rollout_id}")
+    max_checkpoints: int | None = _f(None, "CKPT", "keep the newest N complete checkpoints under --save, deleting older ones after each save (default: keep all)")
     auto_resume: bool = _f(False, "CKPT", "resume from the latest complete checkpoint under --save")
     no_save_optim: bool = _f(False, "CKPT", "do not save optimizer state")
     offload_train: bool | None = _f(None, "PERF", "offload trainer state while engines generate (default: on when colocated)")

@@ -275,7 +275,7 @@ class MilesRun:
         if not force and not (t.save_interval and (rollout_id + 1) % t.save_interval == 0) and rollout_id != last:
             return
         from miles.controller.rpc import RemoteError
-        from miles.trainer.checkpoint import COMPLETE_MARKER, CheckpointWriteError
+        from miles.trainer.checkpoint import COMPLETE_MARKER, CheckpointWriteError, prune_checkpoints
 
         if os.path.exists(os.path.join(self._ckpt_dir(rollout_id), COMPLETE_MARKER)):
             return  # this step is already saved (a stop signal right after a scheduled save)
@@ -289,6 +289,8 @@ class MilesRun:
             if e.exc_type != CheckpointWriteError.__qualname__:
                 raise
             raise CheckpointWriteError(e.remote_message) from None
+        if t.max_checkpoints:  # after the new one is complete: the newest complete checkpoint is never deleted
+            await asyncio.to_thread(prune_checkpoints, t.save, t.max_checkpoints)
         if t.save_hf:
             path = t.save_hf.format(rollout_id=rollout_id)
             await self._wait("save_time", self.runtime.call_all("trainer", "export_hf", path))

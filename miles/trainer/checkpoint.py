@@ -7,7 +7,10 @@ Layout of one checkpoint directory (`<save>/iter_{step:07d}`):
     COMPLETE        written last (atomically), by rank 0, once every rank wrote its part: only then is
                     it a checkpoint
 
-A directory without COMPLETE (a crash mid-save) is ignored by `latest_complete_checkpoint`. A save
+A directory without COMPLETE (a crash mid-save) is ignored by `latest_complete_checkpoint`.
+`--max-checkpoints N` keeps the newest N complete checkpoints (`prune_checkpoints`): older complete ones
+lose their marker first, then their files, so a deletion cut short never leaves a directory that looks
+loadable; incomplete directories are left for inspection. A save
 that fails on any rank (a full disk, say) raises `CheckpointWriteError` on every rank, naming the
 directory; the partial directory is removed and never gets its marker. `miles train` prints that
 one line and exits 1.
@@ -68,6 +71,28 @@ def latest_complete_checkpoint(save_dir: str) -> str | None:
                 "ignoring incomplete checkpoint %s (no %s marker)", os.path.join(save_dir, name), COMPLETE_MARKER
             )
     return checkpoint_dir(save_dir, max(steps)) if steps else None
+
+
+def complete_checkpoint_steps(save_dir: str) -> list[int]:
+    """Steps of the complete `iter_*` checkpoints under `save_dir`, oldest first."""
+    if not save_dir or not os.path.isdir(save_dir):
+        return []
+    names = (_ITER_RE.match(name) for name in os.listdir(save_dir))
+    return sorted(int(m.group(1)) for m in names if m and is_complete(os.path.join(save_dir, m.group(0))))
+
+
+def prune_checkpoints(save_dir: str, keep: int) -> list[str]:
+    """Delete all but the newest `keep` (>= 1) complete checkpoints under `save_dir`; the deleted paths."""
+    if keep < 1:
+        raise ValueError(f"keep={keep}: at least the newest complete checkpoint is kept; pass keep >= 1")
+    removed = []
+    for step in complete_checkpoint_steps(save_dir)[:-keep]:
+        path = checkpoint_dir(save_dir, step)
+        os.remove(os.path.join(path, COMPLETE_MARKER))  # no longer a checkpoint, even if rmtree stops halfway
+        shutil.rmtree(path)
+        removed.append(path)
+        logger.info("removed checkpoint %s (--max-checkpoints %d)", path, keep)
+    return removed
 
 
 def _rng_state() -> dict[str, Any]:
