@@ -14,6 +14,7 @@ import time
 from typing import TYPE_CHECKING
 
 from miles.config_fields import FIELDS, ConfigError
+from miles.config_refusals import check_mode_support, check_not_implemented
 
 if TYPE_CHECKING:
     from miles.config import MilesConfig
@@ -159,6 +160,31 @@ def apply_derivations(cfg: MilesConfig, explicit: set[str]) -> None:
         cfg.data.rollout_max_prompt_len = r.rollout_max_context_len - 1
     if cfg.runtime.output_dir is None:
         cfg.runtime.output_dir = f"runs/{cfg.runtime.run_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def resolve_rollout_engines(cfg: MilesConfig, explicit: set[str]) -> list[str]:
+    """Miles' `--rollout-num-gpus` G: G / --rollout-num-gpus-per-engine engines. Under --colocate Miles sets G
+    to the trainer's GPUs, so a G that says otherwise is refused rather than ignored."""
+    e, gpus = cfg.engine, cfg.engine.rollout_num_gpus
+    if gpus is None:
+        return []
+    k, trainer_gpus = e.rollout_num_gpus_per_engine, cfg.dp_size
+    if e.colocate and gpus != trainer_gpus:
+        return [
+            f"--rollout-num-gpus={gpus} with --colocate: the engines share the trainer's {trainer_gpus} GPU(s) "
+            f"(Miles sets --rollout-num-gpus to that count); drop it or set it to {trainer_gpus}"
+        ]
+    if gpus < 1 or k < 1 or gpus % k:
+        return [f"--rollout-num-gpus={gpus} is not a positive multiple of --rollout-num-gpus-per-engine={k}; "
+                f"pick a multiple of {k}"]
+    engines = gpus // k
+    if "rollout_num_engines" in explicit and e.rollout_num_engines != engines:
+        return [
+            f"--rollout-num-engines={e.rollout_num_engines} disagrees with --rollout-num-gpus={gpus} / "
+            f"--rollout-num-gpus-per-engine={k} = {engines} engine(s); give only one of the two"
+        ]
+    e.rollout_num_engines = engines
+    return []
 
 
 # ---------------------------------------------------------------- validation
@@ -309,6 +335,8 @@ NUMBER_RANGES: dict[str, tuple[str, str]] = {
     "gamma": ("[0, 1]", "a discount"),
     "lambd": ("[0, 1]", "the GAE lambda"),
     "rm_timeout_s": ("(0, inf)", "seconds"),
+    "rm_retry_backoff_s": ("[0, inf)", "seconds"),
+    "sglang_server_concurrency": ("[1, inf)", "requests in flight per engine"),
     "rpc_timeout_s": ("(0, inf)", "seconds"),
     "weight_sync_timeout_s": ("(0, inf)", "seconds"),
     "rollout_max_consecutive_drops": ("[1, inf)", "groups dropped in a row before the run stops"),
@@ -359,9 +387,10 @@ def check_train_inputs(cfg: MilesConfig) -> list[str]:
 
 def finalize(cfg: MilesConfig, explicit: set[str], *, for_train: bool = True) -> None:
     """Derive, then validate; raise one ConfigError listing every problem."""
-    errors = resolve_batch_knobs(cfg, explicit)
+    errors = resolve_batch_knobs(cfg, explicit) + resolve_rollout_engines(cfg, explicit)
     apply_derivations(cfg, explicit)
     errors += check_enums(cfg) + check_modes(cfg) + check_batching(cfg) + check_algo(cfg)
+    errors += check_not_implemented(cfg) + check_mode_support(cfg)
     errors += check_sglang_passthrough(cfg) + check_numbers(cfg, explicit)
     if for_train:
         errors += check_train_inputs(cfg)

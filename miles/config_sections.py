@@ -73,7 +73,7 @@ class RolloutConfig:
     rollout_sample_filter_path: str | None = _f(None, "ROLLOUT", "fn(args, groups) marking remove_sample in place")
     partial_rollout: bool = _f(False, "ROLLOUT", "keep partial groups at abort and resume them next step")
     recompute_logprobs_via_prefill: bool = _f(False, "ROLLOUT", "re-score sampled tokens with a prefill pass")
-    sglang_server_concurrency: int = _f(512, "ROLLOUT", "max concurrent requests per engine")
+    sglang_server_concurrency: int = _f(512, "ROLLOUT", "max requests in flight per engine (the rollout sends at most this x engines at once)")
     reward_phase: str = _f("inline", "ROLLOUT", "inline (score as each sample finishes) | separate (generate all, then score)")
     use_session_server: bool = _f(False, "ROLLOUT", "route multi-turn sessions through the session server (key affinity)")
 
@@ -89,6 +89,7 @@ class RewardConfig:
     rm_concurrency: int = _f(64, "ROLLOUT", "max concurrent remote reward calls")
     rm_timeout_s: float = _f(30.0, "ROLLOUT", "timeout of one remote reward call")
     rm_max_retries: int = _f(3, "ROLLOUT", "retries of a failing remote reward call before the sample is marked failed")
+    rm_retry_backoff_s: float = _f(0.5, "ROLLOUT", "first wait before retrying a failing remote reward call (doubles each retry)")
 
 
 @dataclass
@@ -163,7 +164,7 @@ class TrainConfig:
 class WeightsConfig:
     update_weight_transfer_mode: str = _f("broadcast", "PERF", "broadcast | p2p | disk-delta")
     update_weight_buffer_size: int = _f(512 * 1024**2, "PERF", "bucket size in bytes")
-    update_weights_interval: int = _f(1, "PERF", "push weights every N steps")
+    update_weights_interval: int = _f(1, "PERF", "push weights every N rollout steps (sync loop; also before every eval and after the last step)")
     update_weight_disk_dir: str | None = _f(None, "PERF", "shared directory for disk-delta versions")
     update_weight_delta_encoding: str = _f("xor", "PERF", "xor | overwrite")
     update_weight_digest: str = _f("xxh3-128", "PERF", "per-tensor digest: xxh3-128 | blake2b | adler32")
@@ -177,7 +178,7 @@ class EngineConfig:
     engine: str = _f("embedded", "SGLANG", "embedded | sglang")
     rollout_num_engines: int = _f(1, "SGLANG", "number of rollout engines")
     rollout_num_gpus_per_engine: int = _f(1, "SGLANG", "GPUs per engine (SGLang tp size)")
-    rollout_num_gpus: int | None = _f(None, "SGLANG", "total rollout GPUs")
+    rollout_num_gpus: int | None = _f(None, "SGLANG", "total rollout GPUs: sets --rollout-num-engines to this / --rollout-num-gpus-per-engine (with --colocate: the trainer's GPU count)")
     colocate: bool = _f(False, "SGLANG", "trainer and engines share devices")
     max_running_requests: int = _f(64, "SGLANG", "embedded engine: max requests in the running batch")
     max_total_tokens: int | None = _f(None, "SGLANG", "embedded engine: KV cache capacity in tokens")

@@ -97,7 +97,8 @@ class AsyncProducer:
         self.steps_per_version = max(1, cfg.rollout.num_steps_per_rollout or 1)
         self.max_staleness = cfg.async_.max_weight_staleness
         self.pace = cfg.async_.async_staleness_policy == "pace" and self.max_staleness is not None
-        self.runner = GroupRunner(run.args, run.router, run.tokenizer, sampling_from_config(cfg.rollout))
+        self.runner = GroupRunner(run.args, run.router, run.tokenizer, sampling_from_config(cfg.rollout),
+                                  deterministic_seed=cfg.data.rollout_seed if cfg.engine.deterministic else None)
         # every group dropped on arrival, many in a row: stop with the cause instead of generating forever
         self.guard = DropGuard(max_consecutive_drops(cfg.rollout), target=None, args=run.args,
                                where="fully async generation")

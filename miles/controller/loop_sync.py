@@ -1,4 +1,8 @@
-"""The synchronous RL loop: generate → train → save → offload → push weights → eval."""
+"""The synchronous RL loop: generate → train → save → offload → push weights → eval.
+
+Weights go to the engines every `--update-weights-interval` steps, and always before an eval and
+after the last step, so an eval never scores stale weights.
+"""
 
 from __future__ import annotations
 
@@ -41,7 +45,8 @@ async def train(cfg) -> str:
                 train_metrics = await run.train(rollout_id, run.to_train_batch(result.groups))
                 await run.maybe_save(rollout_id)
                 await run.resume_engines()
-                await run.push_weights(version=rollout_id + 1)
+                if weights_due(cfg, evaluator, rollout_id + 1):
+                    await run.push_weights(version=rollout_id + 1)
                 eval_metrics = await evaluator.maybe_eval(rollout_id + 1)
                 progress.update(run.log_step(rollout_id, step_start, result.metrics, train_metrics, eval_metrics))
                 await run.profile_hooks(rollout_id, "end")
@@ -50,6 +55,11 @@ async def train(cfg) -> str:
                     break
     stop.uninstall()
     return cfg.runtime.output_dir
+
+
+def weights_due(cfg, evaluator: Evaluator, step: int) -> bool:
+    """Push after `step` rollouts: every --update-weights-interval steps, before an eval, and at the end."""
+    return step % cfg.weights.update_weights_interval == 0 or step == cfg.rollout.num_rollout or evaluator.due(step)
 
 
 def run(cfg) -> int:

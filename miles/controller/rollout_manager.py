@@ -72,6 +72,9 @@ class GroupRunner:
         self.deterministic_seed = deterministic_seed
         self.group_reward_fn = load_function(getattr(args, "group_reward_path", None))
         self.recompute_logprobs = recompute_logprobs
+        # Miles' --sglang-server-concurrency: at most this many samples in flight per engine
+        engines = len(getattr(router, "engines", ())) or 1
+        self.in_flight = asyncio.Semaphore(args.sglang_server_concurrency * engines)
         self.reward_failures = 0
         self.reward_time_s = 0.0
         self.recompute_time_s = 0.0
@@ -82,9 +85,10 @@ class GroupRunner:
         return self.deterministic_seed + sample.index
 
     async def _one(self, sample: Sample) -> Sample:
-        sample = await generate_sample(self.router, sample, self.tokenizer, self.sampling, seed=self._seed(sample))
-        if self.recompute_logprobs and sample.status != SampleStatus.ABORTED and sample.response_length:
-            await self.recompute(sample)
+        async with self.in_flight:
+            sample = await generate_sample(self.router, sample, self.tokenizer, self.sampling, seed=self._seed(sample))
+            if self.recompute_logprobs and sample.status != SampleStatus.ABORTED and sample.response_length:
+                await self.recompute(sample)
         if self.reward_inline and not self.args.group_rm and sample.status != SampleStatus.ABORTED:
             await self.score([sample])
         return sample

@@ -10,8 +10,12 @@ from miles.controller.placement import PlacementError, plan_placement
 from miles.controller.specs import validate_specs
 from miles.launch import launch_env
 
-# 96 samples per step: divisible by the 1, 2, 3, 4, 6, 8, 16 and 32 trainer ranks used below
-BASE = "--hf-checkpoint /m --prompt-data /p.jsonl --rm-type math --num-rollout 2 --rollout-batch-size 24 --n-samples-per-prompt 4"
+# 96 samples per step: divisible by the 1, 2, 3, 4, 6, 8, 16 and 32 trainer ranks used below; SGLang engines
+# (the embedded engine is refused with more than one GPU per engine)
+BASE = (
+    "--hf-checkpoint /m --prompt-data /p.jsonl --rm-type math --num-rollout 2 --rollout-batch-size 24 "
+    "--n-samples-per-prompt 4 --engine sglang"
+)
 
 
 def cfg_of(*flags: str):
@@ -161,7 +165,7 @@ def test_colocated_refusals():
 
 
 def test_eval_engines_take_gpus_after_the_rollout_engines():
-    cfg = cfg_of("--fully-async", "--eval-num-engines", "2")
+    cfg = cfg_of("--fully-async", "--eval-mode", "dedicated", "--eval-num-engines", "2")
     p = plan_placement(cfg, device="cuda", num_nodes=1, gpus_per_node=4, master_port=29500)
     assert [(w["role"], w["rank"], w["node"], w["gpus"]) for w in p.summary()["workers"]] == [
         ("trainer", 0, 0, [0]),
@@ -176,6 +180,8 @@ def test_eval_engines_take_gpus_after_the_rollout_engines():
 def test_eval_engines_on_the_next_node():
     cfg = cfg_of(
         "--fully-async",
+        "--eval-mode",
+        "dedicated",
         "--eval-num-engines",
         "1",
         "--actor-num-gpus-per-node",
@@ -188,9 +194,9 @@ def test_eval_engines_on_the_next_node():
 
 
 def test_eval_engines_only_when_fully_async():
-    p = plan_placement(
-        cfg_of("--eval-num-engines", "2"), device="cuda", num_nodes=1, gpus_per_node=2, master_port=29500
-    )
+    cfg = cfg_of()
+    cfg.eval.eval_num_engines = 2  # refused by the config checks; the plan still starts none
+    p = plan_placement(cfg, device="cuda", num_nodes=1, gpus_per_node=2, master_port=29500)
     assert p.eval_specs == []
 
 
@@ -203,7 +209,7 @@ def test_refusal_names_what_is_needed_and_what_exists():
         "placement needs 10 GPUs (8 for trainers + 2 rollout engine(s) x 1) but the cluster has 8 "
         "(1 node(s) x 8 GPUs); lower --actor-num-nodes, --actor-num-gpus-per-node, --rollout-num-engines"
     )
-    evals = cfg_of("--fully-async", "--eval-num-engines", "1", "--rollout-num-gpus-per-engine", "2")
+    evals = cfg_of("--fully-async", "--eval-mode", "dedicated", "--eval-num-engines", "1", "--rollout-num-gpus-per-engine", "2")
     assert (
         "needs 5 GPUs (1 for trainers + 1 rollout engine(s) x 2 + 1 eval engine(s) x 2) but the cluster has 4 "
         "(2 node(s) x 2 GPUs)" in refusal(evals, nodes=2, gpus=2)
@@ -239,7 +245,7 @@ def test_cpu_plan_one_node():
 
 
 def test_cpu_plan_engines_round_robin_after_the_trainer_nodes():
-    cfg = cfg_of("--rollout-num-engines", "3", "--fully-async", "--eval-num-engines", "1")
+    cfg = cfg_of("--rollout-num-engines", "3", "--fully-async", "--eval-mode", "dedicated", "--eval-num-engines", "1")
     p = plan_placement(cfg, device="cpu", num_nodes=2, master_port=29500)
     assert [(s.name, s.node) for s in p.specs] == [
         ("trainer:0", 0),

@@ -1,0 +1,113 @@
+"""Miles flags this port cannot honour, in general or in one mode: refused at start-up by name.
+
+A launch script ported from Miles must never have a flag silently change meaning. Every flag
+either works as in Miles or is refused here, before any worker starts, with the flag, the mode
+and what to use instead. `NOT_IMPLEMENTED` lists the flags refused whenever they differ from
+their default; `check_mode_support` refuses the ones that work in some modes only.
+tests/unit/test_flags_read.py walks every config field and fails when one is read nowhere
+outside the config code and is not listed here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from miles.config_fields import FIELDS
+
+if TYPE_CHECKING:
+    from miles.config import MilesConfig
+
+_AGENTIC = "custom rollout, generate and agent functions arrive with the agentic rollouts"
+_OPD = "on-policy distillation arrives with the recipes: no rollout path fills the teacher's log-probs yet"
+_LAUNCH_ENV = "python -m miles.launch reads the controller address on every node from the environment"
+
+# field -> (why it is refused, what to use instead); refused whenever its value is not the default.
+NOT_IMPLEMENTED: dict[str, tuple[str, str]] = {
+    "rollout_function_path": (_AGENTIC, "use the built-in rollout with --custom-rm-path or --rm-type"),
+    "custom_generate_function_path": (_AGENTIC, "use the built-in generate"),
+    "custom_agent_function_path": (_AGENTIC, "use the built-in rollout with --custom-rm-path"),
+    "use_opd": (_OPD, "drop --use-opd"),
+    "opd_log_prob_top_k": (_OPD, "drop --opd-log-prob-top-k"),
+    "opd_teacher_url": (_OPD, "drop --opd-teacher-url"),
+    "partial_rollout": (
+        "the sync loop does not carry unfinished samples to the next rollout yet",
+        "drop --partial-rollout, or use --fully-async, which keeps unfinished samples",
+    ),
+    "controller_host": (_LAUNCH_ENV, "set MILES_CONTROLLER_HOST (a single-node run talks over IPC and needs none)"),
+    "controller_port": (_LAUNCH_ENV, "set MILES_CONTROLLER_PORT (a single-node run talks over IPC and needs none)"),
+}
+
+
+def check_not_implemented(cfg: MilesConfig) -> list[str]:
+    errors = []
+    for name, (why, instead) in NOT_IMPLEMENTED.items():
+        value = cfg.get(name)
+        if value != FIELDS[name].default:
+            errors.append(f"{FIELDS[name].flag}={value!r} is not supported: {why}; {instead}")
+    return errors
+
+
+def _fully_async_only(cfg: MilesConfig) -> list[str]:
+    """Flags the sync loop would ignore."""
+    e, ev = [], cfg.eval
+    if ev.eval_mode != "shared" and not cfg.async_.fully_async:
+        e.append(
+            f"--eval-mode={ev.eval_mode} works only with --fully-async; the sync loop evaluates on the rollout "
+            "engines between steps: drop --eval-mode, or add --fully-async"
+        )
+    if ev.eval_num_engines > 0 and not (cfg.async_.fully_async and ev.eval_mode == "dedicated"):
+        e.append(
+            f"--eval-num-engines={ev.eval_num_engines} starts engines only with --fully-async --eval-mode dedicated; "
+            "drop --eval-num-engines, or add those two"
+        )
+    return e
+
+
+def _sync_only(cfg: MilesConfig) -> list[str]:
+    """Flags the fully async loop would ignore."""
+    if not cfg.async_.fully_async:
+        return []
+    e, r = [], cfg.rollout
+    if r.recompute_logprobs_via_prefill:
+        e.append("--recompute-logprobs-via-prefill is not supported with --fully-async (Miles refuses it too); "
+                 "drop it, or use --use-tis to correct the rollout log-probs")
+    if r.reward_phase != "inline":
+        e.append(f"--reward-phase={r.reward_phase} does not apply to --fully-async, which scores each sample as it "
+                 "finishes; use --reward-phase inline, or drop --fully-async")
+    if r.rollout_sample_filter_path:
+        e.append("--rollout-sample-filter-path runs only in the sync loop; with --fully-async filter whole groups "
+                 "with --dynamic-sampling-filter-path, or drop --fully-async")
+    if cfg.weights.update_weights_interval != 1:
+        e.append(f"--update-weights-interval={cfg.weights.update_weights_interval} is for the sync loop; "
+                 "--fully-async pushes after every train step: bound staleness with --max-weight-staleness")
+    return e
+
+
+def _weights_interval(cfg: MilesConfig) -> list[str]:
+    n, t = cfg.weights.update_weights_interval, cfg.train
+    if n < 1:
+        return [f"--update-weights-interval={n} must be at least 1 (push weights every N rollout steps)"]
+    if n > 1 and cfg.engine.colocate and t.offload_rollout and {"weight", "weights"} & set(t.offload_rollout_level):
+        return [
+            f"--update-weights-interval={n} with --colocate: the engines release their weights while the trainer "
+            "trains and need a push every step; use --offload-rollout-level kv_cache, or --update-weights-interval 1"
+        ]
+    return []
+
+
+def check_mode_support(cfg: MilesConfig) -> list[str]:
+    """Flags that work in some modes only, refused in the others."""
+    e = _fully_async_only(cfg) + _sync_only(cfg) + _weights_interval(cfg)
+    eng = cfg.engine
+    if eng.engine == "embedded" and eng.rollout_num_gpus_per_engine > 1:
+        e.append(
+            f"--rollout-num-gpus-per-engine={eng.rollout_num_gpus_per_engine} with --engine embedded: the embedded "
+            f"engine runs on one device and would reserve {eng.rollout_num_gpus_per_engine - 1} GPU(s) it never "
+            "uses; use --engine sglang for tensor-parallel engines, or set it to 1"
+        )
+    if cfg.train.train_backend == "megatron":
+        e.append("--train-backend megatron is not implemented yet (no Megatron backend is registered); "
+                 "use --train-backend fsdp")
+    if cfg.logging.use_wandb and not cfg.logging.wandb_project:
+        e.append("--use-wandb needs --wandb-project NAME (the W&B project the run logs to)")
+    return e
