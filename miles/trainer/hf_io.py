@@ -1,11 +1,15 @@
 """Load a HF model directory as-is and write HF safetensors exports.
 
 The trainer keeps HF module names, so HF parameter names are simply `named_parameters()` names;
-tied weights appear once (under the input embedding's name), as in HF checkpoints.
+tied weights appear once (under the input embedding's name), as in HF checkpoints. An export is
+sharded as `save_pretrained` shards: `model-0000i-of-0000N.safetensors` files of at most
+`max_shard_bytes` each (one larger tensor gets a shard of its own) and `model.safetensors.index.json`
+mapping every tensor to its file, which `from_pretrained`, SGLang and vLLM read.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -26,6 +30,8 @@ _DTYPES = {
     "fp32": torch.float32,
 }
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+DEFAULT_MAX_SHARD_BYTES = 5 * 1000**3  # save_pretrained's default "5GB"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
 def resolve_compute_dtype(dtype: str, device_type: str) -> torch.dtype:
@@ -87,15 +93,51 @@ def load_value_model(path: str, *, attn_implementation: str, trust_remote_code: 
     return model
 
 
+def plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
+    """Tensor names grouped, in order, into shards of at most `max_shard_bytes` (a bigger tensor alone)."""
+    shards: list[list[str]] = []
+    shard_bytes = 0
+    for name, nbytes in sizes:
+        if not shards or (shards[-1] and shard_bytes + nbytes > max_shard_bytes):
+            shards.append([])
+            shard_bytes = 0
+        shards[-1].append(name)
+        shard_bytes += nbytes
+    return shards
+
+
+def write_safetensors_shards(out_dir: str, tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> int:
+    """`model-0000i-of-0000N.safetensors` shards and their index in `out_dir`; the number of shards."""
+    from safetensors.torch import save_file
+
+    if max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes={max_shard_bytes} must be >= 1")
+    shards = plan_shards([(name, t.numel() * t.element_size()) for name, t in tensors.items()], max_shard_bytes)
+    weight_map = {}
+    for i, names in enumerate(shards, start=1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file({n: tensors[n] for n in names}, os.path.join(out_dir, file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(names, file))
+    total_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+    with open(os.path.join(out_dir, SAFETENSORS_INDEX), "w") as f:
+        json.dump(index, f, indent=2)
+    return len(shards)
+
+
 def write_hf_dir(
-    path: str, named_tensors: Iterable[tuple[str, torch.Tensor]], *, config, source_dir: str | None
+    path: str,
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    config,
+    source_dir: str | None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> None:
-    """Write `config.json`, `model.safetensors` and the source dir's non-weight files (tokenizer, ...).
+    """Write `config.json`, sharded safetensors with their index, and the source dir's non-weight files
+    (tokenizer, generation config, ...).
 
     Written into a sibling temp dir and renamed, so `path` is either absent or complete.
     """
-    from safetensors.torch import save_file
-
     parent = os.path.dirname(os.path.abspath(path)) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".hf_export_", dir=parent)
@@ -107,14 +149,14 @@ def write_hf_dir(
                     shutil.copy2(src, os.path.join(tmp, name))
         config.save_pretrained(tmp)
         tensors = {name: t.detach().to("cpu").contiguous() for name, t in named_tensors}
-        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        num_shards = write_safetensors_shards(tmp, tensors, max_shard_bytes)
         if os.path.exists(path):
             shutil.rmtree(path)
         os.replace(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    logger.info("exported HF checkpoint to %s (%d tensors)", path, len(tensors))
+    logger.info("exported HF checkpoint to %s (%d tensors in %d shards)", path, len(tensors), num_shards)
 
 
 def source_dtype(path: str) -> torch.dtype:
