@@ -230,8 +230,10 @@ class RuntimeConfig:
     dry_run: bool = _f(False, "RUNTIME", "check the config, print it and the placement plan as JSON, start nothing")
     profile_steps: list[int] = _f([], "RUNTIME", "steps traced with torch.profiler", metadata={"nargs": "*"})
     py_spy: bool = _f(False, "RUNTIME", "sample workers with py-spy")
-    debug_rollout_only: bool = _f(False, "RUNTIME", "skip training")
-    debug_train_only: bool = _f(False, "RUNTIME", "skip rollout (needs saved rollout data)")
+    debug_rollout_only: bool = _f(False, "RUNTIME", "engines only: no trainer is started, rollouts are generated step after step with the initial weights (save them with --save-debug-rollout-data)")
+    debug_train_only: bool = _f(False, "RUNTIME", "trainer only: no engine is started, each step trains on the rollout read from --load-debug-rollout-data (implied by it)")
+    save_debug_rollout_data: str | None = _f(None, "RUNTIME", "write each step's rollout (samples with tokens, rewards, log-probs, loss masks, weight versions, metadata) to this path; {rollout_id} in it is replaced by the step")
+    load_debug_rollout_data: str | None = _f(None, "RUNTIME", "train each step on the rollout saved at this path ({rollout_id} replaced by the step) instead of generating; implies --debug-train-only")
 
 
 @dataclass

@@ -1,5 +1,7 @@
 """The synchronous RL loop: generate → train → save → offload → push weights → eval.
 
+The debug modes run the same loop with one side missing: `--debug-rollout-only` starts no trainer
+(train and weight pushes do nothing), `--debug-train-only` starts no engine (rollouts are read back).
 Weights go to the engines every `--update-weights-interval` steps, and always before an eval and
 after the last step, so an eval never scores stale weights.
 """
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+from miles.controller.debug_rollout import debug_rollouts
 from miles.controller.eval import Evaluator
 from miles.controller.rollout_manager import SyncRolloutManager
 from miles.controller.run import MilesRun, run_driver
@@ -21,9 +24,10 @@ async def train(cfg) -> str:
     stop = StopRequest(saves=bool(cfg.train.save)).install()
     run = await MilesRun.start(cfg)
     async with run:
-        rollout = SyncRolloutManager(run.args, cfg.rollout, run.router, run.data_source, run.tokenizer,
-                                     seed=cfg.data.rollout_seed if cfg.engine.deterministic else None,
-                                     stop=stop.event)
+        # --load-debug-rollout-data replays saved rollouts; --save-debug-rollout-data writes each step's
+        rollout = debug_rollouts(cfg.runtime, run.start_rollout_id, lambda: SyncRolloutManager(
+            run.args, cfg.rollout, run.router, run.data_source, run.tokenizer,
+            seed=cfg.data.rollout_seed if cfg.engine.deterministic else None, stop=stop.event))
         evaluator = Evaluator(cfg, run)
         await run.push_weights(version=run.weight_version)  # engines start from the trainer's weights
         await evaluator.maybe_eval(run.start_rollout_id, before_train=True)

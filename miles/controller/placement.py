@@ -8,6 +8,8 @@ GPU plan (device "cuda"), on `num_nodes` nodes of `gpus_per_node` GPUs each:
 - colocated engines share the trainers' GPUs: engine i runs on trainer GPUs i*k .. i*k+k-1;
 - dedicated eval engines (fully async, --eval-num-engines) take free GPUs after the rollout engines.
 A layout the cluster cannot hold raises `PlacementError` before anything starts.
+The debug modes plan the full layout, then start one side: `--debug-rollout-only` no trainers,
+`--debug-train-only` no engines.
 
 CPU plan (device "cpu"): trainer ranks are processes on the same nodes as above; engines go to
 node 0, or round-robin over the nodes after the trainers' when there are several.
@@ -286,6 +288,10 @@ def plan_placement(
         _engine_spec(cfg, EVAL_ROLE, i, node, gpus, device, seed + EVAL_SEED_OFFSET + i)
         for i, (node, gpus) in enumerate(eval_gpus)
     ]
+    if cfg.runtime.debug_rollout_only:  # engines only
+        trainers = []
+    if cfg.runtime.debug_train_only:  # the trainer only: rollouts are read from --load-debug-rollout-data
+        rollouts, evals = [], []
     placement = Placement(trainers, rollouts, device, cfg.engine.colocate, evals, num_nodes, gpus_per_node)
     if num_nodes > 1:
         for spec in placement.specs:

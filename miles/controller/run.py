@@ -95,7 +95,7 @@ def resolve_model_path(cfg) -> bool:
 
 
 class MilesRun:
-    def __init__(self, cfg, runtime: Runtime, placement: Placement, router: Router, engines: list[EngineClient],
+    def __init__(self, cfg, runtime: Runtime, placement: Placement, router: Router | None, engines: list[EngineClient],
                  tokenizer, sink: MetricsSink, data: RunData):
         self.cfg = cfg
         self.args = cfg.flat()
@@ -118,6 +118,8 @@ class MilesRun:
         self.profile = ProfileSchedule(cfg.runtime.profile_steps, cfg.runtime.output_dir)
         self._profiling = False
         self.sysmon = SystemMonitor.for_local_workers(runtime, PROFILED_ROLES)
+        # the debug modes start one side only: --debug-rollout-only no trainer, --debug-train-only no engine
+        self.has_trainer = bool(placement.trainer_specs)
 
     # ---- start / stop ----------------------------------------------------------------
     @classmethod
@@ -146,11 +148,12 @@ class MilesRun:
                                       heartbeat_timeout_s=cfg.runtime.heartbeat_timeout_s,
                                       install_signal_handlers=False, **runtime_options(le))
         try:
-            await runtime.call_all("trainer", "setup", timeout_s=cfg.runtime.rpc_timeout_s)
-            engines = await engine_clients(runtime, "rollout", api_key=cfg.engine.api_key,
-                                           external=cfg.engine.rollout_external_engine_addrs)
+            if placement.trainer_specs:
+                await runtime.call_all("trainer", "setup", timeout_s=cfg.runtime.rpc_timeout_s)
+            engines = [] if cfg.runtime.debug_train_only else await engine_clients(
+                runtime, "rollout", api_key=cfg.engine.api_key, external=cfg.engine.rollout_external_engine_addrs)
             urls = [e.base_url for e in engines]
-            router = Router(engines, session_mode=cfg.rollout.use_session_server)
+            router = Router(engines, session_mode=cfg.rollout.use_session_server) if engines else None
             sink = MetricsSink(run_dir, tensorboard=cfg.logging.use_tensorboard,
                                wandb_project=cfg.logging.wandb_project if cfg.logging.use_wandb else None,
                                wandb_group=cfg.logging.wandb_group, run_name=cfg.runtime.run_name)
@@ -160,8 +163,9 @@ class MilesRun:
             # engines that release their weights between updates get a fresh weight buffer each time
             releases_weights = bool(cfg.train.offload_rollout) and "weights" in engine_memory_tags(
                 cfg.train.offload_rollout_level)
-            await runtime.call_all("trainer", "connect_engines", urls, mode=cfg.weights.update_weight_transfer_mode,
-                                   colocated=cfg.engine.colocate, keep_weight_mapping=not releases_weights)
+            if placement.trainer_specs and engines:
+                await runtime.call_all("trainer", "connect_engines", urls, mode=cfg.weights.update_weight_transfer_mode,
+                                       colocated=cfg.engine.colocate, keep_weight_mapping=not releases_weights)
             await run._maybe_resume()
             return run
         except BaseException:
@@ -171,7 +175,8 @@ class MilesRun:
     async def close(self) -> None:
         if self._profiling:  # stopped inside a profile window: still write the traces
             await self._stop_profile()
-        if self.runtime.failure is None:  # a dead worker is reported once, by the run's own error
+        # a dead worker is reported once, by the run's own error; the debug modes never connected weights
+        if self.runtime.failure is None and self.has_trainer and self.engines:
             try:
                 await self.runtime.call_all("trainer", "close_weights", timeout_s=30)
             except Exception as e:  # noqa: BLE001 - best effort on the way out
@@ -201,6 +206,11 @@ class MilesRun:
     # ---- the loop's verbs ------------------------------------------------------------
     async def push_weights(self, version: int) -> None:
         """Pause engines, move the trainer's weights with the configured transport, continue."""
+        if not self.has_trainer:  # --debug-rollout-only: the engines keep their initial weights
+            return
+        if not self.engines:  # --debug-train-only: the trainer's weights move on; no engine to send them to
+            self.weight_version = version
+            return
         mode = self.cfg.weights.pause_generation_mode
         await self._wait("update_weights_time", self._push(version, mode))
 
@@ -228,6 +238,9 @@ class MilesRun:
             await self.router.broadcast("continue_generation")
 
     def to_train_batch(self, groups: list[list[Sample]]) -> list[TrainBatch]:
+        """One shard per trainer rank (none under --debug-rollout-only)."""
+        if not self.has_trainer:
+            return []
         with self.timers("rollout/convert_time"):
             samples = [s for g in groups for s in g]
             algo = self.cfg.algo
@@ -238,28 +251,30 @@ class MilesRun:
             return split_by_dp(batch, len(self.placement.trainer_specs))
 
     async def train(self, rollout_id: int, shards: list[TrainBatch]) -> dict[str, float]:
+        if not self.has_trainer:  # --debug-rollout-only
+            return {}
         calls = [w.call("train", shard.to_dict(), rollout_id, timeout_s=self.cfg.runtime.rpc_timeout_s)
                  for w, shard in zip(self.runtime.workers("trainer"), shards, strict=True)]
         results = await self._wait("train_time", asyncio.gather(*calls))
         return results[0]
 
     async def offload_trainer(self) -> None:
-        if self.placement.colocated and self.cfg.train.offload_train:
+        if self.placement.colocated and self.cfg.train.offload_train and self.has_trainer:
             await self._wait("offload_time", self.runtime.call_all("trainer", "offload"))
 
     async def onload_trainer(self) -> None:
-        if self.placement.colocated and self.cfg.train.offload_train:
+        if self.placement.colocated and self.cfg.train.offload_train and self.has_trainer:
             await self._wait("offload_time", self.runtime.call_all("trainer", "onload"))
 
     async def release_engines(self) -> None:
         t = self.cfg.train
-        if self.placement.colocated and t.offload_rollout:
+        if self.placement.colocated and t.offload_rollout and self.engines:
             await self._wait("offload_time",
                              self.router.broadcast("release_memory_occupation", tags=engine_memory_tags(t.offload_rollout_level)))
 
     async def resume_engines(self) -> None:
         t = self.cfg.train
-        if self.placement.colocated and t.offload_rollout:
+        if self.placement.colocated and t.offload_rollout and self.engines:
             await self._wait("offload_time",
                              self.router.broadcast("resume_memory_occupation", tags=engine_memory_tags(t.offload_rollout_level)))
 
@@ -304,7 +319,7 @@ class MilesRun:
             path = resolve_load_path(t.load) if os.path.isdir(t.load) else None
         elif t.auto_resume and t.save:
             path = latest_complete_checkpoint(t.save)
-        if path is None:
+        if path is None or not self.has_trainer:  # --debug-rollout-only refuses --load; it has no checkpoint
             self.start_rollout_id = self.cfg.rollout.start_rollout_id or 0
             return
         extras = await self.runtime.call_all("trainer", "load", path, timeout_s=self.cfg.runtime.rpc_timeout_s)

@@ -22,8 +22,6 @@ READ_BY_CONFIG = {
     "num_epoch": "derive_num_rollout turns it into --num-rollout once the dataset length is known",
     "rollout_num_gpus": "resolve_rollout_engines turns it into --rollout-num-engines",
 }
-# debug modes: implemented by the debug-mode change (drop these once it lands)
-IMPLEMENTED_ELSEWHERE = {"debug_rollout_only", "debug_train_only"}
 
 
 def _sources() -> str:
@@ -35,7 +33,7 @@ def test_every_field_is_read_outside_the_config_code_or_refused() -> None:
     text = _sources()
     unread = [name for name in FIELDS
               if not re.search(rf"(\.|[\"']){name}\b", text)
-              and name not in NOT_IMPLEMENTED and name not in READ_BY_CONFIG and name not in IMPLEMENTED_ELSEWHERE]
+              and name not in NOT_IMPLEMENTED and name not in READ_BY_CONFIG]
     assert unread == [], f"fields read nowhere and not refused (refuse them in miles/config_refusals.py): {unread}"
 
 
