@@ -2,7 +2,8 @@
 
 A run that cannot succeed is refused here in one line naming the path and the fix, instead of
 after the workers started or at the first save: `--load` must name a checkpoint, `--save` must be
-writable, and the prompt data (and eval data) must parse, decode as UTF-8 and fit the engines.
+writable, every plug-in path must import, and the prompt data (and eval data) must parse, decode
+as UTF-8 and fit the engines.
 The data is read and tokenised here once; the sources built here are the ones the run draws from.
 """
 
@@ -15,8 +16,10 @@ import tempfile
 from dataclasses import dataclass, replace
 from typing import Any
 
+from miles.config_fields import FIELDS
 from miles.controller.placement import Placement
 from miles.rollout.data_source import DataError, DataSource, JsonlDataSource, PromptLimit, load_data_source
+from miles.utils.misc import PluginError, load_function
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +79,44 @@ def _check_writable(directory: str, flag: str) -> None:
         raise PreflightError(
             f"{flag} {directory!r} is not writable ({e.strerror or e}); point {flag} at a directory you can write"
         ) from None
+
+
+# ---------------------------------------------------------------- plug-in paths
+
+# Fields the run resolves with `load_function`, in the controller or in a worker. The other `*_path`
+# plug-in flags (custom rollout, generate, agent functions) are refused in config_refusals.py.
+PLUGIN_FIELDS: tuple[str, ...] = (
+    "data_source_path",
+    "dynamic_sampling_filter_path",
+    "rollout_sample_filter_path",
+    "custom_rm_path",
+    "group_reward_path",
+    "custom_loss_function_path",
+    "custom_tis_function_path",
+    "custom_async_data_buffer_path",
+)
+
+
+def check_plugin_paths(cfg: Any) -> None:
+    """Import every plug-in the run names, so a mistyped path fails now and not at the step that calls it."""
+    for name in PLUGIN_FIELDS:
+        path = cfg.get(name)
+        if not path:
+            continue
+        flag = FIELDS[name].flag
+        try:
+            obj = load_function(path)
+        except PluginError as e:
+            reason = " ".join(str(e).split())  # one line, whatever the import error printed
+            raise PreflightError(
+                f"{flag} {path!r} does not load: {reason}; fix the path ('pkg.module:attr' or 'pkg.module.attr') "
+                "or make its module importable (install it or add its directory to PYTHONPATH)"
+            ) from None
+        if not callable(obj):
+            raise PreflightError(
+                f"{flag} {path!r} resolved to a {type(obj).__name__}, which cannot be called; "
+                "point it at a function or class"
+            )
 
 
 # ---------------------------------------------------------------- prompt length limit

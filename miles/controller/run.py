@@ -18,7 +18,13 @@ import numpy as np
 from miles.config_checks import engine_memory_tags
 from miles.controller.machine import plan_run, resolve_machine
 from miles.controller.placement import Placement
-from miles.controller.preflight import RunData, check_checkpoint_paths, load_run_data, prompt_limit
+from miles.controller.preflight import (
+    RunData,
+    check_checkpoint_paths,
+    check_plugin_paths,
+    load_run_data,
+    prompt_limit,
+)
 from miles.controller.router import Router, engine_clients
 from miles.controller.runtime import Runtime
 from miles.engines.client import EngineClient
@@ -131,6 +137,7 @@ class MilesRun:
         machine = resolve_machine(cfg.runtime, le)
         placement = plan_run(cfg, machine, le)  # a layout the cluster cannot hold is refused here, before any work
         check_checkpoint_paths(cfg.train.load, cfg.train.save, cfg.train.save_hf)
+        check_plugin_paths(cfg)  # every plug-in imports once here: a bad path costs no worker start-up
         run_dir = cfg.runtime.output_dir
         os.makedirs(run_dir, exist_ok=True)
         if resolve_model_path(cfg):  # the plan carries the model path: plan again with the built/converted one

@@ -2,7 +2,7 @@
 
 Refused at start-up, before any worker starts (`miles train` exits 2 and no worker log exists):
 a `--load` that does not exist, a `--save` that cannot be written, prompt or eval data that is not
-UTF-8, a prompt over the limit with `--refuse-long-prompts`. Handled in a run: too-long prompts
+UTF-8, a prompt over the limit with `--refuse-long-prompts`, a plug-in path that does not import. Handled in a run: too-long prompts
 and huge rows are skipped and counted (the run goes past the step that would have drawn them),
 malformed rows with `--skip-bad-rows` too, and a stale control socket of a killed run is removed.
 SIGINT without `--save` says no checkpoint follows. A full disk during a save (an ENOSPC injected at
@@ -108,6 +108,9 @@ def _refusal_case(case: str, tmp: Path) -> tuple[list[str], str]:
             "digits",
             str(data),
         ], f"{data}:1: not UTF-8 (byte 0xfe at column 1)"
+    if case in ("reward_plugin_missing", "loss_plugin_missing"):  # one loaded by the controller, one by the trainer
+        flag = "--custom-rm-path" if case == "reward_plugin_missing" else "--custom-loss-function-path"
+        return [flag, "nope.mod:fn"], f"{flag} 'nope.mod:fn' does not load: cannot import module 'nope.mod'"
     data = _jsonl(tmp / "long.jsonl", [*_digits(4), {"input": "copy " + "7 " * 2000 + ":", "label": "7"}])
     return [
         "--prompt-data",
@@ -117,7 +120,16 @@ def _refusal_case(case: str, tmp: Path) -> tuple[list[str], str]:
 
 
 @pytest.mark.parametrize(
-    "case", ["load_missing", "save_not_creatable", "prompt_not_utf8", "eval_not_utf8", "long_prompt_refused"]
+    "case",
+    [
+        "load_missing",
+        "save_not_creatable",
+        "prompt_not_utf8",
+        "eval_not_utf8",
+        "long_prompt_refused",
+        "reward_plugin_missing",
+        "loss_plugin_missing",
+    ],
 )
 def test_bad_start_is_refused_in_one_line_before_any_worker(tmp_path: Path, case: str) -> None:
     flags, expected = _refusal_case(case, tmp_path)

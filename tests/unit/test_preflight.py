@@ -1,4 +1,4 @@
-"""Start-up checks: checkpoint paths, the prompt-length limit, stale control sockets, stop messages,
+"""Start-up checks: checkpoint paths, plug-in paths, the prompt-length limit, stale control sockets, stop messages,
 and the one-line error of a save that ran out of disk."""
 
 from __future__ import annotations
@@ -16,8 +16,16 @@ from pathlib import Path
 import pytest
 
 from miles.config import load_config
+from miles.config_fields import FIELDS
+from miles.config_refusals import NOT_IMPLEMENTED
 from miles.controller.placement import plan_placement
-from miles.controller.preflight import PreflightError, check_checkpoint_paths, prompt_limit
+from miles.controller.preflight import (
+    PLUGIN_FIELDS,
+    PreflightError,
+    check_checkpoint_paths,
+    check_plugin_paths,
+    prompt_limit,
+)
 from miles.controller.runtime import remove_stale_sockets
 from miles.controller.signals import StopRequest
 from miles.errors import as_run_failure
@@ -101,6 +109,59 @@ def test_read_only_save_is_refused(tmp_path: Path, monkeypatch) -> None:
     with pytest.raises(PreflightError) as info:
         check_checkpoint_paths(None, str(tmp_path), None)
     assert f"--save '{tmp_path}' is not writable (Read-only file system)" in str(info.value)
+
+
+# ---- plug-in paths ------------------------------------------------------------------------------
+
+
+def test_every_plugin_path_flag_is_imported_at_start_up_or_refused() -> None:
+    path_fields = {name for name in FIELDS if name.endswith("_path")}
+    assert path_fields == set(PLUGIN_FIELDS) | (path_fields & set(NOT_IMPLEMENTED))
+    assert not set(PLUGIN_FIELDS) & set(NOT_IMPLEMENTED)
+
+
+@pytest.mark.parametrize("name", PLUGIN_FIELDS)
+@pytest.mark.parametrize(
+    ("path", "reason"),
+    [
+        ("nope.mod:fn", "No module named 'nope'"),
+        ("miles.rollout.filters:no_such_fn", "has no attribute 'no_such_fn'"),
+        ("json:__doc__", "resolved to a str, which cannot be called"),
+    ],
+)
+def test_bad_plugin_path_is_refused_naming_the_flag_and_the_path(
+    tmp_path: Path, name: str, path: str, reason: str
+) -> None:
+    cfg = _cfg(tmp_path)
+    cfg.set(name, path)
+    with pytest.raises(PreflightError) as info:
+        check_plugin_paths(cfg)
+    message = str(info.value)
+    assert message.startswith(f"{FIELDS[name].flag} {path!r} ") and reason in message
+    assert "\n" not in message
+
+
+def test_plugin_whose_import_fails_is_refused_in_one_line(tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / "broken_rm.py").write_text(
+        "def reward(args, sample):\n    return 1.0\nraise RuntimeError('no GPU here\\nsecond line')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = _cfg(tmp_path, "--custom-rm-path", "broken_rm:reward")
+    with pytest.raises(PreflightError) as info:
+        check_plugin_paths(cfg)
+    assert "--custom-rm-path 'broken_rm:reward' does not load: " in str(info.value)
+    assert "RuntimeError: no GPU here second line" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_good_plugin_paths_pass(tmp_path: Path) -> None:
+    cfg = _cfg(
+        tmp_path,
+        "--dynamic-sampling-filter-path",
+        "miles.rollout.filters.check_reward_nonzero_std",
+        "--custom-rm-path",
+        "miles.rollout.rm_hub:grade",
+    )
+    check_plugin_paths(cfg)
 
 
 # ---- the prompt-length limit --------------------------------------------------------------------
