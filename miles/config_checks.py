@@ -44,6 +44,7 @@ ENUM_CHOICES: dict[str, tuple[str, ...]] = {
     "eval_mode": ("shared", "dedicated", "external"),
     "async_unused_samples_handler": ("retry", "drop"),
     "async_staleness_policy": ("drop", "pace"),
+    "wandb_mode": ("online", "offline", "disabled"),
 }
 
 

@@ -241,5 +241,6 @@ class LoggingConfig:
     use_wandb: bool = _f(False, "LOGGING", "log to Weights & Biases")
     wandb_project: str | None = _f(None, "LOGGING", "W&B project")
     wandb_group: str | None = _f(None, "LOGGING", "W&B group")
+    wandb_mode: str | None = _f(None, "LOGGING", "online | offline (logs kept under the run directory, `wandb sync` later) | disabled; unset: WANDB_MODE, else online")
     use_tensorboard: bool = _f(True, "LOGGING", "TensorBoard event files in the run directory")
     progress_bar: bool = _f(True, "LOGGING", "live progress bar")

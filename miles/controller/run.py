@@ -163,7 +163,9 @@ class MilesRun:
             router = Router(engines, session_mode=cfg.rollout.use_session_server) if engines else None
             sink = MetricsSink(run_dir, tensorboard=cfg.logging.use_tensorboard,
                                wandb_project=cfg.logging.wandb_project if cfg.logging.use_wandb else None,
-                               wandb_group=cfg.logging.wandb_group, run_name=cfg.runtime.run_name)
+                               wandb_group=cfg.logging.wandb_group, run_name=cfg.runtime.run_name,
+                               config=cfg.to_dict(), wandb_mode=cfg.logging.wandb_mode,
+                               resume_from=cfg.train.load, checkpoint_root=cfg.train.save)
             run = cls(cfg, runtime, placement, router, engines, tokenizer, sink, data)
             # dedicated eval engines (fully async --eval-mode dedicated): never part of weight updates
             run.eval_engines = await engine_clients(runtime, "eval_rollout", api_key=cfg.engine.api_key)

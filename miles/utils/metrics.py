@@ -1,4 +1,9 @@
-"""One sink API for per-step metrics: JSONL always, TensorBoard and Weights & Biases optionally."""
+"""One sink API for per-step metrics: JSONL always, TensorBoard and Weights & Biases optionally.
+
+A W&B run logs the resolved config and keeps one run across restarts: its id is written to
+`wandb_run_id` in the run directory and beside the checkpoints (the `--save` root), and a run
+started with `--load` finds it there and resumes that W&B run (`resume="allow"`).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import json
 import logging
 import math
 import os
+import uuid
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -20,11 +26,54 @@ def _clean(value: Any) -> Any:
     return value
 
 
+WANDB_ID_FILE = "wandb_run_id"
+
+
+def _read_wandb_id(directories: list[str]) -> str | None:
+    for directory in directories:
+        path = os.path.join(directory, WANDB_ID_FILE)
+        if os.path.isfile(path):
+            with open(path) as f:
+                run_id = f.read().strip()
+            if run_id:
+                return run_id
+    return None
+
+
+def resumed_wandb_id(load: str | None, run_dir: str) -> str | None:
+    """The W&B run a `--load` continues: its id beside the checkpoint (`--load` is a `--save` root or one
+    of its iter_* directories) or in the run directory; None without `--load` or without a stored id."""
+    if not load:
+        return None
+    load = os.path.abspath(load)
+    return _read_wandb_id([load, os.path.dirname(load), run_dir])
+
+
+def _write_wandb_id(run_id: str, directories: list[str]) -> None:
+    for directory in dict.fromkeys(d for d in directories if d):
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, WANDB_ID_FILE), "w") as f:
+            f.write(run_id + "\n")
+
+
 class MetricsSink:
     """Writes one JSON object per step to `<run_dir>/metrics.jsonl`, mirrored to TensorBoard / W&B."""
 
-    def __init__(self, run_dir: str, *, tensorboard: bool = True, wandb_project: str | None = None,
-                 wandb_group: str | None = None, run_name: str | None = None, config: dict | None = None):
+    def __init__(
+        self,
+        run_dir: str,
+        *,
+        tensorboard: bool = True,
+        wandb_project: str | None = None,
+        wandb_group: str | None = None,
+        run_name: str | None = None,
+        config: dict | None = None,
+        wandb_mode: str | None = None,
+        resume_from: str | None = None,
+        checkpoint_root: str | None = None,
+    ):
+        """`resume_from` is `--load` (a W&B run id stored there is resumed), `checkpoint_root` the `--save`
+        root the id is written beside; `config` is the resolved config, secrets already blanked."""
         os.makedirs(run_dir, exist_ok=True)
         self.run_dir = run_dir
         self.path = os.path.join(run_dir, "metrics.jsonl")
@@ -39,11 +88,41 @@ class MetricsSink:
             except Exception as e:  # noqa: BLE001 - TensorBoard is optional at run time
                 logger.warning("TensorBoard disabled: %s", e)
         if wandb_project:
-            try:
-                import wandb
-            except ImportError as e:
-                raise RuntimeError("--use-wandb needs the wandb package: pip install wandb") from e
-            self._wandb = wandb.init(project=wandb_project, group=wandb_group, name=run_name, config=config, dir=run_dir)
+            self._wandb = self._start_wandb(
+                wandb_project, wandb_group, run_name, config, wandb_mode, resume_from, checkpoint_root
+            )
+
+    def _start_wandb(
+        self,
+        project: str,
+        group: str | None,
+        run_name: str | None,
+        config: dict | None,
+        mode: str | None,
+        resume_from: str | None,
+        checkpoint_root: str | None,
+    ) -> Any:
+        try:
+            import wandb
+        except ImportError as e:
+            raise RuntimeError("--use-wandb needs the wandb package: pip install wandb") from e
+        run_id = resumed_wandb_id(resume_from, self.run_dir)
+        if run_id:
+            logger.info("resuming W&B run %s (its id was stored beside --load %s)", run_id, resume_from)
+        run_id = run_id or uuid.uuid4().hex[:12]
+        kwargs: dict[str, Any] = {"mode": mode} if mode else {}
+        run = wandb.init(
+            project=project,
+            group=group,
+            name=run_name,
+            config=config,
+            dir=self.run_dir,
+            id=run_id,
+            resume="allow",
+            **kwargs,
+        )
+        _write_wandb_id(run_id, [self.run_dir, checkpoint_root])
+        return run
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         row = {"step": step, **{k: _clean(v) for k, v in sorted(metrics.items())}}
