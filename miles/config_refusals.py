@@ -19,7 +19,6 @@ if TYPE_CHECKING:
 
 _AGENTIC = "custom rollout, generate and agent functions arrive with the agentic rollouts"
 _OPD = "on-policy distillation arrives with the recipes: no rollout path fills the teacher's log-probs yet"
-_LAUNCH_ENV = "python -m miles.launch reads the controller address on every node from the environment"
 
 # field -> (why it is refused, what to use instead); refused whenever its value is not the default.
 NOT_IMPLEMENTED: dict[str, tuple[str, str]] = {
@@ -33,8 +32,6 @@ NOT_IMPLEMENTED: dict[str, tuple[str, str]] = {
         "the sync loop does not carry unfinished samples to the next rollout yet",
         "drop --partial-rollout, or use --fully-async, which keeps unfinished samples",
     ),
-    "controller_host": (_LAUNCH_ENV, "set MILES_CONTROLLER_HOST (a single-node run talks over IPC and needs none)"),
-    "controller_port": (_LAUNCH_ENV, "set MILES_CONTROLLER_PORT (a single-node run talks over IPC and needs none)"),
 }
 
 

@@ -8,9 +8,11 @@ Environment read (first match wins):
 - node rank:   GROUP_RANK (torchrun), RANK // LOCAL_WORLD_SIZE, SLURM_NODEID / SLURM_PROCID, else 0
 - node count:  GROUP_WORLD_SIZE, WORLD_SIZE // LOCAL_WORLD_SIZE, SLURM_NNODES, else 1
 - controller:  MASTER_ADDR (else the first host of SLURM_JOB_NODELIST, else 127.0.0.1)
-- port:        MILES_CONTROLLER_PORT, else MASTER_PORT + 1 (MASTER_PORT defaults to 29500), so it never
-               collides with torchrun's own store on MASTER_PORT; pick trainer ports >= MASTER_PORT + 2
-- bind host:   MILES_CONTROLLER_HOST, default 0.0.0.0 on several nodes
+- port:        `--controller-port` in the `miles train` args (every node reads the same args, so the
+               other nodes know where node 0 listens), else MILES_CONTROLLER_PORT, else MASTER_PORT + 1
+               (MASTER_PORT defaults to 29500), so it never collides with torchrun's own store on
+               MASTER_PORT; the trainers' rendezvous takes the port after it
+- bind host:   `--controller-host` (node 0 only), else MILES_CONTROLLER_HOST, default 0.0.0.0 on several nodes
 - run secret:  MILES_RUN_SECRET (any string, same on all nodes; the HMAC key is derived from it); else
                MILES_RUN_SECRET_FILE; else under torchrun node 0 generates one and hands it to the other
                nodes through torchrun's TCP store; under Slurm without either, launch refuses to start.
@@ -48,6 +50,7 @@ class LaunchEnv:
     local_world_size: int
     local_rank: int = 0
     source: str = "single"  # "torchrun" | "slurm" | "single"
+    bind_host: str | None = None  # where node 0's controller listens; None: 0.0.0.0
 
 
 def first_slurm_host(nodelist: str) -> str:
@@ -64,6 +67,15 @@ def first_slurm_host(nodelist: str) -> str:
 def launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
     """Where this process sits in the job, from torchrun's or Slurm's environment."""
     env = os.environ if environ is None else environ
+    return dataclasses.replace(_job_position(env), bind_host=env.get("MILES_CONTROLLER_HOST") or None)
+
+
+def with_controller_flags(le: LaunchEnv, host: str | None, port: int) -> LaunchEnv:
+    """`--controller-host` / `--controller-port` (0: unset) over the environment's controller address."""
+    return dataclasses.replace(le, bind_host=host or le.bind_host, controller_port=port or le.controller_port)
+
+
+def _job_position(env: Any) -> LaunchEnv:
     master_port = int(env.get("MASTER_PORT", "29500"))
     port = int(env.get("MILES_CONTROLLER_PORT", master_port + 1))
     if "GROUP_RANK" in env or "LOCAL_WORLD_SIZE" in env:
@@ -131,7 +143,7 @@ def runtime_options(le: LaunchEnv | None = None) -> dict[str, Any]:
     return {
         "transport": "tcp",
         "num_nodes": le.num_nodes,
-        "host": os.environ.get("MILES_CONTROLLER_HOST", "0.0.0.0"),
+        "host": le.bind_host or "0.0.0.0",
         "port": le.controller_port,
         "advertise_host": le.master_addr,
         "secret": codec.derive_key(resolve_run_secret(le)),
@@ -190,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=os.environ.get("MILES_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    le = launch_env()
+    le = _with_train_flags(launch_env(), rest)
     if le.local_rank != 0:
         logger.warning("local rank %d exits: start one launch process per node (--nproc-per-node 1)", le.local_rank)
         return 0
@@ -219,6 +231,20 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(summary), flush=True)
         return 0 if summary["selftest"] == "ok" else 1
     return _run_train(le, rest)
+
+
+def _with_train_flags(le: LaunchEnv, train_args: list[str]) -> LaunchEnv:
+    """The controller address node 0 will use: the `miles train` args every node was given decide it."""
+    from miles.config import load_config
+    from miles.config_fields import ConfigError
+
+    try:
+        runtime = load_config(train_args, for_train=False).runtime
+    except (ConfigError, OSError) as e:
+        if le.node_rank == 0:  # `miles train` on this node reports it in one line
+            return le
+        raise SystemExit(f"miles.launch node {le.node_rank}: cannot read the miles train args: {e}") from None
+    return with_controller_flags(le, runtime.controller_host, runtime.controller_port)
 
 
 def _run_train(le: LaunchEnv, train_args: list[str]) -> int:

@@ -111,8 +111,8 @@ def plan_run(cfg, machine: Machine, launch: LaunchEnv) -> Placement:
 def dry_run_report(cfg, launch: LaunchEnv | None = None, *, cuda_count: int | None = None) -> dict:
     """`miles train --dry-run`: the resolved config and the placement plan, with nothing started."""
     if launch is None:
-        from miles.launch import launch_env
+        from miles.launch import launch_env, with_controller_flags
 
-        launch = launch_env()
+        launch = with_controller_flags(launch_env(), cfg.runtime.controller_host, cfg.runtime.controller_port)
     machine = resolve_machine(cfg.runtime, launch, dry_run=True, cuda_count=cuda_count)
     return {"config": cfg.to_dict(), "placement": plan_run(cfg, machine, launch).summary()}

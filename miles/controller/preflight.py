@@ -18,6 +18,7 @@ from typing import Any
 
 from miles.config_fields import FIELDS
 from miles.controller.placement import Placement
+from miles.launch import LaunchEnv, with_controller_flags
 from miles.rollout.data_source import DataError, DataSource, JsonlDataSource, PromptLimit, load_data_source
 from miles.utils.misc import PluginError, load_function
 
@@ -79,6 +80,25 @@ def _check_writable(directory: str, flag: str) -> None:
         raise PreflightError(
             f"{flag} {directory!r} is not writable ({e.strerror or e}); point {flag} at a directory you can write"
         ) from None
+
+
+# ---------------------------------------------------------------- controller address
+
+
+def controller_address(runtime: Any, le: LaunchEnv) -> LaunchEnv:
+    """The launch position with `--controller-host` / `--controller-port` applied; refused on one node,
+    where the controller and its workers talk over IPC and no address is used."""
+    given = [
+        f
+        for f, v in (("--controller-host", runtime.controller_host), ("--controller-port", runtime.controller_port))
+        if v
+    ]
+    if given and le.num_nodes == 1:
+        raise PreflightError(
+            f"{' and '.join(given)} {'apply' if len(given) > 1 else 'applies'} to multi-node runs started with python -m miles.launch; this run has one "
+            "node, where the workers talk to the controller over IPC: drop them"
+        )
+    return with_controller_flags(le, runtime.controller_host, runtime.controller_port)
 
 
 # ---------------------------------------------------------------- plug-in paths

@@ -22,6 +22,7 @@ from miles.controller.preflight import (
     RunData,
     check_checkpoint_paths,
     check_plugin_paths,
+    controller_address,
     load_run_data,
     prompt_limit,
 )
@@ -132,7 +133,7 @@ class MilesRun:
     async def start(cls, cfg) -> MilesRun:
         from transformers import AutoTokenizer
 
-        le = launch_env()
+        le = controller_address(cfg.runtime, launch_env())  # --controller-host/-port over the environment
         cfg.engine.api_key = cfg.engine.api_key or new_api_key()  # one key per run: every engine and client
         machine = resolve_machine(cfg.runtime, le)
         placement = plan_run(cfg, machine, le)  # a layout the cluster cannot hold is refused here, before any work
