@@ -28,10 +28,6 @@ NOT_IMPLEMENTED: dict[str, tuple[str, str]] = {
     "use_opd": (_OPD, "drop --use-opd"),
     "opd_log_prob_top_k": (_OPD, "drop --opd-log-prob-top-k"),
     "opd_teacher_url": (_OPD, "drop --opd-teacher-url"),
-    "partial_rollout": (
-        "the sync loop does not carry unfinished samples to the next rollout yet",
-        "drop --partial-rollout, or use --fully-async, which keeps unfinished samples",
-    ),
 }
 
 

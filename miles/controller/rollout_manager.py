@@ -6,6 +6,12 @@ it. Aborted groups and groups whose reward failed (after its retries, or a value
 finite number) are dropped and counted; their prompts go back to the data source so nothing is
 lost. Retries are bounded: when every group keeps dropping, `DropGuard` ends the run with one
 error naming the cause. A stop signal abandons the step at once and hands its prompts back.
+
+Once the step has its groups, the ones still generating are aborted. Without `--partial-rollout`
+their prompts go back to be generated afresh; with it they go back as they stand (Miles' partial
+rollout): finished samples keep their output and reward, aborted ones their tokens, log-probs
+and weight versions, and the next rollout resumes them from prompt + partial response. A group is
+trained at most once: only groups that were not accepted go back.
 """
 
 from __future__ import annotations
@@ -89,7 +95,8 @@ class GroupRunner:
             sample = await generate_sample(self.router, sample, self.tokenizer, self.sampling, seed=self._seed(sample))
             if self.recompute_logprobs and sample.status != SampleStatus.ABORTED and sample.response_length:
                 await self.recompute(sample)
-        if self.reward_inline and not self.args.group_rm and sample.status != SampleStatus.ABORTED:
+        if (self.reward_inline and not self.args.group_rm and sample.status != SampleStatus.ABORTED
+                and sample.reward is None):  # a sample finished before a partial-rollout abort keeps its reward
             await self.score([sample])
         return sample
 
@@ -226,6 +233,7 @@ class SyncRolloutManager:
         pending: set[asyncio.Task] = set()
         submitted = 0
         generated: list[list[Sample]] = []  # separate reward phase: generated, not yet scored
+        surplus: list[list[Sample]] = []  # --partial-rollout: finished after the target, carried whole
         try:
             while len(accepted) < target:
                 if len(accepted) + len(pending) + len(generated) < target:
@@ -245,20 +253,26 @@ class SyncRolloutManager:
                                                              or self.runner.group_reward_fn is not None)
                                            for g in finished))
                 for group in finished:
-                    if not self._drop(group, drops, guard) and len(accepted) < target:
+                    if self._drop(group, drops, guard):
+                        continue
+                    if len(accepted) < target:
                         accepted.append(group)
                         guard.accept()
+                    elif self.cfg.partial_rollout:
+                        surplus.append(group)
         except StopRequested:
             logger.warning("rollout %d abandoned by the stop signal (%d of %d groups accepted); its prompts go back "
                            "to the data source", rollout_id, len(accepted), target)
             self._hand_back(accepted + generated)
             raise
         finally:
-            await self._abort_leftovers(pending)
+            carried = await self._abort_leftovers(pending, rollout_id, surplus)
         accepted.sort(key=lambda g: min(s.index for s in g))
         if self.sample_filter_fn is not None:
             self.sample_filter_fn(self.args, accepted)
         metrics = {**self._metrics(accepted, drops, submitted, self.args.reward_key), **self.runner.pop_metrics()}
+        if self.cfg.partial_rollout:
+            metrics["rollout/partial_groups_carried"] = float(carried)
         return RolloutResult(accepted, metrics)
 
     async def _next_finished(self, pending: set[asyncio.Task]) -> tuple[list[list[Sample]], set[asyncio.Task]]:
@@ -312,13 +326,26 @@ class SyncRolloutManager:
             return DynamicFilterOutput(keep=True)
         return apply_filter(self.filter_fn, self.args, group)
 
-    async def _abort_leftovers(self, pending: set[asyncio.Task]) -> None:
-        if not pending:
-            return
-        await self.router.broadcast("abort_request", abort_all=True)
-        results = await asyncio.gather(*pending, return_exceptions=True)
-        # over-sampled prompts that were not needed go back to the source in order
-        self._hand_back([g for g in results if isinstance(g, list)])
+    async def _abort_leftovers(self, pending: set[asyncio.Task], rollout_id: int,
+                               surplus: list[list[Sample]]) -> int:
+        """Abort the groups still generating and hand them back; returns how many were carried as they stand."""
+        groups = list(surplus)
+        if pending:
+            await self.router.broadcast("abort_request", abort_all=True)
+            results = await asyncio.gather(*pending, return_exceptions=True)
+            groups += [g for g in results if isinstance(g, list)]  # over-sampled, not needed: back in order
+        if not self.cfg.partial_rollout:
+            self._hand_back(groups)
+            return 0
+        groups.sort(key=lambda g: min(s.index or 0 for s in g))  # served next in prompt order
+        for group in groups:
+            for s in group:
+                s.metadata.setdefault("start_rollout_id", rollout_id)
+                if s.status not in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED, SampleStatus.ABORTED):
+                    s.reset_for_retry()  # a failed reward is generated again, not resumed
+        if groups:
+            self.data_source.add_samples(groups)
+        return len(groups)
 
     @staticmethod
     def _metrics(groups: list[list[Sample]], drops: Counter[str], submitted: int,

@@ -52,8 +52,8 @@ def prompt_token_ids(sample: Sample, tokenizer) -> list[int]:
     return list(tokenizer(sample.prompt, add_special_tokens=False)["input_ids"])
 
 
-def apply_generate_output(sample: Sample, prompt_ids: list[int], out: dict[str, Any]) -> Sample:
-    """Fill a sample from one SGLang-shaped /generate response (the engine's exact token ids)."""
+def _parse_output(out: dict[str, Any]) -> tuple[list[int], list[float], list[int], str]:
+    """Token ids, log-probs, per-token weight versions and finish type of one SGLang-shaped reply."""
     meta = out["meta_info"]
     logprobs = meta.get("output_token_logprobs") or []
     output_ids = out.get("output_ids")
@@ -62,30 +62,68 @@ def apply_generate_output(sample: Sample, prompt_ids: list[int], out: dict[str, 
     versions = meta.get("output_token_weight_versions")
     if versions is None:
         versions = [int(meta.get("weight_version") or 0)] * len(output_ids)
-    sample.tokens = list(prompt_ids) + [int(t) for t in output_ids]
+    ids = [int(t) for t in output_ids]
+    lps = [float(t[0]) for t in logprobs] if logprobs else [0.0] * len(ids)
+    return ids, lps, [int(v) for v in versions], (meta.get("finish_reason") or {}).get("type", "stop")
+
+
+def apply_generate_output(sample: Sample, prompt_ids: list[int], out: dict[str, Any]) -> Sample:
+    """Fill a sample from one SGLang-shaped /generate response (the engine's exact token ids)."""
+    ids, logprobs, versions, finish = _parse_output(out)
+    sample.tokens = list(prompt_ids) + ids
     sample.response = out.get("text", "")
-    sample.response_length = len(output_ids)
-    sample.rollout_log_probs = [float(t[0]) for t in logprobs] if logprobs else [0.0] * len(output_ids)
-    sample.weight_versions = [int(v) for v in versions]
-    sample.loss_mask = [1] * len(output_ids)
-    sample.status_from_finish_reason((meta.get("finish_reason") or {}).get("type", "stop"))
+    sample.response_length = len(ids)
+    sample.rollout_log_probs = logprobs
+    sample.weight_versions = versions
+    sample.loss_mask = [1] * len(ids)
+    sample.status_from_finish_reason(finish)
     return sample
+
+
+def extend_with_output(sample: Sample, out: dict[str, Any]) -> Sample:
+    """Append a resumed request's output to a partial response: earlier tokens keep their log-probs
+    and weight versions, so `weight_versions` records which version produced each token."""
+    ids, logprobs, versions, finish = _parse_output(out)
+    sample.tokens = list(sample.tokens) + ids
+    sample.response += out.get("text", "")
+    sample.response_length += len(ids)
+    sample.rollout_log_probs = list(sample.rollout_log_probs or []) + logprobs
+    sample.weight_versions = list(sample.weight_versions) + versions
+    sample.loss_mask = list(sample.loss_mask or []) + [1] * len(ids)
+    sample.status_from_finish_reason(finish)
+    return sample
+
+
+def is_partial(sample: Sample) -> bool:
+    """An aborted sample that kept its tokens (--partial-rollout): generation resumes after them."""
+    return sample.status == SampleStatus.ABORTED and sample.response_length > 0
 
 
 async def generate_sample(router, sample: Sample, tokenizer, sampling: SamplingDefaults, *,
                           seed: int | None = None) -> Sample:
-    """One trajectory: tokens in, tokens + log-probs + per-token weight versions out."""
+    """One trajectory: tokens in, tokens + log-probs + per-token weight versions out.
+
+    A partial sample (see `is_partial`) sends prompt + partial response and continues it, with
+    `max_new_tokens` reduced by the tokens it already has (Miles' partial-rollout resume).
+    """
     if sample.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED):
         return sample
+    resumed = is_partial(sample)
     prompt_ids = prompt_token_ids(sample, tokenizer)
     rid = uuid.uuid4().hex
     sample.metadata["rid"] = rid
+    params = {**sampling.to_payload(len(prompt_ids), seed=seed),
+              **(sample.metadata.get("sampling_params") or {})}  # per-prompt overrides
+    if resumed:
+        params["max_new_tokens"] = params["max_new_tokens"] - sample.response_length
+        if params["max_new_tokens"] <= 0:  # the budget ran out as it was aborted
+            sample.status = SampleStatus.TRUNCATED
+            return sample
     payload = {
-        "input_ids": prompt_ids,
-        "sampling_params": {**sampling.to_payload(len(prompt_ids), seed=seed),
-                            **(sample.metadata.get("sampling_params") or {})},  # per-prompt overrides
+        "input_ids": list(sample.tokens) if resumed else prompt_ids,
+        "sampling_params": params,
         "return_logprob": True,
         "rid": rid,
     }
     out = await router.generate(payload)
-    return apply_generate_output(sample, prompt_ids, out)
+    return extend_with_output(sample, out) if resumed else apply_generate_output(sample, prompt_ids, out)
