@@ -101,6 +101,11 @@ def check_mode_support(cfg: MilesConfig) -> list[str]:
     if cfg.train.train_backend == "megatron":
         e.append("--train-backend megatron is not implemented yet (no Megatron backend is registered); "
                  "use --train-backend fsdp")
-    if cfg.logging.use_wandb and not cfg.logging.wandb_project:
+    log = cfg.logging
+    if log.use_wandb and not log.wandb_project:
         e.append("--use-wandb needs --wandb-project NAME (the W&B project the run logs to)")
+    unused = [f for f, v in (("--wandb-project", log.wandb_project), ("--wandb-group", log.wandb_group),
+                             ("--wandb-mode", log.wandb_mode)) if v is not None]
+    if unused and not log.use_wandb:
+        e.append(f"{', '.join(unused)} without --use-wandb logs nothing to W&B; add --use-wandb or drop them")
     return e

@@ -25,15 +25,16 @@ READ_BY_CONFIG = {
 
 
 def _sources() -> str:
-    return "\n".join(p.read_text() for p in PACKAGE.rglob("*.py") if p.name not in CONFIG_CODE
-                     or p.parent != PACKAGE)
+    return "\n".join(p.read_text() for p in PACKAGE.rglob("*.py") if p.name not in CONFIG_CODE or p.parent != PACKAGE)
 
 
 def test_every_field_is_read_outside_the_config_code_or_refused() -> None:
     text = _sources()
-    unread = [name for name in FIELDS
-              if not re.search(rf"(\.|[\"']){name}\b", text)
-              and name not in NOT_IMPLEMENTED and name not in READ_BY_CONFIG]
+    unread = [
+        name
+        for name in FIELDS
+        if not re.search(rf"(\.|[\"']){name}\b", text) and name not in NOT_IMPLEMENTED and name not in READ_BY_CONFIG
+    ]
     assert unread == [], f"fields read nowhere and not refused (refuse them in miles/config_refusals.py): {unread}"
 
 
@@ -58,22 +59,37 @@ def test_each_unimplemented_flag_is_refused_by_name(name: str) -> None:
     assert spec.flag in _refused(argv)
 
 
-@pytest.mark.parametrize(("argv", "words"), [
-    (["--fully-async", "--recompute-logprobs-via-prefill"], ["--recompute-logprobs-via-prefill", "--fully-async"]),
-    (["--fully-async", "--reward-phase", "separate"], ["--reward-phase=separate", "--fully-async"]),
-    (["--fully-async", "--rollout-sample-filter-path", "a.b:c"], ["--rollout-sample-filter-path", "--fully-async"]),
-    (["--fully-async", "--update-weights-interval", "2"], ["--update-weights-interval=2", "--max-weight-staleness"]),
-    (["--eval-mode", "dedicated"], ["--eval-mode=dedicated", "--fully-async"]),
-    (["--eval-mode", "external"], ["--eval-mode=external", "--fully-async"]),
-    (["--eval-num-engines", "1"], ["--eval-num-engines=1", "--eval-mode dedicated"]),
-    (["--fully-async", "--eval-num-engines", "1"], ["--eval-num-engines=1"]),
-    (["--rollout-num-gpus-per-engine", "2"], ["--rollout-num-gpus-per-engine=2", "--engine sglang"]),
-    (["--train-backend", "megatron"], ["--train-backend megatron", "fsdp"]),
-    (["--use-wandb"], ["--use-wandb", "--wandb-project"]),
-    (["--update-weights-interval", "0"], ["--update-weights-interval=0"]),
-    (["--colocate", "--update-weights-interval", "2"], ["--update-weights-interval=2", "--offload-rollout-level kv_cache"]),
-    (["--rollout-num-gpus", "3", "--rollout-num-engines", "2"], ["--rollout-num-gpus=3", "--rollout-num-engines=2"]),
-])
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--fully-async", "--recompute-logprobs-via-prefill"], ["--recompute-logprobs-via-prefill", "--fully-async"]),
+        (["--fully-async", "--reward-phase", "separate"], ["--reward-phase=separate", "--fully-async"]),
+        (
+            ["--fully-async", "--rollout-sample-filter-path", "a.b:c"],
+            ["--rollout-sample-filter-path", "--fully-async"],
+        ),
+        (
+            ["--fully-async", "--update-weights-interval", "2"],
+            ["--update-weights-interval=2", "--max-weight-staleness"],
+        ),
+        (["--eval-mode", "dedicated"], ["--eval-mode=dedicated", "--fully-async"]),
+        (["--eval-mode", "external"], ["--eval-mode=external", "--fully-async"]),
+        (["--eval-num-engines", "1"], ["--eval-num-engines=1", "--eval-mode dedicated"]),
+        (["--fully-async", "--eval-num-engines", "1"], ["--eval-num-engines=1"]),
+        (["--rollout-num-gpus-per-engine", "2"], ["--rollout-num-gpus-per-engine=2", "--engine sglang"]),
+        (["--train-backend", "megatron"], ["--train-backend megatron", "fsdp"]),
+        (["--use-wandb"], ["--use-wandb", "--wandb-project"]),
+        (["--update-weights-interval", "0"], ["--update-weights-interval=0"]),
+        (
+            ["--colocate", "--update-weights-interval", "2"],
+            ["--update-weights-interval=2", "--offload-rollout-level kv_cache"],
+        ),
+        (
+            ["--rollout-num-gpus", "3", "--rollout-num-engines", "2"],
+            ["--rollout-num-gpus=3", "--rollout-num-engines=2"],
+        ),
+    ],
+)
 def test_flags_refused_in_modes_where_they_cannot_work(argv: list[str], words: list[str]) -> None:
     text = _refused(argv)
     for word in words:
@@ -88,7 +104,9 @@ def test_flags_accepted_in_the_modes_where_they_work() -> None:
 
 
 def test_rollout_num_gpus_sets_the_engine_count() -> None:
-    cfg = load_config(["--engine", "sglang", "--rollout-num-gpus", "6", "--rollout-num-gpus-per-engine", "2"], base=BASE)
+    cfg = load_config(
+        ["--engine", "sglang", "--rollout-num-gpus", "6", "--rollout-num-gpus-per-engine", "2"], base=BASE
+    )
     assert cfg.engine.rollout_num_engines == 3
     cfg = load_config(["--rollout-num-gpus", "4", "--rollout-num-engines", "4"], base=BASE)  # agreeing: fine
     assert cfg.engine.rollout_num_engines == 4
@@ -118,3 +136,22 @@ def test_update_weights_interval_pushes_every_n_steps_before_eval_and_at_the_end
     evaluator = SimpleNamespace(due=lambda step: step == 5)
     pushed = [step for step in range(1, 9) if weights_due(cfg, evaluator, step)]
     assert pushed == [3, 5, 6, 8]  # every 3rd, before the eval at 5, after the last step
+
+
+def test_wandb_settings_without_use_wandb_are_refused():
+    from miles.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="--wandb-mode without --use-wandb"):
+        load_config(["--config", str(PACKAGE.parent / "launch/configs/demo_cpu.yaml"), "--wandb-mode", "offline"])
+    cfg = load_config(
+        [
+            "--config",
+            str(PACKAGE.parent / "launch/configs/demo_cpu.yaml"),
+            "--use-wandb",
+            "--wandb-project",
+            "p",
+            "--wandb-mode",
+            "offline",
+        ]
+    )
+    assert cfg.logging.wandb_mode == "offline"
