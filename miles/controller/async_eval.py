@@ -100,7 +100,7 @@ class AsyncEval:
             await self._submit(step)
         if last:  # the run ends here: wait for what is outstanding so no score is lost
             await asyncio.gather(*(p.task for p in self._pending), return_exceptions=True)
-        return self._collect(step)
+        return self._collect(step, last=last)
 
     async def close(self) -> None:
         for p in self._pending:
@@ -166,12 +166,19 @@ class AsyncEval:
         return parse_external_scores(stdout.decode(errors="replace"), command)
 
     # ---- results ----------------------------------------------------------------------------
-    def _collect(self, step: int) -> dict[str, float]:
+    def _collect(self, step: int, *, last: bool = False) -> dict[str, float]:
+        """Scores of the evals that finished, for this step's metrics row. A row holds one score per eval
+        set: when two evals of one set finished together, the later waits for the next row; at the last
+        step the newest is the row's and the others are in eval_results.jsonl only (with a warning)."""
         out, self._ready = self._ready, {}
         still: list[_Pending] = []
-        for p in self._pending:
+        taken: dict[str, int] = {}  # eval set -> the step whose score this row holds
+        for p in sorted(self._pending, key=lambda q: q.step):
             if not p.task.done():
                 still.append(p)
+                continue
+            if not last and taken.keys() & set(p.names):
+                still.append(p)  # this row already holds an earlier score of the same set
                 continue
             if p.task.cancelled() or p.task.exception() is not None:
                 reason = "cancelled" if p.task.cancelled() else repr(p.task.exception())
@@ -183,6 +190,11 @@ class AsyncEval:
                 scores[f"eval/{name}/weight_version"] = float(p.weight_version)
                 scores[f"eval/{name}/delay_steps"] = float(step - p.step)
                 self._record(name, p.step, step, p.weight_version, scores)
+                if name in taken:
+                    logger.warning("evals of steps %d and %d of %r both finished at the last step; the metrics row "
+                                   "keeps step %d's, both are in %s", taken[name], p.step, name, p.step,
+                                   self._results_path)
+                taken[name] = p.step
             out.update(scores)
         self._pending = still
         return out

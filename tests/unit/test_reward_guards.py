@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -189,7 +190,11 @@ def test_mixed_causes_are_all_named() -> None:
     with pytest.raises(RolloutStalled) as info:
         asyncio.run(manager.generate(0))
     text = str(info.value)
-    assert "(reward_failed 5, dynamic_filter/drop_filtered 3)" in text
+    # the last 8 drops, by cause (how they split depends on which groups finish first)
+    failed = re.search(r"[(,] ?reward_failed (\d+)[,)]", text)
+    filtered = re.search(r"[(,] ?dynamic_filter/drop_filtered (\d+)[,)]", text)
+    assert failed and filtered, text
+    assert int(failed[1]) + int(filtered[1]) == 8 and int(failed[1]) > 0 and int(filtered[1]) > 0, text
     assert f"the reward (--custom-rm-path {__name__}:by_index_rm) failed; first error: " in text.lower()
     assert (
         f"the dynamic sampling filter --dynamic-sampling-filter-path {__name__}:reject_all rejected groups"
@@ -207,7 +212,10 @@ def test_bad_reward_values_are_counted_named_and_the_rollout_completes(caplog) -
     assert all(isinstance(s.reward, float) and math.isfinite(s.reward) for g in result.groups for s in g)
     m = result.metrics
     assert m["rollout/reward_failed_groups"] >= MAX_REWARD_ATTEMPTS  # group 0 at least, every attempt
-    assert m["rollout/reward_failed_samples"] == 3 * m["rollout/reward_failed_groups"]  # 3 bad samples a group
+    # 3 bad samples a failing group; groups still scoring when the step's last group arrives are aborted and
+    # handed back (their failed samples count, the group is not a drop), so samples can exceed 3 x drops
+    assert m["rollout/reward_failed_samples"] % 3 == 0
+    assert m["rollout/reward_failed_samples"] >= 3 * m["rollout/reward_failed_groups"]
     assert m["rollout/reward_failed_skipped_prompts"] >= 1
     assert all(
         g[0].group_index % 2 == 0 and g[0].metadata["reward_attempts"] < MAX_REWARD_ATTEMPTS for g in source.buffer
