@@ -15,13 +15,29 @@ REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "launch" / "configs" / "demo_cpu.yaml"
 
 
+def train_command(out_dir: Path, *flags: str) -> list[str]:
+    """`miles train` on the CPU demo config into `out_dir`, with `flags` last (they win)."""
+    return [
+        sys.executable,
+        "-m",
+        "miles.cli",
+        "train",
+        "--config",
+        str(DEMO),
+        "--output-dir",
+        str(out_dir),
+        "--no-progress-bar",
+        *flags,
+    ]
+
+
 def run_train(out_dir: Path, *flags: str, timeout_s: float = 600, env: dict | None = None) -> list[dict]:
     """Run the CPU demo config with `flags`; return metrics.jsonl rows. Fails with the run's output tail."""
-    cmd = [sys.executable, "-m", "miles.cli", "train", "--config", str(DEMO), "--output-dir", str(out_dir),
-           "--no-progress-bar", *flags]
+    cmd = train_command(out_dir, *flags)
     full_env = {**os.environ, "MILES_TORCH_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:

@@ -20,7 +20,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -28,7 +27,7 @@ import pytest
 import torch
 
 from _trainer_harness import run_ranks  # isort: skip
-from e2e_helpers import DEMO, REPO, leftover_processes, read_rows  # isort: skip
+from e2e_helpers import REPO, leftover_processes, read_rows, train_command  # isort: skip
 
 from miles.trainer import checkpoint as ckpt
 
@@ -47,19 +46,7 @@ SMALL = [
 
 
 def _train(out_dir: Path, *flags: str) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "miles.cli",
-        "train",
-        "--config",
-        str(DEMO),
-        "--output-dir",
-        str(out_dir),
-        "--no-progress-bar",
-        *SMALL,
-        *flags,
-    ]
+    cmd = train_command(out_dir, *SMALL, *flags)
     env = {**os.environ, "MILES_TORCH_THREADS": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     return subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True

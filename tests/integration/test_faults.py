@@ -13,13 +13,12 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-from e2e_helpers import DEMO, REPO, leftover_processes, read_rows
+from e2e_helpers import REPO, leftover_processes, read_rows, train_command
 
 from _trainer_harness import configs, make_batch, make_tiny_model, run_ranks, shard  # isort: skip
 
@@ -35,24 +34,12 @@ SMALL = (
     "16",
     "--eval-interval",
     "none",
-    "--no-progress-bar",
 )
 PLUGINS = str(Path(__file__).resolve().parent)
 
 
 def _cmd(out_dir: Path, *flags: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "miles.cli",
-        "train",
-        "--config",
-        str(DEMO),
-        "--output-dir",
-        str(out_dir),
-        *SMALL,
-        *flags,
-    ]
+    return train_command(out_dir, *SMALL, *flags)
 
 
 def _env() -> dict[str, str]:
