@@ -146,10 +146,9 @@ def apply_derivations(cfg: MilesConfig, explicit: set[str]) -> None:
         a.disable_grpo_std_normalization = True  # the std of a single sample is 0
     if r.rollout_submission_granularity is None:
         r.rollout_submission_granularity = "sample" if cfg.async_.fully_async else "group"
-    if cfg.train.offload_train is None:
-        cfg.train.offload_train = cfg.engine.colocate
-    if cfg.train.offload_rollout is None:
-        cfg.train.offload_rollout = cfg.engine.colocate
+    if not cfg.engine.colocate:  # colocated, None stays: decided from the GPUs' memory once both sides are up
+        cfg.train.offload_train = bool(cfg.train.offload_train)
+        cfg.train.offload_rollout = bool(cfg.train.offload_rollout)
     if a.loss_aggregation is None:
         a.loss_aggregation = "token_mean" if a.calculate_per_token_loss else "sample_mean"
     if cfg.model.ref_load is None and (a.use_kl_loss or a.kl_coef != 0):

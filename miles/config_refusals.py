@@ -80,7 +80,7 @@ def _weights_interval(cfg: MilesConfig) -> list[str]:
     n, t = cfg.weights.update_weights_interval, cfg.train
     if n < 1:
         return [f"--update-weights-interval={n} must be at least 1 (push weights every N rollout steps)"]
-    if n > 1 and cfg.engine.colocate and t.offload_rollout and {"weight", "weights"} & set(t.offload_rollout_level):
+    if n > 1 and cfg.engine.colocate and t.offload_rollout is not False and {"weight", "weights"} & set(t.offload_rollout_level):
         return [
             f"--update-weights-interval={n} with --colocate: the engines release their weights while the trainer "
             "trains and need a push every step; use --offload-rollout-level kv_cache, or --update-weights-interval 1"

@@ -155,8 +155,8 @@ class TrainConfig:
     max_checkpoints: int | None = _f(None, "CKPT", "keep the newest N complete checkpoints under --save, deleting older ones after each save (default: keep all)")
     auto_resume: bool = _f(False, "CKPT", "resume from the latest complete checkpoint under --save")
     no_save_optim: bool = _f(False, "CKPT", "do not save optimizer state")
-    offload_train: bool | None = _f(None, "PERF", "offload trainer state while engines generate (default: on when colocated)")
-    offload_rollout: bool | None = _f(None, "PERF", "colocated engines release memory while the trainer trains (default: on when colocated)")
+    offload_train: bool | None = _f(None, "PERF", "offload trainer state while engines generate (default, colocated: on unless the trainer fits beside the engines on each GPU, measured at start-up; always on off CUDA)")
+    offload_rollout: bool | None = _f(None, "PERF", "colocated engines release memory while the trainer trains (default: as --offload-train)")
     offload_rollout_level: list[str] = _f(["kv_cache", "weight"], "PERF", "what colocated engines release: kv_cache, weight, cuda_graph", metadata={"nargs": "+"})
 
 

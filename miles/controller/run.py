@@ -36,7 +36,7 @@ from miles.rollout.train_data import TrainBatch, samples_to_train_batch, split_b
 from miles.utils.metrics import MetricsSink
 from miles.utils.profiling import ProfileSchedule
 from miles.utils.sysmon import SystemMonitor
-from miles.utils.timer import StepTimers
+from miles.utils.timer import StartupClock, StepTimers
 
 logger = logging.getLogger(__name__)
 PROFILED_ROLES = ("trainer", "rollout", "eval_rollout")  # worker roles that take start_profile / stop_profile
@@ -101,6 +101,31 @@ def resolve_model_path(cfg) -> bool:
     return True
 
 
+async def resolve_offload(cfg, runtime: Runtime) -> None:
+    """Colocated offload left at its default: off when every trainer rank fits beside its engine.
+
+    Off CUDA, or when a trainer cannot tell, offload stays on (the safe choice). Flags the user set
+    are kept as they are.
+    """
+    t = cfg.train
+    if t.offload_train is not None and t.offload_rollout is not None:
+        return
+    plans = await runtime.call_all("trainer", "memory_plan")
+    fits = all(p is not None and p["fits"] for p in plans)
+    if plans[0] is not None:
+        p = min(plans, key=lambda x: x["free_bytes"] - x["pending_state_bytes"] - x["activation_bytes"])
+        logger.info(
+            "colocated memory: %.1f of %.1f GiB free with the engines loaded; the trainer still needs %.1f GiB of "
+            "state and up to %.1f GiB of activations: offload %s",
+            p["free_bytes"] / 2**30, p["total_bytes"] / 2**30, p["pending_state_bytes"] / 2**30,
+            p["activation_bytes"] / 2**30, "off (both fit)" if fits else "on",
+        )
+    if t.offload_train is None:
+        t.offload_train = not fits
+    if t.offload_rollout is None:
+        t.offload_rollout = not fits
+
+
 class MilesRun:
     def __init__(self, cfg, runtime: Runtime, placement: Placement, router: Router | None, engines: list[EngineClient],
                  tokenizer, sink: MetricsSink, data: RunData):
@@ -127,12 +152,14 @@ class MilesRun:
         self.sysmon = SystemMonitor.for_local_workers(runtime, PROFILED_ROLES)
         # the debug modes start one side only: --debug-rollout-only no trainer, --debug-train-only no engine
         self.has_trainer = bool(placement.trainer_specs)
+        self.startup: StartupClock | None = None
 
     # ---- start / stop ----------------------------------------------------------------
     @classmethod
     async def start(cls, cfg) -> MilesRun:
         from transformers import AutoTokenizer
 
+        clock = StartupClock()
         le = controller_address(cfg.runtime, launch_env())  # --controller-host/-port over the environment
         cfg.engine.api_key = cfg.engine.api_key or new_api_key()  # one key per run: every engine and client
         machine = resolve_machine(cfg.runtime, le)
@@ -143,6 +170,7 @@ class MilesRun:
         os.makedirs(run_dir, exist_ok=True)
         if resolve_model_path(cfg):  # the plan carries the model path: plan again with the built/converted one
             placement = plan_run(cfg, machine, le)
+        clock.mark("model")
         # the data is read, validated and tokenised before any worker starts: bad data costs no start-up
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint,
                                                   trust_remote_code=cfg.model.trust_remote_code)
@@ -151,13 +179,18 @@ class MilesRun:
             from miles.config import derive_num_rollout
 
             derive_num_rollout(cfg, len(data.prompts))
+        clock.mark("data")
         runtime = await Runtime.start(placement.specs, run_dir=run_dir,
                                       heartbeat_interval_s=cfg.runtime.heartbeat_interval_s,
                                       heartbeat_timeout_s=cfg.runtime.heartbeat_timeout_s,
                                       install_signal_handlers=False, **runtime_options(le))
+        clock.mark("workers")
         try:
             if placement.trainer_specs:
                 await runtime.call_all("trainer", "setup", timeout_s=cfg.runtime.rpc_timeout_s)
+            clock.mark("trainer_setup")
+            if placement.colocated and placement.trainer_specs:
+                await resolve_offload(cfg, runtime)
             engines = [] if cfg.runtime.debug_train_only else await engine_clients(
                 runtime, "rollout", api_key=cfg.engine.api_key, external=cfg.engine.rollout_external_engine_addrs)
             urls = [e.base_url for e in engines]
@@ -168,6 +201,7 @@ class MilesRun:
                                config=cfg.to_dict(), wandb_mode=cfg.logging.wandb_mode,
                                resume_from=cfg.train.load, checkpoint_root=cfg.train.save)
             run = cls(cfg, runtime, placement, router, engines, tokenizer, sink, data)
+            run.startup = clock
             # dedicated eval engines (fully async --eval-mode dedicated): never part of weight updates
             run.eval_engines = await engine_clients(runtime, "eval_rollout", api_key=cfg.engine.api_key)
             # engines that release their weights between updates get a fresh weight buffer each time
@@ -176,6 +210,7 @@ class MilesRun:
             if placement.trainer_specs and engines:
                 await runtime.call_all("trainer", "connect_engines", urls, mode=cfg.weights.update_weight_transfer_mode,
                                        colocated=cfg.engine.colocate, keep_weight_mapping=not releases_weights)
+            clock.mark("connect_weights")
             await run._maybe_resume()
             return run
         except BaseException:
@@ -369,6 +404,8 @@ class MilesRun:
     # ---- metrics ---------------------------------------------------------------------
     def begin_step(self) -> float:
         self._worker_wait_s = 0.0
+        if self.startup is not None and not self.startup.done:
+            self.startup.mark("first_push")  # the engines' first weights and the before-training eval
         return time.perf_counter()
 
     def log_step(self, rollout_id: int, step_start: float, *parts: dict[str, float]) -> dict[str, float]:
@@ -381,6 +418,8 @@ class MilesRun:
         metrics["perf/controller_overhead"] = max(0.0, step_time - self._worker_wait_s)
         metrics["perf/controller_overhead_fraction"] = metrics["perf/controller_overhead"] / max(step_time, 1e-9)
         metrics["rollout/weight_version"] = float(self.weight_version)
+        if self.startup is not None and not self.startup.done:  # the first step's row carries the start-up
+            metrics.update(self.startup.finish())
         metrics.update(self.sysmon.sample())
         self.sink.log(rollout_id, metrics)
         return metrics

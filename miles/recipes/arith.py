@@ -109,9 +109,21 @@ def score(response: str, label: str) -> float:
     return grade("math", extract_answer(response), label)
 
 
+def score_steps(response: str, label: str) -> float:
+    """Step-by-step work ("3 + 4 = 7", "7 * 2 = 14", ...): 1.0 when the number after the last "=" is right."""
+    head, sep, tail = response.rpartition("=")
+    found = _NUMBER_RE.search(tail) if sep else None
+    return grade("math", found.group(0), label) if found else 0.0
+
+
 async def reward(args: Any, sample: Any, **kwargs: Any) -> float:
     """`--custom-rm-path miles.recipes.arith.reward`."""
     return score(sample.response, sample.label)
+
+
+async def reward_steps(args: Any, sample: Any, **kwargs: Any) -> float:
+    """`--custom-rm-path miles.recipes.arith.reward_steps`: multi-step problems graded on the last step."""
+    return score_steps(sample.response, sample.label)
 
 
 def main(argv: list[str] | None = None) -> int:

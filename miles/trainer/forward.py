@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from miles.rollout.train_data import TrainBatch
-from miles.trainer.packing import PackedInputs, pack_sequences
+from miles.trainer.packing import PackedInputs, layout_for, pack_sequences
 
 ENTROPY_MODES = ("grad", "detached", "none")
 
@@ -35,6 +35,11 @@ def response_logits(model: nn.Module, packed: PackedInputs) -> torch.Tensor:
     if packed.gather_is_identity:  # every kept position is a response token, in order: a view, no copy
         return out.logits.flatten(0, 1)
     return out.logits[packed.gather_rows, packed.gather_cols]
+
+
+def model_layout(model: nn.Module) -> str:
+    """The batch layout `model`'s attention runs best on (see miles.trainer.packing)."""
+    return layout_for(getattr(getattr(model, "config", None), "_attn_implementation", None))
 
 
 def response_values(critic: nn.Module, packed: PackedInputs) -> torch.Tensor:
@@ -192,7 +197,7 @@ def forward_micro_batch(
     compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
     """(log_probs[T], entropy[T], tokens in the micro-batch) for one micro-batch."""
-    packed = pack_sequences(sub).to(device)
+    packed = pack_sequences(sub, model_layout(model)).to(device)
     logits = response_logits(model, packed)
     log_probs, entropy = log_probs_and_entropy(logits, packed.targets, temperature, entropy=entropy, compiled=compiled)
     return log_probs, entropy, packed.num_tokens

@@ -28,7 +28,7 @@ from miles.errors import NonFiniteTraining
 from miles.rollout.train_data import TrainBatch
 from miles.trainer import checkpoint as ckpt
 from miles.trainer.backend import register_backend
-from miles.trainer.forward import dummy_batch, forward_micro_batch, response_values, token_index
+from miles.trainer.forward import dummy_batch, forward_micro_batch, model_layout, response_values, token_index
 from miles.trainer.hf_io import (
     load_causal_lm,
     load_value_model,
@@ -39,7 +39,7 @@ from miles.trainer.hf_io import (
 )
 from miles.trainer.lr_schedule import LRSchedule, LRScheduler
 from miles.trainer.offload import HostOffloader, module_tensors, optimizer_tensors
-from miles.trainer.packing import pack_sequences, plan_micro_batches
+from miles.trainer.packing import layout_for, pack_sequences, plan_micro_batches
 
 logger = logging.getLogger(__name__)
 
@@ -215,6 +215,7 @@ class FSDPBackend:
                 micro_batch_size=t.micro_batch_size,
                 use_dynamic_batch_size=t.use_dynamic_batch_size,
                 max_tokens_per_gpu=t.max_tokens_per_gpu,
+                layout=layout_for(self.attn_impl),
             )
         )
         n_max = int(_all_reduce([len(mbs)], self.device, dist.ReduceOp.MAX)[0])
@@ -249,7 +250,7 @@ class FSDPBackend:
         self.critic.eval()
         for idx in self._schedule(batch):
             sub = batch.select(idx) if idx is not None else dummy_batch()
-            v = response_values(self.critic, pack_sequences(sub).to(self.device))
+            v = response_values(self.critic, pack_sequences(sub, model_layout(self.critic)).to(self.device))
             if idx is not None:
                 values[token_index(batch.response_lengths, idx)] = v.cpu().numpy()
         self.critic.train()
@@ -364,6 +365,23 @@ class FSDPBackend:
         for key in ("actor", "critic"):
             if key in self._offloaders and self._offloaders[key].is_offloaded:
                 self._offloaders[key].onload()
+
+    def memory_plan(self) -> dict | None:
+        """Whether this rank trains without offloading beside its colocated engine (None off CUDA)."""
+        if self.device.type != "cuda":
+            return None
+        from miles.trainer.memory_plan import activation_bytes, pending_state_bytes, plan
+
+        t = self.train_cfg
+        tokens = t.max_tokens_per_gpu if t.use_dynamic_batch_size else t.micro_batch_size * self.rollout_max_len()
+        models = [(m, o) for m, o in ((self.actor, self.optimizer), (self.critic, self.critic_optimizer)) if m]
+        pending = sum(pending_state_bytes(m, o) for m, o in models)
+        acts = activation_bytes(self.actor.config, tokens, checkpointing=t.gradient_checkpointing)
+        return plan(self.device, pending, acts).to_dict()
+
+    def rollout_max_len(self) -> int:
+        r = self.rollout
+        return int((r.rollout_max_prompt_len or 2048) + (r.rollout_max_response_len or 2048))
 
     # ---- metrics helpers ---------------------------------------------------------------------------
     def peak_mem_gb(self) -> float:

@@ -6,10 +6,14 @@ Two schedules:
   `max_tokens_per_gpu` tokens (first-fit over lengths in decreasing order), so a step needs few
   forward passes and no token is padding.
 
-A packed micro-batch is one row of concatenated sequences whose position ids restart at 0 for
-every sequence; the model's attention sees the restarts and keeps sequences apart (block-diagonal
-causal mask with SDPA, varlen kernels with flash attention). When every sequence of a micro-batch
-has the same length the row is reshaped to [n, L] instead, which needs no mask at all.
+Two layouts of a micro-batch's sequences (`pack_sequences(batch, layout)`):
+- "row": one row of concatenated sequences whose position ids restart at 0 for every sequence;
+  varlen attention kernels (flash attention) keep the sequences apart at no extra cost;
+- "padded": [n, L] rows, each sequence right-padded to the longest. Causal attention never lets a
+  real token see the padding after it, so no mask is needed and SDPA runs its fused causal kernel.
+  This is the layout for SDPA: a packed row there costs a dense [T, T] block-diagonal mask and
+  attention over all T tokens of the row, quadratic in the micro-batch's size. The dynamic
+  schedule then groups sequences of similar length and counts the padding in the token budget.
 """
 
 from __future__ import annotations
@@ -32,9 +36,22 @@ def fixed_micro_batches(num_samples: int, micro_batch_size: int) -> list[list[in
     return [list(range(i, min(i + micro_batch_size, num_samples))) for i in range(0, num_samples, micro_batch_size)]
 
 
-def token_budget_micro_batches(seq_lens: list[int] | np.ndarray, max_tokens: int) -> list[list[int]]:
+LAYOUTS = ("row", "padded")
+VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
+
+
+def layout_for(attn_implementation: str | None) -> str:
+    """"row" for varlen attention kernels, "padded" for the rest (SDPA, eager)."""
+    return "row" if attn_implementation in VARLEN_ATTENTION else "padded"
+
+
+def token_budget_micro_batches(
+    seq_lens: list[int] | np.ndarray, max_tokens: int, *, padded: bool = False
+) -> list[list[int]]:
     """Pack sample indices into bins of at most `max_tokens` tokens (first-fit decreasing).
 
+    padded: a bin costs (its size) x (its longest sequence), as in the padded layout; samples are
+    taken longest first into consecutive bins, so each bin holds sequences of similar length.
     Every index appears in exactly one bin. A sequence longer than the budget cannot be split
     and gets a bin of its own (logged once per call). Inside a bin indices keep their original
     order so results are easy to read back; bins are ordered by their first index.
@@ -52,9 +69,31 @@ def token_budget_micro_batches(seq_lens: list[int] | np.ndarray, max_tokens: int
             max(too_long),
             max(too_long),
         )
+    order = sorted(range(len(lens)), key=lambda j: (-lens[j], j))
+    if padded:
+        bins = _padded_bins(order, lens, max_tokens)
+    else:
+        bins = _first_fit_bins(order, lens, max_tokens)
+    for b in bins:
+        b.sort()
+    bins.sort(key=lambda b: b[0])
+    return bins
+
+
+def _padded_bins(order: list[int], lens: list[int], max_tokens: int) -> list[list[int]]:
+    bins: list[list[int]] = []
+    for i in order:  # longest first: a bin's first sample sets its padded length
+        if bins and (len(bins[-1]) + 1) * lens[bins[-1][0]] <= max_tokens:
+            bins[-1].append(i)
+        else:
+            bins.append([i])
+    return bins
+
+
+def _first_fit_bins(order: list[int], lens: list[int], max_tokens: int) -> list[list[int]]:
     bins: list[list[int]] = []
     loads: list[int] = []
-    for i in sorted(range(len(lens)), key=lambda j: (-lens[j], j)):
+    for i in order:
         for b, load in enumerate(loads):
             if load + lens[i] <= max_tokens:
                 bins[b].append(i)
@@ -63,9 +102,6 @@ def token_budget_micro_batches(seq_lens: list[int] | np.ndarray, max_tokens: int
         else:
             bins.append([i])
             loads.append(lens[i])
-    for b in bins:
-        b.sort()
-    bins.sort(key=lambda b: b[0])
     return bins
 
 
@@ -75,12 +111,13 @@ def plan_micro_batches(
     micro_batch_size: int,
     use_dynamic_batch_size: bool,
     max_tokens_per_gpu: int | None,
+    layout: str = "row",
 ) -> list[list[int]]:
-    """The micro-batch schedule for one step's samples, per the PERF flags."""
+    """The micro-batch schedule for one step's samples, per the PERF flags and the batch layout."""
     if use_dynamic_batch_size:
         if max_tokens_per_gpu is None:
             raise ValueError("--use-dynamic-batch-size needs --max-tokens-per-gpu (token budget of one micro-batch)")
-        return token_budget_micro_batches(seq_lens, max_tokens_per_gpu)
+        return token_budget_micro_batches(seq_lens, max_tokens_per_gpu, padded=layout == "padded")
     return fixed_micro_batches(len(seq_lens), micro_batch_size)
 
 
@@ -117,8 +154,8 @@ class PackedInputs:
         )
 
 
-def pack_sequences(batch: TrainBatch) -> PackedInputs:
-    """Pack every sample of `batch` into model inputs without padding.
+def pack_sequences(batch: TrainBatch, layout: str = "row") -> PackedInputs:
+    """Every sample of `batch` as model inputs in `layout` ("row": no padding; "padded": [n, L]).
 
     The response token at absolute position p of a sequence is predicted by the logits at p - 1,
     so a response of length r in a sequence of length s uses logits at s-r-1 .. s-2.
@@ -132,33 +169,30 @@ def pack_sequences(batch: TrainBatch) -> PackedInputs:
                 f"sample {i}: response_length={r} must be in [1, seq_len-1={s - 1}]; the trainer needs at least one "
                 "prompt token before the response and one response token"
             )
-    if len(set(seq_lens)) == 1:
-        return _pack_rectangular(seqs, seq_lens[0], resp_lens)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
+    if layout == "padded" or len(set(seq_lens)) == 1:
+        return _pack_padded(seqs, seq_lens, resp_lens)
     return _pack_row(seqs, seq_lens, resp_lens)
 
 
-def _pack_rectangular(seqs: list[np.ndarray], seq_len: int, resp_lens: list[int]) -> PackedInputs:
-    # Equal lengths: [n, L] with plain causal attention; keep logits for the longest response window.
-    n, max_resp = len(seqs), max(resp_lens)
-    input_ids = torch.from_numpy(np.stack(seqs).astype(np.int64))
-    position_ids = torch.arange(seq_len).unsqueeze(0).expand(n, -1).contiguous()
-    first = seq_len - max_resp - 1
-    logits_index = torch.arange(first, seq_len - 1)
-    rows, cols = [], []
-    for i, r in enumerate(resp_lens):
-        rows.append(torch.full((r,), i))
-        cols.append(torch.arange(max_resp - r, max_resp))
-    targets = torch.cat([input_ids[i, seq_len - r :] for i, r in enumerate(resp_lens)])
+def _pack_padded(seqs: list[np.ndarray], seq_lens: list[int], resp_lens: list[int]) -> PackedInputs:
+    # [n, L] right-padded, plain causal attention; logits for the columns that cover every response.
+    n, width = len(seqs), max(seq_lens)
+    ids = np.zeros((n, width), np.int64)  # the padding's id is never attended to nor predicted
+    for i, seq in enumerate(seqs):
+        ids[i, : len(seq)] = seq
+    input_ids = torch.from_numpy(ids)
+    position_ids = torch.arange(width).unsqueeze(0).expand(n, -1).contiguous()
+    first = min(s - r - 1 for s, r in zip(seq_lens, resp_lens, strict=True))
+    last = max(seq_lens) - 1  # exclusive: the logits at s - 1 predict nothing
+    logits_index = torch.arange(first, last)
+    rows = torch.cat([torch.full((r,), i) for i, r in enumerate(resp_lens)])
+    cols = torch.cat([torch.arange(s - r - 1, s - 1) - first for s, r in zip(seq_lens, resp_lens, strict=True)])
+    targets = torch.cat([input_ids[i, s - r : s] for i, (s, r) in enumerate(zip(seq_lens, resp_lens, strict=True))])
+    aligned = len(set(seq_lens)) == 1 and len(set(resp_lens)) == 1
     return PackedInputs(
-        input_ids,
-        position_ids,
-        logits_index,
-        torch.cat(rows),
-        torch.cat(cols),
-        targets,
-        resp_lens,
-        n * seq_len,
-        gather_is_identity=len(set(resp_lens)) == 1,
+        input_ids, position_ids, logits_index, rows, cols, targets, resp_lens, n * width, gather_is_identity=aligned
     )
 
 

@@ -23,7 +23,7 @@ from miles.algo.aggregation import StepDenominators
 from miles.algo.losses import LossInputs, get_loss_function, value_loss
 from miles.errors import NonFiniteTraining
 from miles.rollout.train_data import TrainBatch
-from miles.trainer.forward import dummy_batch, forward_micro_batch, response_values, token_index
+from miles.trainer.forward import dummy_batch, forward_micro_batch, model_layout, response_values, token_index
 from miles.trainer.packing import pack_sequences
 
 if TYPE_CHECKING:
@@ -96,6 +96,8 @@ def run_rl_step(be: FSDPBackend, batch: TrainBatch, rollout_id: int) -> dict[str
         old_lp = batch.rollout_log_probs.astype(np.float32)
     elif algo.loss_type == "sft_loss":
         old_lp = None  # the SFT loss needs no old policy
+    elif old_log_probs_in_update(be, batch, n_steps):
+        old_lp = None  # taken from the update's own forward: see old_log_probs_in_update
     else:
         old_lp, entropy = be.compute_log_probs(batch, "actor")
         metrics["train/entropy"] = _token_mean(entropy, mask, device)
@@ -142,7 +144,8 @@ def run_rl_step(be: FSDPBackend, batch: TrainBatch, rollout_id: int) -> dict[str
             for k, v in _optimizer_step(be, step_batch, step_tok, critic=True, where=where).items():
                 sums[f"train/{k}" if k.startswith("value") else f"train/critic_{k}"] += v
         if train_actor:
-            for k, v in _optimizer_step(be, step_batch, step_tok, critic=False, where=where).items():
+            fused = "old_log_probs" not in step_tok and algo.loss_type != "sft_loss"
+            for k, v in _optimizer_step(be, step_batch, step_tok, critic=False, where=where, fused_old=fused).items():
                 sums[f"train/{k}"] += v
         tokens += step_batch.num_tokens
     elapsed = be.now() - t0
@@ -153,6 +156,24 @@ def run_rl_step(be: FSDPBackend, batch: TrainBatch, rollout_id: int) -> dict[str
     metrics["perf/peak_mem_gb"] = be.peak_mem_gb()
     metrics["train/lr"] = be.scheduler.current_lr
     return metrics
+
+
+def old_log_probs_in_update(be: FSDPBackend, batch: TrainBatch, n_steps: int) -> bool:
+    """The old policy's log-probs come from the update's own forward, with no pass of their own.
+
+    With one optimizer step per rollout the weights do not change between the old-log-prob pass
+    and the update's forwards, so both compute the same quantity: the update detaches its own
+    log-probs instead (ratio 1, as the separate pass gives up to rounding). This holds only when
+    nothing needs them before the update: no KL to a reference, no critic, no teacher.
+    """
+    return (
+        n_steps == 1
+        and not be.algo.use_rollout_logprobs
+        and be.algo.loss_type != "sft_loss"
+        and be.ref is None
+        and be.critic is None
+        and batch.teacher_log_probs is None
+    )
 
 
 def _as_index(pos: slice | np.ndarray) -> slice | torch.Tensor:
@@ -172,9 +193,18 @@ def _step_denominators(step_batch: TrainBatch, device: torch.device) -> StepDeno
 
 
 def _optimizer_step(
-    be: FSDPBackend, step_batch: TrainBatch, step_tok: dict[str, torch.Tensor], *, critic: bool, where: str
+    be: FSDPBackend,
+    step_batch: TrainBatch,
+    step_tok: dict[str, torch.Tensor],
+    *,
+    critic: bool,
+    where: str,
+    fused_old: bool = False,
 ) -> dict[str, float]:
     """Forward/backward over micro-batches, clip, AdamW step, LR schedule step; returns summed metrics.
+
+    fused_old: the old log-probs are this forward's own, detached (`old_log_probs_in_update`); the
+    token mean of the entropy is reported as `entropy`, as the separate pass would.
 
     A non-finite loss or grad norm raises NonFiniteTraining before the optimizer step, on every
     rank alike (both are reduced over ranks), so the weights stay as they were.
@@ -192,7 +222,7 @@ def _optimizer_step(
     for idx in be._schedule(step_batch):
         sub = step_batch.select(idx) if idx is not None else dummy_batch()
         if critic:
-            out = response_values(model, pack_sequences(sub).to(be.device))
+            out = response_values(model, pack_sequences(sub, model_layout(model)).to(be.device))
         else:
             out, entropy, _ = forward_micro_batch(
                 model,
@@ -225,7 +255,7 @@ def _optimizer_step(
                 loss_mask=tok["loss_mask"],
                 response_lengths=lengths,
                 den=den,
-                old_log_probs=tok.get("old_log_probs"),
+                old_log_probs=out.detach() if fused_old else tok.get("old_log_probs"),
                 advantages=tok.get("advantages"),
                 rollout_log_probs=tok.get("rollout_log_probs"),
                 ref_log_probs=tok.get("ref_log_probs"),
@@ -233,6 +263,8 @@ def _optimizer_step(
                 teacher_log_probs=tok.get("teacher_log_probs"),
             )
         loss, parts = loss_fn(be.algo, inp)
+        if fused_old and entropy is not None:
+            parts["entropy"] = (entropy.detach().float() * tok["loss_mask"]).sum() / max(den.num_tokens, 1)
         loss.backward()
         for k, v in parts.items():
             sums[k] = sums.get(k, 0.0) + v.detach().double()

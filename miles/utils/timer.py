@@ -29,3 +29,30 @@ class StepTimers:
         out = {f"{prefix}{k}": v for k, v in self._seconds.items()}
         self._seconds.clear()
         return out
+
+
+class StartupClock:
+    """Where a run's start-up goes: seconds per phase, and from the process's launch to the first step.
+
+    `mark(name)` closes the phase that ran since the previous mark; `finish()` returns them as
+    `perf/startup/<name>` plus `perf/startup_time` (launch of this process to now), once.
+    """
+
+    def __init__(self) -> None:
+        import psutil
+
+        self._launched = psutil.Process().create_time()  # wall clock: imports before this object count too
+        self._last = time.perf_counter()
+        self._phases: dict[str, float] = {"before_run": time.time() - self._launched}
+        self.done = False
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self._phases[name] = self._phases.get(name, 0.0) + now - self._last
+        self._last = now
+
+    def finish(self) -> dict[str, float]:
+        self.done = True
+        out = {f"perf/startup/{k}": v for k, v in self._phases.items()}
+        out["perf/startup_time"] = time.time() - self._launched
+        return out

@@ -116,6 +116,11 @@ class TrainerWorker(Worker):
     def onload(self) -> None:
         self.backend.onload()
 
+    def memory_plan(self) -> dict | None:
+        """The backend's estimate of whether it trains beside its colocated engine without offload."""
+        plan = getattr(self.backend, "memory_plan", None)
+        return plan() if plan is not None else None
+
     # ---- profiling (runs on the same thread as train, so torch.profiler sees its ops) -------
     def start_profile(self, trace_dir: str, py_spy: bool = False) -> dict[str, str | None]:
         return self.profiler.start(trace_dir, py_spy=py_spy)

@@ -162,7 +162,7 @@ def test_derived_defaults_other_branch():
     assert cfg.model.ref_load is None  # no KL term
     assert cfg.data.rollout_max_prompt_len == 99
     assert cfg.runtime.output_dir.startswith("runs/exp-")
-    assert cfg_of("--rollout-batch-size", "4", "--colocate").train.offload_train is True
+    assert cfg_of("--rollout-batch-size", "4", "--colocate").train.offload_train is None  # decided at start-up
 
 
 def test_explicit_values_are_not_overwritten_by_derivations():
@@ -186,7 +186,7 @@ def test_offload_rollout_defaults_to_colocate_and_levels_map_to_engine_tags():
     from miles.config_checks import engine_memory_tags
 
     colocated = cfg_of("--rollout-batch-size", "4", "--colocate")
-    assert colocated.train.offload_rollout is True
+    assert colocated.train.offload_rollout is None  # colocated: decided from the GPUs' memory at start-up
     assert engine_memory_tags(colocated.train.offload_rollout_level) == ["kv_cache", "weights"]
     assert cfg_of("--rollout-batch-size", "4").train.offload_rollout is False
     kv_only = cfg_of("--rollout-batch-size", "4", "--colocate", "--offload-rollout-level", "kv_cache")

@@ -90,3 +90,42 @@ def test_equal_lengths_use_rectangle_and_gather_same_tokens():
 def test_rejects_sample_without_prompt_token():
     with pytest.raises(ValueError, match="response_length=3"):
         pack_sequences(_batch([3], [3]))
+
+
+def test_padded_layout_right_pads_and_gathers_each_response():
+    b = _batch([5, 3, 4], [2, 1, 3])
+    p = pack_sequences(b, "padded")
+    assert p.input_ids.shape == (3, 5) and p.num_tokens == 15
+    seqs = b.sequences()
+    for i, seq in enumerate(seqs):
+        assert p.input_ids[i, : len(seq)].tolist() == seq.tolist()
+    # a fake "logits" grid [rows, kept positions] holding (row, absolute predicting position)
+    grid = p.logits_index.unsqueeze(0).expand(3, -1) + 100 * torch.arange(3).unsqueeze(1)
+    picked = grid[p.gather_rows, p.gather_cols].tolist()
+    assert picked == [2, 3, 101, 200, 201, 202]  # position k predicts token k + 1
+    assert p.targets.tolist() == np.concatenate([seqs[0][-2:], seqs[1][-1:], seqs[2][-3:]]).tolist()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_padded_budget_counts_padding_and_groups_similar_lengths(seed):
+    lens = np.random.default_rng(seed).integers(1, 50, size=60)
+    bins = token_budget_micro_batches(lens, 128, padded=True)
+    assert sorted(i for b in bins for i in b) == list(range(60))
+    assert all(len(b) * max(lens[i] for i in b) <= 128 for b in bins)
+    padded = sum(len(b) * max(lens[i] for i in b) for b in bins)
+    assert padded <= 1.25 * lens.sum()  # longest-first bins hold neighbours in length: little padding
+
+
+def test_padded_and_row_layouts_give_the_same_log_probs(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from miles.engines.tiny_model import make_tiny_model
+    from miles.trainer.forward import response_logits
+
+    path = make_tiny_model(str(tmp_path / "m"), arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    b = _batch([9, 5, 12, 7], [3, 1, 6, 2])
+    b.tokens = b.tokens % 300
+    with torch.no_grad():
+        row, padded = (response_logits(model, pack_sequences(b, layout)) for layout in ("row", "padded"))
+    torch.testing.assert_close(padded, row, rtol=1e-5, atol=1e-5)

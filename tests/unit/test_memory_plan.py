@@ -1,0 +1,73 @@
+"""Colocated offload by default only when the trainer does not fit beside the engines."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from miles.controller.run import resolve_offload
+from miles.trainer.memory_plan import activation_bytes, pending_state_bytes
+
+
+def test_pending_state_is_grads_and_two_moments_until_allocated():
+    model = torch.nn.Linear(10, 10)  # 110 fp32 parameters
+    opt = torch.optim.AdamW(model.parameters())
+    assert pending_state_bytes(model, opt) == 3 * 110 * 4
+    model(torch.ones(1, 10)).sum().backward()
+    opt.step()
+    assert pending_state_bytes(model, opt) == 0
+
+
+def test_activation_estimate_grows_with_tokens_and_shrinks_with_checkpointing():
+    config = SimpleNamespace(hidden_size=576, num_hidden_layers=30, vocab_size=49152)
+    full = activation_bytes(config, 16384, checkpointing=False)
+    assert full == 16384 * (30 * 34 * 576 + 10 * 49152)
+    assert activation_bytes(config, 8192, checkpointing=False) * 2 == full
+    assert activation_bytes(config, 16384, checkpointing=True) < full
+
+
+class _Runtime:
+    def __init__(self, plans):
+        self.plans = plans
+
+    async def call_all(self, role, method):
+        assert (role, method) == ("trainer", "memory_plan")
+        return self.plans
+
+
+def _plan(fits: bool) -> dict:
+    return {"total_bytes": 100, "free_bytes": 80, "pending_state_bytes": 10, "activation_bytes": 10, "fits": fits}
+
+
+@pytest.mark.parametrize(
+    ("plans", "expected"),
+    [([_plan(True), _plan(True)], False), ([_plan(True), _plan(False)], True), ([None], True)],
+)
+def test_default_offload_is_off_only_when_every_rank_fits(plans, expected):
+    cfg = SimpleNamespace(train=SimpleNamespace(offload_train=None, offload_rollout=None))
+    asyncio.run(resolve_offload(cfg, _Runtime(plans)))
+    assert (cfg.train.offload_train, cfg.train.offload_rollout) == (expected, expected)
+
+
+def test_flags_the_user_set_are_kept():
+    cfg = SimpleNamespace(train=SimpleNamespace(offload_train=True, offload_rollout=None))
+    asyncio.run(resolve_offload(cfg, _Runtime([_plan(True)])))
+    assert (cfg.train.offload_train, cfg.train.offload_rollout) == (True, False)
+
+
+def test_host_buffers_are_reused_between_offloads_and_keep_the_newest_values():
+    from miles.trainer.offload import HostOffloader
+
+    tensors = [torch.arange(6, dtype=torch.float32), torch.ones(3, dtype=torch.bfloat16)]
+    off = HostOffloader("t")
+    off.offload(tensors)
+    first = [h.data_ptr() for _, h in off._saved]
+    off.onload()
+    tensors[0].add_(1.0)  # trained in between: the next offload must carry the new values
+    off.offload(tensors)
+    assert [h.data_ptr() for _, h in off._saved] == first
+    off.onload()
+    assert tensors[0].tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0] and tensors[1].tolist() == [1.0] * 3
