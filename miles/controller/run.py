@@ -153,6 +153,7 @@ class MilesRun:
         # the debug modes start one side only: --debug-rollout-only no trainer, --debug-train-only no engine
         self.has_trainer = bool(placement.trainer_specs)
         self.startup: StartupClock | None = None
+        self._startup_metrics: dict[str, float] = {}
 
     # ---- start / stop ----------------------------------------------------------------
     @classmethod
@@ -183,12 +184,20 @@ class MilesRun:
         runtime = await Runtime.start(placement.specs, run_dir=run_dir,
                                       heartbeat_interval_s=cfg.runtime.heartbeat_interval_s,
                                       heartbeat_timeout_s=cfg.runtime.heartbeat_timeout_s,
-                                      install_signal_handlers=False, **runtime_options(le))
-        clock.mark("workers")
+                                      install_signal_handlers=False, wait_ready=False, **runtime_options(le))
         try:
-            if placement.trainer_specs:
-                await runtime.call_all("trainer", "setup", timeout_s=cfg.runtime.rpc_timeout_s)
-            clock.mark("trainer_setup")
+            # the trainers load their model while the engines load theirs
+            await runtime.wait_ready("trainer")
+            setup = asyncio.ensure_future(runtime.call_all("trainer", "setup", timeout_s=cfg.runtime.rpc_timeout_s)
+                                          if placement.trainer_specs else asyncio.sleep(0))
+            try:
+                await runtime.wait_ready()
+                clock.mark("workers")
+                await setup
+            finally:
+                if not setup.done():
+                    setup.cancel()
+            clock.mark("trainer_setup")  # what the trainers' set-up took beyond the engines' start
             if placement.colocated and placement.trainer_specs:
                 await resolve_offload(cfg, runtime)
             engines = [] if cfg.runtime.debug_train_only else await engine_clients(
@@ -406,6 +415,7 @@ class MilesRun:
         self._worker_wait_s = 0.0
         if self.startup is not None and not self.startup.done:
             self.startup.mark("first_push")  # the engines' first weights and the before-training eval
+            self._startup_metrics = self.startup.finish()  # launch to the start of the first step
         return time.perf_counter()
 
     def log_step(self, rollout_id: int, step_start: float, *parts: dict[str, float]) -> dict[str, float]:
@@ -418,8 +428,8 @@ class MilesRun:
         metrics["perf/controller_overhead"] = max(0.0, step_time - self._worker_wait_s)
         metrics["perf/controller_overhead_fraction"] = metrics["perf/controller_overhead"] / max(step_time, 1e-9)
         metrics["rollout/weight_version"] = float(self.weight_version)
-        if self.startup is not None and not self.startup.done:  # the first step's row carries the start-up
-            metrics.update(self.startup.finish())
+        metrics.update(self._startup_metrics)  # the first step's row carries the start-up
+        self._startup_metrics = {}
         metrics.update(self.sysmon.sample())
         self.sink.log(rollout_id, metrics)
         return metrics

@@ -132,6 +132,7 @@ class Runtime:
         self._owner_task = asyncio.current_task()
         self._signals_installed: list[int] = []
         self._started_at = time.monotonic()
+        self._all_ready_logged = False
         atexit.register(self._kill_children_sync)
 
     # ------------------------------------------------------------------ start
@@ -153,8 +154,13 @@ class Runtime:
         default_timeout_s: float | None = None,
         shutdown_grace_s: float = 5.0,
         install_signal_handlers: bool = True,
+        wait_ready: bool = True,
     ) -> Runtime:
         """Spawn ``specs`` and return once all are ready; raises WorkerDied (after teardown) otherwise.
+
+        ``wait_ready=False`` returns once every worker is spawned; the caller then awaits
+        ``wait_ready(role)`` for the workers it needs first (and ``wait_ready()`` for all), and shuts
+        the runtime down if that raises.
 
         ``transport="tcp"`` signs every frame with ``secret`` (default: derived from MILES_RUN_SECRET, else
         random) and binds ``host:port`` (0: a free port); workers reach it at ``advertise_host`` if given.
@@ -184,12 +190,21 @@ class Runtime:
                     rt._spawn_local(peer)
             await rt._wait_until(lambda p: p.role == AGENT_ROLE)
             await asyncio.gather(*(rt._spawn_remote(node) for node in range(1, num_nodes)))
-            await rt._wait_until(lambda p: True)
+            if wait_ready:
+                await rt.wait_ready()
         except BaseException:
             await rt.shutdown()
             raise
-        logger.info("runtime %s: %d workers ready in %.2f s", rt.run_id, len(specs), time.monotonic() - rt._started_at)
         return rt
+
+    async def wait_ready(self, role: str | None = None) -> None:
+        """Until every worker (of ``role``, when given) has reported ready; raises the run's failure."""
+        await self._wait_until(lambda p: role is None or p.role == role)
+        if role is None and not self._all_ready_logged:
+            self._all_ready_logged = True
+            workers = sum(p.spec is not None for p in self._peers.values())
+            logger.info("runtime %s: %d workers ready in %.2f s", self.run_id, workers,
+                        time.monotonic() - self._started_at)
 
     def worker_env(self, spec: WorkerSpec, parent_pid: int) -> dict[str, str]:
         """Environment of a worker process (also sent to node agents for their workers)."""

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import os
 
-import torch
-
 from miles.rollout.sample import Sample
 
 FORMAT_VERSION = 1
@@ -36,6 +34,8 @@ def save_debug_rollout(template: str, rollout_id: int, groups: list[list[Sample]
         "metrics": {k: float(v) for k, v in (metrics or {}).items()},
     }
     tmp = f"{path}.tmp-{os.getpid()}"
+    import torch  # here, not at import: the controller starts its workers without loading torch
+
     torch.save(payload, tmp)
     os.replace(tmp, path)
     return path
@@ -46,6 +46,8 @@ def load_debug_rollout(template: str, rollout_id: int) -> tuple[list[list[Sample
     path = debug_rollout_path(template, rollout_id)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--load-debug-rollout-data: no saved rollout for step {rollout_id} at {path}")
+    import torch
+
     payload = torch.load(path, weights_only=True)
     samples = [Sample.from_dict(d) for d in payload["samples"]]
     return group_consecutive(samples), dict(payload.get("metrics") or {})

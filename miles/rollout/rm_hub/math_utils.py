@@ -16,7 +16,7 @@ import math
 import re
 from fractions import Fraction
 
-from miles.rollout.rm_hub.math_symbolic import symbolically_equal
+from miles.rollout.rm_hub.math_symbolic import parse_quietly, symbolically_equal
 
 # ---- extraction ---------------------------------------------------------------------------
 
@@ -262,7 +262,7 @@ def evaluate_number(normalized: str) -> Fraction | float | None:
     expr = re.sub(r"(?<=[\d)])(?=sqrt|pi|\()", "*", expr)
     expr = re.sub(r"(?<=\))(?=\d)", "*", expr)
     try:
-        value = _eval_node(ast.parse(expr, mode="eval").body)
+        value = _eval_node(parse_quietly(expr).body)
     except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, TypeError, RecursionError):
         return None
     if isinstance(value, float) and not math.isfinite(value):
