@@ -87,7 +87,7 @@ def cmd_train(argv: list[str], base: dict[str, Any] | None = None) -> int:
         return _result_code(run(cfg))
     except PlacementError as e:  # raised before any worker starts
         raise UsageError(f"placement error: {e}") from None
-    except PreflightError as e:  # bad paths or data, also refused before any worker starts
+    except PreflightError as e:  # bad paths (before any worker starts) or data (workers started meanwhile are stopped)
         raise UsageError(f"miles train: {e}") from None
     except Exception as e:  # a known cause (every group dropped, NaN loss, a dead worker or engine): one line
         line = one_line(e)

@@ -1,4 +1,5 @@
-"""Start-up checks that touch the filesystem, run by the controller before any worker starts.
+"""Start-up checks that touch the filesystem, run by the controller: paths and plug-ins before any worker
+starts, the data while the workers start (they are stopped when it is refused).
 
 A run that cannot succeed is refused here in one line naming the path and the fix, instead of
 after the workers started or at the first save: `--load` must name a checkpoint, `--save` must be

@@ -101,6 +101,19 @@ def resolve_model_path(cfg) -> bool:
     return True
 
 
+def read_run_data(cfg, placement: Placement) -> tuple[Any, RunData]:
+    """The tokenizer and the run's prompts and eval sets, read, validated and tokenised."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint, trust_remote_code=cfg.model.trust_remote_code)
+    data = load_run_data(cfg, tokenizer, prompt_limit(cfg, placement))
+    if cfg.rollout.num_rollout is None:
+        from miles.config import derive_num_rollout
+
+        derive_num_rollout(cfg, len(data.prompts))
+    return tokenizer, data
+
+
 async def resolve_offload(cfg, runtime: Runtime) -> None:
     """Colocated offload left at its default: off when every trainer rank fits beside its engine.
 
@@ -158,8 +171,6 @@ class MilesRun:
     # ---- start / stop ----------------------------------------------------------------
     @classmethod
     async def start(cls, cfg) -> MilesRun:
-        from transformers import AutoTokenizer
-
         clock = StartupClock()
         le = controller_address(cfg.runtime, launch_env())  # --controller-host/-port over the environment
         cfg.engine.api_key = cfg.engine.api_key or new_api_key()  # one key per run: every engine and client
@@ -172,20 +183,15 @@ class MilesRun:
         if resolve_model_path(cfg):  # the plan carries the model path: plan again with the built/converted one
             placement = plan_run(cfg, machine, le)
         clock.mark("model")
-        # the data is read, validated and tokenised before any worker starts: bad data costs no start-up
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint,
-                                                  trust_remote_code=cfg.model.trust_remote_code)
-        data = load_run_data(cfg, tokenizer, prompt_limit(cfg, placement))
-        if cfg.rollout.num_rollout is None:
-            from miles.config import derive_num_rollout
-
-            derive_num_rollout(cfg, len(data.prompts))
-        clock.mark("data")
+        # The workers start (imports, model loads) while the data is read, validated and tokenised here:
+        # bad data is refused as early as before, and the workers started meanwhile are stopped.
         runtime = await Runtime.start(placement.specs, run_dir=run_dir,
                                       heartbeat_interval_s=cfg.runtime.heartbeat_interval_s,
                                       heartbeat_timeout_s=cfg.runtime.heartbeat_timeout_s,
                                       install_signal_handlers=False, wait_ready=False, **runtime_options(le))
         try:
+            tokenizer, data = await asyncio.to_thread(read_run_data, cfg, placement)
+            clock.mark("data")
             # the trainers load their model while the engines load theirs
             await runtime.wait_ready("trainer")
             setup = asyncio.ensure_future(runtime.call_all("trainer", "setup", timeout_s=cfg.runtime.rpc_timeout_s)

@@ -1,8 +1,9 @@
 """Bad input and faults a new user meets, each refused or reported in one line naming the fix.
 
-Refused at start-up, before any worker starts (`miles train` exits 2 and no worker log exists):
-a `--load` that does not exist, a `--save` that cannot be written, prompt or eval data that is not
-UTF-8, a prompt over the limit with `--refuse-long-prompts`, a plug-in path that does not import. Handled in a run: too-long prompts
+Refused at start-up (`miles train` exits 2): before any worker starts (no worker log exists), a
+`--load` that does not exist, a `--save` that cannot be written, a plug-in path that does not import;
+while the workers start (data is read beside their start-up, and they are stopped: none is left),
+prompt or eval data that is not UTF-8 and a prompt over the limit with `--refuse-long-prompts`. Handled in a run: too-long prompts
 and huge rows are skipped and counted (the run goes past the step that would have drawn them),
 malformed rows with `--skip-bad-rows` too, and a stale control socket of a killed run is removed.
 SIGINT without `--save` says no checkpoint follows. A full disk during a save (an ENOSPC injected at
@@ -106,6 +107,9 @@ def _refusal_case(case: str, tmp: Path) -> tuple[list[str], str]:
     ], f"{data}:5: the prompt has 4006 tokens (more than the 1029-token limit of the engine's 1030-token context"
 
 
+DATA_CASES = ("prompt_not_utf8", "eval_not_utf8", "long_prompt_refused")
+
+
 @pytest.mark.parametrize(
     "case",
     [
@@ -118,14 +122,18 @@ def _refusal_case(case: str, tmp: Path) -> tuple[list[str], str]:
         "loss_plugin_missing",
     ],
 )
-def test_bad_start_is_refused_in_one_line_before_any_worker(tmp_path: Path, case: str) -> None:
+def test_bad_start_is_refused_in_one_line_before_training(tmp_path: Path, case: str) -> None:
     flags, expected = _refusal_case(case, tmp_path)
     out_dir = tmp_path / "run"
     out, err = _finish(_train(out_dir, "--num-rollout", "2", *flags), timeout_s=120)
     last = err.strip().splitlines()[-1]
     assert last.startswith("miles train: ") and expected in last, err[-3000:]
     assert "Traceback" not in err
-    assert not (out_dir / "logs").exists(), "a worker was started before the refusal"
+    if case in DATA_CASES:  # read while the workers start: they were stopped
+        assert not leftover_processes(str(out_dir)), "a worker outlived the refusal"
+        assert not (out_dir / "metrics.jsonl").exists()
+    else:
+        assert not (out_dir / "logs").exists(), "a worker was started before the refusal"
 
 
 # ---- handled in a run -----------------------------------------------------------------------------
