@@ -29,7 +29,7 @@ from miles.controller.drop_guard import DropGuard, max_consecutive_drops
 from miles.controller.signals import StopRequested
 from miles.errors import RolloutStalled
 from miles.rollout.filters import DynamicFilterOutput, apply_filter
-from miles.rollout.generate import SamplingDefaults, generate_sample
+from miles.rollout.generate import SamplingDefaults, generate_group, generate_sample, is_fresh
 from miles.rollout.rm_hub import RewardFailed, async_rm, batched_async_rm, check_reward
 from miles.rollout.sample import Sample, SampleStatus
 from miles.rollout.train_data import reward_value
@@ -80,7 +80,9 @@ class GroupRunner:
         self.recompute_logprobs = recompute_logprobs
         # Miles' --sglang-server-concurrency: at most this many samples in flight per engine
         engines = len(getattr(router, "engines", ())) or 1
-        self.in_flight = asyncio.Semaphore(args.sglang_server_concurrency * engines)
+        self.concurrency = args.sglang_server_concurrency * engines
+        self.in_flight = asyncio.Semaphore(self.concurrency)
+        self._claiming = asyncio.Lock()  # a group takes its permits all at once: no two groups hold part each
         self.reward_failures = 0
         self.reward_time_s = 0.0
         self.recompute_time_s = 0.0
@@ -100,8 +102,32 @@ class GroupRunner:
             await self.score([sample])
         return sample
 
+    def _batchable(self, group: list[Sample]) -> bool:
+        """One batched call for the group: all fresh, one round trip each, no session routing."""
+        return (1 < len(group) <= self.concurrency and not self.recompute_logprobs
+                and getattr(self.router, "batched_generate", False) and not getattr(self.router, "session_mode", False)
+                and all(is_fresh(s) for s in group))
+
+    async def _batch(self, group: list[Sample]) -> list[Sample]:
+        async with self._claiming:
+            for _ in group:
+                await self.in_flight.acquire()
+        try:
+            group = await generate_group(self.router, group, self.tokenizer, self.sampling,
+                                         seeds=[self._seed(s) for s in group])
+        finally:
+            for _ in group:
+                self.in_flight.release()
+        unscored = [s for s in group if s.status != SampleStatus.ABORTED and s.reward is None]
+        if self.reward_inline and not self.args.group_rm and unscored:
+            await self.score(unscored)
+        return group
+
     async def run(self, group: list[Sample]) -> list[Sample]:
-        group = list(await asyncio.gather(*(self._one(s) for s in group)))
+        if self._batchable(group):
+            group = await self._batch(group)
+        else:
+            group = list(await asyncio.gather(*(self._one(s) for s in group)))
         if self.reward_inline and (self.args.group_rm or self.group_reward_fn):
             if not any(s.status == SampleStatus.ABORTED for s in group):
                 await self.score(group, whole_group=True)

@@ -59,6 +59,7 @@ class Router:
             raise ValueError("Router needs at least one engine; got an empty list")
         self.engines = list(engines)
         self.session_mode = session_mode
+        self.batched_generate = True  # engines take SGLang's list form of /generate (one call, many prompts)
         self.max_bound_keys = max_bound_keys
         self._loads = [EngineLoad() for _ in self.engines]
         # Insertion/use order doubles as LRU order, so a leaked key is eventually evicted.

@@ -99,6 +99,33 @@ def is_partial(sample: Sample) -> bool:
     return sample.status == SampleStatus.ABORTED and sample.response_length > 0
 
 
+def is_fresh(sample: Sample) -> bool:
+    """Not generated yet: no tokens past the prompt, nothing to resume."""
+    return sample.status == SampleStatus.PENDING and sample.response_length == 0
+
+
+async def generate_group(router, samples: list[Sample], tokenizer, sampling: SamplingDefaults, *,
+                         seeds: list[int | None]) -> list[Sample]:
+    """Fresh samples of one group in one batched /generate call (SGLang's list form: one prompt,
+    sampling-params dict and rid per item), filled as `generate_sample` fills each.
+
+    One HTTP round trip for the group instead of one per sample: the per-request cost (HTTP, JSON
+    framing, routing) is paid once, and the engine receives the group's prompts together.
+    """
+    prompt_ids = [prompt_token_ids(s, tokenizer) for s in samples]
+    rids = [uuid.uuid4().hex for _ in samples]
+    params = []
+    for sample, ids, rid, seed in zip(samples, prompt_ids, rids, seeds, strict=True):
+        sample.metadata["rid"] = rid
+        params.append({**sampling.to_payload(len(ids), seed=seed), **(sample.metadata.get("sampling_params") or {})})
+    payload = {"input_ids": prompt_ids, "sampling_params": params, "return_logprob": True, "rid": rids}
+    outs = await router.generate(payload)
+    if not isinstance(outs, list) or len(outs) != len(samples):
+        raise RuntimeError(f"a batched /generate of {len(samples)} prompts returned {type(outs).__name__} "
+                           f"of {len(outs) if isinstance(outs, list) else 1}")
+    return [apply_generate_output(s, ids, out) for s, ids, out in zip(samples, prompt_ids, outs, strict=True)]
+
+
 async def generate_sample(router, sample: Sample, tokenizer, sampling: SamplingDefaults, *,
                           seed: int | None = None) -> Sample:
     """One trajectory: tokens in, tokens + log-probs + per-token weight versions out.

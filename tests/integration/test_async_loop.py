@@ -92,6 +92,8 @@ def _abort_first_attempt(monkeypatch) -> None:
         return await task
 
     monkeypatch.setattr(rollout_manager, "generate_sample", generate)
+    # one request per sample, so the wrapper above sees (and aborts) the chosen one
+    monkeypatch.setattr(rollout_manager.GroupRunner, "_batchable", lambda self, group: False)
 
 
 def _run(monkeypatch, args: list[str]) -> Path:
