@@ -317,3 +317,13 @@ def test_worker_gpus_are_translated_through_the_launchers_visible_devices():
     assert visible_devices("", "2,3") == ""  # a CPU worker stays without GPUs
     with pytest.raises(ValueError, match="sees only 2"):
         visible_devices("2", "2,3")
+
+
+def test_visible_devices_count_as_cuda_reads_them():
+    from miles.controller.machine import visible_count
+
+    assert visible_count(None, 4) == 4
+    assert visible_count("2,3", 8) == 2
+    assert visible_count("", 4) == 0
+    assert visible_count("1,-1,2", 4) == 1  # CUDA stops at the first invalid entry
+    assert visible_count("0,1,2,3,4,5", 2) == 2  # never more than the machine has
