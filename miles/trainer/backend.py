@@ -111,7 +111,7 @@ class TrainBackend(Protocol):
 
 
 _REGISTRY: dict[str, type] = {}
-_BUILTIN_MODULES = {"fsdp": "miles.trainer.fsdp"}
+_BUILTIN_MODULES = {"fsdp": "miles.trainer.fsdp", "megatron": "miles.trainer.megatron"}
 T = TypeVar("T", bound=type)
 
 

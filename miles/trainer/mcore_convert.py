@@ -190,7 +190,7 @@ def stage_names(
     return out
 
 
-def _kind(mname: str) -> str:
+def parallel_kind(mname: str) -> str:
     if mname.endswith("linear_qkv.weight") or mname.endswith("linear_qkv.bias"):
         return "qkv"
     if mname.endswith("linear_fc1.weight"):
@@ -222,7 +222,7 @@ def to_mcore(
     out = {}
     for mname, hnames in stage_names(s, layers, pre=pre, post=post, fused_norms=fused_norms):
         parts = [hf[h] for h in hnames]
-        kind = _kind(mname)
+        kind = parallel_kind(mname)
         if kind == "qkv":
             out[mname] = _rows(fuse_qkv(*parts, s), tp_rank, tp_size)
         elif kind == "fc1":
@@ -242,7 +242,7 @@ def to_mcore(
 
 def gather_shards(mname: str, shards: list[torch.Tensor]) -> torch.Tensor:
     """The full (tensor-parallel size 1) Megatron tensor from every tensor-parallel rank's shard."""
-    kind = _kind(mname)
+    kind = parallel_kind(mname)
     if kind == "whole" or len(shards) == 1:
         return shards[0]
     if kind == "fc1":
@@ -255,7 +255,7 @@ def to_hf(
     mname: str, full: torch.Tensor, hnames: tuple[str, ...], s: ModelShape
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """HF (name, tensor) pairs of one full Megatron tensor."""
-    kind = _kind(mname)
+    kind = parallel_kind(mname)
     if kind == "qkv":
         yield from zip(hnames, split_qkv(full, s), strict=True)
     elif kind == "fc1":
@@ -278,3 +278,29 @@ def hf_export_names(s: ModelShape, pp_size: int, fused_norms: bool = False) -> l
                 continue
             out.append((pp_rank, mname, hnames))
     return out
+
+
+def hf_shape(hname: str, s: ModelShape) -> tuple[int, ...]:
+    """The shape of HF tensor `hname`, known on every rank without the tensor (pipeline broadcasts)."""
+    h, d, f = s.hidden_size, s.head_dim, s.ffn_hidden_size
+    suffix = hname.split(".", 3)[-1] if hname.startswith("model.layers.") else hname
+    shapes = {
+        "model.embed_tokens.weight": (s.vocab_size, h),
+        "lm_head.weight": (s.vocab_size, h),
+        "model.norm.weight": (h,),
+        "self_attn.q_proj.weight": (s.num_heads * d, h),
+        "self_attn.k_proj.weight": (s.num_kv_heads * d, h),
+        "self_attn.v_proj.weight": (s.num_kv_heads * d, h),
+        "self_attn.q_proj.bias": (s.num_heads * d,),
+        "self_attn.k_proj.bias": (s.num_kv_heads * d,),
+        "self_attn.v_proj.bias": (s.num_kv_heads * d,),
+        "self_attn.o_proj.weight": (h, s.num_heads * d),
+        "self_attn.q_norm.weight": (d,),
+        "self_attn.k_norm.weight": (d,),
+        "mlp.gate_proj.weight": (f, h),
+        "mlp.up_proj.weight": (f, h),
+        "mlp.down_proj.weight": (h, f),
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+    }
+    return shapes[suffix]

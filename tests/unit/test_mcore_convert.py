@@ -142,3 +142,12 @@ def test_shapes_per_family(hf_model):
     assert shard["embedding.word_embeddings.weight"].shape == (516 // 2, s.hidden_size)
     assert ("output_layer.weight" in shard) == (family == "llama")
     assert ("decoder.layers.1.self_attention.q_layernorm.weight" in shard) == (family == "qwen3")
+
+
+def test_hf_shape_knows_every_exported_tensor(hf_model):
+    s = mc.model_shape(hf_model.config)
+    params = dict(hf_model.named_parameters())
+    names = [h for _, _, hnames in mc.hf_export_names(s, 2) for h in hnames]
+    assert sorted(names) == sorted(params)
+    for name in names:
+        assert mc.hf_shape(name, s) == tuple(params[name].shape), name
