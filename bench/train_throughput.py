@@ -1,4 +1,5 @@
-"""Training tokens/s: the FSDP backend vs a plain transformers + AdamW loop, side by side.
+"""Training tokens/s: the FSDP backend vs a plain transformers + AdamW loop, side by side (and, with
+`--backend megatron`, the megatron-core backend beside both).
 
 Both train the same randomly initialised Qwen2-shaped model on the same batch (next-token
 NLL over every token, token mean), alternating one timed step each per repetition; medians are
@@ -11,6 +12,7 @@ a plain module, since fully_shard would have nothing to shard or cast.
     python bench/train_throughput.py                      # CPU, small model
     python bench/train_throughput.py --device cuda --model qwen2-0.5b --seq-len 2048 --batch-size 8 \
         --gradient-checkpointing
+    python bench/train_throughput.py --device cuda --backend megatron   # + megatron_tok_s, megatron_mfu
 
 MFU (GPU) = tokens/s x (6 N + 12 L d s) / peak, N = parameters (embeddings included),
 L layers, d hidden size, s sequence length; peak 989 TFLOP/s (H200/H100 dense bf16).
@@ -113,18 +115,20 @@ class PlainLoop:
         self.opt.zero_grad(set_to_none=True)
 
 
-def build_fsdp(path: str, batch_size: int, args: argparse.Namespace):
+def build_backend(name: str, path: str, batch_size: int, args: argparse.Namespace):
+    """A 1-rank trainer backend (`fsdp` or `megatron`) training with the SFT loss through `train()`."""
     from miles.trainer.backend import create_backend
 
     be = create_backend(
-        "fsdp",
+        name,
         model=ModelConfig(hf_checkpoint=path),
         train=TrainConfig(
             lr=1e-5,
             clip_grad=1.0,
             micro_batch_size=args.micro_batch_size or batch_size,
             gradient_checkpointing=args.gradient_checkpointing,
-            compile=args.compile,
+            compile=args.compile and name == "fsdp",
+            train_backend=name,
         ),
         algo=AlgoConfig(loss_type="sft_loss", calculate_per_token_loss=True),
         rollout=RolloutConfig(global_batch_size=batch_size),
@@ -186,6 +190,12 @@ def main() -> None:
     ap.add_argument("--micro-batch-size", type=int, default=None, help="FSDP micro-batch (default: whole batch)")
     ap.add_argument("--gradient-checkpointing", action="store_true")
     ap.add_argument("--compile", action="store_true", help="FSDP side: torch.compile each transformer block")
+    ap.add_argument(
+        "--backend",
+        default="fsdp",
+        choices=["fsdp", "megatron"],
+        help="megatron: also time the megatron-core backend (CUDA, megatron extra) beside FSDP in the same run",
+    )
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
@@ -194,6 +204,8 @@ def main() -> None:
     )
     args = ap.parse_args()
     cuda = args.device == "cuda"
+    if args.backend == "megatron" and not cuda:
+        raise SystemExit("--backend megatron needs --device cuda (megatron-core trains on GPUs with NCCL)")
     if cuda and not torch.cuda.is_available():
         raise SystemExit("--device cuda but torch.cuda.is_available() is False")
     if args.threads:
@@ -209,25 +221,25 @@ def main() -> None:
         batch = make_batch(batch_size, seq_len, cfg.vocab_size)
         input_ids = torch.from_numpy(batch.tokens.reshape(batch_size, seq_len)).to(device)
         plain = PlainLoop(path, device, args)
-        fsdp = build_fsdp(path, batch_size, args)
+        fsdp = build_backend("fsdp", path, batch_size, args)
+        mega = build_backend("megatron", path, batch_size, args) if args.backend == "megatron" else None
         n_params = sum(p.numel() for p in plain.model.parameters())
         tokens = batch_size * seq_len
         rid = iter(range(10**6))
+        steps = {"plain": lambda: plain.step(input_ids), "fsdp": lambda: fsdp.train(batch, next(rid))}
+        if mega is not None:
+            steps["megatron"] = lambda: mega.train(batch, next(rid))
         for _ in range(args.warmup):
-            plain.step(input_ids)
-            fsdp.train(batch, next(rid))
-        t_plain, t_fsdp = [], []
-        for _ in range(args.reps):
-            t_plain.append(timed(lambda: plain.step(input_ids), device))
-            t_fsdp.append(timed(lambda: fsdp.train(batch, next(rid)), device))
+            for step in steps.values():
+                step()
+        times: dict[str, list[float]] = {name: [] for name in steps}
+        for _ in range(args.reps):  # one timed step of each side per repetition, alternating
+            for name, step in steps.items():
+                times[name].append(timed(step, device))
         if args.profile_dir:
-            profile_steps(
-                args.profile_dir,
-                device,
-                {"plain": lambda: plain.step(input_ids), "fsdp": lambda: fsdp.train(batch, next(rid))},
-            )
-    plain_tok_s = tokens / statistics.median(t_plain)
-    fsdp_tok_s = tokens / statistics.median(t_fsdp)
+            profile_steps(args.profile_dir, device, steps)
+    tok_s = {name: tokens / statistics.median(t) for name, t in times.items()}
+    plain_tok_s, fsdp_tok_s = tok_s["plain"], tok_s["fsdp"]
     result = {
         "fsdp_tok_s": round(fsdp_tok_s, 1),
         "plain_tok_s": round(plain_tok_s, 1),
@@ -247,9 +259,18 @@ def main() -> None:
         result["mfu"] = round(fsdp_tok_s * fpt / PEAK_FLOPS["cuda"], 4)
         result["plain_mfu"] = round(plain_tok_s * fpt / PEAK_FLOPS["cuda"], 4)
         result["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    if mega is not None:
+        result["megatron_tok_s"] = round(tok_s["megatron"], 1)
+        result["megatron_vs_fsdp"] = round(tok_s["megatron"] / fsdp_tok_s, 3)
+        result["megatron_mfu"] = round(tok_s["megatron"] * fpt / PEAK_FLOPS["cuda"], 4)
     print(
         f"plain {plain_tok_s:,.0f} tok/s | fsdp {fsdp_tok_s:,.0f} tok/s | ratio {result['ratio']:.3f}"
-        + (f" | mfu {result['mfu']:.1%} (plain {result['plain_mfu']:.1%})" if cuda else ""),
+        + (f" | mfu {result['mfu']:.1%} (plain {result['plain_mfu']:.1%})" if cuda else "")
+        + (
+            f" | megatron {result['megatron_tok_s']:,.0f} tok/s, {result['megatron_vs_fsdp']:.3f}x fsdp"
+            if mega
+            else ""
+        ),
         file=sys.stderr,
     )
     dist.destroy_process_group()

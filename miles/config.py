@@ -71,9 +71,29 @@ class MilesConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     @property
-    def dp_size(self) -> int:
-        """Data-parallel trainer ranks."""
+    def trainer_world_size(self) -> int:
+        """Trainer ranks (GPUs): --actor-num-nodes x --actor-num-gpus-per-node."""
         return self.train.actor_num_nodes * self.train.actor_num_gpus_per_node
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Trainer ranks per data-parallel replica: TP x PP x CP under megatron, 1 under FSDP."""
+        t = self.train
+        if t.train_backend != "megatron":
+            return 1
+        return t.tensor_model_parallel_size * t.pipeline_model_parallel_size * t.context_parallel_size
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel replicas: trainer ranks / (TP x PP x CP)."""
+        return max(1, self.trainer_world_size // self.model_parallel_size)
+
+    def dp_rank_of(self, rank: int) -> int:
+        """The data-parallel replica of trainer rank `rank` in megatron-core's rank order (TP fastest,
+        then CP, then DP, then PP)."""
+        t = self.train
+        inner = self.model_parallel_size // (t.pipeline_model_parallel_size if t.train_backend == "megatron" else 1)
+        return (rank // inner) % self.dp_size
 
     def get(self, name: str) -> Any:
         return getattr(getattr(self, FIELDS[name].section), name)

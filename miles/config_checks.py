@@ -169,7 +169,7 @@ def resolve_rollout_engines(cfg: MilesConfig, explicit: set[str]) -> list[str]:
     e, gpus = cfg.engine, cfg.engine.rollout_num_gpus
     if gpus is None:
         return []
-    k, trainer_gpus = e.rollout_num_gpus_per_engine, cfg.dp_size
+    k, trainer_gpus = e.rollout_num_gpus_per_engine, cfg.trainer_world_size
     if e.colocate and gpus != trainer_gpus:
         return [
             f"--rollout-num-gpus={gpus} with --colocate: the engines share the trainer's {trainer_gpus} GPU(s) "
@@ -265,7 +265,8 @@ def check_batching(cfg: MilesConfig) -> list[str]:
     e: list[str] = []
     r, t = cfg.rollout, cfg.train
     dp, gbs = cfg.dp_size, r.global_batch_size
-    dp_text = f"data-parallel size {dp} (--actor-num-nodes={t.actor_num_nodes} × --actor-num-gpus-per-node={t.actor_num_gpus_per_node})"
+    dp_text = f"data-parallel size {dp} (--actor-num-nodes={t.actor_num_nodes} × --actor-num-gpus-per-node={t.actor_num_gpus_per_node}"
+    dp_text += f" / {cfg.model_parallel_size} model-parallel ranks)" if cfg.model_parallel_size > 1 else ")"
     if gbs is not None and gbs < dp:
         e.append(f"--global-batch-size={gbs} is smaller than the {dp_text}; raise it to at least {dp}")
     elif gbs is not None and gbs % dp:

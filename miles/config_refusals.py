@@ -88,6 +88,36 @@ def _weights_interval(cfg: MilesConfig) -> list[str]:
     return []
 
 
+def _parallelism(cfg: MilesConfig) -> list[str]:
+    """Megatron's model-parallel flags: only under --train-backend megatron, and only what it runs."""
+    t, a = cfg.train, cfg.algo
+    tp, pp, cp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size, t.context_parallel_size
+    if t.train_backend != "megatron":
+        set_flags = [f for f, on in (("--tensor-model-parallel-size", tp != 1), ("--pipeline-model-parallel-size", pp != 1),
+                                     ("--context-parallel-size", cp != 1), ("--sequence-parallel", t.sequence_parallel)) if on]
+        return [f"{', '.join(set_flags)} need --train-backend megatron (FSDP shards data-parallel only); "
+                "add --train-backend megatron or drop them"] if set_flags else []
+    e = []
+    if min(tp, pp, cp) < 1 or cfg.trainer_world_size % (tp * pp * cp):
+        e.append(f"--tensor-model-parallel-size={tp} x --pipeline-model-parallel-size={pp} x --context-parallel-size={cp} "
+                 f"must divide the {cfg.trainer_world_size} trainer GPUs (--actor-num-nodes x --actor-num-gpus-per-node); "
+                 "change one of them")
+    if cp != 1:
+        e.append(f"--context-parallel-size={cp}: context parallelism needs Transformer Engine's attention, which the "
+                 "megatron backend does not use; set it to 1")
+    if t.sequence_parallel and tp == 1:
+        e.append("--sequence-parallel shards activations over tensor-parallel ranks and needs "
+                 "--tensor-model-parallel-size > 1; drop it or raise the TP size")
+    if a.advantage_estimator == "ppo":
+        e.append("--advantage-estimator ppo needs a critic, which the megatron backend does not train; "
+                 "use --train-backend fsdp for PPO")
+    if cfg.model.dtype == "float16" or cfg.model.dtype == "fp16":
+        e.append("--dtype float16 needs a loss scaler, which the megatron backend does not run; use bfloat16")
+    if t.compile:
+        e.append("--compile compiles the HF model's blocks, which the megatron backend does not train; drop it")
+    return e
+
+
 def check_mode_support(cfg: MilesConfig) -> list[str]:
     """Flags that work in some modes only, refused in the others."""
     e = _fully_async_only(cfg) + _sync_only(cfg) + _weights_interval(cfg)
@@ -98,9 +128,7 @@ def check_mode_support(cfg: MilesConfig) -> list[str]:
             f"engine runs on one device and would reserve {eng.rollout_num_gpus_per_engine - 1} GPU(s) it never "
             "uses; use --engine sglang for tensor-parallel engines, or set it to 1"
         )
-    if cfg.train.train_backend == "megatron":
-        e.append("--train-backend megatron is not implemented yet (no Megatron backend is registered); "
-                 "use --train-backend fsdp")
+    e += _parallelism(cfg)
     log = cfg.logging
     if log.use_wandb and not log.wandb_project:
         e.append("--use-wandb needs --wandb-project NAME (the W&B project the run logs to)")

@@ -191,7 +191,7 @@ def _trainer_spec(
         "MASTER_ADDR": master_addr,
         "MASTER_PORT": str(master_port),
         "RANK": str(rank),
-        "WORLD_SIZE": str(cfg.dp_size),
+        "WORLD_SIZE": str(cfg.trainer_world_size),
         "LOCAL_RANK": str(local),
         "LOCAL_WORLD_SIZE": str(t.actor_num_gpus_per_node),
         # under torchrun the launcher's env says "join torchrun's store"; our trainers rendezvous on their own
@@ -270,7 +270,7 @@ def plan_placement(
         trainer_gpus, rollout_gpus, eval_gpus = _gpu_layout(cfg, num_nodes, gpus_per_node, n_eval)
     else:  # CPU: engines go after the trainer ranks' nodes, round-robin over the nodes
         a = t.actor_num_gpus_per_node
-        trainer_gpus = [(r // a, r % a) for r in range(cfg.dp_size)]
+        trainer_gpus = [(r // a, r % a) for r in range(cfg.trainer_world_size)]
         rollout_gpus = [((t.actor_num_nodes + i) % num_nodes if num_nodes > 1 else 0, []) for i in range(n_rollout)]
         eval_gpus = [(rollout_gpus[0][0], []) for _ in range(n_eval)]  # n_eval > 0 only beside rollout engines
         gpus_per_node = 0

@@ -140,6 +140,24 @@ def check_plugin_paths(cfg: Any) -> None:
             )
 
 
+def check_train_backend(cfg: Any, placement: Placement) -> None:
+    """`--train-backend megatron` needs megatron-core where the trainers run, and GPUs."""
+    if cfg.train.train_backend != "megatron" or not placement.trainer_specs:
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        raise PreflightError(
+            "--train-backend megatron needs megatron-core, which is not installed; pip install 'miles[megatron]' "
+            "(megatron-core 0.19.2, Python >= 3.12), or use --train-backend fsdp"
+        )
+    if placement.device != "cuda":
+        raise PreflightError(
+            "--train-backend megatron runs on CUDA GPUs with NCCL and this is a CPU plan; use --train-backend fsdp "
+            "on CPU, or run where GPUs are visible (--num-gpus-per-node)"
+        )
+
+
 # ---------------------------------------------------------------- prompt length limit
 
 

@@ -22,6 +22,7 @@ from miles.controller.preflight import (
     RunData,
     check_checkpoint_paths,
     check_plugin_paths,
+    check_train_backend,
     controller_address,
     load_run_data,
     prompt_limit,
@@ -178,6 +179,7 @@ class MilesRun:
         placement = plan_run(cfg, machine, le)  # a layout the cluster cannot hold is refused here, before any work
         check_checkpoint_paths(cfg.train.load, cfg.train.save, cfg.train.save_hf)
         check_plugin_paths(cfg)  # every plug-in imports once here: a bad path costs no worker start-up
+        check_train_backend(cfg, placement)
         run_dir = cfg.runtime.output_dir
         os.makedirs(run_dir, exist_ok=True)
         if resolve_model_path(cfg):  # the plan carries the model path: plan again with the built/converted one
@@ -298,7 +300,8 @@ class MilesRun:
             await self.router.broadcast("continue_generation")
 
     def to_train_batch(self, groups: list[list[Sample]]) -> list[TrainBatch]:
-        """One shard per trainer rank (none under --debug-rollout-only)."""
+        """One shard per trainer rank (none under --debug-rollout-only): one per data-parallel replica,
+        the same to every rank of a replica (its tensor- and pipeline-parallel peers)."""
         if not self.has_trainer:
             return []
         with self.timers("rollout/convert_time"):
@@ -308,7 +311,8 @@ class MilesRun:
                 samples, reward_key=self.cfg.reward.reward_key, estimator=algo.advantage_estimator,
                 std_normalization=not algo.disable_grpo_std_normalization,
                 disable_rewards_normalization=algo.disable_rewards_normalization)
-            return split_by_dp(batch, len(self.placement.trainer_specs))
+            shards = split_by_dp(batch, self.cfg.dp_size)
+            return [shards[self.cfg.dp_rank_of(r)] for r in range(len(self.placement.trainer_specs))]
 
     async def train(self, rollout_id: int, shards: list[TrainBatch]) -> dict[str, float]:
         if not self.has_trainer:  # --debug-rollout-only

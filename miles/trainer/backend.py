@@ -12,6 +12,7 @@ from typing import Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from miles.config_sections import AlgoConfig, ModelConfig, RolloutConfig, TrainConfig
 from miles.rollout.train_data import TrainBatch
@@ -19,15 +20,73 @@ from miles.rollout.train_data import TrainBatch
 logger = logging.getLogger(__name__)
 
 
+class MicroBatchLoss(Protocol):
+    """The RL step's loss of one micro-batch, given the backend's outputs for it.
+
+    `sample_idx` are the micro-batch's samples in the optimizer step's batch; `out` is the
+    per-response-token log-probs (actor) or values (critic) in TrainBatch order, with grad;
+    `entropy` is the per-token entropy when asked for, else None. Returns the scalar loss to
+    backpropagate and its metric parts (detached scalars summed over micro-batches and ranks).
+    """
+
+    def __call__(
+        self, sample_idx: list[int], out: torch.Tensor, entropy: torch.Tensor | None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+
+
 @runtime_checkable
 class TrainBackend(Protocol):
+    """What the trainer worker and the RL step (`train_loop.run_rl_step`) use of a backend.
+
+    Reductions in the RL step run over `dp_group`: each data-parallel replica (however many
+    tensor / pipeline ranks it spans) holds one shard of the batch and counts once.
+    """
+
     weight_version: int  # bumped by the caller after each weight push
+    algo: AlgoConfig
+    rollout: RolloutConfig
+    train_cfg: TrainConfig
+    device: torch.device
+    dp_size: int
+    dp_group: dist.ProcessGroup | None  # None: the default (world) group
 
     def setup(self) -> None:
         """Load the HF dir (model.hf_checkpoint), build optimizer + LR schedule (+ ref / critic when needed)."""
 
+    @property
+    def has_ref(self) -> bool:
+        """A frozen reference model exists (a KL term is on)."""
+
+    @property
+    def has_critic(self) -> bool:
+        """A trainable critic exists (PPO)."""
+
     def compute_log_probs(self, batch: TrainBatch, which: str = "actor") -> tuple[np.ndarray, np.ndarray]:
         """Per-token log-probs and entropy of the response tokens (float32 [sum(response_lengths)])."""
+
+    def compute_values(self, batch: TrainBatch) -> np.ndarray:
+        """Critic values of the response tokens (float32 [sum(response_lengths)])."""
+
+    def forward_backward(
+        self, step_batch: TrainBatch, loss_fn: MicroBatchLoss, *, critic: bool, entropy: str
+    ) -> dict[str, torch.Tensor]:
+        """Forward and backward over the micro-batches of one optimizer step (gradients accumulate).
+
+        `entropy` is one of forward.ENTROPY_MODES. Returns this replica's sums of the loss parts,
+        the same keys on every rank of the replica.
+        """
+
+    def clip_grad_norm(self, *, critic: bool) -> float:
+        """Global gradient norm over all ranks, clipping to `--clip-grad` in place (0: no clipping)."""
+
+    def optimizer_step(self, *, critic: bool) -> None:
+        """Apply the update, zero the gradients, step the LR schedule."""
+
+    def zero_grad(self, *, critic: bool) -> None:
+        """Drop the accumulated gradients without an update."""
+
+    def current_lr(self) -> float:
+        """The actor's learning rate for the next optimizer step."""
 
     def train(self, batch: TrainBatch, rollout_id: int) -> dict[str, float]:
         """One RL step on this rank's shard: num_steps_per_rollout optimizer steps; returns metrics."""
@@ -45,9 +104,14 @@ class TrainBackend(Protocol):
 
     def export_hf(self, path: str) -> None: ...
 
+    def peak_mem_gb(self) -> float: ...
+
+    def now(self) -> float:
+        """A wall-clock reading after the device's queued work finished."""
+
 
 _REGISTRY: dict[str, type] = {}
-_BUILTIN_MODULES = {"fsdp": "miles.trainer.fsdp"}
+_BUILTIN_MODULES = {"fsdp": "miles.trainer.fsdp", "megatron": "miles.trainer.megatron"}
 T = TypeVar("T", bound=type)
 
 

@@ -25,6 +25,7 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -134,9 +135,12 @@ def save_checkpoint(
     meta: dict[str, Any],
     *,
     save_optim: bool = True,
+    write_model: Callable[[str], None] | None = None,
 ) -> None:
     """Collective: every rank writes its shards; rank 0 writes meta.json and then COMPLETE.
 
+    `write_model(model_dir)` replaces the DCP save of `models` for a backend with its own sharded
+    format (megatron-core's dist_checkpointing); the rest of the layout is the same.
     Any rank's write failure is shared with every rank (none is left waiting in a barrier), and all
     raise the same CheckpointWriteError.
     """
@@ -151,7 +155,10 @@ def save_checkpoint(
         error = _write_error(path, e)
     _raise_first(path, error)  # nothing to write into: every rank stops here
     try:
-        dcp.save(_model_optim_state(models, save_optim), checkpoint_id=os.path.join(path, "model"))
+        if write_model is not None:
+            write_model(os.path.join(path, "model"))
+        else:
+            dcp.save(_model_optim_state(models, save_optim), checkpoint_id=os.path.join(path, "model"))
         torch.save(_rng_state(), os.path.join(path, "rng", f"rank_{rank}.pt"))
         if rank == 0:
             _write_json(os.path.join(path, "meta.json"), {**meta, "has_optim": save_optim})
@@ -232,9 +239,14 @@ def _free_bytes(path: str) -> int:
 
 
 def load_checkpoint(
-    path: str, models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer | None]]
+    path: str,
+    models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer | None]],
+    *,
+    read_model: Callable[[str, bool], None] | None = None,
 ) -> dict[str, Any]:
-    """Collective: restore model/optimizer shards and this rank's RNG; returns meta.json."""
+    """Collective: restore model/optimizer shards and this rank's RNG; returns meta.json.
+
+    `read_model(model_dir, has_optim)` replaces the DCP load of `models` (see `save_checkpoint`)."""
     if not is_complete(path):
         raise FileNotFoundError(
             f"checkpoint {path!r} has no {COMPLETE_MARKER} marker (missing or interrupted save); "
@@ -242,8 +254,28 @@ def load_checkpoint(
         )
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
-    state = _model_optim_state(models, meta.get("has_optim", True))
-    model_dir = os.path.join(path, "model")  # read without unpickling arbitrary objects (safe_load.py)
+    model_dir = os.path.join(path, "model")
+    if read_model is not None:
+        read_model(model_dir, meta.get("has_optim", True))
+    else:
+        _load_dcp(model_dir, models, meta.get("has_optim", True))
+    rng_file = os.path.join(path, "rng", f"rank_{dist.get_rank()}.pt")
+    if os.path.isfile(rng_file):
+        _set_rng_state(torch.load(rng_file, weights_only=True))
+    else:
+        logger.warning(
+            "no RNG state for rank %d in %s (different world size?); RNG not restored", dist.get_rank(), path
+        )
+    dist.barrier()
+    logger.info("loaded checkpoint %s", path)
+    return meta
+
+
+def _load_dcp(
+    model_dir: str, models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer | None]], has_optim: bool
+) -> None:
+    state = _model_optim_state(models, has_optim)
+    # read without unpickling arbitrary objects (safe_load.py)
     dcp.load(state, storage_reader=SafeReader(model_dir), planner=SafeLoadPlanner())
     for key, (model, optim) in models.items():
         if "optim" in state[key]:
@@ -256,16 +288,6 @@ def load_checkpoint(
                 optim_state_dict={},
                 options=StateDictOptions(strict=True),
             )
-    rng_file = os.path.join(path, "rng", f"rank_{dist.get_rank()}.pt")
-    if os.path.isfile(rng_file):
-        _set_rng_state(torch.load(rng_file, weights_only=True))
-    else:
-        logger.warning(
-            "no RNG state for rank %d in %s (different world size?); RNG not restored", dist.get_rank(), path
-        )
-    dist.barrier()
-    logger.info("loaded checkpoint %s", path)
-    return meta
 
 
 def resolve_load_path(path: str) -> str | None:

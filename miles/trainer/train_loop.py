@@ -1,9 +1,11 @@
-"""One RL step of the FSDP backend on this rank's shard.
+"""One RL step on this rank's shard, for any backend (through the `TrainBackend` protocol only).
 
 Order (as in Miles): ref log-probs (KL terms) -> old log-probs (unless --use-rollout-logprobs)
 -> values (PPO) -> advantages/returns (collective over DP) -> `num_steps_per_rollout` optimizer
 steps, each over `global_batch_size / dp` consecutive samples of the shard. Each step fixes its
-loss denominators over all DP ranks first, so micro-batch losses sum to the step objective.
+loss denominators over all DP ranks first, so micro-batch losses sum to the step objective; the
+backend runs the micro-batches (its own schedule, e.g. a pipeline's) and calls back into the
+loss built here for each one.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import logging
 import math
 import zlib
 from collections import defaultdict
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -23,11 +24,8 @@ from miles.algo.aggregation import StepDenominators
 from miles.algo.losses import LossInputs, get_loss_function, value_loss
 from miles.errors import NonFiniteTraining
 from miles.rollout.train_data import TrainBatch
-from miles.trainer.forward import dummy_batch, forward_micro_batch, model_layout, response_values, token_index
-from miles.trainer.packing import pack_sequences
-
-if TYPE_CHECKING:
-    from miles.trainer.fsdp import FSDPBackend
+from miles.trainer.backend import MicroBatchLoss, TrainBackend
+from miles.trainer.forward import token_index
 
 logger = logging.getLogger(__name__)
 
@@ -72,20 +70,20 @@ def _per_token_tensors(batch: TrainBatch, **cols: np.ndarray | None) -> dict[str
     return out
 
 
-def _token_mean(x: np.ndarray, mask: np.ndarray, device: torch.device) -> float:
+def _token_mean(x: np.ndarray, mask: np.ndarray, be: TrainBackend) -> float:
     """Masked token mean over all DP ranks."""
-    t = torch.tensor([float((x * mask).sum()), float(mask.sum())], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
+    t = torch.tensor([float((x * mask).sum()), float(mask.sum())], dtype=torch.float64, device=be.device)
+    dist.all_reduce(t, group=be.dp_group)
     return float(t[0] / t[1].clamp(min=1.0))
 
 
-def run_rl_step(be: FSDPBackend, batch: TrainBatch, rollout_id: int) -> dict[str, float]:
-    algo, device = be.algo, be.device
+def run_rl_step(be: TrainBackend, batch: TrainBatch, rollout_id: int) -> dict[str, float]:
+    algo = be.algo
     n_steps = steps_per_rollout(len(batch), be.rollout.global_batch_size, be.dp_size, be.rollout.num_steps_per_rollout)
     mask = batch.loss_masks.astype(np.float32)
     metrics: dict[str, float] = {}
     t_phase = be.now()
-    ref_lp = be.compute_log_probs(batch, "ref")[0] if be.ref is not None else None
+    ref_lp = be.compute_log_probs(batch, "ref")[0] if be.has_ref else None
     metrics["perf/train/ref_log_probs_time"] = be.now() - t_phase
     t_phase = be.now()
     if algo.use_rollout_logprobs:
@@ -100,11 +98,11 @@ def run_rl_step(be: FSDPBackend, batch: TrainBatch, rollout_id: int) -> dict[str
         old_lp = None  # taken from the update's own forward: see old_log_probs_in_update
     else:
         old_lp, entropy = be.compute_log_probs(batch, "actor")
-        metrics["train/entropy"] = _token_mean(entropy, mask, device)
+        metrics["train/entropy"] = _token_mean(entropy, mask, be)
     metrics["perf/train/actor_log_probs_time"] = be.now() - t_phase
     if ref_lp is not None and old_lp is not None:
-        metrics["train/ref_kl"] = _token_mean(old_lp - ref_lp, mask, device)
-    values = be._compute_values(batch) if be.critic is not None else None
+        metrics["train/ref_kl"] = _token_mean(old_lp - ref_lp, mask, be)
+    values = be.compute_values(batch) if be.has_critic else None
 
     def t(x: np.ndarray | None) -> torch.Tensor | None:
         return None if x is None else torch.as_tensor(np.asarray(x, dtype=np.float32))
@@ -130,7 +128,7 @@ def run_rl_step(be: FSDPBackend, batch: TrainBatch, rollout_id: int) -> dict[str
         old_values=values,
         teacher_log_probs=batch.teacher_log_probs,
     )
-    train_actor = rollout_id >= be.train_cfg.num_critic_only_steps or be.critic is None
+    train_actor = rollout_id >= be.train_cfg.num_critic_only_steps or not be.has_critic
     per_rank = len(batch) // n_steps
     sums: dict[str, float] = defaultdict(float)
     tokens, t0 = 0, be.now()
@@ -140,7 +138,7 @@ def run_rl_step(be: FSDPBackend, batch: TrainBatch, rollout_id: int) -> dict[str
         step_batch = batch.select(idx)
         pos = _as_index(token_index(batch.response_lengths, idx))
         step_tok = {k: v[pos] for k, v in per_token.items()}
-        if be.critic is not None:
+        if be.has_critic:
             for k, v in _optimizer_step(be, step_batch, step_tok, critic=True, where=where).items():
                 sums[f"train/{k}" if k.startswith("value") else f"train/critic_{k}"] += v
         if train_actor:
@@ -151,14 +149,14 @@ def run_rl_step(be: FSDPBackend, batch: TrainBatch, rollout_id: int) -> dict[str
     elapsed = be.now() - t0
     metrics["perf/train/update_time"] = elapsed
     metrics.update({k: v / n_steps for k, v in sums.items()})
-    total_tokens = _sum_over_ranks(float(tokens), device)
+    total_tokens = _sum_over_ranks(float(tokens), be)
     metrics["perf/train_tokens_per_s"] = total_tokens / max(elapsed, 1e-9)
     metrics["perf/peak_mem_gb"] = be.peak_mem_gb()
-    metrics["train/lr"] = be.scheduler.current_lr
+    metrics["train/lr"] = be.current_lr()
     return metrics
 
 
-def old_log_probs_in_update(be: FSDPBackend, batch: TrainBatch, n_steps: int) -> bool:
+def old_log_probs_in_update(be: TrainBackend, batch: TrainBatch, n_steps: int) -> bool:
     """The old policy's log-probs come from the update's own forward, with no pass of their own.
 
     With one optimizer step per rollout the weights do not change between the old-log-prob pass
@@ -170,8 +168,8 @@ def old_log_probs_in_update(be: FSDPBackend, batch: TrainBatch, n_steps: int) ->
         n_steps == 1
         and not be.algo.use_rollout_logprobs
         and be.algo.loss_type != "sft_loss"
-        and be.ref is None
-        and be.critic is None
+        and not be.has_ref
+        and not be.has_critic
         and batch.teacher_log_probs is None
     )
 
@@ -180,20 +178,20 @@ def _as_index(pos: slice | np.ndarray) -> slice | torch.Tensor:
     return pos if isinstance(pos, slice) else torch.from_numpy(pos)
 
 
-def _sum_over_ranks(x: float, device: torch.device) -> float:
-    t = torch.tensor([x], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
+def _sum_over_ranks(x: float, be: TrainBackend) -> float:
+    t = torch.tensor([x], dtype=torch.float64, device=be.device)
+    dist.all_reduce(t, group=be.dp_group)
     return float(t.item())
 
 
-def _step_denominators(step_batch: TrainBatch, device: torch.device) -> StepDenominators:
-    t = torch.tensor([len(step_batch), float(step_batch.loss_masks.sum())], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
+def _step_denominators(step_batch: TrainBatch, be: TrainBackend) -> StepDenominators:
+    t = torch.tensor([len(step_batch), float(step_batch.loss_masks.sum())], dtype=torch.float64, device=be.device)
+    dist.all_reduce(t, group=be.dp_group)
     return StepDenominators(num_samples=int(t[0].item()), num_tokens=int(round(t[1].item())))
 
 
 def _optimizer_step(
-    be: FSDPBackend,
+    be: TrainBackend,
     step_batch: TrainBatch,
     step_tok: dict[str, torch.Tensor],
     *,
@@ -201,7 +199,7 @@ def _optimizer_step(
     where: str,
     fused_old: bool = False,
 ) -> dict[str, float]:
-    """Forward/backward over micro-batches, clip, AdamW step, LR schedule step; returns summed metrics.
+    """Forward/backward over micro-batches, clip, optimizer step, LR schedule step; returns summed metrics.
 
     fused_old: the old log-probs are this forward's own, detached (`old_log_probs_in_update`); the
     token mean of the entropy is reported as `entropy`, as the separate pass would.
@@ -209,36 +207,44 @@ def _optimizer_step(
     A non-finite loss or grad norm raises NonFiniteTraining before the optimizer step, on every
     rank alike (both are reduced over ranks), so the weights stay as they were.
     """
-    model = be.critic if critic else be.actor
-    optimizer = be.critic_optimizer if critic else be.optimizer
-    scheduler = be.critic_scheduler if critic else be.scheduler
-    loss_fn = value_loss if critic else get_loss_function(be.algo)
-    den = _step_denominators(step_batch, be.device)
+    den = _step_denominators(step_batch, be)
     if be.algo.entropy_coef != 0.0:
         entropy_mode = "grad"
     else:  # SFT reports no entropy; skip the extra pass over the logits
         entropy_mode = "none" if be.algo.loss_type == "sft_loss" else "detached"
-    sums: dict[str, torch.Tensor] = {}
-    for idx in be._schedule(step_batch):
-        sub = step_batch.select(idx) if idx is not None else dummy_batch()
-        if critic:
-            out = response_values(model, pack_sequences(sub, model_layout(model)).to(be.device))
-        else:
-            out, entropy, _ = forward_micro_batch(
-                model,
-                sub,
-                be.device,
-                be.rollout.rollout_temperature,
-                entropy=entropy_mode,
-                compiled=be.train_cfg.compile,
-            )
-        if idx is None:
-            # Matches the other ranks' collectives; contributes exactly zero to loss and gradients.
-            (out.sum() * 0.0).backward()
-            continue
-        pos = _as_index(token_index(step_batch.response_lengths, idx))
-        tok = {k: v[pos].to(be.device, non_blocking=True) for k, v in step_tok.items()}
-        lengths = [int(x) for x in sub.response_lengths]
+    loss_fn = _micro_batch_loss(be, step_batch, step_tok, den, critic=critic, fused_old=fused_old)
+    sums = be.forward_backward(step_batch, loss_fn, critic=critic, entropy=entropy_mode)
+    grad_norm = be.clip_grad_norm(critic=critic)
+    out = _reduce_metrics(sums, be)
+    out["grad_norm"] = grad_norm
+    try:
+        _refuse_non_finite(out, "critic" if critic else "actor", where)
+    except NonFiniteTraining:
+        be.zero_grad(critic=critic)
+        raise
+    be.optimizer_step(critic=critic)
+    return out
+
+
+def _micro_batch_loss(
+    be: TrainBackend,
+    step_batch: TrainBatch,
+    step_tok: dict[str, torch.Tensor],
+    den: StepDenominators,
+    *,
+    critic: bool,
+    fused_old: bool = False,
+) -> MicroBatchLoss:
+    """The loss of one micro-batch of `step_batch`, from the backend's log-probs (or values) for it."""
+    algo = be.algo
+    policy_loss = None if critic else get_loss_function(algo)
+
+    def loss_of(
+        sample_idx: list[int], out: torch.Tensor, entropy: torch.Tensor | None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        pos = _as_index(token_index(step_batch.response_lengths, sample_idx))
+        tok = {k: v[pos].to(out.device, non_blocking=True) for k, v in step_tok.items()}
+        lengths = [int(step_batch.response_lengths[i]) for i in sample_idx]
         if critic:
             inp = LossInputs(
                 log_probs=out.detach(),
@@ -249,40 +255,31 @@ def _optimizer_step(
                 old_values=tok.get("old_values"),
                 returns=tok.get("returns"),
             )
-        else:
-            inp = LossInputs(
-                log_probs=out,
-                loss_mask=tok["loss_mask"],
-                response_lengths=lengths,
-                den=den,
-                old_log_probs=out.detach() if fused_old else tok.get("old_log_probs"),
-                advantages=tok.get("advantages"),
-                rollout_log_probs=tok.get("rollout_log_probs"),
-                ref_log_probs=tok.get("ref_log_probs"),
-                entropy=entropy,
-                teacher_log_probs=tok.get("teacher_log_probs"),
-            )
-        loss, parts = loss_fn(be.algo, inp)
+            return value_loss(algo, inp)
+        inp = LossInputs(
+            log_probs=out,
+            loss_mask=tok["loss_mask"],
+            response_lengths=lengths,
+            den=den,
+            old_log_probs=out.detach() if fused_old else tok.get("old_log_probs"),
+            advantages=tok.get("advantages"),
+            rollout_log_probs=tok.get("rollout_log_probs"),
+            ref_log_probs=tok.get("ref_log_probs"),
+            entropy=entropy,
+            teacher_log_probs=tok.get("teacher_log_probs"),
+        )
+        loss, parts = policy_loss(algo, inp)
         if fused_old and entropy is not None:
             parts["entropy"] = (entropy.detach().float() * tok["loss_mask"]).sum() / max(den.num_tokens, 1)
-        loss.backward()
-        for k, v in parts.items():
-            sums[k] = sums.get(k, 0.0) + v.detach().double()
-    grad_norm = _clip_grad_norm(model, be.train_cfg.clip_grad, be.device)
-    out = _reduce_metrics(sums, be.device)
-    out["grad_norm"] = grad_norm
-    _refuse_non_finite(out, "critic" if critic else "actor", where, optimizer)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    scheduler.step()
-    return out
+        return loss, parts
+
+    return loss_of
 
 
-def _refuse_non_finite(metrics: dict[str, float], model_name: str, where: str, optimizer: torch.optim.Optimizer) -> None:
+def _refuse_non_finite(metrics: dict[str, float], model_name: str, where: str) -> None:
     bad = {k: v for k, v in metrics.items() if (k == "grad_norm" or k.endswith("loss")) and not math.isfinite(v)}
     if not bad:
         return
-    optimizer.zero_grad(set_to_none=True)
     shown = ", ".join(f"{k}={v}" for k, v in sorted(bad.items()))
     raise NonFiniteTraining(
         f"{where}: the {model_name} has {shown}; the update was not applied and this step is not saved. "
@@ -291,35 +288,12 @@ def _refuse_non_finite(metrics: dict[str, float], model_name: str, where: str, o
     )
 
 
-def _clip_grad_norm(model: torch.nn.Module, max_norm: float, device: torch.device) -> float:
-    """Global grad norm over all shards, and clipping, on the local shards.
-
-    Works on each DTensor's local tensor with foreach kernels plus one all-reduce, instead of
-    per-parameter DTensor dispatch: same result, far less CPU time per step.
-    """
-    grads = [
-        p.grad._local_tensor if hasattr(p.grad, "_local_tensor") else p.grad
-        for p in model.parameters()
-        if p.grad is not None
-    ]
-    grads = [g for g in grads if g.numel()]
-    sq = torch.zeros((), dtype=torch.float32, device=device)
-    if grads:
-        sq = torch.stack(torch._foreach_norm(grads, 2.0)).float().square().sum()
-    if dist.get_world_size() > 1:
-        dist.all_reduce(sq)
-    norm = sq.sqrt()
-    if grads and max_norm > 0:
-        torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0).to(grads[0].dtype))
-    return float(norm.item())
-
-
-def _reduce_metrics(sums: dict[str, torch.Tensor], device: torch.device) -> dict[str, float]:
+def _reduce_metrics(sums: dict[str, torch.Tensor], be: TrainBackend) -> dict[str, float]:
     """Sum metric contributions over ranks; every rank must hold the same keys (checked by a digest)."""
     keys = sorted(sums)
     digest = float(zlib.crc32("\n".join(keys).encode()))
-    check = torch.tensor([digest, -digest], dtype=torch.float64, device=device)
-    dist.all_reduce(check, op=dist.ReduceOp.MAX)
+    check = torch.tensor([digest, -digest], dtype=torch.float64, device=be.device)
+    dist.all_reduce(check, op=dist.ReduceOp.MAX, group=be.dp_group)
     if check[0].item() != -check[1].item():
         raise RuntimeError(
             f"loss metrics differ across DP ranks (this rank: {keys}); the loss function must return "
@@ -327,6 +301,6 @@ def _reduce_metrics(sums: dict[str, torch.Tensor], device: torch.device) -> dict
         )
     if not keys:
         return {}
-    t = torch.stack([sums[k].to(device=device, dtype=torch.float64) for k in keys])
-    dist.all_reduce(t)
+    t = torch.stack([sums[k].to(device=be.device, dtype=torch.float64) for k in keys])
+    dist.all_reduce(t, group=be.dp_group)
     return dict(zip(keys, t.tolist(), strict=True))

@@ -77,7 +77,18 @@ def test_each_unimplemented_flag_is_refused_by_name(name: str) -> None:
         (["--eval-num-engines", "1"], ["--eval-num-engines=1", "--eval-mode dedicated"]),
         (["--fully-async", "--eval-num-engines", "1"], ["--eval-num-engines=1"]),
         (["--rollout-num-gpus-per-engine", "2"], ["--rollout-num-gpus-per-engine=2", "--engine sglang"]),
-        (["--train-backend", "megatron"], ["--train-backend megatron", "fsdp"]),
+        (["--tensor-model-parallel-size", "2"], ["--tensor-model-parallel-size", "--train-backend megatron"]),
+        (["--sequence-parallel"], ["--sequence-parallel", "--train-backend megatron"]),
+        (
+            ["--train-backend", "megatron", "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "3"],
+            ["--tensor-model-parallel-size=2", "must divide the 3 trainer GPUs"],
+        ),
+        (
+            ["--train-backend", "megatron", "--context-parallel-size", "2", "--actor-num-gpus-per-node", "2"],
+            ["--context-parallel-size=2", "Transformer Engine"],
+        ),
+        (["--train-backend", "megatron", "--sequence-parallel"], ["--sequence-parallel", "> 1"]),
+        (["--train-backend", "megatron", "--advantage-estimator", "ppo"], ["ppo", "--train-backend fsdp"]),
         (["--use-wandb"], ["--use-wandb", "--wandb-project"]),
         (["--update-weights-interval", "0"], ["--update-weights-interval=0"]),
         (
@@ -101,6 +112,11 @@ def test_flags_accepted_in_the_modes_where_they_work() -> None:
     load_config(["--colocate", "--update-weights-interval", "2", "--offload-rollout-level", "kv_cache"], base=BASE)
     load_config(["--use-wandb", "--wandb-project", "p"], base=BASE)
     load_config(["--engine", "sglang", "--rollout-num-gpus-per-engine", "2"], base=BASE)
+    load_config(
+        ["--train-backend", "megatron", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+         "--sequence-parallel", "--actor-num-gpus-per-node", "8", "--global-batch-size", "2"],
+        base=BASE,
+    )  # fmt: skip
 
 
 def test_rollout_num_gpus_sets_the_engine_count() -> None:

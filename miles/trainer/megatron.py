@@ -1,0 +1,467 @@
+"""megatron-core trainer backend (`--train-backend megatron`): tensor, pipeline and data parallelism.
+
+The trainer world of `--actor-num-nodes x --actor-num-gpus-per-node` ranks is split by megatron-core's
+`parallel_state` into TP x PP x DP (`--tensor-model-parallel-size`, `--pipeline-model-parallel-size`;
+DP is what is left). The controller gives every rank of one data-parallel replica the same shard.
+The model is megatron-core's GPTModel built from the HF config (`mcore_model`), its weights converted
+from the HF checkpoint (`mcore_convert`), wrapped in megatron-core's DistributedDataParallel and
+trained by its distributed optimizer (fp32 master weights and Adam states sharded over DP, bf16
+compute). Micro-batches are THD-packed rows run through megatron-core's forward/backward schedule
+(1F1B across pipeline stages). Losses arrive divided by step-wide denominators
+(`calculate_per_token_loss`), so gradients are summed over micro-batches and DP ranks, as in FSDP.
+
+Weights leave as HF tensors (`named_hf_tensors`): tensor-parallel shards are gathered, and each
+pipeline stage broadcasts its layers to the other stages, so every rank yields the same stream, as
+the weight transports expect. Checkpoints keep the shared layout (`checkpoint.py`) with the model
+directory written by megatron-core's `dist_checkpointing`. Needs CUDA and NCCL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import resource
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from miles.config_sections import AlgoConfig, ModelConfig, RolloutConfig, TrainConfig
+from miles.rollout.train_data import TrainBatch
+from miles.trainer import checkpoint as ckpt
+from miles.trainer import mcore_convert as mc
+from miles.trainer.backend import MicroBatchLoss, register_backend
+from miles.trainer.forward import log_probs_and_entropy, token_index
+from miles.trainer.hf_io import resolve_compute_dtype, source_dtype, write_hf_dir
+from miles.trainer.lr_schedule import LRSchedule, LRScheduler
+from miles.trainer.mcore_model import build_gpt_model, packed_seq_params, response_logits, transformer_config
+from miles.trainer.offload import HostOffloader, module_tensors, optimizer_tensors
+from miles.trainer.packing import plan_micro_batches
+from miles.trainer.train_loop import run_rl_step
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class MicroBatch:
+    """One THD-packed micro-batch: every sequence of `idx` in one row (+ a padding sequence when
+    sequence parallelism needs the row length to divide by the tensor-parallel size)."""
+
+    idx: list[int]
+    input_ids: torch.Tensor  # [1, t]
+    position_ids: torch.Tensor  # [1, t]
+    seq_params: object  # PackedSeqParams
+    logits_index: torch.Tensor  # positions predicting a response token, TrainBatch order
+    targets: torch.Tensor  # those response tokens
+
+
+def pack_thd(batch: TrainBatch, idx: list[int], device: torch.device, multiple_of: int = 1) -> MicroBatch:
+    sub = batch.select(idx)
+    seq_lens = [int(x) for x in sub.seq_lens]
+    resp_lens = [int(x) for x in sub.response_lengths]
+    tokens = np.concatenate(sub.sequences()).astype(np.int64)
+    pad = -len(tokens) % multiple_of
+    starts = np.concatenate([[0], np.cumsum(seq_lens)[:-1]])
+    logits_index = np.concatenate(
+        [np.arange(st + s - r - 1, st + s - 1) for st, s, r in zip(starts, seq_lens, resp_lens, strict=True)]
+    )
+    ids = torch.from_numpy(np.concatenate([tokens, np.zeros(pad, np.int64)]))
+    positions = torch.cat([torch.arange(s) for s in [*seq_lens, pad] if s])
+    lens = [*seq_lens, pad] if pad else seq_lens
+    return MicroBatch(
+        idx=idx,
+        input_ids=ids.unsqueeze(0).to(device),
+        position_ids=positions.unsqueeze(0).to(device),
+        seq_params=packed_seq_params(lens, device),
+        logits_index=torch.from_numpy(logits_index).to(device),
+        targets=torch.from_numpy(tokens[logits_index + 1]).to(device),
+    )
+
+
+def read_hf_tensors(path: str, names: set[str]) -> dict[str, torch.Tensor]:
+    """The named tensors of a HF safetensors directory (one file or an index of shards)."""
+    import json
+
+    from safetensors import safe_open
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            where = json.load(f)["weight_map"]
+    else:
+        where = dict.fromkeys(names, "model.safetensors")
+    missing = sorted(n for n in names if n not in where)
+    if missing:
+        raise ValueError(f"{path}: the checkpoint lacks {missing[:3]} ({len(missing)} tensors)")
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted({where[n] for n in names}):
+        with safe_open(os.path.join(path, file), framework="pt", device="cpu") as f:
+            out.update({n: f.get_tensor(n) for n in names if where[n] == file})
+    return out
+
+
+def _finalize_grads(model: list[torch.nn.Module], num_tokens=None, **kw) -> None:
+    """DP / sequence-parallel / tied-embedding gradient reductions, summing: the losses already carry
+    the step's denominators, so the per-token division megatron-core would apply is skipped."""
+    finalize_model_grads(model, num_tokens=None, **kw)
+
+
+@register_backend("megatron")
+class MegatronBackend:
+    def __init__(self, *, model: ModelConfig, train: TrainConfig, algo: AlgoConfig, rollout: RolloutConfig) -> None:
+        self.model_cfg, self.train_cfg, self.algo, self.rollout = model, train, algo, rollout
+        self.weight_version = 0
+        self.actor: DistributedDataParallel | None = None
+        self.optimizer = None
+        self.scheduler: LRScheduler | None = None
+        self.ref: torch.nn.Module | None = None
+        self._offloaders: dict[str, HostOffloader] = {}
+
+    # ---- setup ------------------------------------------------------------------------------------
+    @property
+    def has_ref(self) -> bool:
+        return self.ref is not None
+
+    @property
+    def has_critic(self) -> bool:
+        return False
+
+    def setup(self) -> None:
+        t = self.train_cfg
+        if not (dist.is_initialized() and torch.cuda.is_available() and dist.get_backend() == "nccl"):
+            raise RuntimeError("--train-backend megatron needs CUDA GPUs and an NCCL process group; use fsdp on CPU")
+        tp, pp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            context_parallel_size=t.context_parallel_size,
+        )
+        tensor_parallel.model_parallel_cuda_manual_seed(t.seed)
+        torch.manual_seed(t.seed)
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.tp_size, self.pp_size = tp, pp
+        self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.is_last_stage = self.pp_rank == pp - 1
+        from transformers import AutoConfig
+
+        self.hf_config = AutoConfig.from_pretrained(
+            self.model_cfg.hf_checkpoint, trust_remote_code=self.model_cfg.trust_remote_code
+        )
+        self.shape = mc.model_shape(self.hf_config)
+        self.layers = mc.stage_layers(self.shape.num_layers, pp, self.pp_rank)
+        self.compute_dtype = resolve_compute_dtype(self.model_cfg.dtype, "cuda")
+        self.config = transformer_config(
+            self.shape,
+            tp=tp,
+            pp=pp,
+            cp=t.context_parallel_size,
+            sequence_parallel=t.sequence_parallel,
+            compute_dtype=self.compute_dtype,
+            on_gpu=True,
+            recompute=t.gradient_checkpointing,
+        )
+        self.actor, self.optimizer, self.scheduler = self._build_trainable(self.model_cfg.hf_checkpoint)
+        if self.algo.use_kl_loss or self.algo.kl_coef != 0.0:
+            self.ref = self._build_model(self.model_cfg.ref_load or self.model_cfg.hf_checkpoint).eval()
+            self.ref.requires_grad_(False)
+        logger.info(
+            "megatron backend ready: tp=%d pp=%d dp=%d sp=%s compute=%s layers %d-%d on this stage, ref=%s",
+            tp, pp, self.dp_size, t.sequence_parallel, self.compute_dtype,
+            self.layers.start, self.layers.stop - 1, self.ref is not None,
+        )  # fmt: skip
+
+    def _build_model(self, path: str) -> torch.nn.Module:
+        pre, post = self.pp_rank == 0, self.is_last_stage
+        model = build_gpt_model(self.shape, self.config, num_stage_layers=len(self.layers), pre=pre, post=post)
+        names = mc.stage_names(self.shape, self.layers, pre=pre, post=post)
+        hf = read_hf_tensors(path, {h for _, hnames in names for h in hnames})
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        weights = mc.to_mcore(
+            hf, self.shape, layers=self.layers, pre=pre, post=post, tp_rank=tp_rank, tp_size=self.tp_size
+        )
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise RuntimeError(
+                f"HF -> megatron conversion of {path}: missing {missing[:3]}, unexpected {unexpected[:3]}"
+            )
+        return model.to(self.device)
+
+    def _build_trainable(self, path: str):
+        t = self.train_cfg
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
+        model = DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=self._build_model(path))
+        model.train()
+        self.config.no_sync_func = model.no_sync
+        self.config.finalize_model_grads_func = _finalize_grads
+        opt_config = OptimizerConfig(
+            optimizer="adam",
+            lr=t.lr,
+            min_lr=t.min_lr,
+            weight_decay=t.weight_decay,
+            adam_beta1=t.adam_beta1,
+            adam_beta2=t.adam_beta2,
+            adam_eps=t.adam_eps,
+            clip_grad=t.clip_grad,
+            bf16=self.compute_dtype == torch.bfloat16,
+            params_dtype=self.compute_dtype,
+            use_distributed_optimizer=True,
+        )
+        optimizer = get_megatron_optimizer(opt_config, [model])
+        schedule = LRSchedule(
+            lr=t.lr, min_lr=t.min_lr, warmup_iters=t.lr_warmup_iters, decay_style=t.lr_decay_style,
+            decay_iters=t.lr_decay_iters,
+        )  # fmt: skip
+        return model, optimizer, LRScheduler(optimizer, schedule)
+
+    # ---- the schedule ---------------------------------------------------------------------------
+    def _micro_batches(self, batch: TrainBatch) -> list[MicroBatch]:
+        t = self.train_cfg
+        plan = plan_micro_batches(
+            batch.seq_lens,
+            micro_batch_size=t.micro_batch_size,
+            use_dynamic_batch_size=t.use_dynamic_batch_size,
+            max_tokens_per_gpu=t.max_tokens_per_gpu,
+        )
+        multiple = self.tp_size if t.sequence_parallel else 1
+        return [pack_thd(batch, idx, self.device, multiple) for idx in plan]
+
+    def _run_schedule(
+        self, model: torch.nn.Module, mbs: list[MicroBatch], loss: Callable, *, forward_only: bool
+    ) -> list[dict]:
+        """megatron-core's forward(/backward) over `mbs`; the per-micro-batch dicts `loss` returned
+        (on the last stage; [] elsewhere)."""
+        vocab = self.shape.vocab_size
+
+        def forward_step(data_iterator, chunk):
+            mb = next(data_iterator)
+            out = chunk(
+                mb.input_ids,
+                mb.position_ids,
+                None,
+                packed_seq_params=mb.seq_params,
+                output_processor=response_logits,
+                output_processor_context={"logits_index": mb.logits_index, "vocab_size": vocab},
+            )
+            return out, lambda logits: loss(mb, logits)
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(mbs),
+            model=[model],
+            num_microbatches=len(mbs),
+            seq_length=max(int(mb.input_ids.shape[1]) for mb in mbs),
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
+
+    def _from_last_stage(self, obj):
+        """`obj` as the last pipeline stage has it, on every stage."""
+        if self.pp_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(
+            box, src=parallel_state.get_pipeline_model_parallel_last_rank(), group=self.pp_group
+        )
+        return box[0]
+
+    # ---- forward-only -----------------------------------------------------------------------------
+    def compute_log_probs(self, batch: TrainBatch, which: str = "actor") -> tuple[np.ndarray, np.ndarray]:
+        model = {"actor": self.actor, "ref": self.ref}.get(which)
+        if model is None:
+            raise ValueError(
+                f"compute_log_probs(which={which!r}): no such model here (actor, or ref when a KL term is on)"
+            )
+        temperature = self.rollout.rollout_temperature
+        one = torch.ones((), dtype=torch.int, device=self.device)
+
+        def loss(mb: MicroBatch, logits: torch.Tensor):
+            lp, ent = log_probs_and_entropy(logits, mb.targets, temperature)
+            return lp.sum() * 0.0, one, {"idx": mb.idx, "log_probs": lp.cpu().numpy(), "entropy": ent.cpu().numpy()}
+
+        was_training = model.training
+        model.eval()
+        with torch.no_grad(), self._onloaded(which):
+            outs = self._run_schedule(model, self._micro_batches(batch), loss, forward_only=True)
+        model.train(was_training)
+        n_tok = int(batch.response_lengths.sum())
+        log_probs, entropy = np.zeros(n_tok, np.float32), np.zeros(n_tok, np.float32)
+        for out in self._from_last_stage(outs if self.is_last_stage else None):
+            pos = token_index(batch.response_lengths, out["idx"])
+            log_probs[pos], entropy[pos] = out["log_probs"], out["entropy"]
+        return log_probs, entropy
+
+    def compute_values(self, batch: TrainBatch) -> np.ndarray:
+        raise NotImplementedError("the megatron backend has no critic (PPO is refused at start-up)")
+
+    @contextlib.contextmanager
+    def _onloaded(self, which: str) -> Iterator[None]:
+        off = self._offloaders.get("ref") if which == "ref" else None
+        if off is not None:
+            off.onload()
+        try:
+            yield
+        finally:
+            if off is not None:
+                off.offload(module_tensors(self.ref))
+
+    # ---- training ---------------------------------------------------------------------------------
+    def train(self, batch: TrainBatch, rollout_id: int) -> dict[str, float]:
+        return run_rl_step(self, batch, rollout_id)
+
+    def forward_backward(
+        self, step_batch: TrainBatch, loss_fn: MicroBatchLoss, *, critic: bool, entropy: str
+    ) -> dict[str, torch.Tensor]:
+        if critic:
+            raise NotImplementedError("the megatron backend has no critic")
+        temperature = self.rollout.rollout_temperature
+        one = torch.ones((), dtype=torch.int, device=self.device)
+
+        def loss(mb: MicroBatch, logits: torch.Tensor):
+            lp, ent = log_probs_and_entropy(logits, mb.targets, temperature, entropy=entropy)
+            value, parts = loss_fn(mb.idx, lp, ent)
+            return value, one, {k: float(v.detach()) for k, v in parts.items()}
+
+        outs = self._run_schedule(self.actor, self._micro_batches(step_batch), loss, forward_only=False)
+        sums: dict[str, float] = {}
+        for parts in outs:
+            for k, v in parts.items():
+                sums[k] = sums.get(k, 0.0) + v
+        sums = self._from_last_stage(sums if self.is_last_stage else None)
+        return {k: torch.tensor(v, dtype=torch.float64, device=self.device) for k, v in sums.items()}
+
+    def clip_grad_norm(self, *, critic: bool) -> float:
+        """The global grad norm of the main (fp32) gradients; the clipping itself happens in
+        `optimizer_step`, inside megatron-core's optimizer step (same `--clip-grad`)."""
+        self.optimizer.prepare_grads()
+        return float(self.optimizer.get_grad_norm())
+
+    def optimizer_step(self, *, critic: bool) -> None:
+        self.optimizer.step()
+        self.zero_grad(critic=critic)
+        self.scheduler.step()
+
+    def zero_grad(self, *, critic: bool) -> None:
+        self.actor.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def current_lr(self) -> float:
+        return self.scheduler.current_lr
+
+    # ---- weights out --------------------------------------------------------------------------------
+    def named_hf_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        params = dict(self.actor.module.named_parameters())
+        for stage, mname, hnames in mc.hf_export_names(self.shape, self.pp_size):
+            if stage == self.pp_rank:
+                full = self._gather_tp(mname, params[mname].detach())
+                pairs = mc.to_hf(mname, full, hnames, self.shape)
+                tensors = [(t.to(dtype) if dtype is not None else t).contiguous() for _, t in pairs]
+            else:  # filled by the owning stage's broadcast below
+                out_dtype = dtype or self.compute_dtype
+                tensors = [
+                    torch.empty(mc.hf_shape(h, self.shape), dtype=out_dtype, device=self.device) for h in hnames
+                ]
+            if self.pp_size > 1:
+                owner = dist.get_global_rank(self.pp_group, stage)
+                for t in tensors:
+                    dist.broadcast(t, src=owner, group=self.pp_group)
+            yield from zip(hnames, tensors, strict=True)
+
+    def _gather_tp(self, mname: str, shard: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1 or mc.parallel_kind(mname) == "whole":
+            return shard
+        parts = [torch.empty_like(shard) for _ in range(self.tp_size)]
+        dist.all_gather(parts, shard.contiguous(), group=self.tp_group)
+        return mc.gather_shards(mname, parts)
+
+    def export_hf(self, path: str) -> None:
+        dtype = source_dtype(self.model_cfg.hf_checkpoint)
+        tensors = [(n, t.cpu()) for n, t in self.named_hf_tensors(dtype)]
+        if dist.get_rank() == 0:
+            write_hf_dir(path, tensors, config=self.hf_config, source_dir=self.model_cfg.hf_checkpoint)
+        dist.barrier()
+
+    # ---- checkpoints ----------------------------------------------------------------------------------
+    def _sharded_state(self, *, with_optim: bool, is_loading: bool) -> dict:
+        model_sd = self.actor.module.sharded_state_dict()
+        state = {"model": model_sd}
+        if with_optim:
+            state["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+        return state
+
+    def save(self, path: str, extra_state: dict) -> None:
+        meta = {
+            "extra_state": extra_state,
+            "weight_version": self.weight_version,
+            "lr_schedule": self.scheduler.state_dict(),
+        }
+        save_optim = not self.train_cfg.no_save_optim
+
+        def write_model(model_dir: str) -> None:
+            os.makedirs(model_dir, exist_ok=True)
+            dist_checkpointing.save(self._sharded_state(with_optim=save_optim, is_loading=False), model_dir)
+
+        ckpt.save_checkpoint(path, {}, meta, save_optim=save_optim, write_model=write_model)
+
+    def load(self, path: str) -> dict:
+        resolved = ckpt.resolve_load_path(path)
+        if resolved is None:
+            raise FileNotFoundError(
+                f"no complete checkpoint under {path!r} (looked for iter_*/{ckpt.COMPLETE_MARKER})"
+            )
+
+        def read_model(model_dir: str, has_optim: bool) -> None:
+            state = dist_checkpointing.load(self._sharded_state(with_optim=has_optim, is_loading=True), model_dir)
+            self.actor.module.load_state_dict(state["model"], strict=False)
+            if has_optim:
+                self.optimizer.load_state_dict(state["optimizer"])
+
+        meta = ckpt.load_checkpoint(resolved, {}, read_model=read_model)
+        self.scheduler.load_state_dict(meta["lr_schedule"])
+        return meta.get("extra_state", {})
+
+    # ---- offload ------------------------------------------------------------------------------------
+    def _actor_tensors(self) -> Iterator[torch.Tensor]:
+        yield from module_tensors(self.actor.module)
+        for buf in self.actor.buffers + self.actor.expert_parallel_buffers:
+            yield from (t for t in (buf.param_data, buf.grad_data) if t is not None)
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = opt.optimizer
+            yield from (p for group in inner.param_groups for p in group["params"])
+            yield from optimizer_tensors(inner)
+
+    def offload(self) -> None:
+        """Weights, gradient buffers, fp32 master weights and Adam states to host; the reference model
+        too, brought back from then on only for its own forward."""
+        if self.ref is not None and "ref" not in self._offloaders:
+            self._offloaders["ref"] = HostOffloader("ref")
+            self._offloaders["ref"].offload(module_tensors(self.ref))
+        self._offloaders.setdefault("actor", HostOffloader("actor")).offload(self._actor_tensors())
+
+    def onload(self) -> None:
+        off = self._offloaders.get("actor")
+        if off is not None and off.is_offloaded:
+            off.onload()
+
+    # ---- metrics helpers ---------------------------------------------------------------------------
+    def peak_mem_gb(self) -> float:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**30
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+    @staticmethod
+    def now() -> float:
+        torch.cuda.synchronize()
+        return time.perf_counter()
