@@ -115,7 +115,7 @@ def _parallelism(cfg: MilesConfig) -> list[str]:
 
 
 # Built-in rollout features a --rollout-function-path replaces: given with one, they would do nothing.
-_BUILT_IN_ROLLOUT_ONLY = ("dynamic_sampling_filter_path", "rollout_sample_filter_path", "over_sampling_batch_size",
+_BUILT_IN_ROLLOUT_ONLY = ("dynamic_sampling_filter_path", "rollout_sample_filter_path",
                           "partial_rollout", "recompute_logprobs_via_prefill", "reward_phase")
 
 
@@ -125,6 +125,9 @@ def _agentic(cfg: MilesConfig) -> list[str]:
     if r.custom_agent_function_path and not r.use_session_server:
         e.append("--custom-agent-function-path needs --use-session-server: the session server records the agent's "
                  "tokens; add --use-session-server (v1 linear, v2 branching)")
+    if r.custom_agent_function_path and cfg.data.apply_chat_template:
+        e.append("--apply-chat-template with --custom-agent-function-path: the agent gets the prompt's messages and "
+                 "the session server applies the chat template; drop --apply-chat-template")
     if not r.use_session_server:
         for name in ("session_message_matcher", "tito_model"):
             if cfg.get(name) != FIELDS[name].default:

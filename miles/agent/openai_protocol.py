@@ -32,6 +32,7 @@ class ChatDefaults:
     max_tokens: int = 256
     max_context_len: int | None = None
     stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -67,6 +68,9 @@ def parse_chat_request(body: dict[str, Any], defaults: ChatDefaults) -> ChatRequ
     stop = body.get("stop", defaults.stop)
     if stop:
         params["stop"] = [stop] if isinstance(stop, str) else list(stop)
+    stop_ids = body.get("stop_token_ids", defaults.stop_token_ids)
+    if stop_ids:
+        params["stop_token_ids"] = [int(t) for t in stop_ids]
     if body.get("seed") is not None:
         params["sampling_seed"] = int(body["seed"])
     return ChatRequest(

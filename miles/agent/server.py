@@ -73,12 +73,12 @@ class _Prepared:
 
 
 class Gateway:
-    """Sessions over a router (`generate(payload, routing_key=)`, `release_key(key)`)."""
+    """Sessions over a router (`generate(payload, routing_key=)`, `release_key(key)`); `tito=None`: /generate only."""
 
     def __init__(
         self,
         router: Any,
-        tito: TitoTokenizer,
+        tito: TitoTokenizer | None,
         *,
         rule: str = "linear",
         matcher: Matcher = strict,
@@ -104,6 +104,10 @@ class Gateway:
 
     # ---- sessions -------------------------------------------------------------------------------
     def new_session(self, metadata: dict[str, Any] | None = None, max_turns: int | None = None) -> Session:
+        if self.tito is None:
+            raise ValueError(
+                "the session server is off in this run (only /generate is served); start it with --use-session-server"
+            )
         session = Session(self.rule, self.matcher, max_turns or self.max_turns, metadata=dict(metadata or {}))
         self.sessions[session.id] = session
         return session
