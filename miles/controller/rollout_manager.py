@@ -171,7 +171,8 @@ class GroupRunner:
         start = time.perf_counter()
         payload = {"input_ids": list(sample.tokens), "return_logprob": True, "logprob_start_len": sample.prompt_length,
                    "sampling_params": {"max_new_tokens": 0, "temperature": self.sampling.temperature}}
-        out = await self.router.generate(payload)
+        keyed = {"routing_key": sample.routing_key} if sample.routing_key else {}  # the engine that has its prefix
+        out = await self.router.generate(payload, **keyed)
         logprobs = [float(t[0]) for t in out["meta_info"]["input_token_logprobs"]]
         if len(logprobs) != sample.response_length:
             raise RuntimeError(f"prefill re-scoring returned {len(logprobs)} log-probs for "

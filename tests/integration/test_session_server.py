@@ -244,3 +244,109 @@ def test_under_the_router_a_session_stays_on_one_engine_and_new_sessions_go_to_t
     assert seen == {0: {a}, 1: {b}} or seen == {0: {b}, 1: {a}}  # each session on one engine, one each
     assert sum(len(e.requests) for e in engines) == 6
     assert keyless[0] == 400 and "routing key" in keyless[1]
+
+
+def test_miles_session_serve_answers_any_openai_client(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from miles.engines.tiny_model import make_tiny_model
+
+    model = make_tiny_model(str(tmp_path / "tiny"), seed=1)
+    env = {**os.environ, "MILES_TORCH_THREADS": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "miles.cli",
+        "session",
+        "serve",
+        "--model-path",
+        model,
+        "--port",
+        "0",
+        "--tito-model",
+        "chatml",
+        "--max-tokens",
+        "6",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert "OpenAI base_url" in line, line
+        url = line.rsplit("base_url ", 1)[1].strip(" )\n")
+        chat = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+        once = chat.chat.completions.create(model="m", messages=[USER], tools=[CALC])
+        assert once.usage.completion_tokens == 6 and once.choices[0].finish_reason == "length"
+        root = url.removesuffix("/v1")
+        sid = asyncio.run(new_session(root))
+        session = openai.OpenAI(base_url=f"{root}/sessions/{sid}/v1", api_key="unused", max_retries=0)
+        every_token = {"stop_token_ids": list(range(3, 576))}  # a one-token turn that stops (not at the length limit)
+        first = session.chat.completions.create(model="m", messages=[USER], extra_body=every_token)
+        history = [USER, first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "And?"}]
+        session.chat.completions.create(model="m", messages=history, extra_body=every_token)
+        state = asyncio.run(get_json(f"{root}/sessions/{sid}"))
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    c1, c2 = state["checkpoints"]
+    assert c2["parent"] == c1["index"] and c2["token_ids"][: len(c1["token_ids"])] == c1["token_ids"]
+
+
+def test_an_aborted_turn_ends_the_episode_and_its_sample_is_aborted():
+    engine = ScriptedEngine([Reply(canonical("Let me"), finish="abort")])
+
+    async def main():
+        async with gateway([engine]) as (gw, url):
+            sid = await new_session(url)
+            chat = client(f"{url}/sessions/{sid}/v1")
+            with pytest.raises(openai.InternalServerError, match="aborted"):
+                await chat.chat.completions.create(model="m", messages=[USER])
+            await chat.close()
+            return (await get_json(f"{url}/sessions/{sid}/samples", "POST", {}))["samples"]
+
+    (sample,) = asyncio.run(main())
+    assert sample["status"] == "aborted" and sample["response_length"] == len(canonical("Let me"))
+
+
+def test_with_a_key_only_a_sessions_own_routes_are_open_without_it():
+    engine = ScriptedEngine(default=Reply(canonical("ok") + [EOT]))
+
+    async def main():
+        servers = [await serve(engine.app())]
+        router = Router([EngineClient(servers[0][1])], session_mode=True)
+        handle = await start_gateway(Gateway(router, TITO), api_key="secret")
+        url, statuses = handle.url, {}
+        try:
+            async with aiohttp.ClientSession() as http:
+                for name, method, path, headers in (
+                    ("create_without_key", "POST", "/sessions", {}),
+                    ("generate_without_key", "POST", "/generate", {}),
+                    ("health", "GET", "/health", {}),
+                    ("create_with_key", "POST", "/sessions", {"Authorization": "Bearer secret"}),
+                ):
+                    async with http.request(method, url + path, json={}, headers=headers) as r:
+                        statuses[name] = r.status
+                        body = await r.json()
+                sid = body["session_id"]
+                chat = client(f"{url}/sessions/{sid}/v1")  # the session id in the path is the credential
+                reply = await chat.chat.completions.create(model="m", messages=[USER])
+                await chat.close()
+                async with http.get(f"{url}/sessions/not-a-session") as r:
+                    statuses["unknown_session"] = r.status
+            return statuses, reply
+        finally:
+            await handle.stop()
+            await router.close()
+            await servers[0][0].cleanup()
+
+    statuses, reply = asyncio.run(main())
+    assert statuses == {
+        "create_without_key": 401,
+        "generate_without_key": 401,
+        "health": 200,
+        "create_with_key": 200,
+        "unknown_session": 401,
+    }
+    assert reply.choices[0].message.content == "ok"
