@@ -142,8 +142,6 @@ class Gateway:
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_thread, fn, *args)
 
     def _prepare(self, session: Session, request: ChatRequest) -> _Prepared:
-        if not session.checkpoints:
-            session.tools = request.tools
         parent = session.attach(request.messages, request.tools)
         if parent is None:
             input_ids = self.tito.prompt_ids(request.messages, request.tools)
@@ -195,6 +193,7 @@ class Gateway:
             closed_turn=bool(ids) and ids[-1] == self.tito.end_of_turn_id,
             input_len=len(p.input_ids),
             turns=(p.parent.turns if p.parent else 0) + 1,
+            tools=request.tools,
         )
         async with _maybe_locked(session):
             session.add(checkpoint)

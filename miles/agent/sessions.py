@@ -49,6 +49,7 @@ class Checkpoint:
     closed_turn: bool  # the output ended with the end-of-turn token
     input_len: int  # tokens the engine was given for this turn
     turns: int  # model turns from the root to here
+    tools: list[dict] | None = None  # the request's tools (they are part of the rendered prompt)
 
     @property
     def extendable(self) -> bool:
@@ -86,22 +87,21 @@ class Session:
     max_turns: int
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     metadata: dict[str, Any] = field(default_factory=dict)
-    tools: list[dict] | None = None
     checkpoints: list[Checkpoint] = field(default_factory=list)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     created_s: float = field(default_factory=time.time)
 
     # ---- attach -------------------------------------------------------------------------------
     def attach(self, messages: list[dict], tools: list[dict] | None) -> Checkpoint | None:
-        """The checkpoint a request extends (None: a fresh first turn); SessionConflict when refused."""
-        if self.checkpoints and tools != self.tools:
-            if self.rule == "linear":
-                raise SessionConflict(
-                    "the request's tools differ from the session's first request; a linear "
-                    "session keeps one tool set (use v2, or a new session)"
-                )
-            return None
-        parent = self._attach_linear(messages) if self.rule == "linear" else self._attach_branching(messages)
+        """The checkpoint a request extends (None: a fresh first turn); SessionConflict when refused.
+
+        A checkpoint matches when its tools are the request's and each of its messages matches the
+        request's message at the same position.
+        """
+        if self.rule == "linear":
+            parent = self._attach_linear(messages, tools)
+        else:
+            parent = self._attach_branching(messages, tools)
         turns = parent.turns if parent is not None else 0
         if turns >= self.max_turns:
             raise SessionConflict(
@@ -109,18 +109,20 @@ class Session:
             )
         return parent
 
-    def _matches(self, node: Checkpoint, messages: list[dict], start: int = 0) -> bool:
+    def _matches(self, node: Checkpoint, messages: list[dict], tools: list[dict] | None, start: int = 0) -> bool:
         stored = node.messages
-        return len(messages) >= len(stored) and all(
-            self.matcher(a, b) for a, b in zip(stored[start:], messages[start : len(stored)], strict=True)
+        return (
+            node.tools == tools
+            and len(messages) >= len(stored)
+            and all(self.matcher(a, b) for a, b in zip(stored[start:], messages[start : len(stored)], strict=True))
         )
 
-    def _attach_linear(self, messages: list[dict]) -> Checkpoint | None:
+    def _attach_linear(self, messages: list[dict], tools: list[dict] | None) -> Checkpoint | None:
         path = self.checkpoints
         if not path:
             return None
         tip = path[-1]
-        if self._matches(tip, messages):
+        if self._matches(tip, messages, tools):
             if not tip.extendable:
                 raise SessionConflict(
                     f"the last turn ended with finish_reason={tip.finish_reason!r}; a trajectory "
@@ -128,15 +130,17 @@ class Session:
                 )
             return tip
         back = tip.parent
-        if back is None or self._matches(back, messages):
+        if back is None or self._matches(back, messages, tools):
             return back  # a retry of the last turn: `add` drops the rolled-back turn
+        what = "its tools differ from the session's" if back.tools != tools else "it diverges from the session"
         raise SessionConflict(
-            f"the request diverges from the session before its last turn (it has {len(messages)} messages, the "
-            f"session {len(tip.messages)}); a linear session only extends or retries its last turn: check the "
-            "history the agent replays, loosen --session-message-matcher, or use --use-session-server v2"
+            f"the request cannot extend this linear session: {what} before the last turn (the request has "
+            f"{len(messages)} messages, the session {len(tip.messages)}); a linear session only extends or retries "
+            "its last turn: check the history the agent replays, loosen --session-message-matcher, or use "
+            "--use-session-server v2"
         )
 
-    def _attach_branching(self, messages: list[dict]) -> Checkpoint | None:
+    def _attach_branching(self, messages: list[dict], tools: list[dict] | None) -> Checkpoint | None:
         node: Checkpoint | None = None
         while True:
             start = len(node.messages) if node is not None else 0
@@ -144,7 +148,7 @@ class Session:
                 (
                     c
                     for c in reversed(self.checkpoints)
-                    if c.parent is node and c.extendable and self._matches(c, messages, start)
+                    if c.parent is node and c.extendable and self._matches(c, messages, tools, start)
                 ),
                 None,
             )

@@ -1,11 +1,11 @@
 """Each plug-in layer drives a short `miles train` run on CPU: the calculator environment, tiny model.
 
-The random tiny model never calls the tool nor answers, so every episode runs to the turn limit:
-model turn, reminder (a user turn), model turn, reminder, model turn. Many stop ids end each turn
-after a few tokens, so the turns are short and the reminders are most of the response. The checks:
-every step trained, the samples are multi-turn, only the model's tokens are trained on, and the
-trainer's log-probs line up with the engine's on exactly those tokens (a mask shifted by one token
-would compare log-probs of different tokens).
+The random tiny model almost never calls the tool or answers, so most episodes run to the turn
+limit: model turn, reminder (a user turn), model turn, reminder, model turn. Many stop ids end
+each turn after a few tokens, so the turns are short and the reminders are most of the response.
+The checks: every step trained, the samples are multi-turn, only the model's tokens are trained
+on, and the trainer's log-probs line up with the engine's on exactly those tokens (a mask shifted
+by one token would compare log-probs of different tokens).
 """
 
 from __future__ import annotations
@@ -39,13 +39,13 @@ def test_each_layer_runs_multi_turn_episodes_end_to_end(tmp_path: Path, layer: s
     rows = run_train(tmp_path / layer, *CALCULATOR, *LAYERS[layer])
     assert [r["step"] for r in rows] == [0, 1]
     for row in rows:
-        assert row["rollout/turns_mean"] == TURNS and row["rollout/turns_max"] == TURNS
+        # a reply that happens to be a lone digit is an answer and ends its episode early
+        assert 1.5 < row["rollout/turns_mean"] <= TURNS and row["rollout/turns_max"] == TURNS
         assert 0.0 < row["rollout/model_token_frac"] < 0.5  # reminders are most of each response, masked
-        assert row["rollout/reward_mean"] == 0.0  # a random model never writes "Answer: <the number>"
         assert row["train/train_rollout_logprob_abs_diff"] < 1e-3
         assert math.isfinite(row["train/loss"])
     if layer == "rollout":
-        assert rows[0]["rollout/calculator/turns_mean"] == TURNS  # the plug-in's own metrics are logged
+        assert rows[0]["rollout/calculator/turns_mean"] == rows[0]["rollout/turns_mean"]  # its own metrics, logged
 
 
 def test_a_bad_agent_function_stops_the_run_before_any_worker_starts(tmp_path: Path):

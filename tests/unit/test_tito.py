@@ -155,9 +155,9 @@ def test_matcher_by_path_and_refusal():
 USER = {"role": "user", "content": "q"}
 
 
-def turn(session: Session, messages: list[dict], reply: str, *, finish: str = "stop") -> Checkpoint:
+def turn(session: Session, messages: list[dict], reply: str, *, finish: str = "stop", tools=None) -> Checkpoint:
     """Attach like the server, then store a checkpoint: one made-up token per new message, two generated."""
-    parent = session.attach(messages, None)
+    parent = session.attach(messages, tools)
     appended = len(messages) - (len(parent.messages) if parent else 0)
     ids = (parent.token_ids if parent else []) + [7] * appended + [5, 2]
     mask = (parent.loss_mask if parent else []) + [0] * appended + [1, 1]
@@ -174,6 +174,7 @@ def turn(session: Session, messages: list[dict], reply: str, *, finish: str = "s
         True,
         len(ids) - 2,
         (parent.turns if parent else 0) + 1,
+        tools,
     )
     session.add(checkpoint)
     return checkpoint
@@ -223,16 +224,19 @@ def test_turn_limit_counts_model_turns_along_the_path():
         s.attach(history(b, USER), None)
 
 
-def test_changed_tools_refused_in_linear_and_a_new_branch_in_branching():
+def test_tools_are_part_of_the_match():
     tools = [{"type": "function", "function": {"name": "calculator"}}]
-    linear, branching = Session("linear", strict, max_turns=8), Session("branching", strict, max_turns=8)
-    for s in (linear, branching):
-        first = turn(s, [USER], "a")
-        s.tools = tools  # as the first request set them
+    linear = Session("linear", strict, max_turns=8)
+    first = turn(linear, [USER], "a")
+    b = turn(linear, history(first, USER), "b")
     with pytest.raises(SessionConflict, match="tools differ"):
-        linear.attach(history(first, USER), None)
-    assert branching.attach(history(branching.checkpoints[0], USER), None) is None
-    assert branching.attach(history(branching.checkpoints[0], USER), tools) is branching.checkpoints[0]
+        linear.attach(history(b, USER), tools)
+    branching = Session("branching", strict, max_turns=8)
+    root = turn(branching, [USER], "a")
+    other = turn(branching, history(root, USER), "b", tools=tools)  # another tool set: a branch of its own
+    assert other.parent is None
+    assert branching.attach(history(other, USER), tools) is other  # and that branch extends
+    assert branching.attach(history(root, USER), None) is root
 
 
 # ---------------------------------------------------------------- assembling a sample

@@ -1,10 +1,12 @@
-"""Multi-step arithmetic with a calculator tool, at each of the three plug-in layers.
+"""Arithmetic in one or two steps with a calculator tool, at each of the three plug-in layers.
 
-A task is a two-operation expression ("What is (12 + 7) * 3?"). The model may call the tool
-`calculator` with {"expression": ...} and gets the value back as a tool message; it ends with
-"Answer: <number>". A reply with neither a call nor an answer gets a one-line reminder as a user
-turn. The episode ends at the answer, at the turn limit (`--generate-max-turns`) or at the length
-limit. Reward: 1.0 when the last "Answer: N" equals the label, else 0.0.
+A task is an expression of one or two operations ("What is 14 * 6?", "What is (12 + 7) * 3?").
+The model may call the tool `calculator` with {"expression": ...} and gets the value back as a
+tool message. Its final answer is "Answer: N", or else the number after the last "=" of a reply
+("18 * 7 = 126"), or a reply that is just a number. A reply with neither a call nor an answer
+gets a one-line reminder as a user turn. The episode ends at an answer, at the turn limit
+(`--generate-max-turns`) or at the length limit. Reward: 1.0 when the final answer of the last
+assistant turn equals the label, else 0.0.
 
     --custom-agent-function-path miles.agent.envs.calculator.agent --use-session-server --tito-model chatml
     --custom-generate-function-path miles.agent.envs.calculator.generate
@@ -36,8 +38,8 @@ from miles.agent.families import FAMILIES
 from miles.agent.gateway_client import generate_tokens
 from miles.agent.plugins import (
     GenerateFnInput,
-    GenerateState,
     GenerateFnOutput,
+    GenerateState,
     RolloutFnConstructorInput,
     RolloutFnTrainInput,
     RolloutFnTrainOutput,
@@ -59,8 +61,19 @@ TOOL = {
         "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
     },
 }
-FORMS = ("({a} + {b}) * {c}", "{a} * {c} + {b}", "{a} + {b} - {c}", "({a} - {b}) * {c}")
-_ANSWER = re.compile(r"Answer:\s*(-?\d+(?:\.\d+)?)")
+FORMS = (
+    "{a} + {b}",
+    "{a} - {b}",
+    "{a} * {c}",
+    "({a} + {b}) * {c}",
+    "{a} * {c} + {b}",
+    "{a} + {b} - {c}",
+    "({a} - {b}) * {c}",
+)  # one and two operations, drawn uniformly
+_NUMBER = r"-?\d+(?:\.\d+)?"
+_ANSWER = re.compile(rf"Answer:\s*({_NUMBER})")
+_FIRST_NUMBER = re.compile(_NUMBER)
+_ONLY_NUMBER = re.compile(rf"\s*({_NUMBER})\s*\.?\s*")
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 
 
@@ -87,8 +100,16 @@ def _eval(node: ast.AST) -> float:
 
 
 def final_answer(text: str) -> float | None:
-    found = _ANSWER.findall(text or "")
-    return float(found[-1]) if found else None
+    """The last `Answer: N`, else the number after the last "=", else a reply that is only a number."""
+    text = text or ""
+    found = _ANSWER.findall(text)
+    if found:
+        return float(found[-1])
+    if "=" in text:
+        after = _FIRST_NUMBER.search(text.rpartition("=")[2])
+        return float(after.group(0)) if after else None
+    only = _ONLY_NUMBER.fullmatch(text)
+    return float(only.group(1)) if only else None
 
 
 def score(text: str, label: str) -> float:
@@ -96,9 +117,15 @@ def score(text: str, label: str) -> float:
     return float(answer is not None and abs(answer - float(label)) < 1e-6)
 
 
+def last_reply(sample: Sample) -> str:
+    """The text of the episode's last assistant turn (the whole response when no messages were kept)."""
+    replies = [m for m in sample.metadata.get("messages") or [] if m.get("role") == "assistant"]
+    return (replies[-1].get("content") or "") if replies else sample.response
+
+
 async def reward(args: Any, sample: Sample, **kwargs: Any) -> float:
-    """`--custom-rm-path miles.agent.envs.calculator.reward`: the last "Answer: N" of the response."""
-    return score(sample.response, sample.label)
+    """`--custom-rm-path miles.agent.envs.calculator.reward`: the final answer of the last assistant turn."""
+    return score(last_reply(sample), sample.label)
 
 
 # ---------------------------------------------------------------- the episode, shared by the layers
@@ -258,7 +285,7 @@ class CalculatorRollout:
     async def _episode(self, sample: Sample) -> None:
         sample.routing_key = uuid.uuid4().hex
         await generate(GenerateFnInput(self.state, sample, dict(self.sampling)))
-        sample.reward = score(sample.response, sample.label)
+        sample.reward = score(last_reply(sample), sample.label)
 
 
 # ---------------------------------------------------------------- task files
