@@ -34,6 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 DEMO = ["--config", "launch/configs/demo_cpu.yaml", "--eval-interval", "0", "--num-rollout", "40"]
 SMOLLM2 = ["--config", "launch/configs/smollm2_arith_gpu.yaml"]
+CALCULATOR = ["--config", "launch/configs/smollm2_calculator_gpu.yaml"]
 
 
 @dataclass(slots=True)
@@ -41,7 +42,7 @@ class Run:
     name: str
     gpus: int
     flags: list[str]
-    group: str  # core | crash | smollm2 | precision
+    group: str  # core | crash | smollm2 | precision | agentic
     learns: str = "rollout"  # rollout | heldout | none (stability only)
     long_answers: bool = False  # every prompt forces 512 new tokens (ignore_eos)
     env: dict[str, str] = field(default_factory=dict)
@@ -62,6 +63,8 @@ def _runs() -> list[Run]:
         ),
         Run("smollm2_colocate", 1, [*SMOLLM2, "--colocate"], "smollm2", learns="heldout"),
         Run("smollm2_disagg", 2, SMOLLM2, "smollm2", learns="heldout"),
+        # multi-turn with a tool through the session server; the rollout reward (last 5 steps vs the first) rises
+        Run("smollm2_calculator_colocate", 1, [*CALCULATOR, "--colocate"], "agentic"),
         Run(
             "smollm2_bf16ckpt_colocate",
             1,
@@ -109,7 +112,7 @@ RUNS = {r.name: r for r in _runs()}
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", nargs="*", default=[], help=f"runs by name: {', '.join(RUNS)}")
-    p.add_argument("--group", nargs="*", default=[], help="every run of these groups: core, crash, smollm2, precision")
+    p.add_argument("--group", nargs="*", default=[], help="every run of these groups: core, crash, smollm2, precision, agentic")
     p.add_argument("--list", action="store_true", help="print the runs and their commands, run nothing")
     p.add_argument("--parallel", type=int, default=1, help="commands at once (their GPUs are shared)")
     p.add_argument("--timeout-s", type=float, default=900.0, help="per run")

@@ -25,6 +25,7 @@ COMMANDS = {
     "train": "train with RL: miles train --config FILE [--flag value ...] (see miles train --help)",
     "tiny-model": "write a tiny randomly initialised HF model: miles tiny-model OUT_DIR [--arch ...]",
     "engine": "run a rollout engine: miles engine serve --model-path DIR --port N",
+    "session": "the session server for agents: miles session serve --model-path DIR --port N | session check",
     "config": "print the configuration reference: miles config --markdown",
     "plot": "plot the curves of a run: miles plot RUN_DIR",
     "sweep": "expand, list, run or submit a grid sweep: miles sweep SWEEP.yaml [--list | --task-id N | --submit]",
@@ -112,6 +113,15 @@ def cmd_engine(argv: list[str]) -> int:
     return _result_code(serve(argv[1:]))
 
 
+def cmd_session(argv: list[str]) -> int:
+    commands = {"serve": "serve_main", "check": "check_main"}
+    if not argv or argv[0] not in commands:
+        raise UsageError("usage: miles session serve --model-path DIR --port N [...] | "
+                         "miles session check --model-path DIR --tito-model NAME")
+    entry = _import_entry("miles.controller.session_serve", commands[argv[0]], "miles session: not available")
+    return _result_code(entry(argv[1:]))
+
+
 def cmd_config(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="miles config", description="Print the configuration reference.")
     parser.add_argument("--markdown", action="store_true", help="Markdown tables (docs/config.md is this output)")
@@ -177,6 +187,7 @@ HANDLERS: dict[str, Callable[[list[str]], int]] = {
     "train": cmd_train,
     "tiny-model": cmd_tiny_model,
     "engine": cmd_engine,
+    "session": cmd_session,
     "config": cmd_config,
     "plot": cmd_plot,
     "sweep": cmd_sweep,

@@ -146,6 +146,10 @@ def build_parser(prog: str = "miles train") -> argparse.ArgumentParser:
                     default=argparse.SUPPRESS,
                     help=text,
                 )
+            elif spec.const is not None:  # `--flag` alone means `const`, `--flag VALUE` picks another
+                arg_group.add_argument(
+                    spec.flag, dest=spec.name, nargs="?", const=spec.const, default=argparse.SUPPRESS, help=text
+                )
             else:
                 metavar = spec.elem.__name__.upper() if spec.base is list else spec.base.__name__.upper()
                 arg_group.add_argument(

@@ -45,6 +45,7 @@ ENUM_CHOICES: dict[str, tuple[str, ...]] = {
     "async_unused_samples_handler": ("retry", "drop"),
     "async_staleness_policy": ("drop", "pace"),
     "wandb_mode": ("online", "offline", "disabled"),
+    "use_session_server": ("v1", "v2"),
 }
 
 

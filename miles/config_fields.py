@@ -84,6 +84,7 @@ class FieldSpec:
     help: str
     nargs: str | None
     cli: bool
+    const: Any = None  # the value of a bare flag whose value is optional (nargs "?")
 
     @property
     def flag(self) -> str:
@@ -125,6 +126,7 @@ def _field_specs() -> dict[str, FieldSpec]:
                 help=f.metadata.get("help", ""),
                 nargs=f.metadata.get("nargs", "*" if origin is list else None),
                 cli=f.metadata.get("cli", True),
+                const=f.metadata.get("const"),
             )
     return specs
 
@@ -177,6 +179,8 @@ def _fail() -> Any:
 
 def convert(spec: FieldSpec, raw: Any, source: str) -> Any:
     """Coerce a YAML or command-line value to the field's type; ConfigError names the source."""
+    if spec.const is not None and isinstance(raw, bool):  # YAML `flag: true` is the bare flag
+        return spec.const if raw else None
     if raw is None or (spec.optional and isinstance(raw, str) and raw.lower() in ("none", "null")):
         if spec.optional:
             return None

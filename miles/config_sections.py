@@ -67,15 +67,19 @@ class RolloutConfig:
     dynamic_sampling_filter_path: str | None = _f(None, "ROLLOUT", "import path of a group filter (e.g. miles.rollout.filters.check_reward_nonzero_std)")
     rollout_max_consecutive_drops: int | None = _f(None, "ROLLOUT", "stop the run after this many dropped groups in a row: reward failed, aborted or filtered (default: 16 x over_sampling_batch_size)")
     rollout_submission_granularity: str | None = _f(None, "ROLLOUT", "group | sample (default: group in sync, sample in fully async)")
-    rollout_function_path: str | None = _f(None, "ROLLOUT", "import path of a custom rollout function/class")
-    custom_generate_function_path: str | None = _f(None, "ROLLOUT", "import path of a custom generate function")
-    custom_agent_function_path: str | None = _f(None, "ROLLOUT", "import path of an agent function (session server)")
+    rollout_function_path: str | None = _f(None, "ROLLOUT", "import path of a rollout class or function replacing the whole rollout (its own tasks, groups, rewards); see docs/agentic.md")
+    custom_generate_function_path: str | None = _f(None, "ROLLOUT", "import path of async generate(args, sample, sampling_params) -> Sample | list[Sample], replacing generation and token recording")
+    custom_agent_function_path: str | None = _f(None, "ROLLOUT", "import path of async agent(base_url, prompt, request_kwargs, metadata, **kw) talking to the session server (needs --use-session-server)")
+    generate_max_turns: int = _f(16, "ROLLOUT", "most model turns of one multi-turn trajectory (generate functions and agent sessions)")
     rollout_sample_filter_path: str | None = _f(None, "ROLLOUT", "fn(args, groups) marking remove_sample in place")
     partial_rollout: bool = _f(False, "ROLLOUT", "keep partial groups at abort and resume them next step")
     recompute_logprobs_via_prefill: bool = _f(False, "ROLLOUT", "re-score sampled tokens with a prefill pass")
     sglang_server_concurrency: int = _f(512, "ROLLOUT", "max requests in flight per engine (the rollout sends at most this x engines at once)")
     reward_phase: str = _f("inline", "ROLLOUT", "inline (score as each sample finishes) | separate (generate all, then score)")
-    use_session_server: bool = _f(False, "ROLLOUT", "route multi-turn sessions through the session server (key affinity)")
+    use_session_server: str | None = _f(None, "ROLLOUT", "start the token-in-token-out session server: v1 (linear, the bare flag) or v2 (branching); every request carries a routing key", metadata={"nargs": "?", "const": "v1"})
+    session_server_port: int = _f(0, "ROLLOUT", "port of the session server on the controller host (0: a free one)")
+    session_message_matcher: str = _f("strict", "ROLLOUT", "when a replayed message counts as the stored one: strict | loose_tool_call | role_content_only | import path of fn(stored, replayed) -> bool")
+    tito_model: str = _f("default", "ROLLOUT", "model family of the session server's tokenisation: chatml | default (the checkpoint's own template, unverified) | import path of a ModelFamily")
 
 
 @dataclass

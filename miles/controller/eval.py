@@ -74,7 +74,7 @@ class Evaluator:
         source.rewind()  # every eval draws the whole set with the same ids
         groups = source.get_samples(len(source))
         args = self.run.args
-        runner = GroupRunner(args, router or self.run.router, self.run.tokenizer, self.sampling)
+        runner = GroupRunner(args, router or self.run.router, self.run.tokenizer, self.sampling, evaluation=True)
         version = self.run.weight_version if version is None else version
         done = await asyncio.gather(*(runner.run(g) for g in groups))
         samples = [s for g in done for s in g]

@@ -25,6 +25,7 @@ from miles.controller.rollout_manager import (
     GroupRunner,
     SyncRolloutManager,
     group_drop_reason,
+    prompt_group,
     retry_after_reward_failure,
     sampling_from_config,
 )
@@ -62,7 +63,7 @@ class GroupLedger:
         """Fresh copies of every unresolved group's prompts (outputs cleared), oldest first."""
         out = []
         for group in sorted(self._groups.values(), key=lambda g: g[0].group_index or 0):
-            copies = [Sample.from_dict(s.to_dict()) for s in group]
+            copies = [Sample.from_dict(s.to_dict()) for s in prompt_group(group)]
             for c in copies:
                 c.reset_for_retry()
             out.append([c.to_dict() for c in copies])
@@ -210,7 +211,7 @@ class AsyncProducer:
     async def _run_group(self, group: Group) -> None:
         released = 0
 
-        async def one(sample: Sample) -> Sample:
+        async def one(sample: Sample) -> list[Sample]:
             nonlocal released
             try:
                 return await self.runner._one(sample)
@@ -220,7 +221,8 @@ class AsyncProducer:
                     self._slots.release()
 
         try:
-            group[:] = await asyncio.gather(*(one(s) for s in group))  # the same list: the ledger knows it
+            # the same list object (the ledger knows it); a generate function may return several trajectories
+            group[:] = [s for trajectory in await asyncio.gather(*(one(s) for s in group)) for s in trajectory]
             if self.runner.args.group_rm or self.runner.group_reward_fn is not None:
                 await self.runner.score(group, whole_group=True)
         finally:
@@ -245,6 +247,7 @@ def _unused_handler(run: MilesRun, ledger: GroupLedger, policy: str):
             return
         if any(s.status == SampleStatus.FAILED for s in group) and not retry_after_reward_failure(group):
             return
+        group = prompt_group(group)
         for s in group:
             s.reset_for_retry()
         run.data_source.add_samples([group])

@@ -12,6 +12,7 @@ import logging
 
 from miles.controller.debug_rollout import debug_rollouts
 from miles.controller.eval import Evaluator
+from miles.controller.plugin_rollout import PluginRolloutManager
 from miles.controller.rollout_manager import SyncRolloutManager
 from miles.controller.run import MilesRun, run_driver
 from miles.controller.signals import StopRequest, StopRequested
@@ -25,9 +26,7 @@ async def train(cfg) -> str:
     run = await MilesRun.start(cfg)
     async with run:
         # --load-debug-rollout-data replays saved rollouts; --save-debug-rollout-data writes each step's
-        rollout = debug_rollouts(cfg.runtime, run.start_rollout_id, lambda: SyncRolloutManager(
-            run.args, cfg.rollout, run.router, run.data_source, run.tokenizer,
-            seed=cfg.data.rollout_seed if cfg.engine.deterministic else None, stop=stop.event))
+        rollout = debug_rollouts(cfg.runtime, run.start_rollout_id, lambda: rollout_manager(cfg, run, stop))
         evaluator = Evaluator(cfg, run)
         await run.push_weights(version=run.weight_version)  # engines start from the trainer's weights
         await evaluator.maybe_eval(run.start_rollout_id, before_train=True)
@@ -59,6 +58,14 @@ async def train(cfg) -> str:
                     break
     stop.uninstall()
     return cfg.runtime.output_dir
+
+
+def rollout_manager(cfg, run: MilesRun, stop: StopRequest) -> SyncRolloutManager | PluginRolloutManager:
+    """The built-in rollout, or the one `--rollout-function-path` names (its own tasks, groups and rewards)."""
+    if cfg.rollout.rollout_function_path:
+        return PluginRolloutManager(run.args, cfg.rollout, run.data_source, lambda: run.weight_version)
+    return SyncRolloutManager(run.args, cfg.rollout, run.router, run.data_source, run.tokenizer,
+                              seed=cfg.data.rollout_seed if cfg.engine.deterministic else None, stop=stop.event)
 
 
 def weights_due(cfg, evaluator: Evaluator, step: int) -> bool:

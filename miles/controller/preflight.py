@@ -17,6 +17,7 @@ import tempfile
 from dataclasses import dataclass, replace
 from typing import Any
 
+from miles.agent.plugins import PLUGIN_CHECKS, PluginShapeError
 from miles.config_fields import FIELDS
 from miles.controller.placement import Placement
 from miles.launch import LaunchEnv, with_controller_flags
@@ -104,9 +105,11 @@ def controller_address(runtime: Any, le: LaunchEnv) -> LaunchEnv:
 
 # ---------------------------------------------------------------- plug-in paths
 
-# Fields the run resolves with `load_function`, in the controller or in a worker. The other `*_path`
-# plug-in flags (custom rollout, generate, agent functions) are refused in config_refusals.py.
+# Fields the run resolves with `load_function`, in the controller or in a worker.
 PLUGIN_FIELDS: tuple[str, ...] = (
+    "rollout_function_path",
+    "custom_generate_function_path",
+    "custom_agent_function_path",
     "data_source_path",
     "dynamic_sampling_filter_path",
     "rollout_sample_filter_path",
@@ -138,6 +141,11 @@ def check_plugin_paths(cfg: Any) -> None:
                 f"{flag} {path!r} resolved to a {type(obj).__name__}, which cannot be called; "
                 "point it at a function or class"
             )
+        if name in PLUGIN_CHECKS:  # the plug-in layers are called with fixed signatures: check them now
+            try:
+                PLUGIN_CHECKS[name](obj)
+            except PluginShapeError as e:
+                raise PreflightError(f"{flag} {path!r} cannot be used: {e}") from None
 
 
 def check_train_backend(cfg: Any, placement: Placement) -> None:

@@ -19,12 +19,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from miles.agent.plugins import agent_abort_hook, load_generate
 from miles.controller.drop_guard import DropGuard, max_consecutive_drops
 from miles.controller.signals import StopRequested
 from miles.errors import RolloutStalled
@@ -69,7 +71,7 @@ class GroupRunner:
     """Generates and scores one group; shared by the sync rollout, eval and the fully async producer."""
 
     def __init__(self, args, router, tokenizer, sampling: SamplingDefaults, *, reward_inline: bool = True,
-                 deterministic_seed: int | None = None, recompute_logprobs: bool = False):
+                 deterministic_seed: int | None = None, recompute_logprobs: bool = False, evaluation: bool = False):
         self.args = args
         self.router = router
         self.tokenizer = tokenizer
@@ -78,6 +80,12 @@ class GroupRunner:
         self.deterministic_seed = deterministic_seed
         self.group_reward_fn = load_function(getattr(args, "group_reward_path", None))
         self.recompute_logprobs = recompute_logprobs
+        self.evaluation = evaluation
+        self.plugin_generate = plugin_generate_fn(args)  # None: the built-in single-turn generate
+        self.abort_hook = agent_abort_hook(getattr(args, "custom_agent_function_path", None))
+        # one routing key per trajectory: every turn on one engine (and none missing in session mode)
+        self.keyed = bool(getattr(args, "use_session_server", None)) or self.plugin_generate is not None
+        self.tool_time_s = 0.0
         # Miles' --sglang-server-concurrency: at most this many samples in flight per engine
         engines = len(getattr(router, "engines", ())) or 1
         self.concurrency = args.sglang_server_concurrency * engines
@@ -92,19 +100,44 @@ class GroupRunner:
             return None
         return self.deterministic_seed + sample.index
 
-    async def _one(self, sample: Sample) -> Sample:
-        async with self.in_flight:
-            sample = await generate_sample(self.router, sample, self.tokenizer, self.sampling, seed=self._seed(sample))
-            if self.recompute_logprobs and sample.status != SampleStatus.ABORTED and sample.response_length:
-                await self.recompute(sample)
-        if (self.reward_inline and not self.args.group_rm and sample.status != SampleStatus.ABORTED
-                and sample.reward is None):  # a sample finished before a partial-rollout abort keeps its reward
-            await self.score([sample])
-        return sample
+    async def _one(self, sample: Sample) -> list[Sample]:
+        """One trajectory: a sample, or several from a generate function that returns a list."""
+        key = sample.routing_key = sample.routing_key or (uuid.uuid4().hex if self.keyed else None)
+        try:
+            async with self.in_flight:
+                samples = await self._generate(sample)
+                for s in samples:
+                    if self.recompute_logprobs and s.status != SampleStatus.ABORTED and s.response_length:
+                        await self.recompute(s)
+        finally:
+            if key is not None and hasattr(self.router, "release_key"):
+                self.router.release_key(key)
+        self.tool_time_s += sum(s.non_generation_time for s in samples)
+        # a sample finished before a partial-rollout abort keeps its reward
+        unscored = [s for s in samples if s.status != SampleStatus.ABORTED and s.reward is None]
+        if self.reward_inline and not self.args.group_rm and unscored:
+            await self.score(unscored)
+        return samples
+
+    async def _generate(self, sample: Sample) -> list[Sample]:
+        if self.plugin_generate is None:
+            return [await generate_sample(self.router, sample, self.tokenizer, self.sampling, seed=self._seed(sample))]
+        if sample.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED):
+            return [sample]
+        params = {**self.sampling.to_payload(0, seed=self._seed(sample)),
+                  **(sample.metadata.get("sampling_params") or {})}  # per-prompt overrides
+        return await self.plugin_generate(self.args, sample, params, self.evaluation, self.tokenizer)
+
+    async def on_abort(self) -> None:
+        """The agent function's sibling `abort` hook, once the engines aborted the rollout's requests."""
+        if self.abort_hook is not None:
+            result = self.abort_hook()
+            if asyncio.iscoroutine(result):
+                await result
 
     def _batchable(self, group: list[Sample]) -> bool:
         """One batched call for the group: all fresh, one round trip each, no session routing."""
-        return (1 < len(group) <= self.concurrency and not self.recompute_logprobs
+        return (1 < len(group) <= self.concurrency and not self.recompute_logprobs and not self.keyed
                 and getattr(self.router, "batched_generate", False) and not getattr(self.router, "session_mode", False)
                 and all(is_fresh(s) for s in group))
 
@@ -127,7 +160,7 @@ class GroupRunner:
         if self._batchable(group):
             group = await self._batch(group)
         else:
-            group = list(await asyncio.gather(*(self._one(s) for s in group)))
+            group = [s for trajectory in await asyncio.gather(*(self._one(s) for s in group)) for s in trajectory]
         if self.reward_inline and (self.args.group_rm or self.group_reward_fn):
             if not any(s.status == SampleStatus.ABORTED for s in group):
                 await self.score(group, whole_group=True)
@@ -138,7 +171,8 @@ class GroupRunner:
         start = time.perf_counter()
         payload = {"input_ids": list(sample.tokens), "return_logprob": True, "logprob_start_len": sample.prompt_length,
                    "sampling_params": {"max_new_tokens": 0, "temperature": self.sampling.temperature}}
-        out = await self.router.generate(payload)
+        keyed = {"routing_key": sample.routing_key} if sample.routing_key else {}  # the engine that has its prefix
+        out = await self.router.generate(payload, **keyed)
         logprobs = [float(t[0]) for t in out["meta_info"]["input_token_logprobs"]]
         if len(logprobs) != sample.response_length:
             raise RuntimeError(f"prefill re-scoring returned {len(logprobs)} log-probs for "
@@ -199,9 +233,30 @@ class GroupRunner:
         m = {"rollout/reward_failed_samples": float(self.reward_failures),
              "perf/rollout/reward_time_sum": self.reward_time_s,
              "perf/rollout/log_prob_recompute_time_sum": self.recompute_time_s}
+        if self.plugin_generate is not None:  # tool / environment seconds, apart from generation
+            m["perf/rollout/tool_time_sum"] = self.tool_time_s
         self.reward_failures = 0
-        self.reward_time_s = self.recompute_time_s = 0.0
+        self.reward_time_s = self.recompute_time_s = self.tool_time_s = 0.0
         return m
+
+
+def prompt_group(group: list[Sample]) -> list[Sample]:
+    """One sample per prompt copy (a generate function may have turned one into several trajectories)."""
+    seen: set[int | None] = set()
+    out = []
+    for s in group:
+        if s.index is None or s.index not in seen:
+            seen.add(s.index)
+            out.append(s)
+    return out
+
+
+def plugin_generate_fn(args):
+    """The generate plug-in of the run (the agent driver when only an agent function is given), or None."""
+    path = getattr(args, "custom_generate_function_path", None)
+    if not path and getattr(args, "custom_agent_function_path", None):
+        path = "miles.agent.agentic:generate"
+    return load_generate(path) if path else None
 
 
 def group_drop_reason(group: list[Sample], *, scored: bool = True) -> str | None:
@@ -341,6 +396,7 @@ class SyncRolloutManager:
 
     def _hand_back(self, groups: list[list[Sample]]) -> None:
         """Return groups' prompts to the data source, outputs cleared: they are generated again."""
+        groups = [prompt_group(g) for g in groups]
         for group in groups:
             for s in group:
                 s.reset_for_retry()
@@ -358,6 +414,7 @@ class SyncRolloutManager:
         groups = list(surplus)
         if pending:
             await self.router.broadcast("abort_request", abort_all=True)
+            await self.runner.on_abort()
             results = await asyncio.gather(*pending, return_exceptions=True)
             groups += [g for g in results if isinstance(g, list)]  # over-sampled, not needed: back in order
         if not self.cfg.partial_rollout:
@@ -389,4 +446,16 @@ class SyncRolloutManager:
         }
         for k, v in drops.items():
             m[f"rollout/{k}"] = float(v)
+        m.update(multi_turn_metrics(samples))
         return m
+
+
+def multi_turn_metrics(samples: list[Sample]) -> dict[str, float]:
+    """Turns per trajectory and the share of response tokens the model generated (loss mask 1)."""
+    turns = [s.metadata["num_turns"] for s in samples if "num_turns" in s.metadata]
+    if not turns:
+        return {}
+    masked = [sum(s.loss_mask) for s in samples if s.loss_mask is not None]
+    lengths = sum(s.response_length for s in samples if s.loss_mask is not None)
+    return {"rollout/turns_mean": float(np.mean(turns)), "rollout/turns_max": float(max(turns)),
+            "rollout/model_token_frac": float(sum(masked)) / lengths if lengths else 0.0}

@@ -16,9 +16,11 @@ from typing import Any
 import numpy as np
 
 from miles.config_checks import engine_memory_tags
+from miles.controller.gateway import check_session_server, engine_context_len, needs_gateway, start_rollout_gateway
 from miles.controller.machine import plan_run, resolve_machine
 from miles.controller.placement import Placement
 from miles.controller.preflight import (
+    PreflightError,
     RunData,
     check_checkpoint_paths,
     check_plugin_paths,
@@ -108,6 +110,10 @@ def read_run_data(cfg, placement: Placement) -> tuple[Any, RunData]:
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint, trust_remote_code=cfg.model.trust_remote_code)
     data = load_run_data(cfg, tokenizer, prompt_limit(cfg, placement))
+    try:  # the session server's family (append-only on this tokenizer) and its matcher
+        check_session_server(cfg, tokenizer)
+    except ValueError as e:
+        raise PreflightError(str(e)) from None
     if cfg.rollout.num_rollout is None:
         from miles.config import derive_num_rollout
 
@@ -168,6 +174,7 @@ class MilesRun:
         self.has_trainer = bool(placement.trainer_specs)
         self.startup: StartupClock | None = None
         self._startup_metrics: dict[str, float] = {}
+        self.gateway = None  # the session server / router front for plug-ins, when the run needs one
 
     # ---- start / stop ----------------------------------------------------------------
     @classmethod
@@ -211,7 +218,7 @@ class MilesRun:
             engines = [] if cfg.runtime.debug_train_only else await engine_clients(
                 runtime, "rollout", api_key=cfg.engine.api_key, external=cfg.engine.rollout_external_engine_addrs)
             urls = [e.base_url for e in engines]
-            router = Router(engines, session_mode=cfg.rollout.use_session_server) if engines else None
+            router = Router(engines, session_mode=bool(cfg.rollout.use_session_server)) if engines else None
             sink = MetricsSink(run_dir, tensorboard=cfg.logging.use_tensorboard,
                                wandb_project=cfg.logging.wandb_project if cfg.logging.use_wandb else None,
                                wandb_group=cfg.logging.wandb_group, run_name=cfg.runtime.run_name,
@@ -228,6 +235,8 @@ class MilesRun:
                 await runtime.call_all("trainer", "connect_engines", urls, mode=cfg.weights.update_weight_transfer_mode,
                                        colocated=cfg.engine.colocate, keep_weight_mapping=not releases_weights)
             clock.mark("connect_weights")
+            if router is not None and needs_gateway(cfg):  # session server + /generate for the plug-in layers
+                run.gateway = await start_rollout_gateway(cfg, router, tokenizer, run.args, engine_context_len(placement))
             await run._maybe_resume()
             return run
         except BaseException:
@@ -243,6 +252,8 @@ class MilesRun:
                 await self.runtime.call_all("trainer", "close_weights", timeout_s=30)
             except Exception as e:  # noqa: BLE001 - best effort on the way out
                 logger.warning("closing weight sync failed: %s", e)
+        if self.gateway is not None:
+            await self.gateway.stop()
         for e in self.engines + self.eval_engines:
             await e.close()
         self.sink.close()

@@ -52,7 +52,7 @@ def prompt_token_ids(sample: Sample, tokenizer) -> list[int]:
     return list(tokenizer(sample.prompt, add_special_tokens=False)["input_ids"])
 
 
-def _parse_output(out: dict[str, Any]) -> tuple[list[int], list[float], list[int], str]:
+def parse_output(out: dict[str, Any]) -> tuple[list[int], list[float], list[int], str]:
     """Token ids, log-probs, per-token weight versions and finish type of one SGLang-shaped reply."""
     meta = out["meta_info"]
     logprobs = meta.get("output_token_logprobs") or []
@@ -69,7 +69,7 @@ def _parse_output(out: dict[str, Any]) -> tuple[list[int], list[float], list[int
 
 def apply_generate_output(sample: Sample, prompt_ids: list[int], out: dict[str, Any]) -> Sample:
     """Fill a sample from one SGLang-shaped /generate response (the engine's exact token ids)."""
-    ids, logprobs, versions, finish = _parse_output(out)
+    ids, logprobs, versions, finish = parse_output(out)
     sample.tokens = list(prompt_ids) + ids
     sample.response = out.get("text", "")
     sample.response_length = len(ids)
@@ -83,7 +83,7 @@ def apply_generate_output(sample: Sample, prompt_ids: list[int], out: dict[str, 
 def extend_with_output(sample: Sample, out: dict[str, Any]) -> Sample:
     """Append a resumed request's output to a partial response: earlier tokens keep their log-probs
     and weight versions, so `weight_versions` records which version produced each token."""
-    ids, logprobs, versions, finish = _parse_output(out)
+    ids, logprobs, versions, finish = parse_output(out)
     sample.tokens = list(sample.tokens) + ids
     sample.response += out.get("text", "")
     sample.response_length += len(ids)
@@ -152,5 +152,6 @@ async def generate_sample(router, sample: Sample, tokenizer, sampling: SamplingD
         "return_logprob": True,
         "rid": rid,
     }
-    out = await router.generate(payload)
+    keyed = {"routing_key": sample.routing_key} if sample.routing_key else {}  # session mode: one engine per key
+    out = await router.generate(payload, **keyed)
     return extend_with_output(sample, out) if resumed else apply_generate_output(sample, prompt_ids, out)

@@ -45,6 +45,8 @@ class Sample:
     index: int | None = None
     teacher_log_probs: list[float] | None = None
     remove_sample: bool = False
+    routing_key: str | None = None  # sent as X-SMG-Routing-Key: every turn of a trajectory on one engine
+    non_generation_time: float = 0.0  # tool / environment seconds, reported apart from generation
 
     Status = SampleStatus
 
@@ -82,6 +84,7 @@ class Sample:
         self.rollout_log_probs = None
         self.teacher_log_probs = None
         self.weight_versions = []
+        self.non_generation_time = 0.0
         self.status = SampleStatus.ABORTED
 
     # ---- (de)serialisation ------------------------------------------------------------

@@ -67,6 +67,18 @@ def test_converted_directory_is_a_plain_hf_checkpoint(converted: Path) -> None:
     assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == config["eos_token_id"]
 
 
+def test_the_chatml_family_is_append_only_on_smollm2s_tokenizer(converted: Path) -> None:
+    """The registration the calculator recipe relies on (--tito-model chatml), on the real tokenizer."""
+    from transformers import AutoTokenizer
+
+    from miles.agent.families import FAMILIES
+    from miles.agent.tito import TitoTokenizer, check_append_only
+
+    tito = TitoTokenizer(FAMILIES["chatml"], AutoTokenizer.from_pretrained(str(converted)))
+    assert check_append_only(tito) == []
+    assert tito.end_of_turn_id == json.loads((converted / "config.json").read_text())["eos_token_id"]
+
+
 def test_engine_greedy_equals_transformers_greedy(converted: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

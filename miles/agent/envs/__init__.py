@@ -1,0 +1,1 @@
+"""Example environments for the plug-in layers (docs/agentic.md)."""
