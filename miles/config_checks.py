@@ -15,6 +15,7 @@ import time
 from typing import TYPE_CHECKING
 
 from miles.config_fields import FIELDS, ConfigError
+from miles.config_lora_sft import check_lora, check_sft
 from miles.config_refusals import check_mode_support, check_not_implemented
 
 if TYPE_CHECKING:
@@ -442,7 +443,7 @@ def finalize(cfg: MilesConfig, explicit: set[str], *, for_train: bool = True) ->
     errors += check_enums(cfg) + check_modes(cfg) + check_batching(cfg) + check_algo(cfg)
     errors += check_not_implemented(cfg) + check_mode_support(cfg)
     errors += check_sglang_passthrough(cfg) + check_numbers(cfg, explicit)
-    errors += check_debug_modes(cfg)
+    errors += check_debug_modes(cfg) + check_lora(cfg) + check_sft(cfg)
     if for_train:
         errors += check_train_inputs(cfg)
     if errors:

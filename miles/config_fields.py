@@ -42,7 +42,7 @@ SECTIONS: dict[str, type] = {
     "logging": LoggingConfig,
 }
 # The order launch scripts group their arguments in; groups added later are appended.
-GROUP_ORDER = ("MODEL", "CKPT", "ROLLOUT", "EVAL", "PERF", "GRPO", "OPTIMIZER", "SGLANG", "RUNTIME", "LOGGING")
+GROUP_ORDER = ("MODEL", "CKPT", "ROLLOUT", "EVAL", "PERF", "GRPO", "OPTIMIZER", "LORA", "SGLANG", "RUNTIME", "LOGGING")
 GROUP_DESCRIPTIONS = {
     "MODEL": "which model and how it is loaded",
     "CKPT": "reference / critic weights, saving and resuming",
@@ -51,6 +51,7 @@ GROUP_DESCRIPTIONS = {
     "PERF": "trainer layout and batching, offload, weight transfer",
     "GRPO": "the objective: advantages, clipping, KL, corrections",
     "OPTIMIZER": "learning rate schedule, AdamW, gradient clipping",
+    "LORA": "low-rank adapters: rank, scale, dropout, which modules",
     "SGLANG": "rollout engines: kind, count, size, colocation; --sglang-* passthrough",
     "RUNTIME": "run directory, timeouts, profiling, debug modes",
     "LOGGING": "TensorBoard, Weights & Biases, progress bar",

@@ -166,6 +166,10 @@ class TrainConfig:
     offload_train: bool | None = _f(None, "PERF", "offload trainer state while engines generate (default, colocated: on unless the trainer fits beside the engines on each GPU, measured at start-up; always on off CUDA)")
     offload_rollout: bool | None = _f(None, "PERF", "colocated engines release memory while the trainer trains (default: as --offload-train)")
     offload_rollout_level: list[str] = _f(["kv_cache", "weight"], "PERF", "what colocated engines release: kv_cache, weight, cuda_graph", metadata={"nargs": "+"})
+    lora_rank: int = _f(0, "LORA", "LoRA rank; 0 trains every parameter, > 0 trains only a low-rank adapter on the policy (needs the lora extra: pip install 'miles[lora]')")
+    lora_alpha: int = _f(16, "LORA", "LoRA alpha: the adapter's update is scaled by lora_alpha / lora_rank")
+    lora_dropout: float = _f(0.0, "LORA", "dropout on the adapter's input while training (the engines apply none)")
+    target_modules: str | None = _f(None, "LORA", "modules that get an adapter: all-linear (default: every linear layer of the decoder, not lm_head) or comma-separated module names, e.g. q_proj,v_proj")
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 The debug modes run the same loop with one side missing: `--debug-rollout-only` starts no trainer
 (train and weight pushes do nothing), `--debug-train-only` starts no engine (rollouts are read back).
+SFT (`--loss-type sft_loss`) starts no engine either: each step trains on the next rows of its data.
 Weights go to the engines every `--update-weights-interval` steps, and always before an eval and
 after the last step, so an eval never scores stale weights.
 """
@@ -10,11 +11,13 @@ from __future__ import annotations
 
 import logging
 
+from miles.config_lora_sft import is_sft
 from miles.controller.debug_rollout import debug_rollouts
 from miles.controller.eval import Evaluator
 from miles.controller.plugin_rollout import PluginRolloutManager
 from miles.controller.rollout_manager import SyncRolloutManager
 from miles.controller.run import MilesRun, run_driver
+from miles.controller.sft import SupervisedRollouts
 from miles.controller.signals import StopRequest, StopRequested
 from miles.utils.progress import StepProgress
 
@@ -25,8 +28,10 @@ async def train(cfg) -> str:
     stop = StopRequest(saves=bool(cfg.train.save)).install()
     run = await MilesRun.start(cfg)
     async with run:
-        # --load-debug-rollout-data replays saved rollouts; --save-debug-rollout-data writes each step's
-        rollout = debug_rollouts(cfg.runtime, run.start_rollout_id, lambda: rollout_manager(cfg, run, stop))
+        if is_sft(cfg):  # the next rows of the supervised data, no engine
+            rollout = SupervisedRollouts(run.data_source, cfg.rollout.rollout_batch_size)
+        else:  # --load-debug-rollout-data replays saved rollouts; --save-debug-rollout-data writes each step's
+            rollout = debug_rollouts(cfg.runtime, run.start_rollout_id, lambda: rollout_manager(cfg, run, stop))
         evaluator = Evaluator(cfg, run)
         await run.push_weights(version=run.weight_version)  # engines start from the trainer's weights
         await evaluator.maybe_eval(run.start_rollout_id, before_train=True)

@@ -22,6 +22,7 @@ import os
 import socket
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 
+from miles.config_lora_sft import is_sft
 from miles.controller.specs import WorkerSpec
 
 EVAL_ROLE = "eval_rollout"
@@ -84,10 +85,15 @@ def sections_dict(cfg) -> dict[str, dict]:
     return {f.name: asdict(getattr(cfg, f.name)) for f in fields(cfg) if is_dataclass(getattr(cfg, f.name))}
 
 
+def num_rollout_engines(cfg) -> int:
+    """Rollout engines to start: none for a trainer-only run (SFT, --debug-train-only), so none gets a GPU."""
+    return 0 if is_sft(cfg) or cfg.runtime.debug_train_only else cfg.engine.rollout_num_engines
+
+
 def num_eval_engines(cfg) -> int:
     """Dedicated eval engines: only the fully async loop evaluates on them, and only beside a local fleet."""
     n = cfg.eval.eval_num_engines
-    return n if n > 0 and cfg.async_.fully_async and cfg.engine.rollout_num_engines > 0 else 0
+    return n if n > 0 and cfg.async_.fully_async and num_rollout_engines(cfg) > 0 else 0
 
 
 def _kv_tokens(cfg) -> int:
@@ -119,7 +125,7 @@ def _gpu_layout(cfg, num_nodes: int, gpus_per_node: int, n_eval: int) -> tuple[l
     """Trainers' (node, gpu), rollout engines' (node, gpus), eval engines' (node, gpus)."""
     t, e = cfg.train, cfg.engine
     a, k, g = t.actor_num_gpus_per_node, e.rollout_num_gpus_per_engine, gpus_per_node
-    dp, n_rollout = t.actor_num_nodes * a, e.rollout_num_engines
+    dp, n_rollout = t.actor_num_nodes * a, num_rollout_engines(cfg)
     if a > g:
         raise PlacementError(
             f"--actor-num-gpus-per-node={a} but a node has {g} GPUs; set it to at most {g} "
@@ -263,7 +269,7 @@ def plan_placement(
             f"--actor-num-nodes={t.actor_num_nodes} but the job has {num_nodes} node(s); launch "
             f"on {t.actor_num_nodes} nodes or lower --actor-num-nodes"
         )
-    n_rollout, n_eval = cfg.engine.rollout_num_engines, num_eval_engines(cfg)
+    n_rollout, n_eval = num_rollout_engines(cfg), num_eval_engines(cfg)
     if device == "cuda":
         if not gpus_per_node:
             raise PlacementError("a GPU plan needs the GPUs per node: give --num-gpus-per-node")
@@ -290,8 +296,6 @@ def plan_placement(
     ]
     if cfg.runtime.debug_rollout_only:  # engines only
         trainers = []
-    if cfg.runtime.debug_train_only:  # the trainer only: rollouts are read from --load-debug-rollout-data
-        rollouts, evals = [], []
     placement = Placement(trainers, rollouts, device, cfg.engine.colocate, evals, num_nodes, gpus_per_node)
     if num_nodes > 1:
         for spec in placement.specs:

@@ -19,9 +19,11 @@ from typing import Any
 
 from miles.agent.plugins import PLUGIN_CHECKS, PluginShapeError
 from miles.config_fields import FIELDS
+from miles.config_lora_sft import is_sft
 from miles.controller.placement import Placement
 from miles.launch import LaunchEnv, with_controller_flags
 from miles.rollout.data_source import DataError, DataSource, JsonlDataSource, PromptLimit, load_data_source
+from miles.rollout.sft_data import SupervisedDataSource
 from miles.utils.misc import PluginError, load_function
 
 logger = logging.getLogger(__name__)
@@ -230,9 +232,12 @@ def load_run_data(cfg: Any, tokenizer: Any, limit: PromptLimit | None) -> RunDat
     from miles.controller.eval import parse_eval_datasets
 
     try:
-        prompts = load_data_source(
-            cfg.data, n_samples_per_prompt=cfg.rollout.n_samples_per_prompt, tokenizer=tokenizer, prompt_limit=limit
-        )
+        if is_sft(cfg):  # prompt/response rows, tokenised with their loss masks (rollout/sft_data.py)
+            prompts: DataSource = SupervisedDataSource(cfg.data, tokenizer=tokenizer, prompt_limit=limit)
+        else:
+            prompts = load_data_source(
+                cfg.data, n_samples_per_prompt=cfg.rollout.n_samples_per_prompt, tokenizer=tokenizer, prompt_limit=limit
+            )
         eval_sets: dict[str, JsonlDataSource] = {}
         if wants_eval_data(cfg):
             for name, path in parse_eval_datasets(cfg.eval.eval_prompt_data):

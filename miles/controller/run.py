@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from miles.config_checks import engine_memory_tags
+from miles.config_lora_sft import is_sft
 from miles.controller.gateway import check_session_server, engine_context_len, needs_gateway, start_rollout_gateway
 from miles.controller.machine import plan_run, resolve_machine
 from miles.controller.placement import Placement
@@ -163,6 +164,7 @@ class MilesRun:
         self.weight_version = 0
         self.start_rollout_id = 0
         self.engine_versions: list[int] = [0] * len(engines)
+        self._last_push_metrics: dict[str, float] | None = None  # the newest weight push, logged with its step
         self._worker_wait_s = 0.0
         # fully async runs save the prompts of buffered and in-flight groups with each checkpoint
         self.pending_state_fn = None
@@ -215,7 +217,7 @@ class MilesRun:
             clock.mark("trainer_setup")  # what the trainers' set-up took beyond the engines' start
             if placement.colocated and placement.trainer_specs:
                 await resolve_offload(cfg, runtime)
-            engines = [] if cfg.runtime.debug_train_only else await engine_clients(
+            engines = [] if cfg.runtime.debug_train_only or is_sft(cfg) else await engine_clients(
                 runtime, "rollout", api_key=cfg.engine.api_key, external=cfg.engine.rollout_external_engine_addrs)
             urls = [e.base_url for e in engines]
             router = Router(engines, session_mode=bool(cfg.rollout.use_session_server)) if engines else None
@@ -451,6 +453,9 @@ class MilesRun:
         metrics["rollout/weight_version"] = float(self.weight_version)
         metrics.update(self._startup_metrics)  # the first step's row carries the start-up
         self._startup_metrics = {}
+        if self._last_push_metrics is not None:  # bytes the step's weight update moved (LoRA: the adapter only)
+            metrics["perf/update_weights_bytes"] = float(self._last_push_metrics.get("perf/update_weights_bytes", 0.0))
+            self._last_push_metrics = None
         metrics.update(self.sysmon.sample())
         self.sink.log(rollout_id, metrics)
         return metrics
@@ -472,5 +477,5 @@ def run_driver(train, cfg) -> int:
     except ImportError:
         pass
     out_dir = asyncio.run(train(cfg))
-    print_reward_curve(out_dir)
+    print_reward_curve(out_dir, key="train/loss" if is_sft(cfg) else "rollout/reward_mean")
     return 0

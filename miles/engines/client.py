@@ -262,6 +262,15 @@ class EngineClient:
         """Disk-delta patch on the engine host (an endpoint of the Miles SGLang fork and of our front)."""
         return await self._post("/pull_weights", kw)
 
+    async def load_lora_adapter_from_distributed(self, **kw: Any) -> None:
+        await self._post("/load_lora_adapter_from_distributed", kw)
+
+    async def load_lora_adapter_from_tensors(self, **kw: Any) -> None:
+        await self._post("/load_lora_adapter_from_tensors", kw)
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        await self._post("/unload_lora_adapter", {"lora_name": lora_name})
+
     async def update_weight_version(self, new_version: str | int, abort_all_requests: bool = False) -> None:
         await self._post(
             "/update_weight_version", {"new_version": str(new_version), "abort_all_requests": abort_all_requests}

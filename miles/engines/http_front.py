@@ -279,6 +279,9 @@ WEIGHT_ENDPOINTS = (
     "update_weights_from_disk",
     "pull_weights",
     "weights_checker",
+    "load_lora_adapter_from_distributed",
+    "load_lora_adapter_from_tensors",
+    "unload_lora_adapter",
 )
 
 

@@ -117,15 +117,20 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _model_optim_state(
-    models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer | None]], save_optim: bool
+    models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer | None]], save_optim: bool, trainable_only: bool
 ) -> dict[str, Any]:
+    """`trainable_only` (LoRA): frozen parameters are left out; they are the run's --hf-checkpoint."""
+    options = StateDictOptions(ignore_frozen_params=trainable_only)
     state: dict[str, Any] = {}
     for key, (model, optim) in models.items():
         if optim is not None and save_optim:
-            msd, osd = get_state_dict(model, optim)
+            msd, osd = get_state_dict(model, optim, options=options)
             state[key] = {"model": msd, "optim": osd}
         else:
-            state[key] = {"model": get_state_dict(model, [])[0]}
+            state[key] = {"model": get_state_dict(model, [], options=options)[0]}
+        if trainable_only:  # a tied weight's second name (lm_head.weight) escapes ignore_frozen_params
+            trains = {name for name, p in model.named_parameters() if p.requires_grad}
+            state[key]["model"] = {k: v for k, v in state[key]["model"].items() if k in trains}
     return state
 
 
@@ -136,11 +141,13 @@ def save_checkpoint(
     *,
     save_optim: bool = True,
     write_model: Callable[[str], None] | None = None,
+    trainable_only: bool = False,
 ) -> None:
     """Collective: every rank writes its shards; rank 0 writes meta.json and then COMPLETE.
 
     `write_model(model_dir)` replaces the DCP save of `models` for a backend with its own sharded
     format (megatron-core's dist_checkpointing); the rest of the layout is the same.
+    `trainable_only`: only parameters that train (a LoRA adapter) and their optimizer state are written.
     Any rank's write failure is shared with every rank (none is left waiting in a barrier), and all
     raise the same CheckpointWriteError.
     """
@@ -158,10 +165,12 @@ def save_checkpoint(
         if write_model is not None:
             write_model(os.path.join(path, "model"))
         else:
-            dcp.save(_model_optim_state(models, save_optim), checkpoint_id=os.path.join(path, "model"))
+            state = _model_optim_state(models, save_optim, trainable_only)
+            dcp.save(state, checkpoint_id=os.path.join(path, "model"))
         torch.save(_rng_state(), os.path.join(path, "rng", f"rank_{rank}.pt"))
         if rank == 0:
-            _write_json(os.path.join(path, "meta.json"), {**meta, "has_optim": save_optim})
+            _write_json(os.path.join(path, "meta.json"),
+                        {**meta, "has_optim": save_optim, "trainable_only": trainable_only})
     except Exception as e:  # noqa: BLE001 - shared with every rank below
         error = _write_error(path, e)
     _raise_first(path, error)  # every rank's shards and RNG file exist before the marker
@@ -243,10 +252,13 @@ def load_checkpoint(
     models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer | None]],
     *,
     read_model: Callable[[str, bool], None] | None = None,
+    trainable_only: bool = False,
 ) -> dict[str, Any]:
     """Collective: restore model/optimizer shards and this rank's RNG; returns meta.json.
 
-    `read_model(model_dir, has_optim)` replaces the DCP load of `models` (see `save_checkpoint`)."""
+    `read_model(model_dir, has_optim)` replaces the DCP load of `models` (see `save_checkpoint`).
+    `trainable_only` (LoRA): only the parameters that train are read; the frozen ones keep the
+    values the model was built with (its --hf-checkpoint)."""
     if not is_complete(path):
         raise FileNotFoundError(
             f"checkpoint {path!r} has no {COMPLETE_MARKER} marker (missing or interrupted save); "
@@ -254,11 +266,14 @@ def load_checkpoint(
         )
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
+    if bool(meta.get("trainable_only", False)) != trainable_only:
+        saved = "only trainable parameters (a LoRA adapter)" if meta.get("trainable_only") else "every parameter"
+        raise ValueError(f"checkpoint {path!r} holds {saved}; resume it with the --lora-rank it was saved with")
     model_dir = os.path.join(path, "model")
     if read_model is not None:
         read_model(model_dir, meta.get("has_optim", True))
     else:
-        _load_dcp(model_dir, models, meta.get("has_optim", True))
+        _load_dcp(model_dir, models, meta.get("has_optim", True), trainable_only)
     rng_file = os.path.join(path, "rng", f"rank_{dist.get_rank()}.pt")
     if os.path.isfile(rng_file):
         _set_rng_state(torch.load(rng_file, weights_only=True))
@@ -272,22 +287,21 @@ def load_checkpoint(
 
 
 def _load_dcp(
-    model_dir: str, models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer | None]], has_optim: bool
+    model_dir: str,
+    models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer | None]],
+    has_optim: bool,
+    trainable_only: bool,
 ) -> None:
-    state = _model_optim_state(models, has_optim)
+    state = _model_optim_state(models, has_optim, trainable_only)
     # read without unpickling arbitrary objects (safe_load.py)
     dcp.load(state, storage_reader=SafeReader(model_dir), planner=SafeLoadPlanner())
+    options = StateDictOptions(strict=not trainable_only)  # LoRA: the frozen base is absent by design
     for key, (model, optim) in models.items():
         if "optim" in state[key]:
-            set_state_dict(model, optim, model_state_dict=state[key]["model"], optim_state_dict=state[key]["optim"])
+            set_state_dict(model, optim, model_state_dict=state[key]["model"], optim_state_dict=state[key]["optim"],
+                           options=options)
         else:
-            set_state_dict(
-                model,
-                [],
-                model_state_dict=state[key]["model"],
-                optim_state_dict={},
-                options=StateDictOptions(strict=True),
-            )
+            set_state_dict(model, [], model_state_dict=state[key]["model"], optim_state_dict={}, options=options)
 
 
 def resolve_load_path(path: str) -> str | None:

@@ -37,6 +37,7 @@ from miles.trainer.hf_io import (
     source_dtype,
     write_hf_dir,
 )
+from miles.trainer.lora import adapter_tensors, apply_lora, export_lora_hf, lora_settings, trainable_parameters
 from miles.trainer.lr_schedule import LRSchedule, LRScheduler
 from miles.trainer.offload import HostOffloader, module_tensors, optimizer_tensors
 from miles.trainer.packing import layout_for, pack_sequences, plan_micro_batches
@@ -145,6 +146,7 @@ class FSDPBackend:
         self.critic_optimizer: torch.optim.Optimizer | None = None
         self.critic_scheduler: LRScheduler | None = None
         self._offloaders: dict[str, HostOffloader] = {}
+        self.lora = lora_settings(train)  # None: every policy parameter trains
 
     # ---- setup ------------------------------------------------------------------------------------
     @property
@@ -209,13 +211,15 @@ class FSDPBackend:
 
     def _build_trainable(self, path: str, lr: float, critic: bool = False):
         model = self._load(path, critic)
+        if self.lora is not None and not critic:
+            apply_lora(model, self.lora)  # in place: only the adapter trains
         if self.train_cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         shard_model(model, self.mesh, self.mp_policy, compile_blocks=self.train_cfg.compile)
         model.train()
         t = self.train_cfg
         optimizer = torch.optim.AdamW(
-            model.parameters(),
+            trainable_parameters(model),
             lr=lr,
             betas=(t.adam_beta1, t.adam_beta2),
             eps=t.adam_eps,
@@ -362,6 +366,9 @@ class FSDPBackend:
 
     # ---- weights out --------------------------------------------------------------------------------
     def named_hf_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.lora is not None:  # the engines keep the base; only the adapter moves
+            yield from adapter_tensors(self.actor, dtype)
+            return
         for name, p in self.actor.named_parameters():
             full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
             yield name, (full.to(dtype) if dtype is not None else full).detach()
@@ -369,9 +376,13 @@ class FSDPBackend:
     def export_hf(self, path: str) -> None:
         cfg = self.actor.config
         dtype = source_dtype(self.model_cfg.hf_checkpoint)
-        tensors = [(n, t.cpu()) for n, t in self.named_hf_tensors(dtype)]
-        if self.dp_rank == 0:
-            write_hf_dir(path, tensors, config=cfg, source_dir=self.model_cfg.hf_checkpoint)
+        if self.lora is not None:  # the merged model, plain HF; the adapter itself in PATH/adapter
+            export_lora_hf(path, self.actor, self.lora, dtype=dtype, source_dir=self.model_cfg.hf_checkpoint,
+                           write=self.dp_rank == 0)
+        else:
+            tensors = [(n, t.cpu()) for n, t in self.named_hf_tensors(dtype)]
+            if self.dp_rank == 0:
+                write_hf_dir(path, tensors, config=cfg, source_dir=self.model_cfg.hf_checkpoint)
         dist.barrier()
 
     # ---- checkpoints ----------------------------------------------------------------------------------
@@ -389,7 +400,8 @@ class FSDPBackend:
             "lr_schedule": self.scheduler.state_dict(),
             "critic_lr_schedule": self.critic_scheduler.state_dict() if self.critic_scheduler else None,
         }
-        ckpt.save_checkpoint(path, self._ckpt_models(), meta, save_optim=not self.train_cfg.no_save_optim)
+        ckpt.save_checkpoint(path, self._ckpt_models(), meta, save_optim=not self.train_cfg.no_save_optim,
+                             trainable_only=self.lora is not None)
 
     def _refuse_non_finite_weights(self, path: str) -> None:
         """No checkpoint of NaN or inf weights: every rank checks its shards, and all agree before raising."""
@@ -409,7 +421,7 @@ class FSDPBackend:
             raise FileNotFoundError(
                 f"no complete checkpoint under {path!r} (looked for iter_*/{ckpt.COMPLETE_MARKER})"
             )
-        meta = ckpt.load_checkpoint(resolved, self._ckpt_models())
+        meta = ckpt.load_checkpoint(resolved, self._ckpt_models(), trainable_only=self.lora is not None)
         self.scheduler.load_state_dict(meta["lr_schedule"])
         if self.critic_scheduler and meta.get("critic_lr_schedule"):
             self.critic_scheduler.load_state_dict(meta["critic_lr_schedule"])

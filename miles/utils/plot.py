@@ -22,6 +22,7 @@ EXACT_KEYS = (
     "train/train_rollout_kl",
     "rollout/fully_async/avg_staleness",
     "perf/step_time",
+    "train/loss",
 )
 PREFIXES = ("train/kl",)
 # eval/<dataset>/... carries bookkeeping too (sample counts, versions): plot the scores only

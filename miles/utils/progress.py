@@ -30,8 +30,9 @@ class StepProgress:
         return self
 
     def update(self, metrics: dict[str, float]) -> None:
-        desc = (f"reward {metrics.get('rollout/reward_mean', float('nan')):.3f}  "
-                f"step {metrics.get('perf/step_time', 0.0):.1f}s")
+        shown = "loss" if "rollout/reward_mean" not in metrics and "train/loss" in metrics else "reward"  # SFT: loss
+        value = metrics.get("train/loss" if shown == "loss" else "rollout/reward_mean", float("nan"))
+        desc = f"{shown} {value:.3f}  step {metrics.get('perf/step_time', 0.0):.1f}s"
         if self._progress is not None:
             self._progress.update(self._task, advance=1, description=desc)
         else:
@@ -49,7 +50,8 @@ def print_reward_curve(run_dir: str, key: str = "rollout/reward_mean") -> None:
 
     rows = read_metrics(run_dir)
     values = [r[key] for r in rows if r.get(key) is not None]
-    print(f"\nreward curve ({key}, {len(values)} steps) — run directory: {run_dir}")
+    title = "reward curve" if key == "rollout/reward_mean" else "loss curve" if key == "train/loss" else "curve"
+    print(f"\n{title} ({key}, {len(values)} steps) — run directory: {run_dir}")
     if values:
         print(ascii_curve(values, width=60, height=12))
         print(f"first {values[0]:.3f}  last {values[-1]:.3f}  max {max(values):.3f}")

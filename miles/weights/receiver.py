@@ -2,7 +2,8 @@
 
 The HTTP front routes `/init_weights_update_group`, `/update_weights_from_distributed`,
 `/update_weights_from_tensor`, `/update_weights_from_disk`, `/pull_weights`,
-`/update_weight_version` and `/weights_checker` here, and the embedded engine's front also the
+`/update_weight_version`, `/weights_checker` and the LoRA endpoints (`/load_lora_adapter_from_distributed`,
+`/load_lora_adapter_from_tensors`, `/unload_lora_adapter`) here, and the embedded engine's front also the
 miles-only `/miles/export_weight_buffer` and `/miles/install_weight_buffer` (direct colocated updates). Blocking work (rendezvous, receiving a
 bucket, patching a disk-delta copy) runs in a thread so the engine's event loop keeps serving
 other requests, and each group receives its buckets one at a time in arrival order.
@@ -114,6 +115,13 @@ class WeightReceiver:
         **_: Any,
     ) -> None:
         """Receive one bucket: a broadcast from rank 0, or (p2p, `src_rank` given) sends from that rank."""
+        named = await self._receive(names, dtypes, shapes, group_name, src_rank)
+        self.engine.load_weights(named)
+        self._finish(weight_version, flush_cache)
+
+    async def _receive(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str, src_rank: int | None
+    ) -> list[tuple[str, torch.Tensor]]:
         if not (len(names) == len(dtypes) == len(shapes)):
             raise ValueError(f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}")
         group = await self._group(group_name)
@@ -128,8 +136,7 @@ class WeightReceiver:
 
         async with self._locks[group_name]:
             await asyncio.to_thread(receive)
-        self.engine.load_weights(list(zip(names, buffers, strict=True)))
-        self._finish(weight_version, flush_cache)
+        return list(zip(names, buffers, strict=True))
 
     async def update_weights_from_tensor(
         self,
@@ -200,6 +207,50 @@ class WeightReceiver:
             held = local.read_index()["version"] if local.exists() else None
             logger.warning("refused disk-delta v%d (this host keeps v%s): %s", target_version, held, exc)
             return {"success": False, "refused": True, "message": str(exc), "version": held}
+
+    # -- LoRA adapters (SGLang's endpoints; the embedded engine merges the adapter, see engines/embedded/lora.py) --
+
+    async def load_lora_adapter_from_distributed(
+        self,
+        lora_name: str,
+        config_dict: dict,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = "miles",
+        weight_version: str | None = None,
+        **_: Any,
+    ) -> None:
+        """The whole adapter in one call: its tensors arrive by broadcast from rank 0 of the group."""
+        load = self._adapter_method("load_lora_adapter")
+        named = await self._receive(names, dtypes, shapes, group_name, None)
+        load(named, config_dict, lora_name)
+        self._finish(weight_version, flush_cache=False)
+
+    async def load_lora_adapter_from_tensors(
+        self,
+        lora_name: str,
+        config_dict: dict,
+        serialized_tensors: str,
+        weight_version: str | None = None,
+        **_: Any,
+    ) -> None:
+        """The whole adapter handed over on the same device (the colocated payload of colocated.py)."""
+        load = self._adapter_method("load_lora_adapter")
+        with open_payload(serialized_tensors) as named:
+            load(named, config_dict, lora_name)
+            if named and named[0][1].is_cuda:
+                torch.cuda.synchronize(named[0][1].device)  # copied out before the trainer may reuse the buffer
+        self._finish(weight_version, flush_cache=False)
+
+    async def unload_lora_adapter(self, lora_name: str, **_: Any) -> None:
+        self._adapter_method("unload_lora_adapter")(lora_name)
+
+    def _adapter_method(self, method: str) -> Any:
+        fn = getattr(self.engine, method, None)
+        if fn is None:
+            raise ValueError(f"{type(self.engine).__name__} serves no LoRA adapters ({method})")
+        return fn
 
     # -- direct colocated updates (miles-only endpoints; see colocated_direct.py) ---------------
 

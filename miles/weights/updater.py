@@ -282,13 +282,21 @@ class _Counter:
         return name, t
 
 
-def make_updater(cfg: WeightsConfig, *, colocate: bool = False, keep_mapping: bool = True) -> WeightUpdater:
+def make_updater(
+    cfg: WeightsConfig, *, colocate: bool = False, keep_mapping: bool = True, lora_config: dict | None = None
+) -> WeightUpdater:
     """The updater for `cfg.update_weight_transfer_mode` (colocated runs hand over locally; `keep_mapping`:
-    a colocated trainer keeps the engine's weight buffer mapped between updates, see colocated_direct.py)."""
+    a colocated trainer keeps the engine's weight buffer mapped between updates, see colocated_direct.py).
+    `lora_config` (a LoRA run's adapter config): the updater moves the adapter only (lora.py)."""
     from miles.weights.broadcast import BroadcastUpdater
     from miles.weights.colocated_direct import DirectColocatedUpdater
     from miles.weights.delta_updater import DiskDeltaUpdater
     from miles.weights.p2p import P2PUpdater
+
+    if lora_config is not None:
+        from miles.weights.lora import make_lora_updater
+
+        return make_lora_updater(cfg, colocate=colocate, adapter_config=lora_config)
 
     if colocate:
         if cfg.update_weight_transfer_mode == "disk-delta":

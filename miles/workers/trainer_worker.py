@@ -71,6 +71,7 @@ class TrainerWorker(Worker):
     def connect_engines(self, engine_urls: list[str], *, mode: str | None = None, colocated: bool = False,
                         master_address: str | None = None, keep_weight_mapping: bool = True) -> dict[str, Any]:
         from miles.engines.client import EngineClient
+        from miles.trainer.lora import lora_settings
         from miles.weights.updater import make_updater
 
         if master_address is None:  # the weight-sync group's rendezvous lives on this (source) rank's host
@@ -79,7 +80,9 @@ class TrainerWorker(Worker):
         if mode is not None:
             self.weights_cfg.update_weight_transfer_mode = mode
         engines = [EngineClient(u, api_key=self.engine_api_key) for u in engine_urls]
-        self.updater = make_updater(self.weights_cfg, colocate=colocated, keep_mapping=keep_weight_mapping)
+        lora = lora_settings(self.train_cfg)  # LoRA: only the adapter moves; the engines keep their base
+        self.updater = make_updater(self.weights_cfg, colocate=colocated, keep_mapping=keep_weight_mapping,
+                                    lora_config=lora.engine_config() if lora else None)
         # every trainer rank must agree on the weight-sync group's port (p2p has several senders)
         port = [free_port(master_address) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(port, src=0)
@@ -94,6 +97,7 @@ class TrainerWorker(Worker):
             metrics = self.updater.update(self.backend.named_hf_tensors(dtype), version) or {}
         self.backend.weight_version = version
         metrics["perf/update_weights_time"] = time.perf_counter() - start
+        metrics["perf/update_weights_bytes"] = metrics.get("weight_sync/bytes", 0.0)  # what this update moved
         return metrics
 
     def close_weights(self) -> None:

@@ -42,6 +42,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from miles.engines.embedded.lora import AdapterMerger
 from miles.engines.embedded.model import CausalLM, iter_safetensors, read_config
 from miles.engines.embedded.runner import ModelRunner
 from miles.engines.embedded.sampler import SamplingParams
@@ -119,6 +120,8 @@ class EmbeddedEngine:
         self.eos_ids = self._eos_ids(config)
         self._weight_version = 0
         self._shared = SharedWeights(self.device)  # the shared weight buffer, once a direct update asked for it
+        tied = frozenset({"lm_head.weight"}) if self.model.spec.tie_word_embeddings else frozenset()
+        self.adapter = AdapterMerger(self.model.params, tied)  # LoRA: the adapter merged into the base (lora.py)
         self._repack_on_resume = False
         self._children: dict[str, list[str]] = {}
         self._batch_generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -333,8 +336,7 @@ class EmbeddedEngine:
         """Copy HF-named tensors into the live parameters; any KV computed before is re-prefilled."""
         params = self.model.params
         with self.runner.lock:
-            if not self.runner.weights_on_device:
-                raise RuntimeError("weights are released; call resume_memory_occupation(['weights']) first")
+            self._require_full_weights("load_weights")
             count = 0
             for name, tensor in named:
                 key = self.model.canonical_name(name)
@@ -353,6 +355,32 @@ class EmbeddedEngine:
             self.runner.invalidate_kv()
         logger.info("loaded %d tensors (weight_version still %d until set)", count, self.weight_version)
 
+    def _require_full_weights(self, what: str) -> None:
+        if not self.runner.weights_on_device:
+            raise RuntimeError("weights are released; call resume_memory_occupation(['weights']) first")
+        if self.adapter.active:
+            raise ValueError(f"{what} refused: LoRA adapter {self.adapter.name!r} is merged into the weights; "
+                             "unload it first (/unload_lora_adapter) or push adapters only")
+
+    # ---- LoRA adapters (miles/engines/embedded/lora.py) --------------------------------------------------------
+    def load_lora_adapter(self, named: Iterable[tuple[str, torch.Tensor]], config: dict, lora_name: str) -> None:
+        """Serve this adapter from now on: its weights merged into the resident base; stale KV is re-prefilled."""
+        with self.runner.lock:
+            if not self.runner.weights_on_device:
+                raise RuntimeError("weights are released; call resume_memory_occupation(['weights']) first")
+            self.adapter.load(named, config, lora_name)
+            self.runner.invalidate_kv()
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        """Back to the base weights."""
+        with self.runner.lock:
+            if self.adapter.name != lora_name:
+                raise ValueError(f"no LoRA adapter {lora_name!r} is loaded (loaded: {self.adapter.name!r})")
+            if not self.runner.weights_on_device:
+                raise RuntimeError("weights are released; call resume_memory_occupation(['weights']) first")
+            self.adapter.unload()
+            self.runner.invalidate_kv()
+
     def load_weights_from_dir(self, path: str) -> None:
         """Install every safetensors tensor of a HF model directory, by HF name."""
         model_type = read_config(path).get("model_type") if _has_config(path) else None
@@ -370,8 +398,7 @@ class EmbeddedEngine:
         it is current. Refused while generating: the trainer writes without any engine lock."""
         self._require_quiet("export_weight_buffer")
         with self.runner.lock:
-            if not self.runner.weights_on_device:
-                raise RuntimeError("weights are released; call resume_memory_occupation(['weights']) first")
+            self._require_full_weights("export_weight_buffer")
             if self._shared.arena is None:
                 self._pack_weights(self.model.storage)
             if self.device.type == "cuda":
