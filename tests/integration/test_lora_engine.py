@@ -65,7 +65,9 @@ def test_merge_from_the_base_never_accumulates_and_unload_restores(model_dirs):
     engine.load_lora_adapter(first, CONFIG, "a")
     for m in (Q, GATE, DOWN):
         torch.testing.assert_close(params[f"{m}.weight"], _merged(base, first, m), rtol=0, atol=1e-5)
-    assert torch.equal(params["model.layers.0.self_attn.k_proj.weight"], base["model.layers.0.self_attn.k_proj.weight"])
+    assert torch.equal(
+        params["model.layers.0.self_attn.k_proj.weight"], base["model.layers.0.self_attn.k_proj.weight"]
+    )
     second = _adapter(base, [DOWN], seed=2)
     engine.load_lora_adapter(second, CONFIG, "a")
     assert torch.equal(params[f"{Q}.weight"], base[f"{Q}.weight"])  # no longer adapted: its base, exactly
@@ -84,8 +86,13 @@ def test_merge_from_the_base_never_accumulates_and_unload_restores(model_dirs):
         ([("lm_head.lora_A.weight", torch.zeros(2, 64)), ("lm_head.lora_B.weight", torch.zeros(576, 2))], "tied"),
         ([(f"{Q}.lora_A.weight", torch.zeros(2, 64))], "lacks lora_A or lora_B"),
         ([(f"{Q}.lora_A.weight", torch.zeros(3, 64)), (f"{Q}.lora_B.weight", torch.zeros(64, 3))], "expected"),
-        ([("model.layers.9.mlp.up_proj.lora_A.weight", torch.zeros(2, 64)),
-          ("model.layers.9.mlp.up_proj.lora_B.weight", torch.zeros(128, 2))], "no weight"),
+        (
+            [
+                ("model.layers.9.mlp.up_proj.lora_A.weight", torch.zeros(2, 64)),
+                ("model.layers.9.mlp.up_proj.lora_B.weight", torch.zeros(128, 2)),
+            ],
+            "no weight",
+        ),
         ([(f"{Q}.weight", torch.zeros(64, 64))], "not a LoRA tensor"),
     ],
 )
@@ -171,7 +178,9 @@ def test_lora_updaters_move_only_the_adapter(model_dirs, colocate):
             assert metrics["weight_sync/bytes"] == sum(t.numel() * 4 for _, t in named)
             assert engine.weight_version == version
             for m in (Q, DOWN):
-                torch.testing.assert_close(engine.model.params[f"{m}.weight"], _merged(base, named, m), rtol=0, atol=1e-5)
+                torch.testing.assert_close(
+                    engine.model.params[f"{m}.weight"], _merged(base, named, m), rtol=0, atol=1e-5
+                )
     finally:
         updater.close()
         asyncio.run(receiver.close())
