@@ -109,3 +109,20 @@ def test_p2p_from_two_trainer_ranks_gives_the_same_run(tmp_path, broadcast_rows)
     """p2p with 2 sources and 1 engine: the ranks agree on one group, one source sends, one idles."""
     rows = run_train(tmp_path / "run", *COMMON, "--update-weight-transfer-mode", "p2p")
     assert_same_metrics(rows, broadcast_rows, "p2p")
+
+
+def test_every_update_logs_the_bytes_it_moved(broadcast_rows):
+    """Full fine-tuning: each step's push moves every parameter once (fp32 on CPU), the model's bytes on disk."""
+    import glob
+
+    from safetensors import safe_open
+
+    model_dir = os.path.expanduser(os.path.join(os.environ.get("MILES_CACHE", "~/.cache/miles"),
+                                                "tiny-qwen2-2x64-seed1234"))
+    total = 0
+    for path in glob.glob(os.path.join(model_dir, "*.safetensors")):
+        with safe_open(path, framework="pt") as f:
+            total += sum(f.get_tensor(n).numel() * 4 for n in f.keys())
+    steps = [r for r in broadcast_rows if "rollout/reward_mean" in r]  # not the eval row before training
+    assert len(steps) == STEPS
+    assert [r.get("perf/update_weights_bytes") for r in steps] == [float(total)] * STEPS

@@ -2,8 +2,8 @@
 reward rises while every weight update moves the adapter only, at most 2% of the model's bytes.
 
 The demo's default model (`tiny:qwen2`) ties lm_head to the input embedding and is initialised at
-std 0.02, so with the embedding, lm_head and final norm frozen its logits stay within about +-1.3:
-no adapter on its linear layers can make a digit likely. The LoRA demo therefore runs the untied
+std 0.02, so with the embedding, lm_head and final norm frozen its logits stay within +-1.63 (see
+docs/lora_sft.md): no adapter on its linear layers can make a digit likely. The LoRA demo therefore runs the untied
 `tiny:llama` with the adapter on lm_head (rank 4), which can.
 """
 
