@@ -1,7 +1,7 @@
 """Start-up checks of the two training variants that change what the trainer optimises.
 
 LoRA (`--lora-rank` > 0): only an adapter of the policy is trained and pushed to the engines. It
-needs peft, an FSDP trainer, the embedded engine (which merges the adapter into its resident base)
+needs peft, the FSDP trainer, the embedded engine (which merges the adapter into its resident base)
 and a transport that carries adapters (broadcast, or the colocated handoff).
 
 SFT (`--loss-type sft_loss`): supervised fine-tuning on prompt/response rows (or chat messages).
@@ -112,6 +112,11 @@ def check_lora(cfg: MilesConfig) -> list[str]:
         e.append(f"--lora-dropout={t.lora_dropout} must lie in [0, 1)")
     if t.target_modules is not None and not [m for m in t.target_modules.split(",") if m.strip()]:
         e.append(f"--target-modules={t.target_modules!r} names no module; use all-linear or e.g. q_proj,v_proj")
+    if cfg.train.train_backend != "fsdp":
+        e.append(
+            f"--lora-rank with --train-backend {cfg.train.train_backend}: LoRA is implemented for the FSDP backend "
+            "only; use --train-backend fsdp"
+        )
     if importlib.util.find_spec("peft") is None:
         e.append("--lora-rank needs peft, which is not installed: pip install 'miles[lora]'")
     if cfg.weights.update_weight_transfer_mode == "p2p":

@@ -71,6 +71,7 @@ def test_lora_config_is_accepted_and_read():
         (["--lora-rank", "4", "--engine", "sglang"], "only the embedded engine applies the pushed adapter"),
         (["--lora-rank", "4", "--check-weight-update-equal"], "drop --check-weight-update-equal"),
         (["--lora-rank", "4", "--advantage-estimator", "ppo"], "--advantage-estimator=ppo with --lora-rank"),
+        (["--lora-rank", "4", "--train-backend", "megatron"], "LoRA is implemented for the FSDP backend only"),
     ],
 )
 def test_lora_combinations_refused_at_start_up(flags, needle):
