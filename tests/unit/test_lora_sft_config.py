@@ -107,6 +107,7 @@ def test_sft_needs_no_reward_and_plans_no_engine():
         (["--n-samples-per-prompt", "4"], "--n-samples-per-prompt=4 with --loss-type sft_loss"),
         (["--eval-interval", "5", "--eval-prompt-data", "e", "/e.jsonl"], "--eval-interval with --loss-type sft_loss"),
         (["--debug-rollout-only"], "--debug-rollout-only=True with --loss-type sft_loss"),
+        (["--rollout-function-path", "pkg.mod.fn"], "--rollout-function-path='pkg.mod.fn' with --loss-type sft_loss"),
     ],
 )
 def test_sft_refuses_flags_it_would_ignore(flags, needle):
