@@ -34,7 +34,7 @@ def train_command(out_dir: Path, *flags: str) -> list[str]:
 def run_train(out_dir: Path, *flags: str, timeout_s: float = 600, env: dict | None = None) -> list[dict]:
     """Run the CPU demo config with `flags`; return metrics.jsonl rows. Fails with the run's output tail."""
     cmd = train_command(out_dir, *flags)
-    full_env = {**os.environ, "MILES_TORCH_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
+    full_env = {**os.environ, "MILES_TORCH_THREADS": "1", "PYTHONPATH": python_path(), **(env or {})}
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
@@ -52,6 +52,11 @@ def run_train(out_dir: Path, *flags: str, timeout_s: float = 600, env: dict | No
 def read_rows(out_dir: Path) -> list[dict]:
     with open(out_dir / "metrics.jsonl") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def python_path() -> str:
+    """The repository first, then whatever PYTHONPATH the tests run with (packages installed off site-packages)."""
+    return os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
 
 
 def leftover_processes(marker: str) -> list[str]:

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from _trainer_harness import run_ranks  # isort: skip
-from e2e_helpers import REPO, leftover_processes, read_rows, train_command  # isort: skip
+from e2e_helpers import REPO, leftover_processes, python_path, read_rows, train_command  # isort: skip
 
 from miles.trainer import checkpoint as ckpt
 
@@ -48,7 +48,7 @@ SMALL = [
 
 def _train(out_dir: Path, *flags: str) -> subprocess.Popen:
     cmd = train_command(out_dir, *SMALL, *flags)
-    env = {**os.environ, "MILES_TORCH_THREADS": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "MILES_TORCH_THREADS": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path()}
     return subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
