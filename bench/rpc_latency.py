@@ -30,8 +30,9 @@ import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from miles.controller.rpc import run_event_loop  # noqa: E402
-from miles.controller.runtime import Runtime, WorkerSpec  # noqa: E402
+from miles.controller.runtime import Runtime  # noqa: E402
+from miles.wire.rpc import run_event_loop  # noqa: E402
+from miles.wire.specs import WorkerSpec  # noqa: E402
 
 NOOP = "miles.workers.noop:NoopWorker"
 MIB = 1 << 20

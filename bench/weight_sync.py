@@ -41,8 +41,9 @@ from miles.weights.colocated import ColocatedUpdater
 from miles.weights.colocated_direct import BufferWriter, DirectColocatedUpdater
 from miles.weights.delta_updater import DiskDeltaUpdater
 from miles.weights.fake_engine import FakeEngine, HTTPEngineControl, run_trainer_ranks, spawn_engines
-from miles.weights.groups import create_sync_group, find_free_port
+from miles.weights.groups import create_sync_group
 from miles.weights.p2p import P2PUpdater
+from miles.wire.ports import free_port
 
 
 def model_spec(params: float, hidden: int = 1024) -> list[tuple[str, list[int], str]]:
@@ -83,7 +84,7 @@ def _timed(fn, reps: int) -> float:
 
 def bench_raw_broadcast(engines, nbytes: int, reps: int) -> float:
     """Bare broadcast of one flat buffer of the model's bytes to every engine process (their receivers join)."""
-    port = find_free_port()
+    port = free_port()
     world = 1 + len(engines)
     fut_loop = asyncio.new_event_loop()
     t = threading.Thread(target=fut_loop.run_forever, daemon=True)
@@ -129,7 +130,7 @@ def bench_raw_broadcast(engines, nbytes: int, reps: int) -> float:
 
 def bench_updater(make, engines, master, reps: int, ranks: int = 1) -> float:
     """Median seconds per update (versions 1..reps) with `ranks` trainer ranks as threads."""
-    port = find_free_port()
+    port = free_port()
     times: list[float] = []
 
     def rank(r: int, barrier) -> None:

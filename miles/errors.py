@@ -28,8 +28,8 @@ def one_line(exc: BaseException) -> str | None:
     """The one line `miles train` prints for a run that ended for a known cause, else None (a bug:
     keep the traceback). A dead worker is named with how it died and where its log is; an engine
     that stopped answering is named with its address."""
-    from miles.controller.specs import WorkerDied
     from miles.engines.client import EngineConnectionError
+    from miles.wire.specs import WorkerDied
 
     failure = as_run_failure(exc)
     if failure is not None:

@@ -1,6 +1,6 @@
 """The machine a run is planned for: device kind, node count and GPUs per node, and the plan for it.
 
-- nodes: `--num-nodes`, else the launch environment (torchrun / Slurm via `miles.launch.launch_env`),
+- nodes: `--num-nodes`, else the launch environment (torchrun / Slurm via `miles.wire.launch_env.launch_env`),
   else 1. A real run refuses a `--num-nodes` that differs from the launch: a flag accepted and
   ignored would plan for nodes nobody started.
 - GPUs per node: `--num-gpus-per-node`, else detected (`detect_gpus_per_node`).
@@ -19,7 +19,7 @@ from miles.controller.placement import Placement, PlacementError, plan_placement
 
 if TYPE_CHECKING:
     from miles.config_sections import RuntimeConfig
-    from miles.launch import LaunchEnv
+    from miles.wire.launch_env import LaunchEnv
 
 
 @dataclass(slots=True)
@@ -135,7 +135,7 @@ def plan_run(cfg, machine: Machine, launch: LaunchEnv) -> Placement:
 def dry_run_report(cfg, launch: LaunchEnv | None = None, *, cuda_count: int | None = None) -> dict:
     """`miles train --dry-run`: the resolved config and the placement plan, with nothing started."""
     if launch is None:
-        from miles.launch import launch_env, with_controller_flags
+        from miles.wire.launch_env import launch_env, with_controller_flags
 
         launch = with_controller_flags(launch_env(), cfg.runtime.controller_host, cfg.runtime.controller_port)
     machine = resolve_machine(cfg.runtime, launch, dry_run=True, cuda_count=cuda_count)

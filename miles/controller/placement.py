@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 
 from miles.config_lora_sft import is_sft
-from miles.controller.specs import WorkerSpec
+from miles.wire.ports import free_port
+from miles.wire.specs import WorkerSpec
 
 EVAL_ROLE = "eval_rollout"
 EVAL_SEED_OFFSET = 10_000  # eval engine i samples with rollout_seed + 10000 + i
@@ -36,12 +36,6 @@ class PlacementError(ValueError):
 
     Raised before any process starts; `miles train` prints it as one line and exits 2.
     """
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass(slots=True)

@@ -21,10 +21,10 @@ from miles.agent.plugins import PLUGIN_CHECKS, PluginShapeError
 from miles.config_fields import FIELDS
 from miles.config_lora_sft import is_sft
 from miles.controller.placement import Placement
-from miles.launch import LaunchEnv, with_controller_flags
 from miles.rollout.data_source import DataError, DataSource, JsonlDataSource, PromptLimit, load_data_source
 from miles.rollout.sft_data import SupervisedDataSource
 from miles.utils.misc import PluginError, load_function
+from miles.wire.launch_env import LaunchEnv, with_controller_flags
 
 logger = logging.getLogger(__name__)
 

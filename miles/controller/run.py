@@ -34,13 +34,13 @@ from miles.controller.router import Router, engine_clients
 from miles.controller.runtime import Runtime
 from miles.engines.client import EngineClient
 from miles.engines.doors import new_api_key
-from miles.launch import launch_env, runtime_options
 from miles.rollout.sample import Sample
 from miles.rollout.train_data import TrainBatch, samples_to_train_batch, split_by_dp
 from miles.utils.metrics import MetricsSink
 from miles.utils.profiling import ProfileSchedule
 from miles.utils.sysmon import SystemMonitor
 from miles.utils.timer import StartupClock, StepTimers
+from miles.wire.launch_env import launch_env, runtime_options
 
 logger = logging.getLogger(__name__)
 PROFILED_ROLES = ("trainer", "rollout", "eval_rollout")  # worker roles that take start_profile / stop_profile
@@ -366,8 +366,8 @@ class MilesRun:
         last = self.cfg.rollout.num_rollout - 1
         if not force and not (t.save_interval and (rollout_id + 1) % t.save_interval == 0) and rollout_id != last:
             return
-        from miles.controller.rpc import RemoteError
         from miles.trainer.checkpoint import COMPLETE_MARKER, CheckpointWriteError, prune_checkpoints
+        from miles.wire.rpc import RemoteError
 
         if os.path.exists(os.path.join(self._ckpt_dir(rollout_id), COMPLETE_MARKER)):
             return  # this step is already saved (a stop signal right after a scheduled save)

@@ -29,20 +29,10 @@ from typing import Any
 
 import zmq
 
-from miles.controller import codec, procs
-from miles.controller.rpc import RouterEndpoint, RpcClosed, RpcStats
-from miles.controller.specs import (
-    AGENT_ROLE,
-    Peer,
-    RunInterrupted,
-    RuntimeOptions,
-    WorkerDied,
-    WorkerHandle,
-    WorkerSpec,
-    validate_specs,
-)
-
-__all__ = ["Runtime", "RuntimeOptions", "RunInterrupted", "WorkerDied", "WorkerHandle", "WorkerSpec"]
+from miles.controller.peers import Peer, WorkerHandle
+from miles.wire import codec, procs
+from miles.wire.rpc import RouterEndpoint, RpcClosed, RpcStats
+from miles.wire.specs import AGENT_ROLE, RunInterrupted, RuntimeOptions, WorkerDied, WorkerSpec, validate_specs
 
 logger = logging.getLogger(__name__)
 
@@ -378,10 +368,10 @@ class Runtime:
         peer = self._peers.get(f"{role}:{rank}".encode())
         if peer is None or peer.spec is None:
             raise KeyError(f"no worker {role}:{rank}; this run has {sorted(str(p.spec.name) for p in self._specs())}")
-        return WorkerHandle(self, peer)
+        return WorkerHandle(self._call, peer)
 
     def workers(self, role: str) -> list[WorkerHandle]:
-        return [WorkerHandle(self, p) for p in sorted(self._specs(), key=lambda p: p.rank) if p.role == role]
+        return [WorkerHandle(self._call, p) for p in sorted(self._specs(), key=lambda p: p.rank) if p.role == role]
 
     def _specs(self) -> list[Peer]:
         return [p for p in self._peers.values() if p.spec is not None]

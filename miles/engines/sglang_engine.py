@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -87,12 +86,6 @@ def build_sglang_command(
     head = [python, "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", host]
     key = ["--api-key", api_key] if api_key else []
     return head + ["--port", str(port), "--tp-size", str(tp_size), *key, *sglang_flags(merged)]
-
-
-def find_free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def _kill_group(pid: int, sig: int) -> None:

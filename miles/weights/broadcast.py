@@ -15,8 +15,9 @@ from collections.abc import Callable, Iterable
 import torch
 
 from miles.weights.bucket import NamedTensor, bucket_meta
-from miles.weights.groups import SyncGroup, WeightSyncTimeoutError, create_sync_group, find_free_port
+from miles.weights.groups import SyncGroup, WeightSyncTimeoutError, create_sync_group
 from miles.weights.updater import EngineCallError, WeightUpdater
+from miles.wire.ports import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ class BroadcastUpdater(GroupUpdater):
             return
         if self.group is not None:  # reconnect: engines drop the old group first
             self._close()
-        port = master_port or find_free_port(master_address)
+        port = master_port or free_port(master_address)
         backend = self._backend()
         world_size = 1 + len(self.engines)
         fut = self._start_engines(

@@ -22,7 +22,8 @@ import aiohttp
 import torch
 
 from miles.weights.colocated_direct import SharedWeights, wait_for_writer
-from miles.weights.groups import dtype_from_name, dtype_name, find_free_port
+from miles.weights.groups import dtype_from_name, dtype_name
+from miles.wire.ports import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +167,7 @@ def spawn_engines(
     ctx = mp.get_context("spawn")
     handles = []
     for i in range(count):
-        port = find_free_port()
+        port = free_port()
         skip = (skip_tensor or {}).get(i)
         proc = ctx.Process(
             target=_serve, args=(spec, port, device, seeds[i] if seeds else i + 1, skip, std), daemon=True

@@ -93,13 +93,6 @@ class SyncGroup:
         self.store = None
 
 
-def find_free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free right now on `host` (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 def create_sync_group(
     backend: str,
     master_address: str,

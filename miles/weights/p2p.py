@@ -16,7 +16,8 @@ from collections.abc import Callable, Iterable
 
 from miles.weights.broadcast import GroupUpdater
 from miles.weights.bucket import NamedTensor, bucket_meta
-from miles.weights.groups import WeightSyncTimeoutError, create_sync_group, find_free_port
+from miles.weights.groups import WeightSyncTimeoutError, create_sync_group
+from miles.wire.ports import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class P2PUpdater(GroupUpdater):
             return
         if self.group is not None:
             self._close()
-        port = master_port or find_free_port(master_address)
+        port = master_port or free_port(master_address)
         backend = self._backend()
         num_sources = len(self.plan)
         world_size = num_sources + len(self.engines)

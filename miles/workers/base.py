@@ -7,7 +7,7 @@ method (name not starting with "_", other than the lifecycle hooks) is callable 
 - plain ``def`` methods run in a thread pool of ``sync_threads`` threads (default 1, so calls
   run one at a time and in arrival order), which keeps heartbeats flowing while torch computes.
 
-Arguments and results follow :mod:`miles.controller.codec` (nested containers, numpy arrays,
+Arguments and results follow :mod:`miles.wire.codec` (nested containers, numpy arrays,
 torch tensors of any dtype). An exception reaches the caller as ``RemoteError`` with the
 traceback text. The process side (connect, register, heartbeats, exit) is in
 :mod:`miles.workers.main`.

@@ -23,9 +23,9 @@ from typing import Any
 
 import zmq
 
-from miles.controller.procs import die_with_parent, kill_own_descendants
-from miles.controller.rpc import DealerEndpoint, run_event_loop
 from miles.utils.misc import load_function
+from miles.wire.procs import die_with_parent, kill_own_descendants
+from miles.wire.rpc import DealerEndpoint, run_event_loop
 from miles.workers.base import RpcMethod, Worker, WorkerContext, rpc_methods
 
 logger = logging.getLogger(__name__)

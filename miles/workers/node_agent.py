@@ -15,8 +15,8 @@ import os
 import time
 from typing import Any
 
-from miles.controller import procs
-from miles.controller.rpc import run_event_loop
+from miles.wire import procs
+from miles.wire.rpc import run_event_loop
 from miles.workers.base import Worker, WorkerContext
 from miles.workers.main import WorkerEnv, WorkerHost, setup_worker_logging
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from miles.engines.doors import DEFAULT_MAX_BODY_MB, is_loopback
 from miles.utils.profiling import WorkerProfiler
+from miles.wire.ports import free_port
 from miles.workers.base import Worker
 
 logger = logging.getLogger(__name__)
@@ -62,9 +63,9 @@ class RolloutWorker(Worker):
 
         torch.set_num_threads(max(1, int(os.environ.get("MILES_TORCH_THREADS", "1"))))
         if self.kind == "sglang":
-            from miles.engines.sglang_engine import SGLangServer, find_free_port
+            from miles.engines.sglang_engine import SGLangServer
 
-            port = find_free_port(self.host)
+            port = free_port(self.host)
             self._sglang = SGLangServer(self.model_path, port=port, host=self.host, sglang_args=self.sglang_args,
                                         tp_size=self.tp_size, api_key=self.api_key)
             self._sglang.start()

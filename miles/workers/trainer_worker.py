@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 
 from miles.config_sections import AlgoConfig, ModelConfig, RolloutConfig, TrainConfig, WeightsConfig
-from miles.controller.placement import free_port
 from miles.rollout.train_data import TrainBatch
 from miles.utils.profiling import WorkerProfiler, nvtx_range
+from miles.wire.ports import free_port
 from miles.workers.base import Worker
 
 logger = logging.getLogger(__name__)

@@ -135,10 +135,10 @@ def _serve_embedded(model_dir: str, port: int) -> None:
 
 def test_embedded_engine_release_frees_the_buffer_and_resume_takes_updates(tmp_path):
     from miles.engines.tiny_model import make_tiny_model
-    from miles.weights.groups import find_free_port
+    from miles.wire.ports import free_port
 
     model_dir = make_tiny_model(str(tmp_path / "qwen2"), hidden=256, layers=4, heads=4, kv_heads=2, intermediate=1024)
-    port = find_free_port()
+    port = free_port()
     proc = mp.get_context("spawn").Process(target=_serve_embedded, args=(model_dir, port), daemon=True)
     proc.start()
     client = EngineClient(f"http://127.0.0.1:{port}", max_retries=0)

@@ -23,7 +23,8 @@ from miles.engines.client import (
     EngineTimeoutError,
 )
 from miles.engines.http_front import start_http_server
-from miles.engines.sglang_engine import SGLangServer, build_sglang_command, find_free_port
+from miles.engines.sglang_engine import SGLangServer, build_sglang_command
+from miles.wire.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -98,7 +99,7 @@ def test_connection_errors_are_retried_then_succeed():
 
 
 def test_unreachable_engine_raises_after_all_retries():
-    port = find_free_port()  # nothing listens there
+    port = free_port()  # nothing listens there
 
     async def main():
         client = EngineClient(f"http://127.0.0.1:{port}", max_retries=2, retry_backoff_s=0.01)
@@ -113,7 +114,7 @@ def test_unreachable_engine_raises_after_all_retries():
 
 
 def test_a_dead_engine_is_one_warning_and_one_error_naming_it(caplog):
-    port = find_free_port()  # nothing listens there: the engine died
+    port = free_port()  # nothing listens there: the engine died
 
     async def main():
         client = EngineClient(f"http://127.0.0.1:{port}", max_retries=2, retry_backoff_s=0.01, name="rollout:0")
@@ -161,7 +162,7 @@ def test_an_outage_past_the_retry_budget_gets_one_attempt_per_request():
 
 
 def test_a_known_failure_is_raised_instead_of_retrying():
-    port = find_free_port()
+    port = free_port()
     died = RuntimeError("rollout:0 (pid 123) was killed by SIGKILL")
 
     async def main():
@@ -390,7 +391,7 @@ def _group_alive(pgid: int) -> bool:
 
 
 def test_sglang_server_lifecycle_with_stand_in_package(fake_sglang, tmp_path):
-    port = find_free_port()
+    port = free_port()
     server = SGLangServer(
         "/models/tiny",
         port,
@@ -424,7 +425,7 @@ def test_sglang_server_lifecycle_with_stand_in_package(fake_sglang, tmp_path):
 
 def test_sglang_server_that_dies_reports_its_exit_code(fake_sglang, tmp_path):
     env = dict(fake_sglang, FAKE_SGLANG_FAIL="1")
-    server = SGLangServer("/m", find_free_port(), env=env, log_path=tmp_path / "log.txt")
+    server = SGLangServer("/m", free_port(), env=env, log_path=tmp_path / "log.txt")
     server.start()
     try:
         with pytest.raises(RuntimeError) as info:

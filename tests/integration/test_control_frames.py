@@ -13,9 +13,10 @@ import psutil
 import pytest
 import zmq
 
-from miles.controller import codec
-from miles.controller.rpc import DealerEndpoint, Kind, RouterEndpoint
-from miles.controller.runtime import Runtime, WorkerSpec
+from miles.controller.runtime import Runtime
+from miles.wire import codec
+from miles.wire.rpc import DealerEndpoint, Kind, RouterEndpoint
+from miles.wire.specs import WorkerSpec
 
 NOOP = "miles.workers.noop:NoopWorker"
 KEY = codec.derive_key("the-run-secret")
@@ -228,7 +229,7 @@ def test_oversized_frame_is_refused_before_it_is_allocated() -> None:
 
 
 def test_frame_cap_comes_from_the_environment(monkeypatch) -> None:
-    from miles.controller.rpc import max_frame_bytes_from_env
+    from miles.wire.rpc import max_frame_bytes_from_env
 
     monkeypatch.delenv("MILES_RPC_MAX_FRAME_MB", raising=False)
     assert max_frame_bytes_from_env() == 256 * MIB

@@ -14,8 +14,9 @@ import sys
 import psutil
 import pytest
 
-from miles.controller.runtime import Runtime, WorkerDied, WorkerSpec
-from miles.launch import first_slurm_host, launch_env
+from miles.controller.runtime import Runtime
+from miles.wire.launch_env import first_slurm_host, launch_env
+from miles.wire.specs import WorkerDied, WorkerSpec
 
 NOOP = "miles.workers.noop:NoopWorker"
 

@@ -11,9 +11,10 @@ import pytest
 import torch
 import zmq
 
-from miles.controller import codec
-from miles.controller.rpc import DealerEndpoint, Kind, RemoteError, RouterEndpoint, RpcTimeout
-from miles.controller.runtime import Runtime, WorkerSpec
+from miles.controller.runtime import Runtime
+from miles.wire import codec
+from miles.wire.rpc import DealerEndpoint, Kind, RemoteError, RouterEndpoint, RpcTimeout
+from miles.wire.specs import WorkerSpec
 
 NOOP = "miles.workers.noop:NoopWorker"
 

@@ -14,8 +14,9 @@ import time
 import psutil
 import pytest
 
-from miles.controller.procs import run_processes
-from miles.controller.runtime import Runtime, WorkerDied, WorkerSpec
+from miles.controller.runtime import Runtime
+from miles.wire.procs import run_processes
+from miles.wire.specs import WorkerDied, WorkerSpec
 
 NOOP = "miles.workers.noop:NoopWorker"
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -150,7 +151,8 @@ def test_worker_not_ready_in_time_fails_start(tmp_path) -> None:
 
 CONTROLLER_SCRIPT = textwrap.dedent("""
     import asyncio, json, sys
-    from miles.controller.runtime import Runtime, WorkerSpec
+    from miles.controller.runtime import Runtime
+    from miles.wire.specs import WorkerSpec
 
     async def main():
         rt = await Runtime.start([WorkerSpec("noop", i, "miles.workers.noop:NoopWorker") for i in range(2)],

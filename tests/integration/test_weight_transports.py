@@ -12,8 +12,9 @@ from miles.config_sections import WeightsConfig
 from miles.weights.colocated import ColocatedUpdater
 from miles.weights.colocated_direct import DirectColocatedUpdater
 from miles.weights.fake_engine import FakeEngine, HTTPEngineControl, fake_engines, run_trainer_ranks, spawn_engines
-from miles.weights.groups import WeightSyncTimeoutError, find_free_port
+from miles.weights.groups import WeightSyncTimeoutError
 from miles.weights.updater import EngineCallError, make_updater
+from miles.wire.ports import free_port
 
 SPEC = [
     ("model.embed_tokens.weight", [64, 32], "bfloat16"),
@@ -52,7 +53,7 @@ def _stream(master: dict[str, torch.Tensor]):
 
 def _run_ranks(cfg: WeightsConfig, engines, versions, *, colocate: bool = False, updater_cls=None) -> list[dict]:
     """Two trainer ranks (threads) connect, push every version, close; returns rank 0's metrics per version."""
-    port = find_free_port()
+    port = free_port()
     metrics = []
 
     def rank(r: int, barrier) -> None:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from miles.controller import codec
+from miles.wire import codec
 
 TORCH_DTYPES = [
     torch.bool,

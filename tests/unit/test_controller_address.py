@@ -11,6 +11,7 @@ from miles import launch
 from miles.config import load_config
 from miles.controller.machine import Machine, plan_run
 from miles.controller.preflight import PreflightError, controller_address
+from miles.wire import launch_env
 
 TORCHRUN = {
     "GROUP_RANK": "0",
@@ -39,11 +40,11 @@ def _cfg(*flags: str):
 
 def test_flags_win_over_the_environment_on_node_zero(monkeypatch) -> None:
     monkeypatch.setenv("MILES_RUN_SECRET", "s")
-    le = launch.launch_env({**TORCHRUN, "MILES_CONTROLLER_HOST": "10.0.0.1", "MILES_CONTROLLER_PORT": "7000"})
+    le = launch_env.launch_env({**TORCHRUN, "MILES_CONTROLLER_HOST": "10.0.0.1", "MILES_CONTROLLER_PORT": "7000"})
     assert (le.bind_host, le.controller_port) == ("10.0.0.1", 7000)
     assert controller_address(_cfg().runtime, le) == le  # unset flags keep the environment's address
     le = controller_address(_cfg("--controller-host", "192.168.1.5", "--controller-port", "7100").runtime, le)
-    options = launch.runtime_options(le)
+    options = launch_env.runtime_options(le)
     assert (options["host"], options["port"], options["advertise_host"]) == ("192.168.1.5", 7100, "10.0.0.1")
     plan = plan_run(_cfg("--actor-num-gpus-per-node", "1"), Machine("cpu", 2, 1), le)
     assert {spec.env["MASTER_PORT"] for spec in plan.trainer_specs} == {"7101"}
@@ -51,14 +52,14 @@ def test_flags_win_over_the_environment_on_node_zero(monkeypatch) -> None:
 
 def test_default_bind_host_on_several_nodes_is_every_interface(monkeypatch) -> None:
     monkeypatch.setenv("MILES_RUN_SECRET", "s")
-    le = controller_address(_cfg().runtime, launch.launch_env(TORCHRUN))
-    assert (launch.runtime_options(le)["host"], le.controller_port) == ("0.0.0.0", 29501)
+    le = controller_address(_cfg().runtime, launch_env.launch_env(TORCHRUN))
+    assert (launch_env.runtime_options(le)["host"], le.controller_port) == ("0.0.0.0", 29501)
 
 
 @pytest.mark.parametrize("flags", [["--controller-port", "7100"], ["--controller-host", "0.0.0.0"]])
 def test_controller_flags_on_one_node_are_refused(flags: list[str]) -> None:
     with pytest.raises(PreflightError, match=f"{flags[0]} applies to multi-node runs .* drop them"):
-        controller_address(_cfg(*flags).runtime, launch.launch_env({}))
+        controller_address(_cfg(*flags).runtime, launch_env.launch_env({}))
 
 
 def _agent_url(monkeypatch, train_args: list[str], **env: str) -> str:

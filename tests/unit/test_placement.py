@@ -7,8 +7,8 @@ import pytest
 from miles.config import load_config
 from miles.controller.machine import Machine, detect_gpus_per_node, resolve_machine
 from miles.controller.placement import PlacementError, plan_placement
-from miles.controller.specs import validate_specs
-from miles.launch import launch_env
+from miles.wire.launch_env import launch_env
+from miles.wire.specs import validate_specs
 
 # 96 samples per step: divisible by the 1, 2, 3, 4, 6, 8, 16 and 32 trainer ranks used below; SGLang engines
 # (the embedded engine is refused with more than one GPU per engine)
@@ -308,7 +308,7 @@ def test_gpu_flag_refusals_in_a_real_run():
 
 
 def test_worker_gpus_are_translated_through_the_launchers_visible_devices():
-    from miles.controller.procs import visible_devices
+    from miles.wire.procs import visible_devices
 
     assert visible_devices("1", None) == "1"  # nothing restricted: the node's own numbering
     assert visible_devices("0", "1") == "1"  # `CUDA_VISIBLE_DEVICES=1 miles train`: its GPU 0 is the node's 1

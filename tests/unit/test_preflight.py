@@ -270,7 +270,7 @@ def _run_saving_into(tmp_path: Path, error: Exception):
 
 
 def test_a_failed_save_is_raised_as_its_one_line_reason(tmp_path: Path) -> None:
-    from miles.controller.rpc import RemoteError
+    from miles.wire.rpc import RemoteError
 
     reason = "disk full (ENOSPC) while saving checkpoint /c/iter_0000000; free space or point --save elsewhere"
     remote = RemoteError(

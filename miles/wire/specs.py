@@ -1,13 +1,8 @@
-"""Records of the runtime: what to spawn (WorkerSpec), its settings, how a run fails, and worker handles."""
+"""Records both sides of the wire share: what to spawn (WorkerSpec), a runtime's settings, how a run fails."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from miles.controller.procs import ChildProcess
-    from miles.controller.runtime import Runtime
 
 AGENT_ROLE = "agent"  # reserved role of node agents (identity "agent:<node>")
 
@@ -96,40 +91,3 @@ def validate_specs(specs: list[WorkerSpec], transport: str, num_nodes: int) -> N
         if not 0 <= s.node < num_nodes:
             raise ValueError(f"worker {s.name} has node={s.node} but num_nodes={num_nodes}")
         seen.add(s.name)
-
-
-@dataclasses.dataclass(slots=True)
-class Peer:
-    """The controller's view of one worker or node agent."""
-
-    role: str
-    rank: int
-    node: int
-    identity: bytes
-    spec: WorkerSpec | None = None
-    child: ChildProcess | None = None
-    pid: int | None = None
-    log_path: str = ""
-    registered: bool = False
-    ready: bool = False
-    last_seen: float = 0.0
-
-
-class WorkerHandle:
-    """Calls one worker's methods."""
-
-    __slots__ = ("_runtime", "_peer")
-
-    def __init__(self, runtime: Runtime, peer: Peer) -> None:
-        self._runtime, self._peer = runtime, peer
-
-    role = property(lambda self: self._peer.role)
-    rank = property(lambda self: self._peer.rank)
-    pid = property(lambda self: self._peer.pid)
-    node = property(lambda self: self._peer.node)
-
-    async def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
-        return await self._runtime._call(self._peer, method, args, kwargs, timeout_s)
-
-    def __repr__(self) -> str:
-        return f"WorkerHandle({self.role}:{self.rank}, pid={self.pid}, node={self.node})"

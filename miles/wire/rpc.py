@@ -1,8 +1,8 @@
 """Async RPC over ZeroMQ: ROUTER in the controller, DEALER in each worker.
 
-Envelope (frame 0, msgpack via :mod:`miles.controller.codec`): ``[kind, request_id, method,
+Envelope (frame 0, msgpack via :mod:`miles.wire.codec`): ``[kind, request_id, method,
 deadline_unix, payload]``; tensors and arrays ride in further frames. On TCP a leading seal frame
-(:class:`miles.controller.codec.FrameAuth`) signs the run id, sender, recipient, the sender's counter
+(:class:`miles.wire.codec.FrameAuth`) signs the run id, sender, recipient, the sender's counter
 and all other frames with the per-run key; a message that is unsigned, mis-signed, for another run,
 a replay, or from a peer the controller does not expect is dropped (counted in :class:`RpcStats`,
 warned about at a bounded rate) and never acted on. A node agent, which gets the key but not the run
@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 
 import zmq
 
-from miles.controller import codec
+from miles.wire import codec
 
 logger = logging.getLogger(__name__)
 
