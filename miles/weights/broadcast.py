@@ -14,9 +14,9 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from miles.weights.base import EngineCallError, WeightUpdater
 from miles.weights.bucket import NamedTensor, bucket_meta
 from miles.weights.groups import SyncGroup, WeightSyncTimeoutError, create_sync_group
-from miles.weights.updater import EngineCallError, WeightUpdater
 from miles.wire.ports import free_port
 
 logger = logging.getLogger(__name__)

@@ -30,9 +30,9 @@ import numpy as np
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
+from miles.weights.base import WeightUpdater
 from miles.weights.bucket import NamedTensor, tensor_nbytes
 from miles.weights.groups import dtype_from_name, dtype_name
-from miles.weights.updater import WeightUpdater
 
 logger = logging.getLogger(__name__)
 

@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from miles.weights.base import EngineCallError
 from miles.weights.bucket import NamedTensor, tensor_nbytes
 from miles.weights.colocated import (
     ALIGN_BYTES,
@@ -62,7 +63,6 @@ from miles.weights.colocated import (
     shm_path,
 )
 from miles.weights.groups import dtype_from_name, dtype_name
-from miles.weights.updater import EngineCallError
 
 logger = logging.getLogger(__name__)
 

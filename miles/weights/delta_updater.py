@@ -22,10 +22,10 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from miles.weights.base import EngineCallError, WeightUpdater
 from miles.weights.bucket import NamedTensor
 from miles.weights.disk_delta import DeltaPublisher
 from miles.weights.receiver import MATERIALISE_BASE
-from miles.weights.updater import EngineCallError, WeightUpdater
 
 logger = logging.getLogger(__name__)
 

@@ -19,11 +19,11 @@ import logging
 from collections.abc import Iterable
 
 from miles.config_sections import WeightsConfig
+from miles.weights.base import WeightUpdater
 from miles.weights.broadcast import BroadcastUpdater, _raise_with_engine_errors
 from miles.weights.bucket import NamedTensor, bucket_meta, iter_buckets
 from miles.weights.colocated import LOAD_FORMAT, ColocatedUpdater, pack
 from miles.weights.groups import WeightSyncTimeoutError
-from miles.weights.updater import WeightUpdater
 
 logger = logging.getLogger(__name__)
 

@@ -72,7 +72,7 @@ class TrainerWorker(Worker):
                         master_address: str | None = None, keep_weight_mapping: bool = True) -> dict[str, Any]:
         from miles.engines.client import EngineClient
         from miles.trainer.lora import lora_settings
-        from miles.weights.updater import make_updater
+        from miles.weights.registry import make_updater
 
         if master_address is None:  # the weight-sync group's rendezvous lives on this (source) rank's host
             multi_node = int(os.environ.get("MILES_NUM_NODES", "1")) > 1

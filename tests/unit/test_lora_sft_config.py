@@ -11,7 +11,7 @@ from miles.config_sections import DataConfig, WeightsConfig
 from miles.controller.placement import plan_placement
 from miles.rollout.data_source import PromptRow
 from miles.rollout.sft_data import SupervisedDataSource, chat_tokens, supervised_tokens
-from miles.weights.updater import make_updater
+from miles.weights.registry import make_updater
 
 RL = [
     "--hf-checkpoint",

@@ -1,6 +1,8 @@
-"""Trainer-side weight updaters: one class per transport, chosen by `--update-weight-transfer-mode`.
+"""The trainer side of every weight transport: the engine endpoints it drives, its errors, shared machinery.
 
-Every trainer rank builds the same updater and calls it collectively:
+A transport subclasses `WeightUpdater` and fills in `_connect`, `_transfer` (and `_close`); the
+registry (`miles.weights.registry`) maps `--update-weight-transfer-mode` to one. Every trainer rank
+builds the same updater and calls it collectively:
 
     updater = make_updater(weights_cfg, colocate=engine_cfg.colocate)
     updater.connect(engines, trainer_rank=rank, trainer_world_size=world)
@@ -280,36 +282,3 @@ class _Counter:
         self.tensors += 1
         self.nbytes += tensor_nbytes(t)
         return name, t
-
-
-def make_updater(
-    cfg: WeightsConfig, *, colocate: bool = False, keep_mapping: bool = True, lora_config: dict | None = None
-) -> WeightUpdater:
-    """The updater for `cfg.update_weight_transfer_mode` (colocated runs hand over locally; `keep_mapping`:
-    a colocated trainer keeps the engine's weight buffer mapped between updates, see colocated_direct.py).
-    `lora_config` (a LoRA run's adapter config): the updater moves the adapter only (lora.py)."""
-    from miles.weights.broadcast import BroadcastUpdater
-    from miles.weights.colocated_direct import DirectColocatedUpdater
-    from miles.weights.delta_updater import DiskDeltaUpdater
-    from miles.weights.p2p import P2PUpdater
-
-    if lora_config is not None:
-        from miles.weights.lora import make_lora_updater
-
-        return make_lora_updater(cfg, colocate=colocate, adapter_config=lora_config)
-
-    if colocate:
-        if cfg.update_weight_transfer_mode == "disk-delta":
-            raise ValueError(
-                "disk-delta cannot be combined with --colocate; use broadcast (the default) or drop --colocate"
-            )
-        return DirectColocatedUpdater(cfg, keep_mapping=keep_mapping)  # per-bucket handoffs for engines without a shared buffer
-    registry: dict[str, type[WeightUpdater]] = {
-        cls.mode: cls for cls in (BroadcastUpdater, P2PUpdater, DiskDeltaUpdater)
-    }
-    cls = registry.get(cfg.update_weight_transfer_mode)
-    if cls is None:
-        raise ValueError(
-            f"--update-weight-transfer-mode={cfg.update_weight_transfer_mode!r}; use one of {sorted(registry)}"
-        )
-    return cls(cfg)
