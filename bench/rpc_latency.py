@@ -34,7 +34,7 @@ from miles.controller.runtime import Runtime  # noqa: E402
 from miles.wire.rpc import run_event_loop  # noqa: E402
 from miles.wire.specs import WorkerSpec  # noqa: E402
 
-NOOP = "miles.workers.noop:NoopWorker"
+NOOP = "miles.testing.noop:NoopWorker"
 MIB = 1 << 20
 
 

@@ -36,7 +36,7 @@ METRIC_PREFIX = "rollout/fully_async/"
 
 def group_min_version(group: Group) -> int | None:
     """The oldest weight version of any token in the group (None: no versioned token)."""
-    versions = [min(s.weight_versions) for s in group if s.weight_versions]
+    versions = [v for s in group if (v := s.oldest_weight_version) is not None]
     return min(versions) if versions else None
 
 

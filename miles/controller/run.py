@@ -13,8 +13,6 @@ import shutil
 import time
 from typing import Any
 
-import numpy as np
-
 from miles.config_checks import engine_memory_tags
 from miles.config_lora_sft import is_sft
 from miles.controller.gateway import check_session_server, engine_context_len, needs_gateway, start_rollout_gateway
@@ -308,7 +306,6 @@ class MilesRun:
                     version,
                     self.engine_versions,
                 )
-            self._last_push_metrics = results[0]
         finally:
             await self.router.broadcast("continue_generation")
 
@@ -459,11 +456,6 @@ class MilesRun:
         metrics.update(self.sysmon.sample())
         self.sink.log(rollout_id, metrics)
         return metrics
-
-
-def summarise_rewards(values: list[float]) -> dict[str, float]:
-    arr = np.asarray(values, dtype=np.float64)
-    return {"mean": float(arr.mean()) if arr.size else float("nan")}
 
 
 def run_driver(train, cfg) -> int:

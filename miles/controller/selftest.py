@@ -9,7 +9,7 @@ from miles.controller.runtime import Runtime
 from miles.wire.launch_env import LaunchEnv, heartbeat_settings, runtime_options
 from miles.wire.specs import WorkerSpec
 
-NOOP_ENTRY = "miles.workers.noop:NoopWorker"
+NOOP_ENTRY = "miles.testing.noop:NoopWorker"
 
 
 async def run_selftest(le: LaunchEnv, workers_per_node: int, run_dir: str) -> dict[str, Any]:

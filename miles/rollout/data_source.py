@@ -379,10 +379,6 @@ class JsonlDataSource(DataSource):
                 )
             self._buffer.append(group)
 
-    @property
-    def buffer_length(self) -> int:
-        return len(self._buffer)
-
     def state_dict(self) -> dict[str, Any]:
         """Plain JSON-able state (no tensors, no pickle)."""
         return {

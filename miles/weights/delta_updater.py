@@ -18,7 +18,6 @@ first update (the base) raises at once: there is no trainer version the engines 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -143,11 +142,3 @@ class DiskDeltaUpdater(WeightUpdater):
             version,
             detail,
         )
-
-
-def published_size(root: str | Path, version: int) -> int:
-    """Bytes on disk of one published version (its delta files and index)."""
-    from miles.weights.disk_delta import version_dir
-
-    d = version_dir(root, version)
-    return sum(os.path.getsize(d / f) for f in os.listdir(d))

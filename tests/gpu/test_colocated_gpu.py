@@ -13,10 +13,10 @@ import torch
 
 from miles.config_sections import WeightsConfig
 from miles.engines.client import EngineClient
+from miles.testing.fake_engine import fake_engines, run_trainer_ranks
 from miles.weights import verify
 from miles.weights.colocated import ColocatedUpdater
 from miles.weights.colocated_direct import DirectColocatedUpdater
-from miles.weights.fake_engine import fake_engines, run_trainer_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CUDA IPC)")]
 

@@ -18,7 +18,7 @@ from miles.wire import codec
 from miles.wire.rpc import DealerEndpoint, Kind, RouterEndpoint
 from miles.wire.specs import WorkerSpec
 
-NOOP = "miles.workers.noop:NoopWorker"
+NOOP = "miles.testing.noop:NoopWorker"
 KEY = codec.derive_key("the-run-secret")
 MIB = 1 << 20
 

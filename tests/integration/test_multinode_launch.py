@@ -18,7 +18,7 @@ from miles.controller.runtime import Runtime
 from miles.wire.launch_env import first_slurm_host, launch_env
 from miles.wire.specs import WorkerDied, WorkerSpec
 
-NOOP = "miles.workers.noop:NoopWorker"
+NOOP = "miles.testing.noop:NoopWorker"
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

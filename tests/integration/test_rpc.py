@@ -16,7 +16,7 @@ from miles.wire import codec
 from miles.wire.rpc import DealerEndpoint, Kind, RemoteError, RouterEndpoint, RpcTimeout
 from miles.wire.specs import WorkerSpec
 
-NOOP = "miles.workers.noop:NoopWorker"
+NOOP = "miles.testing.noop:NoopWorker"
 
 
 def run(coro, timeout_s: float = 60.0):

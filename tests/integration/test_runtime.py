@@ -18,7 +18,7 @@ from miles.controller.runtime import Runtime
 from miles.wire.procs import run_processes
 from miles.wire.specs import WorkerDied, WorkerSpec
 
-NOOP = "miles.workers.noop:NoopWorker"
+NOOP = "miles.testing.noop:NoopWorker"
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -155,7 +155,7 @@ CONTROLLER_SCRIPT = textwrap.dedent("""
     from miles.wire.specs import WorkerSpec
 
     async def main():
-        rt = await Runtime.start([WorkerSpec("noop", i, "miles.workers.noop:NoopWorker") for i in range(2)],
+        rt = await Runtime.start([WorkerSpec("noop", i, "miles.testing.noop:NoopWorker") for i in range(2)],
                                  run_dir=sys.argv[1], heartbeat_interval_s=0.2, heartbeat_timeout_s=5.0)
         grandchild = await rt.worker("noop", 0).call("spawn_grandchild")
         print(json.dumps({"workers": rt.local_pids(), "grandchild": grandchild}), flush=True)

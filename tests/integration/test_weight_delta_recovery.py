@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from miles.config_sections import WeightsConfig
+from miles.testing.fake_engine import FakeEngine, HTTPEngineControl, fake_engines
 from miles.weights.base import EngineCallError
 from miles.weights.delta_updater import DiskDeltaUpdater
 from miles.weights.disk_delta import version_dir
-from miles.weights.fake_engine import FakeEngine, HTTPEngineControl, fake_engines
 
 SPEC = [
     ("model.embed_tokens.weight", [64, 32], "bfloat16"),

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from miles.config_sections import WeightsConfig
+from miles.testing.fake_engine import FakeEngine, HTTPEngineControl, fake_engines, run_trainer_ranks, spawn_engines
 from miles.weights.base import EngineCallError
 from miles.weights.colocated import ColocatedUpdater
 from miles.weights.colocated_direct import DirectColocatedUpdater
-from miles.weights.fake_engine import FakeEngine, HTTPEngineControl, fake_engines, run_trainer_ranks, spawn_engines
 from miles.weights.groups import WeightSyncTimeoutError
 from miles.weights.registry import make_updater
 from miles.wire.ports import free_port

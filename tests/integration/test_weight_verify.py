@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from miles.config_sections import WeightsConfig
+from miles.testing.fake_engine import fake_engines
 from miles.weights.broadcast import BroadcastUpdater
 from miles.weights.colocated_direct import DirectColocatedUpdater
-from miles.weights.fake_engine import fake_engines
 from miles.weights.verify import WeightMismatchError
 
 SPEC = [

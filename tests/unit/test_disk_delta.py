@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from miles.testing.fake_engine import FakeEngine
 from miles.weights.disk_delta import DeltaPublisher, DeltaRefusedError, apply_delta, encode_delta, version_dir
-from miles.weights.fake_engine import FakeEngine
 from miles.weights.receiver import MATERIALISE_BASE, WeightReceiver
 
 SPEC = [

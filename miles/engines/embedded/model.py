@@ -187,11 +187,6 @@ def _linear_residual(
     return torch.addmm(h, x, weight.t())
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class CausalLM:
     """Weights + forward. Not an nn.Module: parameters are plain tensors keyed by HF name.
 

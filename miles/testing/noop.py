@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -61,5 +59,3 @@ class NoopWorker(Worker):
         self._children.append(child)
         return child.pid
 
-    async def kill_self(self, sig: int = signal.SIGKILL) -> None:
-        os.kill(os.getpid(), sig)
