@@ -87,8 +87,10 @@ def measure(run_dir: Path) -> tuple[float, float]:
 def run_once(a: argparse.Namespace, data: Path, out: Path, *, fully_async: bool) -> tuple[float, float]:
     from miles.config import load_config
     from miles.controller import loop_async, loop_sync
+    from miles.models.resolve import resolve_model_paths
 
     cfg = load_config(train_args(a, data, out, fully_async=fully_async))
+    resolve_model_paths(cfg.model, seed=cfg.train.seed)  # as `miles train` does
     loop = loop_async if fully_async else loop_sync
     return measure(Path(asyncio.run(loop.train(cfg))))
 

@@ -25,7 +25,7 @@ import time
 import torch
 
 from miles.engines.embedded.engine import EmbeddedEngine
-from miles.engines.tiny_model import make_tiny_model
+from miles.models.tiny import make_tiny_model
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -70,8 +70,9 @@ def cmd_train(argv: list[str], base: dict[str, Any] | None = None) -> int:
 
     from miles.config import load_config, save_config
     from miles.controller.placement import PlacementError
-    from miles.controller.preflight import PreflightError
-    from miles.errors import one_line
+    from miles.controller.preflight import PreflightError, check_start
+    from miles.models.resolve import resolve_model_paths
+    from miles.utils.hf_cache import ModelNotFound
 
     cfg = load_config(argv, base=base)
     try:
@@ -84,11 +85,13 @@ def cmd_train(argv: list[str], base: dict[str, Any] | None = None) -> int:
         run = _import_entry(loop, "run", "miles train: the training loop is not available yet")
         # The resolved config (derived knobs included) next to the run's metrics: `--config` reruns it.
         save_config(cfg, Path(cfg.runtime.output_dir) / "config.yaml")
+        check_start(cfg)  # a layout the machine cannot hold, or a bad path, is refused before any model is built
+        resolve_model_paths(cfg.model, seed=cfg.train.seed)  # the controller takes model directories only
         logger.info("starting %s with output_dir=%s", loop, cfg.runtime.output_dir)
         return _result_code(run(cfg))
     except PlacementError as e:  # raised before any worker starts
         raise UsageError(f"placement error: {e}") from None
-    except PreflightError as e:  # bad paths (before any worker starts) or data (workers started meanwhile are stopped)
+    except (PreflightError, ModelNotFound) as e:  # bad paths, models (before any worker starts) or data
         raise UsageError(f"miles train: {e}") from None
     except Exception as e:  # a known cause (every group dropped, NaN loss, a dead worker or engine): one line
         line = one_line(e)
@@ -101,8 +104,32 @@ def cmd_train(argv: list[str], base: dict[str, Any] | None = None) -> int:
         return EXIT_RUN_FAILED
 
 
+def one_line(exc: BaseException) -> str | None:
+    """The one line `miles train` prints for a run that ended for a known cause, else None (a bug:
+    keep the traceback). A dead worker is named with how it died and where its log is; an engine
+    that stopped answering is named with its address."""
+    from miles.engines.client import EngineConnectionError
+    from miles.errors import as_run_failure
+    from miles.wire.specs import WorkerDied
+
+    failure = as_run_failure(exc)
+    if failure is not None:
+        return str(failure)
+    if isinstance(exc, WorkerDied):
+        how = (
+            f"killed by {exc.signal}"
+            if exc.signal
+            else (f"exit code {exc.exitcode}" if exc.exitcode is not None else "no answer")
+        )
+        where = f"; its log: {exc.log_path}" if exc.log_path else ""
+        return f"worker {exc.role}:{exc.rank} (pid {exc.pid}, node {exc.node}) {exc.reason} ({how}){where}"
+    if isinstance(exc, EngineConnectionError):
+        return str(exc).splitlines()[0]
+    return None
+
+
 def cmd_tiny_model(argv: list[str]) -> int:
-    main = _import_entry("miles.engines.tiny_model", "main", "miles tiny-model: not available yet")
+    main = _import_entry("miles.models.tiny", "main", "miles tiny-model: not available yet")
     return _result_code(main(argv))
 
 
@@ -157,7 +184,7 @@ def cmd_plot(argv: list[str]) -> int:
 def cmd_sweep(argv: list[str]) -> int:
     from miles.sweep import main as sweep_main
 
-    return sweep_main(argv)
+    return sweep_main(argv, train=cmd_train)
 
 
 def cmd_convert(argv: list[str]) -> int:

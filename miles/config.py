@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,6 @@ from miles.config_fields import (  # noqa: F401 - re-exported: `from miles.confi
     FIELDS,
     GROUP_DESCRIPTIONS,
     GROUP_ORDER,
-    SECTIONS,
     ConfigError,
     FieldSpec,
     closest_flag,
@@ -33,89 +31,11 @@ from miles.config_fields import (  # noqa: F401 - re-exported: `from miles.confi
     render_markdown,
     unknown_flag_message,
 )
-from miles.config_sections import (
-    AlgoConfig,
-    AsyncConfig,
-    DataConfig,
-    EngineConfig,
-    EvalConfig,
-    LoggingConfig,
-    ModelConfig,
-    RewardConfig,
-    RolloutConfig,
-    RuntimeConfig,
-    TrainConfig,
-    WeightsConfig,
-)
+from miles.config_sections import SECTIONS, MilesConfig
 
 logger = logging.getLogger(__name__)
 
 SGLANG_PREFIX = "--sglang-"
-# Fields never written out (config.yaml, --dry-run, logs): the engines' API key.
-SECRET_FIELDS = frozenset(f.name for cls in SECTIONS.values() for f in fields(cls) if f.metadata.get("secret"))
-
-
-@dataclass
-class MilesConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    algo: AlgoConfig = field(default_factory=AlgoConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    weights: WeightsConfig = field(default_factory=WeightsConfig)
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    async_: AsyncConfig = field(default_factory=AsyncConfig)
-    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-
-    @property
-    def trainer_world_size(self) -> int:
-        """Trainer ranks (GPUs): --actor-num-nodes x --actor-num-gpus-per-node."""
-        return self.train.actor_num_nodes * self.train.actor_num_gpus_per_node
-
-    @property
-    def model_parallel_size(self) -> int:
-        """Trainer ranks per data-parallel replica: TP x PP x CP under megatron, 1 under FSDP."""
-        t = self.train
-        if t.train_backend != "megatron":
-            return 1
-        return t.tensor_model_parallel_size * t.pipeline_model_parallel_size * t.context_parallel_size
-
-    @property
-    def dp_size(self) -> int:
-        """Data-parallel replicas: trainer ranks / (TP x PP x CP)."""
-        return max(1, self.trainer_world_size // self.model_parallel_size)
-
-    def dp_rank_of(self, rank: int) -> int:
-        """The data-parallel replica of trainer rank `rank` in megatron-core's rank order (TP fastest,
-        then CP, then DP, then PP)."""
-        t = self.train
-        inner = self.model_parallel_size // (t.pipeline_model_parallel_size if t.train_backend == "megatron" else 1)
-        return (rank // inner) % self.dp_size
-
-    def get(self, name: str) -> Any:
-        return getattr(getattr(self, FIELDS[name].section), name)
-
-    def set(self, name: str, value: Any) -> None:
-        setattr(getattr(self, FIELDS[name].section), name, value)
-
-    def flat(self) -> argparse.Namespace:
-        """A snapshot with every field at top level, for plug-ins written against Miles' `args`."""
-        return argparse.Namespace(**{name: self.get(name) for name in FIELDS})
-
-    def to_dict(self) -> dict[str, dict[str, Any]]:
-        """Nested by section (YAML-ready; `load_config(["--config", f])` reads it back).
-
-        Secret fields (`SECRET_FIELDS`) are written as None: a run read back from its config.yaml makes a
-        fresh API key, and one given by the user must be given again.
-        """
-        out = {section.rstrip("_"): asdict(getattr(self, section)) for section in SECTIONS}
-        for values in out.values():
-            for name in SECRET_FIELDS.intersection(values):
-                values[name] = None
-        return out
 
 
 # ---------------------------------------------------------------- command line

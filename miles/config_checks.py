@@ -19,7 +19,7 @@ from miles.config_lora_sft import check_lora, check_sft
 from miles.config_refusals import check_mode_support, check_not_implemented
 
 if TYPE_CHECKING:
-    from miles.config import MilesConfig
+    from miles.config_sections import MilesConfig
 
 logger = logging.getLogger(__name__)
 

@@ -12,35 +12,8 @@ import typing
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
-from miles.config_sections import (
-    AlgoConfig,
-    AsyncConfig,
-    DataConfig,
-    EngineConfig,
-    EvalConfig,
-    LoggingConfig,
-    ModelConfig,
-    RewardConfig,
-    RolloutConfig,
-    RuntimeConfig,
-    TrainConfig,
-    WeightsConfig,
-)
+from miles.config_sections import SECTIONS
 
-SECTIONS: dict[str, type] = {
-    "model": ModelConfig,
-    "data": DataConfig,
-    "rollout": RolloutConfig,
-    "reward": RewardConfig,
-    "algo": AlgoConfig,
-    "train": TrainConfig,
-    "weights": WeightsConfig,
-    "engine": EngineConfig,
-    "eval": EvalConfig,
-    "async_": AsyncConfig,
-    "runtime": RuntimeConfig,
-    "logging": LoggingConfig,
-}
 # The order launch scripts group their arguments in; groups added later are appended.
 GROUP_ORDER = ("MODEL", "CKPT", "ROLLOUT", "EVAL", "PERF", "GRPO", "OPTIMIZER", "LORA", "SGLANG", "RUNTIME", "LOGGING")
 GROUP_DESCRIPTIONS = {

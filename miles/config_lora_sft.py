@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from miles.config_fields import FIELDS
 
 if TYPE_CHECKING:
-    from miles.config import MilesConfig
+    from miles.config_sections import MilesConfig
 
 LORA_FLAGS = ("lora_alpha", "lora_dropout", "target_modules")
 

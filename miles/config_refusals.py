@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from miles.config_fields import FIELDS
 
 if TYPE_CHECKING:
-    from miles.config import MilesConfig
+    from miles.config_sections import MilesConfig
 
 _OPD = "on-policy distillation arrives with the recipes: no rollout path fills the teacher's log-probs yet"
 

@@ -3,12 +3,15 @@
 Field names are Miles' flag names with dashes turned into underscores (`--rollout-batch-size`
 -> `rollout_batch_size`). Each component takes only the section it needs. `miles.config` builds
 these from YAML + CLI, derives the four-knob invariant and validates combinations; the
-`group` metadata is the help group the flag is listed under in `miles train --help`.
+`group` metadata is the help group the flag is listed under in `miles train --help`. `MilesConfig`
+holds one of each.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import argparse
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 
 def _f(default, group: str, help: str, **kw):
@@ -256,3 +259,86 @@ class LoggingConfig:
     wandb_mode: str | None = _f(None, "LOGGING", "online | offline (logs kept under the run directory, `wandb sync` later) | disabled; unset: WANDB_MODE, else online")
     use_tensorboard: bool = _f(True, "LOGGING", "TensorBoard event files in the run directory")
     progress_bar: bool = _f(True, "LOGGING", "live progress bar")
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "rollout": RolloutConfig,
+    "reward": RewardConfig,
+    "algo": AlgoConfig,
+    "train": TrainConfig,
+    "weights": WeightsConfig,
+    "engine": EngineConfig,
+    "eval": EvalConfig,
+    "async_": AsyncConfig,
+    "runtime": RuntimeConfig,
+    "logging": LoggingConfig,
+}
+# field name -> its section (names are unique across sections; `miles.config_fields` checks it)
+FIELD_SECTIONS: dict[str, str] = {f.name: section for section, cls in SECTIONS.items() for f in fields(cls)}
+# Fields never written out (config.yaml, --dry-run, logs): the engines' API key.
+SECRET_FIELDS = frozenset(f.name for cls in SECTIONS.values() for f in fields(cls) if f.metadata.get("secret"))
+
+
+@dataclass
+class MilesConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    async_: AsyncConfig = field(default_factory=AsyncConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def trainer_world_size(self) -> int:
+        """Trainer ranks (GPUs): --actor-num-nodes x --actor-num-gpus-per-node."""
+        return self.train.actor_num_nodes * self.train.actor_num_gpus_per_node
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Trainer ranks per data-parallel replica: TP x PP x CP under megatron, 1 under FSDP."""
+        t = self.train
+        if t.train_backend != "megatron":
+            return 1
+        return t.tensor_model_parallel_size * t.pipeline_model_parallel_size * t.context_parallel_size
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel replicas: trainer ranks / (TP x PP x CP)."""
+        return max(1, self.trainer_world_size // self.model_parallel_size)
+
+    def dp_rank_of(self, rank: int) -> int:
+        """The data-parallel replica of trainer rank `rank` in megatron-core's rank order (TP fastest,
+        then CP, then DP, then PP)."""
+        t = self.train
+        inner = self.model_parallel_size // (t.pipeline_model_parallel_size if t.train_backend == "megatron" else 1)
+        return (rank // inner) % self.dp_size
+
+    def get(self, name: str) -> Any:
+        return getattr(getattr(self, FIELD_SECTIONS[name]), name)
+
+    def set(self, name: str, value: Any) -> None:
+        setattr(getattr(self, FIELD_SECTIONS[name]), name, value)
+
+    def flat(self) -> argparse.Namespace:
+        """A snapshot with every field at top level, for plug-ins written against Miles' `args`."""
+        return argparse.Namespace(**{name: self.get(name) for name in FIELD_SECTIONS})
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Nested by section (YAML-ready; `load_config(["--config", f])` reads it back).
+
+        Secret fields (`SECRET_FIELDS`) are written as None: a run read back from its config.yaml makes a
+        fresh API key, and one given by the user must be given again.
+        """
+        out = {section.rstrip("_"): asdict(getattr(self, section)) for section in SECTIONS}
+        for values in out.values():
+            for name in SECRET_FIELDS.intersection(values):
+                values[name] = None
+        return out

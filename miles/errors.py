@@ -1,8 +1,8 @@
 """Errors that end a run with one line: what went wrong, at which step, and what to change.
 
-`miles train` prints a `RunFailed` without a traceback and exits with status 1. Raise one where
-the cause is known and the traceback would only hide it (every group dropped, a non-finite
-loss); a bug keeps its traceback. One raised in a worker reaches the controller as an RPC error
+`miles train` prints a `RunFailed` without a traceback and exits with status 1 (`miles.cli.one_line`).
+Raise one where the cause is known and the traceback would only hide it (every group dropped, a
+non-finite loss); a bug keeps its traceback. One raised in a worker reaches the controller as an RPC error
 carrying its type name; `as_run_failure` turns it back into the same kind.
 """
 
@@ -22,29 +22,6 @@ class NonFiniteTraining(RunFailed):
 
 
 _KINDS = {kind.__name__: kind for kind in (RunFailed, RolloutStalled, NonFiniteTraining)}
-
-
-def one_line(exc: BaseException) -> str | None:
-    """The one line `miles train` prints for a run that ended for a known cause, else None (a bug:
-    keep the traceback). A dead worker is named with how it died and where its log is; an engine
-    that stopped answering is named with its address."""
-    from miles.engines.client import EngineConnectionError
-    from miles.wire.specs import WorkerDied
-
-    failure = as_run_failure(exc)
-    if failure is not None:
-        return str(failure)
-    if isinstance(exc, WorkerDied):
-        how = (
-            f"killed by {exc.signal}"
-            if exc.signal
-            else (f"exit code {exc.exitcode}" if exc.exitcode is not None else "no answer")
-        )
-        where = f"; its log: {exc.log_path}" if exc.log_path else ""
-        return f"worker {exc.role}:{exc.rank} (pid {exc.pid}, node {exc.node}) {exc.reason} ({how}){where}"
-    if isinstance(exc, EngineConnectionError):
-        return str(exc).splitlines()[0]
-    return None
 
 
 def as_run_failure(exc: BaseException) -> RunFailed | None:

@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 SBATCH_SCRIPT = Path("slurm/sweep.sbatch")
 SWEEP_KEYS = {"name", "base", "grid", "sweep_dir"}
+# (miles train argv, base flags of an inline `base:` mapping or None) -> exit status
+TrainCommand = Callable[[list[str], "dict[str, Any] | None"], int]
 
 
 @dataclass(slots=True)
@@ -127,13 +130,11 @@ def point_argv(sweep: Sweep, index: int) -> list[str]:
     return argv + ["--output-dir", str(sweep.sweep_dir / f"{sweep.name}-{index}")]
 
 
-def run_point(sweep: Sweep, index: int, extra: list[str] | None = None) -> int:
-    """Train point `index`; `extra` flags come last, so they override the grid."""
-    from miles.cli import cmd_train
-
+def run_point(sweep: Sweep, index: int, train: TrainCommand, extra: list[str] | None = None) -> int:
+    """Train point `index` with `train` (`miles train`); `extra` flags come last, so they override the grid."""
     argv = point_argv(sweep, index) + list(extra or [])
     logger.info("sweep %s point %d/%d: miles train %s", sweep.name, index, len(sweep.points), " ".join(argv))
-    return cmd_train(argv, base=sweep.base if isinstance(sweep.base, dict) else None)
+    return train(argv, sweep.base if isinstance(sweep.base, dict) else None)
 
 
 def invalid_points(sweep: Sweep, extra: list[str] | None = None) -> dict[int, str]:
@@ -177,7 +178,8 @@ def submit(sweep: Sweep, script: Path, extra: list[str] | None = None) -> str:
 EXIT_INVALID = 2  # --list found invalid points
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], train: TrainCommand) -> int:
+    """`miles sweep`; `train` runs one point (the `miles train` command, passed in by `miles.cli`)."""
     parser = argparse.ArgumentParser(
         prog="miles sweep",
         description="Expand, list, run or submit a grid sweep. Other --flags are passed to every point's miles train.",
@@ -212,4 +214,4 @@ def main(argv: list[str]) -> int:
         task = int(os.environ["SLURM_ARRAY_TASK_ID"])
     if task is None:
         raise ConfigError("miles sweep: give --list, --submit, or --task-id N (or run inside a Slurm array job)")
-    return run_point(sweep, task, extra)
+    return run_point(sweep, task, train, extra)

@@ -2,9 +2,9 @@
 starts, the data while the workers start (they are stopped when it is refused).
 
 A run that cannot succeed is refused here in one line naming the path and the fix, instead of
-after the workers started or at the first save: `--load` must name a checkpoint, `--save` must be
-writable, every plug-in path must import, and the prompt data (and eval data) must parse, decode
-as UTF-8 and fit the engines.
+after the workers started or at the first save: `--hf-checkpoint` must be a model directory,
+`--load` must name a checkpoint, `--save` must be writable, every plug-in path must import, and the
+prompt data (and eval data) must parse, decode as UTF-8 and fit the engines.
 The data is read and tokenised here once; the sources built here are the ones the run draws from.
 """
 
@@ -20,11 +20,13 @@ from typing import Any
 from miles.agent.plugins import PLUGIN_CHECKS, PluginShapeError
 from miles.config_fields import FIELDS
 from miles.config_lora_sft import is_sft
+from miles.config_sections import ModelConfig
+from miles.controller.machine import Machine, plan_run, resolve_machine
 from miles.controller.placement import Placement
 from miles.rollout.data_source import DataError, DataSource, JsonlDataSource, PromptLimit, load_data_source
 from miles.rollout.sft_data import SupervisedDataSource
 from miles.utils.misc import PluginError, load_function
-from miles.wire.launch_env import LaunchEnv, with_controller_flags
+from miles.wire.launch_env import LaunchEnv, launch_env, with_controller_flags
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +35,30 @@ class PreflightError(ValueError):
     """A start-up check failed; the message is one line with what was wrong and the fix."""
 
 
-# ---------------------------------------------------------------- checkpoint paths
+def check_start(cfg: Any) -> tuple[LaunchEnv, Machine]:
+    """Every start-up check that needs no model and starts nothing: the controller address, the machine and
+    a layout it can hold, checkpoint and plug-in paths, the train backend. `miles train` runs it before it resolves the model
+    (a bad layout costs no model build); `MilesRun.start` runs it again, cheaply, for callers that come straight."""
+    le = controller_address(cfg.runtime, launch_env())  # --controller-host/-port over the environment
+    machine = resolve_machine(cfg.runtime, le)
+    placement = plan_run(cfg, machine, le)  # a layout the cluster cannot hold is refused here, before any work
+    check_checkpoint_paths(cfg.train.load, cfg.train.save, cfg.train.save_hf)
+    check_plugin_paths(cfg)  # every plug-in imports once here: a bad path costs no worker start-up
+    check_train_backend(cfg, placement)
+    return le, machine
+
+
+# ---------------------------------------------------------------- model and checkpoint paths
+
+
+def check_model_path(model: ModelConfig) -> None:
+    """`--hf-checkpoint` is a model directory by now (`miles.models.resolve` turns specs into directories)."""
+    path = model.hf_checkpoint
+    if not path or not os.path.isdir(os.path.expanduser(path)):
+        raise PreflightError(
+            f"--hf-checkpoint {path!r} is not a model directory; resolve it first with "
+            "miles.models.resolve.resolve_model_paths (miles train does) or pass a directory"
+        )
 
 
 def check_checkpoint_paths(load: str | None, save: str | None, save_hf: str | None) -> None:

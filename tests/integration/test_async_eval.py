@@ -17,6 +17,7 @@ from test_async_loop import base_args, read_metrics, write_prompts  # same folde
 from miles.config import load_config
 from miles.controller import loop_async
 from miles.controller.async_eval import AsyncEval, parse_external_scores
+from miles.models.resolve import resolve_model_paths
 
 NUM_STEPS = 4
 
@@ -24,6 +25,7 @@ NUM_STEPS = 4
 def _run(monkeypatch, args: list[str]) -> tuple[Path, list[dict]]:
     monkeypatch.setenv("MILES_TORCH_THREADS", "1")
     cfg = load_config(args)
+    resolve_model_paths(cfg.model, seed=cfg.train.seed)  # as `miles train` does
     run_dir = Path(asyncio.run(loop_async.train(cfg)))
     return run_dir, read_metrics(run_dir)
 

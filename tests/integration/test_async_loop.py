@@ -18,6 +18,7 @@ import pytest
 
 from miles.config import load_config
 from miles.controller import loop_async, rollout_manager
+from miles.models.resolve import resolve_model_paths
 from miles.rollout.filters import DynamicFilterOutput
 
 REPO = Path(__file__).resolve().parents[2]
@@ -104,6 +105,7 @@ def _run(monkeypatch, args: list[str]) -> Path:
     abort_attempts.clear()
     _abort_first_attempt(monkeypatch)
     cfg = load_config(args)
+    resolve_model_paths(cfg.model, seed=cfg.train.seed)  # as `miles train` does
     return Path(asyncio.run(loop_async.train(cfg)))
 
 

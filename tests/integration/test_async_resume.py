@@ -23,6 +23,7 @@ import pytest
 
 from miles.config import load_config
 from miles.controller import loop_async
+from miles.models.resolve import resolve_model_paths
 from miles.rollout.data_source import JsonlDataSource
 
 REPO = Path(__file__).resolve().parents[2]
@@ -113,7 +114,9 @@ def test_sigkill_and_resume_trains_every_prompt_once(tmp_path, monkeypatch) -> N
     for key, value in _env().items():
         monkeypatch.setenv(key, value)
     monkeypatch.syspath_prepend(str(REPO))
-    asyncio.run(loop_async.train(load_config(_args(tmp_path, "run2")[4:])))
+    cfg = load_config(_args(tmp_path, "run2")[4:])
+    resolve_model_paths(cfg.model, seed=cfg.train.seed)  # as `miles train` does
+    asyncio.run(loop_async.train(cfg))
     rows2 = _rows(tmp_path / "run2")
     assert [r["step"] for r in rows2] == list(range(saved + 1, NUM_STEPS))
 

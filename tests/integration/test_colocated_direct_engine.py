@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from miles.engines.embedded.engine import EmbeddedEngine
-from miles.engines.tiny_model import make_tiny_model
+from miles.models.tiny import make_tiny_model
 from miles.weights.colocated_direct import MappedBuffer, StaleWeightBufferError, open_export, write_into
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from miles.engines.embedded.engine import EmbeddedEngine
-from miles.engines.tiny_model import make_tiny_model
+from miles.models.tiny import make_tiny_model
 
 torch.set_num_threads(1)
 GREEDY = {"temperature": 0.0, "ignore_eos": True}

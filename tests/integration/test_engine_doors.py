@@ -20,7 +20,7 @@ import torch
 from miles.engines.client import EngineClient, EngineHTTPError
 from miles.engines.embedded.engine import INLINE_TOKENIZE_CHARS, EmbeddedEngine
 from miles.engines.http_front import start_http_server
-from miles.engines.tiny_model import make_tiny_model
+from miles.models.tiny import make_tiny_model
 from miles.weights.receiver import MATERIALISE_BASE
 
 KEY = "test-key-0123456789"

@@ -22,7 +22,7 @@ def test_shards_fill_in_order_and_a_big_tensor_stands_alone() -> None:
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from miles.engines.tiny_model import make_tiny_model
+    from miles.models.tiny import make_tiny_model
 
     return Path(make_tiny_model(str(tmp_path_factory.mktemp("tiny")), layers=2, hidden=64, seed=3))
 

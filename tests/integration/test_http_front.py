@@ -332,7 +332,7 @@ def test_weight_endpoints_answer_501_without_receiver_module(monkeypatch):
 def _real_engine_available() -> bool:
     try:
         import miles.engines.embedded.engine  # noqa: F401
-        import miles.engines.tiny_model  # noqa: F401
+        import miles.models.tiny  # noqa: F401
     except ImportError:
         return False
     return True
@@ -343,7 +343,7 @@ def test_real_embedded_engine_behind_front_matches_in_process(tmp_path):
     import torch
 
     from miles.engines.embedded.engine import EmbeddedEngine
-    from miles.engines.tiny_model import make_tiny_model
+    from miles.models.tiny import make_tiny_model
 
     torch.set_num_threads(1)
     model_dir = make_tiny_model(str(tmp_path / "tiny"))
@@ -399,7 +399,7 @@ def test_serve_main_process_serves_and_exits_on_sigterm(tmp_path):
     import signal
     import subprocess
 
-    from miles.engines.tiny_model import make_tiny_model
+    from miles.models.tiny import make_tiny_model
 
     model_dir = make_tiny_model(str(tmp_path / "tiny"))
     code = "import sys; from miles.engines.http_front import serve_main; sys.exit(serve_main(sys.argv[1:]))"
@@ -481,7 +481,7 @@ def test_real_engine_control_and_weight_reload_over_http(tmp_path):
     import torch
 
     from miles.engines.embedded.engine import EmbeddedEngine
-    from miles.engines.tiny_model import make_tiny_model
+    from miles.models.tiny import make_tiny_model
 
     torch.set_num_threads(1)
     model_dir = make_tiny_model(str(tmp_path / "tiny"))

@@ -92,8 +92,11 @@ def test_train_dispatches_sync_and_async(monkeypatch):
 
     fake_module(monkeypatch, "miles.controller.loop_sync", run=sync_run)
     fake_module(monkeypatch, "miles.controller.loop_async", run=async_run)
+    # the model spec is resolved before the loop gets the config
+    monkeypatch.setattr("miles.models.resolve.resolve_model_paths", lambda model, seed: seen.setdefault("model", model))
     assert main(TRAIN) == 0
     cfg = seen["sync"]
+    assert seen["model"] is cfg.model
     assert cfg.rollout.rollout_batch_size == 4 and "async" not in seen
     saved = yaml.safe_load((Path(cfg.runtime.output_dir) / "config.yaml").read_text())
     assert saved["rollout"]["global_batch_size"] == 4 and saved["model"]["hf_checkpoint"] == "/m"
@@ -161,7 +164,7 @@ def test_dry_run_refusal_is_one_line_exit_2(capsys):
 
 def test_forwarding_subcommands(monkeypatch):
     calls = []
-    fake_module(monkeypatch, "miles.engines.tiny_model", main=lambda argv: calls.append(("tiny", argv)) or 0)
+    fake_module(monkeypatch, "miles.models.tiny", main=lambda argv: calls.append(("tiny", argv)) or 0)
     fake_module(monkeypatch, "miles.engines.http_front", serve_main=lambda argv: calls.append(("serve", argv)) or 0)
     assert main(["tiny-model", "/out", "--arch", "llama", "--layers", "2"]) == 0
     assert main(["engine", "serve", "--model-path", "/m", "--port", "30000"]) == 0

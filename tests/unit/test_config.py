@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from miles.config import FIELDS, ConfigError, MilesConfig, derive_num_rollout, load_config
+from miles.config_sections import FIELD_SECTIONS
 
 REQUIRED = ["--hf-checkpoint", "/m", "--prompt-data", "/p.jsonl", "--rm-type", "math", "--num-rollout", "3"]
 
@@ -279,6 +280,7 @@ def test_lora_rank_check_is_keyed_on_the_field(monkeypatch):
     assert check_modes(cfg) == []
     # Until LoRA adds a `lora_rank` field the check is dormant; once a section has one, it applies.
     monkeypatch.setitem(FIELDS, "lora_rank", FIELDS["seed"])  # any train-section spec: only .section is read
+    monkeypatch.setitem(FIELD_SECTIONS, "lora_rank", "train")
     cfg.train.lora_rank = 8
     assert any("--lora-rank" in e and "disk-delta" in e for e in check_modes(cfg))
     cfg.train.lora_rank = 0

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
-from miles.controller.preflight import PreflightError
-from miles.controller.run import resolve_model_path
+from miles.config_sections import ModelConfig
+from miles.models.resolve import resolve_model_paths
+from miles.utils.hf_cache import ModelNotFound
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -38,31 +38,30 @@ def _cache_model(cache: Path, repo_id: str, *, ref: str = "main", files: dict[st
     return snapshot
 
 
-def _cfg(hf_checkpoint: str, ref_load: str | None = None) -> SimpleNamespace:
-    model = SimpleNamespace(hf_checkpoint=hf_checkpoint, ref_load=ref_load, critic_load=None)
-    return SimpleNamespace(model=model, train=SimpleNamespace(seed=1))
+def _model(hf_checkpoint: str, ref_load: str | None = None) -> ModelConfig:
+    return ModelConfig(hf_checkpoint=hf_checkpoint, ref_load=ref_load, critic_load=None)
 
 
 def test_a_cached_hub_id_becomes_its_snapshot_directory(hub_cache: Path) -> None:
     snapshot = _cache_model(hub_cache, "HuggingFaceTB/SmolLM2-135M-Instruct")
-    cfg = _cfg("HuggingFaceTB/SmolLM2-135M-Instruct", ref_load="HuggingFaceTB/SmolLM2-135M-Instruct")
-    assert resolve_model_path(cfg) is True
-    assert Path(cfg.model.hf_checkpoint) == snapshot
-    assert Path(cfg.model.ref_load) == snapshot  # the reference model defaults to the same id
-    assert cfg.model.critic_load is None
+    model = _model("HuggingFaceTB/SmolLM2-135M-Instruct", ref_load="HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert resolve_model_paths(model, seed=1) is True
+    assert Path(model.hf_checkpoint) == snapshot
+    assert Path(model.ref_load) == snapshot  # the reference model defaults to the same id
+    assert model.critic_load is None
 
 
 def test_a_revision_after_at_reads_that_ref(hub_cache: Path) -> None:
     snapshot = _cache_model(hub_cache, "org/model", ref="v1.0")
-    cfg = _cfg("org/model@v1.0")
-    assert resolve_model_path(cfg) is True
-    assert Path(cfg.model.hf_checkpoint) == snapshot
+    model = _model("org/model@v1.0")
+    assert resolve_model_paths(model, seed=1) is True
+    assert Path(model.hf_checkpoint) == snapshot
 
 
 def test_an_uncached_id_is_one_line_naming_it_and_the_download(hub_cache: Path) -> None:
     _cache_model(hub_cache, "org/other")
-    with pytest.raises(PreflightError) as info:
-        resolve_model_path(_cfg("org/missing-model"))
+    with pytest.raises(ModelNotFound) as info:
+        resolve_model_paths(_model("org/missing-model"), seed=1)
     message = str(info.value)
     assert "'org/missing-model' is not a local directory" in message
     assert "hf download org/missing-model" in message and str(hub_cache) in message
@@ -71,19 +70,19 @@ def test_an_uncached_id_is_one_line_naming_it_and_the_download(hub_cache: Path) 
 
 def test_a_snapshot_without_config_is_refused(hub_cache: Path) -> None:
     _cache_model(hub_cache, "org/partial", files={"tokenizer.json": "{}"})
-    with pytest.raises(PreflightError, match="has no config.json .* run `hf download org/partial` again"):
-        resolve_model_path(_cfg("org/partial"))
+    with pytest.raises(ModelNotFound, match="has no config.json .* run `hf download org/partial` again"):
+        resolve_model_paths(_model("org/partial"), seed=1)
 
 
 def test_a_local_directory_wins_and_is_left_as_given(hub_cache: Path, tmp_path: Path) -> None:
     local = tmp_path / "org" / "model"
     local.mkdir(parents=True)
     _cache_model(hub_cache, "org/model")
-    cfg = _cfg(str(local))
-    assert resolve_model_path(cfg) is False
-    assert cfg.model.hf_checkpoint == str(local)
+    model = _model(str(local))
+    assert resolve_model_paths(model, seed=1) is False
+    assert model.hf_checkpoint == str(local)
 
 
 def test_a_missing_absolute_path_says_so(hub_cache: Path, tmp_path: Path) -> None:
-    with pytest.raises(PreflightError, match="does not exist; pass a model directory or a Hub id"):
-        resolve_model_path(_cfg(str(tmp_path / "no-such-model")))
+    with pytest.raises(ModelNotFound, match="does not exist; pass a model directory or a Hub id"):
+        resolve_model_paths(_model(str(tmp_path / "no-such-model")), seed=1)

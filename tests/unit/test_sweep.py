@@ -29,11 +29,12 @@ def _in_tmp(tmp_path, monkeypatch):
 
 @pytest.fixture
 def trained(monkeypatch):
-    """Replace the training loop by a recorder of the configs it is given."""
+    """Replace the training loop by a recorder of the configs it is given (BASE's model is not resolved)."""
     seen = []
     monkeypatch.setitem(
         sys.modules, "miles.controller.loop_sync", types.SimpleNamespace(run=lambda cfg: seen.append(cfg) or 0)
     )
+    monkeypatch.setattr("miles.models.resolve.resolve_model_paths", lambda model, seed: False)
     return seen
 
 

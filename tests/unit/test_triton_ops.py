@@ -22,7 +22,7 @@ from miles.engines.embedded import triton_ops  # noqa: E402
 from miles.engines.embedded.kv_cache import KVCache  # noqa: E402
 from miles.engines.embedded.model import CausalLM, rms_norm  # noqa: E402
 from miles.engines.embedded.sampler import SamplingParams, sample  # noqa: E402
-from miles.engines.tiny_model import make_tiny_model  # noqa: E402
+from miles.models.tiny import make_tiny_model  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 RUNS_HERE = triton_ops.available(DEVICE)
