@@ -26,8 +26,10 @@ import shutil
 import time
 from dataclasses import dataclass
 
-from miles.controller.eval import Evaluator
+from miles.config_sections import MilesConfig
+from miles.controller.eval import Evaluator, Pausable
 from miles.controller.router import Router
+from miles.controller.run import MilesRun
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +48,11 @@ class _Pending:
 class AsyncEval:
     """Owns eval for the async loop; every background eval task is awaited or cancelled in `close`."""
 
-    def __init__(self, cfg, run, producer) -> None:
+    def __init__(self, cfg: MilesConfig, run: MilesRun, producer: Pausable | None) -> None:
         e = cfg.eval
         if e.eval_mode not in MODES:
             raise ValueError(f"--eval-mode={e.eval_mode!r}; choose one of {', '.join(MODES)}")
-        if e.eval_mode == "dedicated" and e.eval_interval and e.eval_prompt_data and not run.eval_engines:
+        if e.eval_mode == "dedicated" and e.eval_interval and e.eval_prompt_data and not run.eval_fleet:
             raise ValueError("--eval-mode=dedicated needs --eval-num-engines >= 1 (engines reserved for eval)")
         if e.eval_mode == "external" and e.eval_interval and not e.eval_external_command:
             raise ValueError("--eval-mode=external needs --eval-external-command, e.g. "
@@ -64,7 +66,7 @@ class AsyncEval:
         self._pending: list[_Pending] = []
         self._ready: dict[str, float] = {}
         self._fleet_lock = asyncio.Lock()  # one snapshot on the dedicated fleet at a time
-        self._router = Router(run.eval_engines) if run.eval_engines else None
+        self._router = Router(run.eval_fleet.engines) if run.eval_fleet else None
         self._results_path = os.path.join(cfg.runtime.output_dir, "eval_results.jsonl")
 
     # ---- the loop's calls ----------------------------------------------------------------
@@ -117,8 +119,7 @@ class AsyncEval:
         version = self.run.weight_version
         snapshot = os.path.join(self.cfg.runtime.output_dir, "eval_snapshots", f"step_{step:07d}")
         try:  # collective over the trainer ranks: the trainer waits for the export
-            await self.run._wait("eval_export_time", self.run.runtime.call_all(
-                "trainer", "export_hf", snapshot, timeout_s=self.cfg.runtime.rpc_timeout_s))
+            await self.run._wait("eval_export_time", self.run.trainers.export_hf(snapshot))
         except Exception as e:  # noqa: BLE001 - eval never stops training
             self._skip(step, f"snapshot export to {snapshot} failed: {e}")
             return
@@ -135,11 +136,10 @@ class AsyncEval:
             shutil.rmtree(snapshot, ignore_errors=True)
 
     async def _eval_dedicated(self, snapshot: str, version: int) -> dict[str, float]:
-        engines = self.run.eval_engines
+        fleet = self.run.eval_fleet
         async with self._fleet_lock:
-            await asyncio.gather(*(e.update_weights_from_disk(model_path=snapshot, weight_version=str(version))
-                                   for e in engines))
-            held = [int(v) for v in await asyncio.gather(*(e.get_weight_version() for e in engines))]
+            await fleet.update_weights_from_disk(snapshot, version)
+            held = await fleet.weight_versions()
             if any(v != version for v in held):
                 raise RuntimeError(f"eval engines hold weight versions {held}, expected {version} on every one; "
                                    "not evaluating a mix of versions")

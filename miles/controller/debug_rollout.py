@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
+from typing import Protocol
 
+from miles.config_sections import RuntimeConfig
 from miles.controller.preflight import PreflightError
 from miles.controller.rollout_manager import RolloutResult
 from miles.rollout.debug_data import debug_rollout_path, load_debug_rollout, save_debug_rollout
@@ -19,10 +22,16 @@ from miles.rollout.debug_data import debug_rollout_path, load_debug_rollout, sav
 logger = logging.getLogger(__name__)
 
 
+class RolloutSource(Protocol):
+    """What the sync loop draws each step's groups from (SyncRolloutManager, or a debug source)."""
+
+    async def generate(self, rollout_id: int) -> RolloutResult: ...
+
+
 class SavedRollouts:
     """Rollouts replayed from `--load-debug-rollout-data`: the groups and metrics saved for each step."""
 
-    def __init__(self, template: str, first_rollout_id: int):
+    def __init__(self, template: str, first_rollout_id: int) -> None:
         self.template = template
         first = debug_rollout_path(template, first_rollout_id)
         try:
@@ -40,7 +49,7 @@ class SavedRollouts:
 class SavingRollouts:
     """Any rollout source, with each step's result also written to `--save-debug-rollout-data`."""
 
-    def __init__(self, inner, template: str):
+    def __init__(self, inner: RolloutSource, template: str) -> None:
         self.inner = inner
         self.template = template
 
@@ -51,7 +60,8 @@ class SavingRollouts:
         return result
 
 
-def debug_rollouts(runtime_cfg, start_rollout_id: int, make_manager):
+def debug_rollouts(runtime_cfg: RuntimeConfig, start_rollout_id: int,
+                   make_manager: Callable[[], RolloutSource]) -> RolloutSource:
     """The loop's rollout source: saved rollouts under `--load-debug-rollout-data`, else `make_manager()`;
     wrapped to save every step under `--save-debug-rollout-data`."""
     if runtime_cfg.load_debug_rollout_data:

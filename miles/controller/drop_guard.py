@@ -16,6 +16,7 @@ import time
 from collections import Counter
 from typing import Any
 
+from miles.config_sections import RolloutConfig
 from miles.errors import RolloutStalled
 from miles.rollout.rm_hub import reward_source
 from miles.rollout.sample import Sample
@@ -26,7 +27,7 @@ LOG_EVERY_S = 5.0
 DEFAULT_LIMIT_REFILLS = 16  # the default limit, in refills' worth of groups (16 x --over-sampling-batch-size)
 
 
-def max_consecutive_drops(rollout_cfg: Any) -> int:
+def max_consecutive_drops(rollout_cfg: RolloutConfig) -> int:
     """`--rollout-max-consecutive-drops`, or 16 x the groups one refill submits."""
     if rollout_cfg.rollout_max_consecutive_drops:
         return rollout_cfg.rollout_max_consecutive_drops

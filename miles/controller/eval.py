@@ -5,10 +5,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import replace
+from typing import Protocol
 
 import numpy as np
 
+from miles.config_sections import MilesConfig
+from miles.controller.preflight import parse_eval_datasets
 from miles.controller.rollout_manager import GroupRunner, sampling_from_config
+from miles.controller.router import Router
+from miles.controller.run import MilesRun
 from miles.rollout.data_source import JsonlDataSource
 from miles.rollout.sample import SampleStatus
 from miles.rollout.train_data import reward_value
@@ -16,14 +21,15 @@ from miles.rollout.train_data import reward_value
 logger = logging.getLogger(__name__)
 
 
-def parse_eval_datasets(items: list[str]) -> list[tuple[str, str]]:
-    if len(items) % 2:
-        raise ValueError(f"--eval-prompt-data takes pairs 'name path', got {items!r}")
-    return [(items[i], items[i + 1]) for i in range(0, len(items), 2)]
+class Pausable(Protocol):
+    """What stops new generation while an eval runs on the same engines (the async producer)."""
+
+    def pause(self) -> None: ...
+    def resume(self) -> None: ...
 
 
 class Evaluator:
-    def __init__(self, cfg, run):
+    def __init__(self, cfg: MilesConfig, run: MilesRun) -> None:
         self.cfg = cfg
         self.run = run
         self.datasets = parse_eval_datasets(cfg.eval.eval_prompt_data)
@@ -39,7 +45,8 @@ class Evaluator:
             return not self.cfg.eval.skip_eval_before_train
         return step % self.cfg.eval.eval_interval == 0 or step == self.cfg.rollout.num_rollout
 
-    async def maybe_eval(self, step: int, *, before_train: bool = False, pause=None) -> dict[str, float]:
+    async def maybe_eval(self, step: int, *, before_train: bool = False,
+                         pause: Pausable | None = None) -> dict[str, float]:
         """Evaluate when due. `pause` (the async producer) stops new generation while eval runs."""
         if not self.due(step, before_train=before_train):
             return {}
@@ -64,7 +71,8 @@ class Evaluator:
             return {}
         return out
 
-    async def evaluate(self, name: str, path: str, *, router=None, version: int | None = None) -> dict[str, float]:
+    async def evaluate(self, name: str, path: str, *, router: Router | None = None,
+                       version: int | None = None) -> dict[str, float]:
         """Scores of one dataset on `router`'s engines (default: the rollout fleet at the run's version)."""
         source = self.run.eval_sets.get(name)  # read and checked at start-up
         if source is None or source.path != path:

@@ -18,8 +18,9 @@ import json
 import logging
 import os
 
+from miles.config_sections import MilesConfig
 from miles.controller.async_eval import AsyncEval
-from miles.controller.buffer import BufferConfig, DataBuffer, Group
+from miles.controller.buffer import BufferConfig, DataBuffer, Group, UnusedHandler
 from miles.controller.drop_guard import DropGuard, max_consecutive_drops
 from miles.controller.rollout_manager import (
     GroupRunner,
@@ -82,8 +83,8 @@ def staleness_at_take(position: int, batch_groups: int, *, trainer_waiting: bool
 class AsyncProducer:
     """Keeps generation running; replacement by sample (default) or by group."""
 
-    def __init__(self, cfg, run: MilesRun, buffer: DataBuffer, ledger: GroupLedger, *,
-                 stop: asyncio.Event | None = None):
+    def __init__(self, cfg: MilesConfig, run: MilesRun, buffer: DataBuffer, ledger: GroupLedger, *,
+                 stop: asyncio.Event | None = None) -> None:
         self.cfg = cfg
         self.run = run
         self.buffer = buffer
@@ -240,7 +241,7 @@ class AsyncProducer:
             self.guard.drop(group, reason)
 
 
-def _unused_handler(run: MilesRun, ledger: GroupLedger, policy: str):
+def _unused_handler(run: MilesRun, ledger: GroupLedger, policy: str) -> UnusedHandler:
     def handle(group: Group, reason: str) -> None:
         ledger.resolve(group)
         if policy != "retry" or reason == "filtered":  # a filter-rejected group has no signal: discarded
@@ -255,12 +256,12 @@ def _unused_handler(run: MilesRun, ledger: GroupLedger, policy: str):
     return handle
 
 
-def buffer_capacity(cfg) -> int:
+def buffer_capacity(cfg: MilesConfig) -> int:
     """Groups the buffer holds: --async-data-buffer-capacity-factor x rollout_batch_size."""
     return int(cfg.async_.async_data_buffer_capacity_factor * cfg.rollout.rollout_batch_size)
 
 
-def make_buffer(cfg, run: MilesRun, ledger: GroupLedger) -> DataBuffer:
+def make_buffer(cfg: MilesConfig, run: MilesRun, ledger: GroupLedger) -> DataBuffer:
     a = cfg.async_
     steps = cfg.rollout.num_steps_per_rollout or 1
     if steps > 1:
@@ -279,7 +280,7 @@ def make_buffer(cfg, run: MilesRun, ledger: GroupLedger) -> DataBuffer:
                filter_fn=filter_fn if flt is not None else None)
 
 
-async def train(cfg) -> str:
+async def train(cfg: MilesConfig) -> str:
     stop = StopRequest(saves=bool(cfg.train.save)).install()
     run = await MilesRun.start(cfg)
     async with run:
@@ -293,7 +294,8 @@ async def train(cfg) -> str:
         await evals.before_train(run.start_rollout_id)
         producer.start()
         try:
-            with StepProgress(cfg, start=run.start_rollout_id) as progress:
+            with StepProgress(cfg.rollout.num_rollout, start=run.start_rollout_id,
+                              enabled=cfg.logging.progress_bar) as progress:
                 for rollout_id in range(run.start_rollout_id, cfg.rollout.num_rollout):
                     await run.profile_hooks(rollout_id, "start")
                     step_start = run.begin_step()
@@ -332,6 +334,6 @@ def _group_metrics(groups: list[Group]) -> dict[str, float]:
     return SyncRolloutManager._metrics(groups, {}, len(groups))
 
 
-def run(cfg) -> int:
+def run(cfg: MilesConfig) -> int:
     """`miles train --fully-async` entry."""
     return run_driver(train, cfg)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 
 from miles.config_lora_sft import is_sft
+from miles.config_sections import MilesConfig
 from miles.controller.debug_rollout import debug_rollouts
 from miles.controller.eval import Evaluator
 from miles.controller.plugin_rollout import PluginRolloutManager
@@ -24,7 +25,7 @@ from miles.utils.progress import StepProgress
 logger = logging.getLogger(__name__)
 
 
-async def train(cfg) -> str:
+async def train(cfg: MilesConfig) -> str:
     stop = StopRequest(saves=bool(cfg.train.save)).install()
     run = await MilesRun.start(cfg)
     async with run:
@@ -35,7 +36,8 @@ async def train(cfg) -> str:
         evaluator = Evaluator(cfg, run)
         await run.push_weights(version=run.weight_version)  # engines start from the trainer's weights
         await evaluator.maybe_eval(run.start_rollout_id, before_train=True)
-        with StepProgress(cfg, start=run.start_rollout_id) as progress:
+        with StepProgress(cfg.rollout.num_rollout, start=run.start_rollout_id,
+                          enabled=cfg.logging.progress_bar) as progress:
             for rollout_id in range(run.start_rollout_id, cfg.rollout.num_rollout):
                 await run.profile_hooks(rollout_id, "start")
                 step_start = run.begin_step()
@@ -65,7 +67,7 @@ async def train(cfg) -> str:
     return cfg.runtime.output_dir
 
 
-def rollout_manager(cfg, run: MilesRun, stop: StopRequest) -> SyncRolloutManager | PluginRolloutManager:
+def rollout_manager(cfg: MilesConfig, run: MilesRun, stop: StopRequest) -> SyncRolloutManager | PluginRolloutManager:
     """The built-in rollout, or the one `--rollout-function-path` names (its own tasks, groups and rewards)."""
     if cfg.rollout.rollout_function_path:
         return PluginRolloutManager(run.args, cfg.rollout, run.data_source, lambda: run.weight_version)
@@ -73,11 +75,11 @@ def rollout_manager(cfg, run: MilesRun, stop: StopRequest) -> SyncRolloutManager
                               seed=cfg.data.rollout_seed if cfg.engine.deterministic else None, stop=stop.event)
 
 
-def weights_due(cfg, evaluator: Evaluator, step: int) -> bool:
+def weights_due(cfg: MilesConfig, evaluator: Evaluator, step: int) -> bool:
     """Push after `step` rollouts: every --update-weights-interval steps, before an eval, and at the end."""
     return step % cfg.weights.update_weights_interval == 0 or step == cfg.rollout.num_rollout or evaluator.due(step)
 
 
-def run(cfg) -> int:
+def run(cfg: MilesConfig) -> int:
     """`miles train` entry for synchronous runs."""
     return run_driver(train, cfg)

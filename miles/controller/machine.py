@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from miles.controller.placement import Placement, PlacementError, plan_placement
 
 if TYPE_CHECKING:
-    from miles.config_sections import RuntimeConfig
+    from miles.config_sections import MilesConfig, RuntimeConfig
     from miles.wire.launch_env import LaunchEnv
 
 
@@ -119,7 +119,7 @@ def resolve_machine(
     return Machine("cuda", num_nodes, gpus_flag or detect_gpus_per_node(environ, cuda_count))
 
 
-def plan_run(cfg, machine: Machine, launch: LaunchEnv) -> Placement:
+def plan_run(cfg: MilesConfig, machine: Machine, launch: LaunchEnv) -> Placement:
     """The plan for `machine`; on several nodes the trainers rendezvous next to the controller's port."""
     multi_node = machine.num_nodes > 1
     return plan_placement(
@@ -132,7 +132,7 @@ def plan_run(cfg, machine: Machine, launch: LaunchEnv) -> Placement:
     )
 
 
-def dry_run_report(cfg, launch: LaunchEnv | None = None, *, cuda_count: int | None = None) -> dict:
+def dry_run_report(cfg: MilesConfig, launch: LaunchEnv | None = None, *, cuda_count: int | None = None) -> dict:
     """`miles train --dry-run`: the resolved config and the placement plan, with nothing started."""
     if launch is None:
         from miles.wire.launch_env import launch_env, with_controller_flags

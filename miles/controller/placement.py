@@ -22,6 +22,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 
 from miles.config_lora_sft import is_sft
+from miles.config_sections import MilesConfig
 from miles.wire.ports import free_port
 from miles.wire.specs import WorkerSpec
 
@@ -74,23 +75,23 @@ def spec_gpus(spec: WorkerSpec) -> list[int]:
     return [int(g) for g in visible.split(",") if g]
 
 
-def sections_dict(cfg) -> dict[str, dict]:
+def sections_dict(cfg: MilesConfig) -> dict[str, dict]:
     """Every config section as a plain dict (msgpack-able), keyed by section name."""
     return {f.name: asdict(getattr(cfg, f.name)) for f in fields(cfg) if is_dataclass(getattr(cfg, f.name))}
 
 
-def num_rollout_engines(cfg) -> int:
+def num_rollout_engines(cfg: MilesConfig) -> int:
     """Rollout engines to start: none for a trainer-only run (SFT, --debug-train-only), so none gets a GPU."""
     return 0 if is_sft(cfg) or cfg.runtime.debug_train_only else cfg.engine.rollout_num_engines
 
 
-def num_eval_engines(cfg) -> int:
+def num_eval_engines(cfg: MilesConfig) -> int:
     """Dedicated eval engines: only the fully async loop evaluates on them, and only beside a local fleet."""
     n = cfg.eval.eval_num_engines
     return n if n > 0 and cfg.async_.fully_async and num_rollout_engines(cfg) > 0 else 0
 
 
-def _kv_tokens(cfg) -> int:
+def _kv_tokens(cfg: MilesConfig) -> int:
     """Default KV capacity: every running request can hold a full prompt + response."""
     r = cfg.rollout
     per_request = r.rollout_max_context_len or ((cfg.data.rollout_max_prompt_len or 1024) + r.rollout_max_response_len)
@@ -115,7 +116,7 @@ class _FreeGpus:
         return self.node, taken
 
 
-def _gpu_layout(cfg, num_nodes: int, gpus_per_node: int, n_eval: int) -> tuple[list, list, list]:
+def _gpu_layout(cfg: MilesConfig, num_nodes: int, gpus_per_node: int, n_eval: int) -> tuple[list, list, list]:
     """Trainers' (node, gpu), rollout engines' (node, gpus), eval engines' (node, gpus)."""
     t, e = cfg.train, cfg.engine
     a, k, g = t.actor_num_gpus_per_node, e.rollout_num_gpus_per_engine, gpus_per_node
@@ -210,7 +211,7 @@ def _trainer_spec(
     )
 
 
-def _engine_spec(cfg, role: str, rank: int, node: int, gpus: list[int], device: str, seed: int) -> WorkerSpec:
+def _engine_spec(cfg: MilesConfig, role: str, rank: int, node: int, gpus: list[int], device: str, seed: int) -> WorkerSpec:
     engine = cfg.engine
     env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))} if device == "cuda" else {}
     return WorkerSpec(
@@ -237,7 +238,7 @@ def _engine_spec(cfg, role: str, rank: int, node: int, gpus: list[int], device: 
     )
 
 
-def engine_weight_dirs(cfg) -> list[str]:
+def engine_weight_dirs(cfg: MilesConfig) -> list[str]:
     """The directories an engine's weight endpoints may use: the run's directory (eval snapshots) and
     --update-weight-disk-dir (disk-delta copies); the served model is readable besides."""
     dirs = [cfg.runtime.output_dir, cfg.weights.update_weight_disk_dir]
@@ -245,7 +246,7 @@ def engine_weight_dirs(cfg) -> list[str]:
 
 
 def plan_placement(
-    cfg,
+    cfg: MilesConfig,
     *,
     device: str,
     num_nodes: int = 1,

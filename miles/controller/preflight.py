@@ -20,7 +20,7 @@ from typing import Any
 from miles.agent.plugins import PLUGIN_CHECKS, PluginShapeError
 from miles.config_fields import FIELDS
 from miles.config_lora_sft import is_sft
-from miles.config_sections import ModelConfig
+from miles.config_sections import MilesConfig, ModelConfig
 from miles.controller.machine import Machine, plan_run, resolve_machine
 from miles.controller.placement import Placement
 from miles.rollout.data_source import DataError, DataSource, JsonlDataSource, PromptLimit, load_data_source
@@ -35,10 +35,11 @@ class PreflightError(ValueError):
     """A start-up check failed; the message is one line with what was wrong and the fix."""
 
 
-def check_start(cfg: Any) -> tuple[LaunchEnv, Machine]:
-    """Every start-up check that needs no model and starts nothing: the controller address, the machine and
-    a layout it can hold, checkpoint and plug-in paths, the train backend. `miles train` runs it before it resolves the model
-    (a bad layout costs no model build); `MilesRun.start` runs it again, cheaply, for callers that come straight."""
+def check_start(cfg: MilesConfig) -> tuple[LaunchEnv, Machine]:
+    """Every start-up check that needs no model and starts nothing: the controller address, the machine
+    and a layout it can hold, checkpoint and plug-in paths, the train backend. `miles train` runs it before
+    it resolves the model (a bad layout costs no model build); `MilesRun.start` runs it again, cheaply, for
+    callers that come straight."""
     le = controller_address(cfg.runtime, launch_env())  # --controller-host/-port over the environment
     machine = resolve_machine(cfg.runtime, le)
     placement = plan_run(cfg, machine, le)  # a layout the cluster cannot hold is refused here, before any work
@@ -148,7 +149,7 @@ PLUGIN_FIELDS: tuple[str, ...] = (
 )
 
 
-def check_plugin_paths(cfg: Any) -> None:
+def check_plugin_paths(cfg: MilesConfig) -> None:
     """Import every plug-in the run names, so a mistyped path fails now and not at the step that calls it."""
     for name in PLUGIN_FIELDS:
         path = cfg.get(name)
@@ -175,7 +176,7 @@ def check_plugin_paths(cfg: Any) -> None:
                 raise PreflightError(f"{flag} {path!r} cannot be used: {e}") from None
 
 
-def check_train_backend(cfg: Any, placement: Placement) -> None:
+def check_train_backend(cfg: MilesConfig, placement: Placement) -> None:
     """`--train-backend megatron` needs megatron-core where the trainers run, and GPUs."""
     if cfg.train.train_backend != "megatron" or not placement.trainer_specs:
         return
@@ -196,7 +197,7 @@ def check_train_backend(cfg: Any, placement: Placement) -> None:
 # ---------------------------------------------------------------- prompt length limit
 
 
-def prompt_limit(cfg: Any, placement: Placement) -> PromptLimit | None:
+def prompt_limit(cfg: MilesConfig, placement: Placement) -> PromptLimit | None:
     """The most prompt tokens the run can take: the smallest of `--rollout-max-prompt-len`, the context
     of every planned engine (which refuses a longer prompt at the step that draws it) and the model's
     positions."""
@@ -245,17 +246,22 @@ class RunData:
     eval_sets: dict[str, JsonlDataSource]
 
 
-def wants_eval_data(cfg: Any) -> bool:
+def parse_eval_datasets(items: list[str]) -> list[tuple[str, str]]:
+    """`--eval-prompt-data name path [name path ...]` as (name, path) pairs."""
+    if len(items) % 2:
+        raise ValueError(f"--eval-prompt-data takes pairs 'name path', got {items!r}")
+    return [(items[i], items[i + 1]) for i in range(0, len(items), 2)]
+
+
+def wants_eval_data(cfg: MilesConfig) -> bool:
     """Eval sets are read when the loop will evaluate on them (not for an external eval command)."""
     e = cfg.eval
     external = cfg.async_.fully_async and e.eval_mode == "external"
     return bool(e.eval_interval and e.eval_prompt_data and not external)
 
 
-def load_run_data(cfg: Any, tokenizer: Any, limit: PromptLimit | None) -> RunData:
+def load_run_data(cfg: MilesConfig, tokenizer: Any, limit: PromptLimit | None) -> RunData:
     """Read, validate and tokenise the prompt and eval data; refuse with PreflightError on bad data."""
-    from miles.controller.eval import parse_eval_datasets
-
     try:
         if is_sft(cfg):  # prompt/response rows, tokenised with their loss masks (rollout/sft_data.py)
             prompts: DataSource = SupervisedDataSource(cfg.data, tokenizer=tokenizer, prompt_limit=limit)

@@ -16,26 +16,33 @@ trained at most once: only groups that were not accepted go back.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from miles.agent.plugins import agent_abort_hook, load_generate
+from miles.config_sections import RolloutConfig
 from miles.controller.drop_guard import DropGuard, max_consecutive_drops
+from miles.controller.router import Router
 from miles.controller.signals import StopRequested
 from miles.errors import RolloutStalled
+from miles.rollout.data_source import DataSource
 from miles.rollout.filters import DynamicFilterOutput, apply_filter
 from miles.rollout.generate import SamplingDefaults, generate_group, generate_sample, is_fresh
 from miles.rollout.rm_hub import RewardFailed, async_rm, batched_async_rm, check_reward
 from miles.rollout.sample import Sample, SampleStatus
 from miles.rollout.train_data import reward_value
 from miles.utils.misc import load_function
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +56,7 @@ class RolloutResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def sampling_from_config(rollout, eval_overrides: dict[str, Any] | None = None) -> SamplingDefaults:
+def sampling_from_config(rollout: RolloutConfig, eval_overrides: dict[str, Any] | None = None) -> SamplingDefaults:
     s = SamplingDefaults(
         temperature=rollout.rollout_temperature,
         top_p=rollout.rollout_top_p,
@@ -70,8 +77,9 @@ def sampling_from_config(rollout, eval_overrides: dict[str, Any] | None = None) 
 class GroupRunner:
     """Generates and scores one group; shared by the sync rollout, eval and the fully async producer."""
 
-    def __init__(self, args, router, tokenizer, sampling: SamplingDefaults, *, reward_inline: bool = True,
-                 deterministic_seed: int | None = None, recompute_logprobs: bool = False, evaluation: bool = False):
+    def __init__(self, args: argparse.Namespace, router: Router, tokenizer: PreTrainedTokenizerBase,
+                 sampling: SamplingDefaults, *, reward_inline: bool = True, deterministic_seed: int | None = None,
+                 recompute_logprobs: bool = False, evaluation: bool = False) -> None:
         self.args = args
         self.router = router
         self.tokenizer = tokenizer
@@ -289,8 +297,9 @@ def retry_after_reward_failure(group: list[Sample]) -> bool:
 class SyncRolloutManager:
     """Produces one step's accepted groups from the data source through the router."""
 
-    def __init__(self, args, rollout_cfg, router, data_source, tokenizer, *, seed: int | None = None,
-                 stop: asyncio.Event | None = None):
+    def __init__(self, args: argparse.Namespace, rollout_cfg: RolloutConfig, router: Router, data_source: DataSource,
+                 tokenizer: PreTrainedTokenizerBase, *, seed: int | None = None,
+                 stop: asyncio.Event | None = None) -> None:
         self.args = args
         self.cfg = rollout_cfg
         self.router = router
@@ -413,7 +422,7 @@ class SyncRolloutManager:
         """Abort the groups still generating and hand them back; returns how many were carried as they stand."""
         groups = list(surplus)
         if pending:
-            await self.router.broadcast("abort_request", abort_all=True)
+            await self.router.abort_all()
             await self.runner.on_abort()
             results = await asyncio.gather(*pending, return_exceptions=True)
             groups += [g for g in results if isinstance(g, list)]  # over-sampled, not needed: back in order

@@ -1,10 +1,11 @@
-"""Request placement over the engine fleet.
+"""Request placement over the engine fleet, and the fleet's typed fleet-wide calls.
 
 Single-turn work goes to the engine with the fewest requests in flight. A routing key (a session
 or trajectory id) binds to one engine for its lifetime, so every later turn lands where its
 prefix is already in the KV cache; a new key goes to the least-loaded engine. In session mode a
 request without a key is an error: silently routing it by load would cost cache hits and leave
-nothing in the logs to explain why.
+nothing in the logs to explain why. `EngineFleet` sends one call to every engine at once (pause,
+continue, abort, memory release and resume, weight versions).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -35,6 +36,48 @@ async def engine_clients(
         for w in runtime.workers(role)
     ]
     return clients + [EngineClient(url, api_key=api_key) for url in external]
+
+
+class EngineFleet:
+    """Every engine of a fleet, called concurrently; each method is one EngineClient call per engine.
+
+    An empty fleet (a run without engines) answers every call with nothing done."""
+
+    def __init__(self, engines: list[EngineClient]) -> None:
+        self.engines = list(engines)
+
+    def __len__(self) -> int:
+        return len(self.engines)
+
+    async def _each(self, call: Callable[[EngineClient], Awaitable[Any]]) -> list:
+        return list(await asyncio.gather(*(call(engine) for engine in self.engines)))
+
+    async def pause_generation(self, mode: str) -> None:
+        """`mode`: abort | in_place | retract (`--pause-generation-mode`)."""
+        await self._each(lambda e: e.pause_generation(mode=mode))
+
+    async def continue_generation(self) -> None:
+        await self._each(lambda e: e.continue_generation())
+
+    async def abort_all(self) -> None:
+        """Abort every request in flight; their samples come back as aborted."""
+        await self._each(lambda e: e.abort_request(abort_all=True))
+
+    async def release_memory_occupation(self, tags: list[str]) -> None:
+        await self._each(lambda e: e.release_memory_occupation(tags=tags))
+
+    async def resume_memory_occupation(self, tags: list[str]) -> None:
+        await self._each(lambda e: e.resume_memory_occupation(tags=tags))
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: int) -> None:
+        await self._each(lambda e: e.update_weights_from_disk(model_path=model_path, weight_version=str(weight_version)))
+
+    async def weight_versions(self) -> list[int]:
+        """The weight version each engine serves, in fleet order."""
+        return [int(v) for v in await self._each(lambda e: e.get_weight_version())]
+
+    async def close(self) -> None:
+        await self._each(lambda e: e.close())
 
 
 class RoutingKeyMissing(ValueError):
@@ -135,11 +178,9 @@ class Router:
             "prefix_cache_hit_rate": cached / prompt if prompt else 0.0,
         }
 
-    async def broadcast(self, method: str, **kw: Any) -> list:
-        """Call one EngineClient method on every engine concurrently; results in engine order."""
-        if method.startswith("_") or not callable(getattr(EngineClient, method, None)):
-            raise ValueError(f"Router.broadcast: {method!r} is not an EngineClient method")
-        return list(await asyncio.gather(*(getattr(engine, method)(**kw) for engine in self.engines)))
+    async def abort_all(self) -> None:
+        """Abort every request in flight on the engines this router places work on."""
+        await EngineFleet(self.engines).abort_all()
 
     async def close(self) -> None:
-        await asyncio.gather(*(engine.close() for engine in self.engines))
+        await EngineFleet(self.engines).close()

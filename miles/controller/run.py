@@ -10,10 +10,12 @@ import asyncio
 import logging
 import os
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 from miles.config_checks import engine_memory_tags
 from miles.config_lora_sft import is_sft
+from miles.config_sections import MilesConfig
 from miles.controller.gateway import check_session_server, engine_context_len, needs_gateway, start_rollout_gateway
 from miles.controller.machine import plan_run
 from miles.controller.placement import Placement
@@ -25,8 +27,9 @@ from miles.controller.preflight import (
     load_run_data,
     prompt_limit,
 )
-from miles.controller.router import Router, engine_clients
+from miles.controller.router import EngineFleet, Router, engine_clients
 from miles.controller.runtime import Runtime
+from miles.controller.trainers import TrainerGroup
 from miles.engines.client import EngineClient
 from miles.engines.doors import new_api_key
 from miles.rollout.sample import Sample
@@ -37,11 +40,14 @@ from miles.utils.sysmon import SystemMonitor
 from miles.utils.timer import StartupClock, StepTimers
 from miles.wire.launch_env import runtime_options
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 logger = logging.getLogger(__name__)
 PROFILED_ROLES = ("trainer", "rollout", "eval_rollout")  # worker roles that take start_profile / stop_profile
 
 
-def read_run_data(cfg, placement: Placement) -> tuple[Any, RunData]:
+def read_run_data(cfg: MilesConfig, placement: Placement) -> tuple[PreTrainedTokenizerBase, RunData]:
     """The tokenizer and the run's prompts and eval sets, read, validated and tokenised."""
     from transformers import AutoTokenizer
 
@@ -58,7 +64,7 @@ def read_run_data(cfg, placement: Placement) -> tuple[Any, RunData]:
     return tokenizer, data
 
 
-async def resolve_offload(cfg, runtime: Runtime) -> None:
+async def resolve_offload(cfg: MilesConfig, trainers: TrainerGroup) -> None:
     """Colocated offload left at its default: off when every trainer rank fits beside its engine.
 
     Off CUDA, or when a trainer cannot tell, offload stays on (the safe choice). Flags the user set
@@ -67,7 +73,7 @@ async def resolve_offload(cfg, runtime: Runtime) -> None:
     t = cfg.train
     if t.offload_train is not None and t.offload_rollout is not None:
         return
-    plans = await runtime.call_all("trainer", "memory_plan")
+    plans = await trainers.memory_plan()
     fits = all(p is not None and p["fits"] for p in plans)
     if plans[0] is not None:
         p = min(plans, key=lambda x: x["free_bytes"] - x["pending_state_bytes"] - x["activation_bytes"])
@@ -84,14 +90,15 @@ async def resolve_offload(cfg, runtime: Runtime) -> None:
 
 
 class MilesRun:
-    def __init__(self, cfg, runtime: Runtime, placement: Placement, router: Router | None, engines: list[EngineClient],
-                 tokenizer, sink: MetricsSink, data: RunData):
+    def __init__(self, cfg: MilesConfig, runtime: Runtime, placement: Placement, router: Router | None,
+                 engines: list[EngineClient], tokenizer: PreTrainedTokenizerBase, sink: MetricsSink, data: RunData):
         self.cfg = cfg
         self.args = cfg.flat()
         self.runtime = runtime
+        self.trainers = TrainerGroup(runtime)
         self.placement = placement
         self.router = router
-        self.engines = engines
+        self.fleet = EngineFleet(engines)  # the rollout engines, the ones weight updates reach
         self.tokenizer = tokenizer
         self.sink = sink
         self.timers = StepTimers()
@@ -104,7 +111,7 @@ class MilesRun:
         self._worker_wait_s = 0.0
         # fully async runs save the prompts of buffered and in-flight groups with each checkpoint
         self.pending_state_fn = None
-        self.eval_engines: list[EngineClient] = []
+        self.eval_fleet = EngineFleet([])  # dedicated eval engines (--eval-mode dedicated), never updated by pushes
         self.profile = ProfileSchedule(cfg.runtime.profile_steps, cfg.runtime.output_dir)
         self._profiling = False
         self.sysmon = SystemMonitor.for_local_workers(runtime, PROFILED_ROLES)
@@ -116,7 +123,7 @@ class MilesRun:
 
     # ---- start / stop ----------------------------------------------------------------
     @classmethod
-    async def start(cls, cfg) -> MilesRun:
+    async def start(cls, cfg: MilesConfig) -> MilesRun:
         clock = StartupClock()  # before_run: imports, the config and model resolution in `miles train`
         le, machine = check_start(cfg)
         check_model_path(cfg.model)  # a directory: `miles train` resolved tiny:, smollm2: and Hub ids before
@@ -130,14 +137,15 @@ class MilesRun:
         runtime = await Runtime.start(placement.specs, run_dir=run_dir,
                                       heartbeat_interval_s=cfg.runtime.heartbeat_interval_s,
                                       heartbeat_timeout_s=cfg.runtime.heartbeat_timeout_s,
-                                      install_signal_handlers=False, wait_ready=False, **runtime_options(le))
+                                      default_timeout_s=cfg.runtime.rpc_timeout_s, install_signal_handlers=False,
+                                      wait_ready=False, **runtime_options(le))
         try:
             tokenizer, data = await asyncio.to_thread(read_run_data, cfg, placement)
             clock.mark("data")
             # the trainers load their model while the engines load theirs
             await runtime.wait_ready("trainer")
-            setup = asyncio.ensure_future(runtime.call_all("trainer", "setup", timeout_s=cfg.runtime.rpc_timeout_s)
-                                          if placement.trainer_specs else asyncio.sleep(0))
+            trainers = TrainerGroup(runtime)
+            setup = asyncio.ensure_future(trainers.setup() if placement.trainer_specs else asyncio.sleep(0))
             try:
                 await runtime.wait_ready()
                 clock.mark("workers")
@@ -147,7 +155,7 @@ class MilesRun:
                     setup.cancel()
             clock.mark("trainer_setup")  # what the trainers' set-up took beyond the engines' start
             if placement.colocated and placement.trainer_specs:
-                await resolve_offload(cfg, runtime)
+                await resolve_offload(cfg, trainers)
             engines = [] if cfg.runtime.debug_train_only or is_sft(cfg) else await engine_clients(
                 runtime, "rollout", api_key=cfg.engine.api_key, external=cfg.engine.rollout_external_engine_addrs)
             urls = [e.base_url for e in engines]
@@ -159,14 +167,13 @@ class MilesRun:
                                resume_from=cfg.train.load, checkpoint_root=cfg.train.save)
             run = cls(cfg, runtime, placement, router, engines, tokenizer, sink, data)
             run.startup = clock
-            # dedicated eval engines (fully async --eval-mode dedicated): never part of weight updates
-            run.eval_engines = await engine_clients(runtime, "eval_rollout", api_key=cfg.engine.api_key)
+            run.eval_fleet = EngineFleet(await engine_clients(runtime, "eval_rollout", api_key=cfg.engine.api_key))
             # engines that release their weights between updates get a fresh weight buffer each time
             releases_weights = bool(cfg.train.offload_rollout) and "weights" in engine_memory_tags(
                 cfg.train.offload_rollout_level)
             if placement.trainer_specs and engines:
-                await runtime.call_all("trainer", "connect_engines", urls, mode=cfg.weights.update_weight_transfer_mode,
-                                       colocated=cfg.engine.colocate, keep_weight_mapping=not releases_weights)
+                await run.trainers.connect_engines(urls, mode=cfg.weights.update_weight_transfer_mode,
+                                                   colocated=cfg.engine.colocate, keep_weight_mapping=not releases_weights)
             clock.mark("connect_weights")
             if router is not None and needs_gateway(cfg):  # session server + /generate for the plug-in layers
                 run.gateway = await start_rollout_gateway(cfg, router, tokenizer, run.args, engine_context_len(placement))
@@ -180,15 +187,15 @@ class MilesRun:
         if self._profiling:  # stopped inside a profile window: still write the traces
             await self._stop_profile()
         # a dead worker is reported once, by the run's own error; the debug modes never connected weights
-        if self.runtime.failure is None and self.has_trainer and self.engines:
+        if self.runtime.failure is None and self.has_trainer and self.fleet:
             try:
-                await self.runtime.call_all("trainer", "close_weights", timeout_s=30)
+                await self.trainers.close_weights()
             except Exception as e:  # noqa: BLE001 - best effort on the way out
                 logger.warning("closing weight sync failed: %s", e)
         if self.gateway is not None:
             await self.gateway.stop()
-        for e in self.engines + self.eval_engines:
-            await e.close()
+        await self.fleet.close()
+        await self.eval_fleet.close()
         self.sink.close()
         await self.runtime.shutdown()
 
@@ -214,23 +221,21 @@ class MilesRun:
         """Pause engines, move the trainer's weights with the configured transport, continue."""
         if not self.has_trainer:  # --debug-rollout-only: the engines keep their initial weights
             return
-        if not self.engines:  # --debug-train-only: the trainer's weights move on; no engine to send them to
+        if not self.fleet:  # --debug-train-only: the trainer's weights move on; no engine to send them to
             self.weight_version = version
             return
         mode = self.cfg.weights.pause_generation_mode
         await self._wait("update_weights_time", self._push(version, mode))
 
     async def _push(self, version: int, mode: str) -> None:
-        await self.router.broadcast("pause_generation", mode=mode)
+        await self.fleet.pause_generation(mode)
         try:
-            results = await self.runtime.call_all("trainer", "push_weights", version,
-                                                  timeout_s=self.cfg.weights.weight_sync_timeout_s)
+            metrics = await self.trainers.push_weights(version, timeout_s=self.cfg.weights.weight_sync_timeout_s)
             self.weight_version = version
-            versions = await asyncio.gather(*(e.get_weight_version() for e in self.engines))
-            self.engine_versions = [int(v) for v in versions]
+            self.engine_versions = await self.fleet.weight_versions()
             if any(v != version for v in self.engine_versions):
                 # disk-delta: hosts that refused a version keep serving the old one; the next push re-bases them
-                if not results[0].get("weight_sync/refused_engines"):
+                if not metrics.get("weight_sync/refused_engines"):
                     raise RuntimeError(
                         f"after pushing weight version {version} the engines report {self.engine_versions}"
                     )
@@ -240,7 +245,7 @@ class MilesRun:
                     self.engine_versions,
                 )
         finally:
-            await self.router.broadcast("continue_generation")
+            await self.fleet.continue_generation()
 
     def to_train_batch(self, groups: list[list[Sample]]) -> list[TrainBatch]:
         """One shard per trainer rank (none under --debug-rollout-only): one per data-parallel replica,
@@ -260,30 +265,27 @@ class MilesRun:
     async def train(self, rollout_id: int, shards: list[TrainBatch]) -> dict[str, float]:
         if not self.has_trainer:  # --debug-rollout-only
             return {}
-        calls = [w.call("train", shard.to_dict(), rollout_id, timeout_s=self.cfg.runtime.rpc_timeout_s)
-                 for w, shard in zip(self.runtime.workers("trainer"), shards, strict=True)]
-        results = await self._wait("train_time", asyncio.gather(*calls))
-        return results[0]
+        return await self._wait("train_time", self.trainers.train(rollout_id, shards))
 
     async def offload_trainer(self) -> None:
         if self.placement.colocated and self.cfg.train.offload_train and self.has_trainer:
-            await self._wait("offload_time", self.runtime.call_all("trainer", "offload"))
+            await self._wait("offload_time", self.trainers.offload())
 
     async def onload_trainer(self) -> None:
         if self.placement.colocated and self.cfg.train.offload_train and self.has_trainer:
-            await self._wait("offload_time", self.runtime.call_all("trainer", "onload"))
+            await self._wait("offload_time", self.trainers.onload())
 
     async def release_engines(self) -> None:
         t = self.cfg.train
-        if self.placement.colocated and t.offload_rollout and self.engines:
-            await self._wait("offload_time",
-                             self.router.broadcast("release_memory_occupation", tags=engine_memory_tags(t.offload_rollout_level)))
+        if self.placement.colocated and t.offload_rollout and self.fleet:
+            tags = engine_memory_tags(t.offload_rollout_level)
+            await self._wait("offload_time", self.fleet.release_memory_occupation(tags))
 
     async def resume_engines(self) -> None:
         t = self.cfg.train
-        if self.placement.colocated and t.offload_rollout and self.engines:
-            await self._wait("offload_time",
-                             self.router.broadcast("resume_memory_occupation", tags=engine_memory_tags(t.offload_rollout_level)))
+        if self.placement.colocated and t.offload_rollout and self.fleet:
+            tags = engine_memory_tags(t.offload_rollout_level)
+            await self._wait("offload_time", self.fleet.resume_memory_occupation(tags))
 
     # ---- checkpoints -----------------------------------------------------------------
     def _ckpt_dir(self, step: int) -> str:
@@ -296,26 +298,20 @@ class MilesRun:
         last = self.cfg.rollout.num_rollout - 1
         if not force and not (t.save_interval and (rollout_id + 1) % t.save_interval == 0) and rollout_id != last:
             return
-        from miles.trainer.checkpoint import COMPLETE_MARKER, CheckpointWriteError, prune_checkpoints
-        from miles.wire.rpc import RemoteError
+        from miles.trainer.checkpoint import COMPLETE_MARKER, prune_checkpoints
 
         if os.path.exists(os.path.join(self._ckpt_dir(rollout_id), COMPLETE_MARKER)):
             return  # this step is already saved (a stop signal right after a scheduled save)
         extra = {"rollout_id": rollout_id, "weight_version": self.weight_version,
                  "data_source": self.data_source.state_dict(),
                  "pending_groups": self.pending_state_fn() if self.pending_state_fn else []}
-        try:
-            await self._wait("save_time", self.runtime.call_all("trainer", "save", self._ckpt_dir(rollout_id), extra,
-                                                               timeout_s=self.cfg.runtime.rpc_timeout_s))
-        except RemoteError as e:  # a full disk, say: the trainers' one-line reason, not their traceback
-            if e.exc_type != CheckpointWriteError.__qualname__:
-                raise
-            raise CheckpointWriteError(e.remote_message) from None
+        # a full disk, say, is raised as the trainers' one-line reason, not their traceback
+        await self._wait("save_time", self.trainers.save(self._ckpt_dir(rollout_id), extra))
         if t.max_checkpoints:  # after the new one is complete: the newest complete checkpoint is never deleted
             await asyncio.to_thread(prune_checkpoints, t.save, t.max_checkpoints)
         if t.save_hf:
             path = t.save_hf.format(rollout_id=rollout_id)
-            await self._wait("save_time", self.runtime.call_all("trainer", "export_hf", path))
+            await self._wait("save_time", self.trainers.export_hf(path))
 
     async def _maybe_resume(self) -> None:
         from miles.trainer.checkpoint import latest_complete_checkpoint, resolve_load_path
@@ -329,8 +325,7 @@ class MilesRun:
         if path is None or not self.has_trainer:  # --debug-rollout-only refuses --load; it has no checkpoint
             self.start_rollout_id = self.cfg.rollout.start_rollout_id or 0
             return
-        extras = await self.runtime.call_all("trainer", "load", path, timeout_s=self.cfg.runtime.rpc_timeout_s)
-        extra = extras[0]
+        extra = await self.trainers.load(path)
         self.data_source.load_state_dict(extra["data_source"])
         pending = extra.get("pending_groups") or []
         if pending:  # prompts that were generating or buffered at save time: regenerate, never lose
@@ -359,8 +354,7 @@ class MilesRun:
         logger.info("profile traces: %s", [w["trace"] for w in written])
 
     async def _all_workers(self, method: str, *args: Any, **kwargs: Any) -> list:
-        calls = [w.call(method, *args, timeout_s=self.cfg.runtime.rpc_timeout_s, **kwargs)
-                 for role in PROFILED_ROLES for w in self.runtime.workers(role)]
+        calls = [w.call(method, *args, **kwargs) for role in PROFILED_ROLES for w in self.runtime.workers(role)]
         return list(await asyncio.gather(*calls))
 
     # ---- metrics ---------------------------------------------------------------------
@@ -391,7 +385,7 @@ class MilesRun:
         return metrics
 
 
-def run_driver(train, cfg) -> int:
+def run_driver(train: Callable[[MilesConfig], Awaitable[str]], cfg: MilesConfig) -> int:
     """Run a loop driver's `train(cfg)` on uvloop (when installed), then print the reward curve."""
     from miles.utils.progress import print_reward_curve
 

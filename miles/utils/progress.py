@@ -12,10 +12,11 @@ logger = logging.getLogger(__name__)
 class StepProgress:
     """rich progress bar showing the latest reward and step time; plain log lines without a TTY."""
 
-    def __init__(self, cfg, *, start: int = 0):
-        self.total = cfg.rollout.num_rollout
+    def __init__(self, total: int, *, start: int = 0, enabled: bool = True) -> None:
+        """`total` steps (`--num-rollout`), from step `start`; `enabled`: `--progress-bar` (off without a TTY)."""
+        self.total = total
         self.start = start
-        self.enabled = cfg.logging.progress_bar and sys.stderr.isatty()
+        self.enabled = enabled and sys.stderr.isatty()
         self._progress = None
         self._task = None
 

@@ -17,6 +17,7 @@ from test_async_loop import base_args, read_metrics, write_prompts  # same folde
 from miles.config import load_config
 from miles.controller import loop_async
 from miles.controller.async_eval import AsyncEval, parse_external_scores
+from miles.controller.router import EngineFleet
 from miles.models.resolve import resolve_model_paths
 
 NUM_STEPS = 4
@@ -104,14 +105,14 @@ def _fake(tmp: Path, *, mode: str, engines=(), command: str | None = None, max_i
                                 rollout_stop=None, rollout_stop_token_ids=None, rollout_skip_special_tokens=False),
         runtime=SimpleNamespace(output_dir=str(tmp), rpc_timeout_s=10))
 
-    async def call_all(role, method, path, **kw):
+    async def export_hf(path):
         os.makedirs(path, exist_ok=True)
 
     async def wait(name, aw):
         return await aw
 
-    run = SimpleNamespace(eval_engines=list(engines), weight_version=7, runtime=SimpleNamespace(call_all=call_all),
-                          _wait=wait)
+    run = SimpleNamespace(eval_fleet=EngineFleet(list(engines)), weight_version=7,
+                          trainers=SimpleNamespace(export_hf=export_hf), _wait=wait)
     return AsyncEval(cfg, run, producer=None)
 
 

@@ -58,10 +58,8 @@ class HoldingRouter:
             },
         }
 
-    async def broadcast(self, name, **kw):
-        assert name == "abort_request"
+    async def abort_all(self):
         self._aborted.set()
-        return []
 
     def next_step(self, version: int, hold: set[int]) -> None:
         self.version, self.hold, self._aborted = version, hold, asyncio.Event()

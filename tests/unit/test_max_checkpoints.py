@@ -80,10 +80,8 @@ def test_the_flag_is_parsed_and_zero_is_refused_at_start_up() -> None:
 def _fake_run(save: Path, max_checkpoints: int | None) -> SimpleNamespace:
     """What MilesRun.maybe_save reads, with trainers whose `save` writes a complete checkpoint."""
 
-    async def call_all(role: str, method: str, path: str, extra: dict, **kw) -> list[None]:
-        assert (role, method) == ("trainer", "save")
+    async def save_on_trainers(path: str, extra: dict) -> None:
         _checkpoint(Path(path).parent, extra["rollout_id"])
-        return [None]
 
     async def wait(_name: str, aw):
         return await aw
@@ -95,7 +93,7 @@ def _fake_run(save: Path, max_checkpoints: int | None) -> SimpleNamespace:
     )
     run = SimpleNamespace(
         cfg=cfg,
-        runtime=SimpleNamespace(call_all=call_all),
+        trainers=SimpleNamespace(save=save_on_trainers),
         _wait=wait,
         weight_version=0,
         data_source=SimpleNamespace(state_dict=dict),

@@ -259,11 +259,12 @@ class _FailingSaveRuntime:
 
 def _run_saving_into(tmp_path: Path, error: Exception):
     from miles.controller.run import MilesRun
+    from miles.controller.trainers import TrainerGroup
     from miles.utils.timer import StepTimers
 
     run = MilesRun.__new__(MilesRun)  # only what maybe_save reads
     run.cfg = _cfg(tmp_path, "--save", str(tmp_path / "ckpt"))
-    run.runtime = _FailingSaveRuntime(error)
+    run.trainers = TrainerGroup(_FailingSaveRuntime(error))
     run.data_source = type("Source", (), {"state_dict": lambda self: {}})()
     run.pending_state_fn, run.weight_version, run.timers, run._worker_wait_s = None, 0, StepTimers(), 0.0
     return run

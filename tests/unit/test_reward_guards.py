@@ -129,8 +129,8 @@ class EchoRouter:
             },
         }
 
-    async def broadcast(self, name, **kw):
-        return []
+    async def abort_all(self):
+        pass
 
 
 class ListSource:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 
 import pytest
 
-from miles.controller.router import Router, RoutingKeyMissing
+from miles.controller.router import EngineFleet, Router, RoutingKeyMissing
+from miles.engines.client import EngineClient
 
 
 class StubEngine:
@@ -18,7 +20,6 @@ class StubEngine:
         self.keys: list[str | None] = []
         self.prompt_tokens = prompt_tokens
         self.cached_tokens = cached_tokens
-        self.paused_with: list[str] = []
         self.fail = False
 
     async def generate(self, payload, *, routing_key=None, timeout_s=None):
@@ -33,10 +34,6 @@ class StubEngine:
             "output_ids": [],
             "meta_info": {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens},
         }
-
-    async def pause_generation(self, mode="retract"):
-        self.paused_with.append(mode)
-        return mode
 
     async def close(self):
         pass
@@ -186,20 +183,52 @@ def test_prefix_cache_hit_rate_from_meta_info():
     assert [s["cached_tokens"] for s in stats["engines"]] == [8, 0]
 
 
-def test_broadcast_calls_every_engine_and_rejects_unknown_methods():
-    async def main():
-        engines = [StubEngine("e0"), StubEngine("e1")]
-        router = Router(engines)
-        results = await router.broadcast("pause_generation", mode="in_place")
-        with pytest.raises(ValueError, match="not an EngineClient method"):
-            await router.broadcast("drop_tables")
-        with pytest.raises(ValueError):
-            await router.broadcast("_post")
-        return engines, results
+class RecordingEngine:
+    """Records each EngineClient call, after checking EngineClient has that method and takes those arguments."""
 
-    engines, results = asyncio.run(main())
-    assert results == ["in_place", "in_place"]
-    assert [e.paused_with for e in engines] == [["in_place"], ["in_place"]]
+    def __init__(self, version: int = 0) -> None:
+        self.calls: list[tuple[str, dict]] = []
+        self.version = version
+
+    def __getattr__(self, name: str):
+        async def call(**kw):
+            inspect.signature(getattr(EngineClient, name)).bind(None, **kw)
+            self.calls.append((name, kw))
+            return self.version if name == "get_weight_version" else None
+
+        return call
+
+
+def test_fleet_calls_reach_every_engine_as_engine_client_methods():
+    async def main(engines):
+        fleet = EngineFleet(engines)
+        await fleet.pause_generation("in_place")
+        await fleet.continue_generation()
+        await fleet.abort_all()
+        await fleet.release_memory_occupation(["kv_cache"])
+        await fleet.resume_memory_occupation(["kv_cache"])
+        await fleet.update_weights_from_disk("/snap", 7)
+        return await fleet.weight_versions()
+
+    engines = [RecordingEngine(3), RecordingEngine(4)]
+    assert asyncio.run(main(engines)) == [3, 4]
+    expected = [
+        ("pause_generation", {"mode": "in_place"}),
+        ("continue_generation", {}),
+        ("abort_request", {"abort_all": True}),
+        ("release_memory_occupation", {"tags": ["kv_cache"]}),
+        ("resume_memory_occupation", {"tags": ["kv_cache"]}),
+        ("update_weights_from_disk", {"model_path": "/snap", "weight_version": "7"}),
+        ("get_weight_version", {}),
+    ]
+    assert [e.calls for e in engines] == [expected, expected]
+    assert not EngineFleet([]) and asyncio.run(EngineFleet([]).weight_versions()) == []
+
+
+def test_router_abort_reaches_every_engine():
+    engines = [RecordingEngine(), RecordingEngine()]
+    asyncio.run(Router(engines).abort_all())
+    assert [e.calls for e in engines] == [[("abort_request", {"abort_all": True})]] * 2
 
 
 def test_router_needs_engines():

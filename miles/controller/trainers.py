@@ -1,0 +1,81 @@
+"""The trainer ranks of a run behind typed calls.
+
+Each method is one `miles.workers.trainer_worker.TrainerWorker` method called on every rank at once
+(the ranks run collectives together, so none may be left out); results come back in rank order
+and the methods return what the controller reads: rank 0's metrics, rank 0's resume state. A test
+holds the method names equal to TrainerWorker's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from miles.controller.runtime import Runtime
+from miles.rollout.train_data import TrainBatch
+from miles.trainer.checkpoint import CheckpointWriteError
+from miles.wire.rpc import RemoteError
+
+ROLE = "trainer"
+
+
+class TrainerGroup:
+    """Calls every trainer rank; timeouts are the runtime's default (`--rpc-timeout-s`) unless a method says."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._runtime = runtime
+
+    @property
+    def size(self) -> int:
+        return len(self._runtime.workers(ROLE))
+
+    async def _all(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list:
+        return await self._runtime.call_all(ROLE, method, *args, timeout_s=timeout_s, **kwargs)
+
+    async def setup(self) -> None:
+        """Join the training world and build the backend."""
+        await self._all("setup")
+
+    async def memory_plan(self) -> list[dict[str, Any] | None]:
+        """Each rank's memory estimate beside its colocated engine (None: the backend cannot tell), for offload."""
+        return await self._all("memory_plan")
+
+    async def connect_engines(self, urls: list[str], *, mode: str, colocated: bool, keep_weight_mapping: bool) -> None:
+        """Build the weight updater for `mode` and attach it to the engines at `urls`."""
+        await self._all("connect_engines", urls, mode=mode, colocated=colocated, keep_weight_mapping=keep_weight_mapping)
+
+    async def push_weights(self, version: int, *, timeout_s: float) -> dict[str, float]:
+        """Move the weights to the engines as `version`; rank 0's metrics (the complete ones)."""
+        return (await self._all("push_weights", version, timeout_s=timeout_s))[0]
+
+    async def close_weights(self, *, timeout_s: float = 30.0) -> None:
+        await self._all("close_weights", timeout_s=timeout_s)
+
+    async def train(self, rollout_id: int, shards: list[TrainBatch]) -> dict[str, float]:
+        """One RL step, shard i on rank i; rank 0's metrics (already reduced over the ranks)."""
+        workers = self._runtime.workers(ROLE)
+        calls = [w.call("train", shard.to_dict(), rollout_id) for w, shard in zip(workers, shards, strict=True)]
+        return (await asyncio.gather(*calls))[0]
+
+    async def save(self, path: str, extra_state: dict[str, Any]) -> None:
+        """A checkpoint at `path`; a failed write (a full disk, say) is raised as its one-line reason."""
+        try:
+            await self._all("save", path, extra_state)
+        except RemoteError as e:
+            if e.exc_type != CheckpointWriteError.__qualname__:
+                raise
+            raise CheckpointWriteError(e.remote_message) from None
+
+    async def load(self, path: str) -> dict[str, Any]:
+        """Resume from the checkpoint at `path`; rank 0's extra state (rollout id, data source, ...)."""
+        return (await self._all("load", path))[0]
+
+    async def export_hf(self, path: str) -> None:
+        """The current weights as a Hugging Face directory at `path`."""
+        await self._all("export_hf", path)
+
+    async def offload(self) -> None:
+        await self._all("offload")
+
+    async def onload(self) -> None:
+        await self._all("onload")
