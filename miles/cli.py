@@ -166,12 +166,12 @@ def cmd_plot(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="miles plot", description="Write PNG curves of RUN_DIR/metrics.jsonl.")
     parser.add_argument("run_dir")
     args = parser.parse_args(argv)
-    from miles.utils.plot import plot_run, reward_curve
+    from miles.utils.plot import PlotUnavailable, plot_run, reward_curve
 
     try:
         written = plot_run(args.run_dir)
-    except FileNotFoundError as e:
-        raise UsageError(str(e)) from None
+    except (FileNotFoundError, PlotUnavailable) as e:
+        raise UsageError(f"miles plot: {e}" if isinstance(e, PlotUnavailable) else str(e)) from None
     curve = reward_curve(args.run_dir)
     if curve:
         print("rollout/reward_mean")

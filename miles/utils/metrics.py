@@ -85,6 +85,9 @@ class MetricsSink:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+            except ImportError:
+                logger.warning("no TensorBoard event files: tensorboard is not installed (pip install "
+                               "'miles[tensorboard]', or --no-use-tensorboard); metrics.jsonl has every metric")
             except Exception as e:  # noqa: BLE001 - TensorBoard is optional at run time
                 logger.warning("TensorBoard disabled: %s", e)
         if wandb_project:

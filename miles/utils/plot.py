@@ -30,6 +30,10 @@ EVAL_SUFFIXES = ("/reward_mean", "/delay_steps")
 STEP_KEYS = ("step", "rollout_id")
 
 
+class PlotUnavailable(RuntimeError):
+    """matplotlib is not installed; the message says how to get it."""
+
+
 def wanted(key: str) -> bool:
     if key.startswith("eval/"):
         return key.endswith(EVAL_SUFFIXES)
@@ -63,8 +67,10 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
         raise FileNotFoundError(f"miles plot: {metrics} not found (is {run_dir} a run directory?)")
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        raise PlotUnavailable("PNG curves need matplotlib: pip install 'miles[plot]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -235,6 +235,14 @@ def test_plot_missing_metrics_exits_2(tmp_path, capsys):
     assert "metrics.jsonl not found" in capsys.readouterr().err
 
 
+def test_plot_without_matplotlib_says_which_extra_to_install(tmp_path, capsys, monkeypatch):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "rollout/reward_mean": 0.1}) + "\n")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
+    assert main(["plot", str(tmp_path)]) == 2
+    assert "miles plot: PNG curves need matplotlib: pip install 'miles[plot]'" in capsys.readouterr().err
+    assert not (tmp_path / "plots").exists()
+
+
 def _grid(text: str) -> list[str]:
     return [line.split("|", 1)[1] for line in text.splitlines()]
 
