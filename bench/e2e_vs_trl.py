@@ -109,7 +109,7 @@ def resolve_model(args: argparse.Namespace, device: str) -> str:
 
         return resolve(spec)
     if spec.startswith("tiny:"):
-        from miles.engines.tiny_model import make_tiny_model
+        from miles.models.tiny import make_tiny_model
 
         _, arch, size = (spec.split(":") + ["", ""])[:3]
         layers, hidden = (int(x) for x in (size or "2x64").split("x"))

@@ -89,7 +89,7 @@ def _abort_first_attempt(monkeypatch) -> None:
         while "rid" not in sample.metadata:
             await asyncio.sleep(0)
         await asyncio.sleep(0.01)  # the request is in the engine (a decode step takes >= 0.05 s)
-        await router.broadcast("abort_request", rid=sample.metadata["rid"])
+        await asyncio.gather(*(e.abort_request(rid=sample.metadata["rid"]) for e in router.engines))
         return await task
 
     monkeypatch.setattr(rollout_manager, "generate_sample", generate)

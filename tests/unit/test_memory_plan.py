@@ -29,12 +29,11 @@ def test_activation_estimate_grows_with_tokens_and_shrinks_with_checkpointing():
     assert activation_bytes(config, 16384, checkpointing=True) < full
 
 
-class _Runtime:
+class _Trainers:
     def __init__(self, plans):
         self.plans = plans
 
-    async def call_all(self, role, method):
-        assert (role, method) == ("trainer", "memory_plan")
+    async def memory_plan(self):
         return self.plans
 
 
@@ -48,13 +47,13 @@ def _plan(fits: bool) -> dict:
 )
 def test_default_offload_is_off_only_when_every_rank_fits(plans, expected):
     cfg = SimpleNamespace(train=SimpleNamespace(offload_train=None, offload_rollout=None))
-    asyncio.run(resolve_offload(cfg, _Runtime(plans)))
+    asyncio.run(resolve_offload(cfg, _Trainers(plans)))
     assert (cfg.train.offload_train, cfg.train.offload_rollout) == (expected, expected)
 
 
 def test_flags_the_user_set_are_kept():
     cfg = SimpleNamespace(train=SimpleNamespace(offload_train=True, offload_rollout=None))
-    asyncio.run(resolve_offload(cfg, _Runtime([_plan(True)])))
+    asyncio.run(resolve_offload(cfg, _Trainers([_plan(True)])))
     assert (cfg.train.offload_train, cfg.train.offload_rollout) == (True, False)
 
 

@@ -119,7 +119,7 @@ def test_padded_budget_counts_padding_and_groups_similar_lengths(seed):
 def test_padded_and_row_layouts_give_the_same_log_probs(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from miles.engines.tiny_model import make_tiny_model
+    from miles.models.tiny import make_tiny_model
     from miles.trainer.forward import response_logits
 
     path = make_tiny_model(str(tmp_path / "m"), arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128)
