@@ -13,7 +13,6 @@ from typing import Any
 
 from miles.controller.runtime import Runtime
 from miles.rollout.train_data import TrainBatch
-from miles.trainer.checkpoint import CheckpointWriteError
 from miles.wire.rpc import RemoteError
 
 ROLE = "trainer"
@@ -62,8 +61,10 @@ class TrainerGroup:
         try:
             await self._all("save", path, extra_state)
         except RemoteError as e:
-            if e.exc_type != CheckpointWriteError.__qualname__:
+            if e.exc_type != "CheckpointWriteError":
                 raise
+            from miles.trainer.checkpoint import CheckpointWriteError  # imports torch: only on this path
+
             raise CheckpointWriteError(e.remote_message) from None
 
     async def load(self, path: str) -> dict[str, Any]:
