@@ -35,7 +35,7 @@ TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPU
 def model_dir(tmp_path_factory) -> str:
     if os.environ.get("MILES_GPU_MODEL"):
         return os.environ["MILES_GPU_MODEL"]
-    from miles.engines.tiny_model import make_tiny_model
+    from miles.models.tiny import make_tiny_model
 
     path = tmp_path_factory.mktemp("megatron") / "qwen2"
     return make_tiny_model(

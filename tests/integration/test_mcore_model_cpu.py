@@ -35,7 +35,7 @@ def _cpu_shims() -> None:
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict[str, str]:
-    from miles.engines.tiny_model import make_tiny_model
+    from miles.models.tiny import make_tiny_model
 
     root = tmp_path_factory.mktemp("models")
     return {a: make_tiny_model(str(root / a), arch=a, vocab=515, init_std=0.2) for a in ARCHS}

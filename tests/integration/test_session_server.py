@@ -20,7 +20,7 @@ from miles.agent.server import Gateway, start_gateway
 from miles.agent.tito import TitoTokenizer, normalize_message
 from miles.controller.router import Router
 from miles.engines.client import EngineClient
-from miles.engines.tiny_model import build_tokenizer
+from miles.models.tiny import build_tokenizer
 
 from scripted_engine import Reply, ScriptedEngine, serve  # isort: skip  (same folder, rootdir on sys.path)
 
@@ -252,7 +252,7 @@ def test_miles_session_serve_answers_any_openai_client(tmp_path):
     import subprocess
     import sys
 
-    from miles.engines.tiny_model import make_tiny_model
+    from miles.models.tiny import make_tiny_model
 
     model = make_tiny_model(str(tmp_path / "tiny"), seed=1)
     env = {**os.environ, "MILES_TORCH_THREADS": "1"}

@@ -14,13 +14,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "miles"
 
-# Edges tolerated for now, each with the reason. The trainer's RL step (train_loop) still names the
-# FSDP backend for its type hints; the backend protocol in trainer/backend.py replaces that, and
-# this entry goes with it.
-KNOWN_EDGES: set[tuple[str, str]] = {
-    ("miles.trainer.train_loop", "miles.trainer.fsdp"),
-}
-
 
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
@@ -136,21 +129,11 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def _without_known(graph: dict[str, set[str]]) -> dict[str, set[str]]:
-    return {m: {t for t in targets if (m, t) not in KNOWN_EDGES} for m, targets in graph.items()}
-
-
 def test_no_two_files_import_each_other() -> None:
-    found = cycles(_without_known(import_graph()))
+    found = cycles(import_graph())
     assert not found, "import cycles (break each; see docs/architecture.md, Layers):\n" + "\n".join(
         " <-> ".join(c) for c in found
     )
-
-
-def test_known_edges_still_exist() -> None:
-    """An allowlisted edge that is gone must leave the allowlist too."""
-    graph = import_graph()
-    assert all(t in graph.get(m, ()) for m, t in KNOWN_EDGES), f"drop the fixed edges from KNOWN_EDGES: {KNOWN_EDGES}"
 
 
 def test_every_module_has_one_layer() -> None:
@@ -163,7 +146,7 @@ def test_no_import_points_up() -> None:
     layers = read_layers()
     upward = [
         f"{m} (layer {layer_of(m, layers)}) imports {t} (layer {layer_of(t, layers)})"
-        for m, targets in sorted(_without_known(import_graph()).items())
+        for m, targets in sorted(import_graph().items())
         for t in sorted(targets)
         if (layer_of(t, layers) or 0) > (layer_of(m, layers) or 0)
     ]

@@ -89,7 +89,7 @@ def test_unsupported_configs_are_refused():
 def hf_model(request, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
-    from miles.engines.tiny_model import make_tiny_model
+    from miles.models.tiny import make_tiny_model
 
     # an odd vocabulary, so two tensor-parallel ranks need a padding row
     path = make_tiny_model(str(tmp_path_factory.mktemp(request.param)), arch=request.param, vocab=515)

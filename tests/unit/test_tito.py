@@ -10,7 +10,7 @@ from miles.agent.families import CHATML_TOOLS_TEMPLATE, FAMILIES, ModelFamily, p
 from miles.agent.matchers import loose_tool_call, resolve_matcher, role_content_only, strict
 from miles.agent.sessions import Checkpoint, Session, SessionConflict, checkpoint_to_sample
 from miles.agent.tito import NotAppendOnly, TitoTokenizer, check_append_only, normalize_message
-from miles.engines.tiny_model import build_tokenizer
+from miles.models.tiny import build_tokenizer
 from miles.rollout.sample import SampleStatus
 
 TOKENIZER = build_tokenizer()
