@@ -19,12 +19,13 @@ from miles.agent.openai_protocol import ChatDefaults
 from miles.agent.server import Gateway, GatewayHandle, start_gateway
 from miles.agent.sessions import RULES
 from miles.agent.tito import TitoTokenizer, check_append_only
+from miles.config_sections import MilesConfig
 
 logger = logging.getLogger(__name__)
 HOST = "127.0.0.1"
 
 
-def needs_gateway(cfg: Any) -> bool:
+def needs_gateway(cfg: MilesConfig) -> bool:
     r = cfg.rollout
     return bool(
         r.use_session_server
@@ -34,7 +35,7 @@ def needs_gateway(cfg: Any) -> bool:
     )
 
 
-def session_tokenizer(cfg: Any, tokenizer: Any) -> TitoTokenizer:
+def session_tokenizer(cfg: MilesConfig, tokenizer: Any) -> TitoTokenizer:
     """The family `--tito-model` names over the run's tokenizer, after the CPU append-only check.
 
     A registered family that fails the check on this tokenizer is refused (ValueError); `default`,
@@ -71,14 +72,14 @@ def engine_context_len(placement: Any) -> int | None:
     return min(limits) if limits else None
 
 
-def check_session_server(cfg: Any, tokenizer: Any) -> None:
+def check_session_server(cfg: MilesConfig, tokenizer: Any) -> None:
     """Start-up checks before any worker starts: the matcher loads, the family passes the append-only check."""
     resolve_matcher(cfg.rollout.session_message_matcher)
     if cfg.rollout.use_session_server:
         session_tokenizer(cfg, tokenizer)
 
 
-def chat_defaults(cfg: Any, context_len: int | None) -> ChatDefaults:
+def chat_defaults(cfg: MilesConfig, context_len: int | None) -> ChatDefaults:
     r = cfg.rollout
     limits = [n for n in (r.rollout_max_context_len, context_len) if n]
     return ChatDefaults(

@@ -10,6 +10,7 @@ episode) are flattened.
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import logging
 import math
@@ -18,8 +19,10 @@ from collections.abc import Callable
 from typing import Any
 
 from miles.agent.plugins import load_rollout
+from miles.config_sections import RolloutConfig
 from miles.controller.rollout_manager import RolloutResult, SyncRolloutManager
 from miles.errors import RolloutStalled
+from miles.rollout.data_source import DataSource
 from miles.rollout.sample import Sample, SampleStatus
 from miles.rollout.train_data import reward_value
 
@@ -29,7 +32,8 @@ logger = logging.getLogger(__name__)
 class PluginRolloutManager:
     """`generate(rollout_id)` over a rollout plug-in (same interface as SyncRolloutManager)."""
 
-    def __init__(self, args: Any, rollout_cfg: Any, data_source: Any, weight_version: Callable[[], int]) -> None:
+    def __init__(self, args: argparse.Namespace, rollout_cfg: RolloutConfig, data_source: DataSource,
+                 weight_version: Callable[[], int]) -> None:
         self.args = args
         self.path = rollout_cfg.rollout_function_path
         self.fn = load_rollout(self.path, args, data_source)
