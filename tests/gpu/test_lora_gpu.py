@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "integration"))
 from _trainer_harness import configs, free_port, make_batch, make_tiny_model  # noqa: E402
 
 from miles.engines.embedded.engine import EmbeddedEngine  # noqa: E402
-from miles.engines.tiny_model import make_tiny_model as make_engine_model  # noqa: E402
+from miles.models.tiny import make_tiny_model as make_engine_model  # noqa: E402
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 24}
 

@@ -48,7 +48,7 @@ def _model_bytes(model_dir: str) -> int:
 
 
 def test_lora_demo_learns_moving_only_the_adapter(tmp_path):
-    from miles.engines.tiny_model import make_tiny_model
+    from miles.models.tiny import make_tiny_model
 
     # what `--hf-checkpoint tiny:llama:2x64` builds, here where the test can read its files
     model_dir = make_tiny_model(

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from miles.engines.embedded.engine import EmbeddedEngine
-from miles.engines.tiny_model import make_tiny_model
+from miles.models.tiny import make_tiny_model
 from miles.weights.receiver import WeightReceiver
 
 peft = pytest.importorskip("peft")

@@ -38,7 +38,7 @@ def _greedy_eval(model_dir: str, rows: list[dict]) -> float:
 
 
 def test_sft_loss_falls_without_engines_and_its_export_starts_an_rl_run(tmp_path):
-    from miles.engines.tiny_model import make_tiny_model
+    from miles.models.tiny import make_tiny_model
 
     # what the config's `tiny:qwen2:2x64` builds, here where the test can score it
     base_dir = make_tiny_model(

@@ -116,7 +116,7 @@ def test_sft_refuses_flags_it_would_ignore(flags, needle):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from miles.engines.tiny_model import build_tokenizer
+    from miles.models.tiny import build_tokenizer
 
     return build_tokenizer()
 
