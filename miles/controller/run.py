@@ -244,6 +244,7 @@ class MilesRun:
                     version,
                     self.engine_versions,
                 )
+            self._last_push_metrics = metrics
         finally:
             await self.fleet.continue_generation()
 
