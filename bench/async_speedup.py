@@ -43,8 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=48, help="longest response (tail cut)")
     p.add_argument("--pareto-shape", type=float, default=1.1, help="smaller = heavier tail")
     p.add_argument("--step-delay-s", type=float, default=0.08, help="engine sleep per decode step")
-    p.add_argument("--concurrency-factor", type=int, default=2,
-                   help="async: trajectories in flight = factor x batch samples")
+    p.add_argument(
+        "--concurrency-factor", type=int, default=2, help="async: trajectories in flight = factor x batch samples"
+    )
     p.add_argument("--seed", type=int, default=1234)
     return p.parse_args(argv)
 
@@ -63,16 +64,45 @@ def write_prompts(path: Path, lengths: list[int]) -> None:
 
 def train_args(a: argparse.Namespace, data: Path, out: Path, *, fully_async: bool) -> list[str]:
     args = [
-        "--hf-checkpoint", "tiny:qwen2:2x64", "--prompt-data", str(data), "--input-key", "input",
-        "--label-key", "label", "--custom-rm-path", "miles.recipes.digit_copy.reward", "--rollout-seed", str(a.seed),
-        "--seed", str(a.seed), "--num-rollout", str(a.num_rollout), "--rollout-batch-size", str(a.batch_groups),
-        "--n-samples-per-prompt", str(a.n_samples), "--global-batch-size", str(a.batch_groups * a.n_samples),
-        "--rollout-max-response-len", str(a.max_tokens), "--actor-num-gpus-per-node", "1",
-        "--rollout-num-engines", "1", "--max-running-requests", "256", "--output-dir", str(out),
+        "--hf-checkpoint",
+        "tiny:qwen2:2x64",
+        "--prompt-data",
+        str(data),
+        "--input-key",
+        "input",
+        "--label-key",
+        "label",
+        "--custom-rm-path",
+        "miles.recipes.digit_copy.reward",
+        "--rollout-seed",
+        str(a.seed),
+        "--seed",
+        str(a.seed),
+        "--num-rollout",
+        str(a.num_rollout),
+        "--rollout-batch-size",
+        str(a.batch_groups),
+        "--n-samples-per-prompt",
+        str(a.n_samples),
+        "--global-batch-size",
+        str(a.batch_groups * a.n_samples),
+        "--rollout-max-response-len",
+        str(a.max_tokens),
+        "--actor-num-gpus-per-node",
+        "1",
+        "--rollout-num-engines",
+        "1",
+        "--max-running-requests",
+        "256",
+        "--output-dir",
+        str(out),
     ]
     if fully_async:
-        args += ["--fully-async", "--async-max-concurrent-samples",
-                 str(a.concurrency_factor * a.batch_groups * a.n_samples)]
+        args += [
+            "--fully-async",
+            "--async-max-concurrent-samples",
+            str(a.concurrency_factor * a.batch_groups * a.n_samples),
+        ]
     return args
 
 
@@ -81,7 +111,8 @@ def measure(run_dir: Path) -> tuple[float, float]:
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steps = [r for r in rows if r["step"] >= 1]
     return len(steps) / sum(r["perf/step_time"] for r in steps), statistics.mean(
-        r["rollout/response_len_mean"] for r in rows if r["step"] >= 0)
+        r["rollout/response_len_mean"] for r in rows if r["step"] >= 0
+    )
 
 
 def run_once(a: argparse.Namespace, data: Path, out: Path, *, fully_async: bool) -> tuple[float, float]:
@@ -100,8 +131,9 @@ def main(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("MILES_TORCH_THREADS", "1")
     os.environ["MILES_ENGINE_STEP_DELAY_S"] = str(a.step_delay_s)  # read by the engine workers at start
     logging.basicConfig(level=logging.WARNING)
-    lengths = long_tailed_lengths(a.num_rollout * a.batch_groups * 4, shape=a.pareto_shape, lo=a.min_tokens,
-                                  hi=a.max_tokens, seed=a.seed)
+    lengths = long_tailed_lengths(
+        a.num_rollout * a.batch_groups * 4, shape=a.pareto_shape, lo=a.min_tokens, hi=a.max_tokens, seed=a.seed
+    )
     results: dict[str, list[float]] = {"sync": [], "async": []}
     lengths_trained: dict[str, list[float]] = {"sync": [], "async": []}
     with tempfile.TemporaryDirectory(prefix="miles-async-bench-") as tmp:
@@ -115,15 +147,23 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"rep {rep} {mode:5s}: {sps:.3f} steps/s, trained response length {trained_len:.2f}", flush=True)
     sync, fully = statistics.median(results["sync"]), statistics.median(results["async"])
     out = {
-        "sync_steps_per_s": round(sync, 4), "async_steps_per_s": round(fully, 4), "speedup": round(fully / sync, 3),
-        "reps": a.reps, "num_rollout": a.num_rollout, "samples_per_step": a.batch_groups * a.n_samples,
-        "response_len_median": float(np.median(lengths)), "response_len_p99": float(np.percentile(lengths, 99)),
-        "response_len_max": max(lengths), "engine_step_delay_s": a.step_delay_s,
+        "sync_steps_per_s": round(sync, 4),
+        "async_steps_per_s": round(fully, 4),
+        "speedup": round(fully / sync, 3),
+        "reps": a.reps,
+        "num_rollout": a.num_rollout,
+        "samples_per_step": a.batch_groups * a.n_samples,
+        "response_len_median": float(np.median(lengths)),
+        "response_len_p99": float(np.percentile(lengths, 99)),
+        "response_len_max": max(lengths),
+        "engine_step_delay_s": a.step_delay_s,
         # async trains on whatever finished first: a shorter mean here is the fast-rollout bias
         "sync_trained_response_len": round(statistics.median(lengths_trained["sync"]), 3),
         "async_trained_response_len": round(statistics.median(lengths_trained["async"]), 3),
-        "token_speedup": round(fully * statistics.median(lengths_trained["async"])
-                               / (sync * statistics.median(lengths_trained["sync"])), 3),
+        "token_speedup": round(
+            fully * statistics.median(lengths_trained["async"]) / (sync * statistics.median(lengths_trained["sync"])),
+            3,
+        ),
     }
     print(json.dumps(out))
     return out

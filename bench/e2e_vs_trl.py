@@ -115,26 +115,74 @@ def resolve_model(args: argparse.Namespace, device: str) -> str:
         layers, hidden = (int(x) for x in (size or "2x64").split("x"))
         out = Path(os.environ.get("MILES_CACHE", Path.home() / ".cache/miles")) / f"bench-{arch}-{layers}x{hidden}"
         if not (out / "config.json").exists():
-            make_tiny_model(str(out), arch=arch or "llama", layers=layers, hidden=hidden, heads=4, kv_heads=2,
-                            intermediate=hidden * 2)
+            make_tiny_model(
+                str(out),
+                arch=arch or "llama",
+                layers=layers,
+                hidden=hidden,
+                heads=4,
+                kv_heads=2,
+                intermediate=hidden * 2,
+            )
         return str(out)
     return spec
 
 
 # ---- miles ------------------------------------------------------------------------------------------
-def miles_command(args: argparse.Namespace, model: str, data: Path, out_dir: Path, seed: int, device: str) -> list[str]:
+def miles_command(
+    args: argparse.Namespace, model: str, data: Path, out_dir: Path, seed: int, device: str
+) -> list[str]:
     n = args.prompts * args.samples
     cmd = [
-        sys.executable, "-m", "miles.cli", "train", "--hf-checkpoint", model, "--prompt-data", str(data),
-        "--input-key", "messages", "--label-key", "label", "--apply-chat-template", "--rollout-shuffle",
-        "--custom-rm-path", REWARD[args.job], "--num-rollout", str(args.steps),
-        "--rollout-batch-size", str(args.prompts), "--n-samples-per-prompt", str(args.samples),
-        "--global-batch-size", str(n), "--rollout-max-response-len", str(max_new_tokens(args)),
-        "--rollout-temperature", "0.8", "--advantage-estimator", "grpo", "--lr", str(learning_rate(device)),
-        "--clip-grad", "1.0",
-        "--use-dynamic-batch-size", "--max-tokens-per-gpu", "16384", "--rollout-num-engines", "1",
-        "--max-running-requests", str(n), "--colocate", "--seed", str(1234 + seed), "--rollout-seed", str(42 + seed),
-        "--output-dir", str(out_dir), "--no-progress-bar",
+        sys.executable,
+        "-m",
+        "miles.cli",
+        "train",
+        "--hf-checkpoint",
+        model,
+        "--prompt-data",
+        str(data),
+        "--input-key",
+        "messages",
+        "--label-key",
+        "label",
+        "--apply-chat-template",
+        "--rollout-shuffle",
+        "--custom-rm-path",
+        REWARD[args.job],
+        "--num-rollout",
+        str(args.steps),
+        "--rollout-batch-size",
+        str(args.prompts),
+        "--n-samples-per-prompt",
+        str(args.samples),
+        "--global-batch-size",
+        str(n),
+        "--rollout-max-response-len",
+        str(max_new_tokens(args)),
+        "--rollout-temperature",
+        "0.8",
+        "--advantage-estimator",
+        "grpo",
+        "--lr",
+        str(learning_rate(device)),
+        "--clip-grad",
+        "1.0",
+        "--use-dynamic-batch-size",
+        "--max-tokens-per-gpu",
+        "16384",
+        "--rollout-num-engines",
+        "1",
+        "--max-running-requests",
+        str(n),
+        "--colocate",
+        "--seed",
+        str(1234 + seed),
+        "--rollout-seed",
+        str(42 + seed),
+        "--output-dir",
+        str(out_dir),
+        "--no-progress-bar",
     ]
     return cmd + shlex.split(args.miles_extra)
 
@@ -147,18 +195,23 @@ def run_miles(args: argparse.Namespace, model: str, data: Path, work: Path, seed
     with log.open("w") as f:
         rc = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout_s).returncode
     wall = time.perf_counter() - start
-    rows = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines() if x.strip()] \
-        if (out_dir / "metrics.jsonl").exists() else []
+    rows = (
+        [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        if (out_dir / "metrics.jsonl").exists()
+        else []
+    )
     rows = [r for r in rows if "perf/step_time" in r]
     if rc != 0 or len(rows) != args.steps:
-        raise SystemExit(f"miles run (seed {seed}) failed, rc={rc}, {len(rows)} steps; log {log}:\n"
-                         + log.read_text()[-3000:])
+        raise SystemExit(
+            f"miles run (seed {seed}) failed, rc={rc}, {len(rows)} steps; log {log}:\n" + log.read_text()[-3000:]
+        )
     return {
         "steps": [r["perf/step_time"] for r in rows],
         "rewards": [r["rollout/reward_mean"] for r in rows],
         "startup_s": rows[0].get("perf/startup_time"),
-        "startup_phases": {k.removeprefix("perf/startup/"): round(v, 2) for k, v in rows[0].items()
-                           if k.startswith("perf/startup/")},
+        "startup_phases": {
+            k.removeprefix("perf/startup/"): round(v, 2) for k, v in rows[0].items() if k.startswith("perf/startup/")
+        },
         "phases": {name: [r.get(key, 0.0) for r in rows] for name, key in MILES_PHASES.items()},
         "wall_s": wall,
         "command": shlex.join(["miles", *cmd[3:]]),
@@ -167,15 +220,30 @@ def run_miles(args: argparse.Namespace, model: str, data: Path, work: Path, seed
 
 # ---- TRL --------------------------------------------------------------------------------------------
 def run_trl(args: argparse.Namespace, model: str, data: Path, work: Path, seed: int, device: str) -> dict:
-    spec = {"model": model, "data": str(data), "seed": seed, "steps": args.steps, "prompts": args.prompts,
-            "samples": args.samples, "max_new": max_new_tokens(args), "force": args.job == "long",
-            "device": device, "out": str(work / f"trl-{seed}.json"), "launched": time.time()}
+    spec = {
+        "model": model,
+        "data": str(data),
+        "seed": seed,
+        "steps": args.steps,
+        "prompts": args.prompts,
+        "samples": args.samples,
+        "max_new": max_new_tokens(args),
+        "force": args.job == "long",
+        "device": device,
+        "out": str(work / f"trl-{seed}.json"),
+        "launched": time.time(),
+    }
     spec_path = work / f"trl-{seed}.spec.json"
     spec_path.write_text(json.dumps(spec))
     log = work / f"trl-{seed}.log"
     with log.open("w") as f:
-        rc = subprocess.run([sys.executable, __file__, "--trl-worker", str(spec_path)], cwd=REPO, stdout=f,
-                            stderr=subprocess.STDOUT, timeout=args.timeout_s).returncode
+        rc = subprocess.run(
+            [sys.executable, __file__, "--trl-worker", str(spec_path)],
+            cwd=REPO,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            timeout=args.timeout_s,
+        ).returncode
     if rc != 0:
         raise SystemExit(f"TRL run (seed {seed}) failed, rc={rc}; log {log}:\n" + log.read_text()[-3000:])
     return json.loads(Path(spec["out"]).read_text())
@@ -206,12 +274,26 @@ def trl_worker(spec_path: str) -> int:
     n = spec["prompts"] * spec["samples"]
     gen_kwargs = {"min_new_tokens": spec["max_new"]} if spec["force"] else None
     config = GRPOConfig(
-        output_dir=str(Path(spec["out"]).with_suffix(".d")), per_device_train_batch_size=n,
-        num_generations=spec["samples"], max_completion_length=spec["max_new"], temperature=0.8,
-        learning_rate=learning_rate(spec["device"]), lr_scheduler_type="constant", warmup_steps=0, beta=0.0,
-        max_grad_norm=1.0, max_steps=spec["steps"], logging_steps=1, save_strategy="no", report_to=[],
-        bf16=cuda, seed=1234 + spec["seed"], use_cpu=not cuda, generation_kwargs=gen_kwargs,
-        dataloader_num_workers=0, disable_tqdm=True,
+        output_dir=str(Path(spec["out"]).with_suffix(".d")),
+        per_device_train_batch_size=n,
+        num_generations=spec["samples"],
+        max_completion_length=spec["max_new"],
+        temperature=0.8,
+        learning_rate=learning_rate(spec["device"]),
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        beta=0.0,
+        max_grad_norm=1.0,
+        max_steps=spec["steps"],
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        bf16=cuda,
+        seed=1234 + spec["seed"],
+        use_cpu=not cuda,
+        generation_kwargs=gen_kwargs,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
     )
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
@@ -229,8 +311,14 @@ def trl_worker(spec_path: str) -> int:
                 torch.cuda.synchronize()
             timings["steps"].append(time.perf_counter() - self._t)
 
-    trainer = GRPOTrainer(model=model, reward_funcs=arith_reward, args=config, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[StepClock()])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=arith_reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[StepClock()],
+    )
     generate = trainer._generate  # the generation phase (sampling with the training model)
 
     def timed_generate(*a, **k):
@@ -241,12 +329,17 @@ def trl_worker(spec_path: str) -> int:
 
     trainer._generate = timed_generate
     trainer.train()
-    Path(spec["out"]).write_text(json.dumps({
-        "steps": timings["steps"], "rewards": rewards,
-        "startup_s": first_step_start[0] - launched if first_step_start else None,
-        "phases": {"generate": timings["generate"]},
-        "command": f"GRPOTrainer {json.dumps({k: v for k, v in spec.items() if k not in ('out', 'launched')})}",
-    }))
+    Path(spec["out"]).write_text(
+        json.dumps(
+            {
+                "steps": timings["steps"],
+                "rewards": rewards,
+                "startup_s": first_step_start[0] - launched if first_step_start else None,
+                "phases": {"generate": timings["generate"]},
+                "command": f"GRPOTrainer {json.dumps({k: v for k, v in spec.items() if k not in ('out', 'launched')})}",
+            }
+        )
+    )
     return 0
 
 
@@ -258,8 +351,15 @@ def _median_after_first(runs: list[dict], key: str = "steps") -> float:
 
 def _phase_medians(runs: list[dict]) -> dict[str, float]:
     names = runs[0]["phases"]
-    return {name: round(statistics.median([v for r in runs for v in r["phases"][name][1:]]
-                                           or [v for r in runs for v in r["phases"][name]]), 4) for name in names}
+    return {
+        name: round(
+            statistics.median(
+                [v for r in runs for v in r["phases"][name][1:]] or [v for r in runs for v in r["phases"][name]]
+            ),
+            4,
+        )
+        for name in names
+    }
 
 
 def _last5(runs: list[dict]) -> float:
@@ -267,17 +367,30 @@ def _last5(runs: list[dict]) -> float:
 
 
 def summary(args: argparse.Namespace, device: str, miles: list[dict], trl: list[dict]) -> dict:
-    line: dict = {"job": args.job, "device": device, "steps": args.steps, "seeds": args.seeds,
-                  "batch": f"{args.prompts}x{args.samples}", "max_new_tokens": max_new_tokens(args)}
+    line: dict = {
+        "job": args.job,
+        "device": device,
+        "steps": args.steps,
+        "seeds": args.seeds,
+        "batch": f"{args.prompts}x{args.samples}",
+        "max_new_tokens": max_new_tokens(args),
+    }
     if miles:
-        line |= {"miles_step_s": round(_median_after_first(miles), 4),
-                 "miles_startup_s": round(statistics.fmean(r["startup_s"] for r in miles), 2),
-                 "miles_reward_last5": _last5(miles), "miles_phases": _phase_medians(miles),
-                 "miles_startup_phases": miles[0]["startup_phases"], "miles_command": miles[0]["command"]}
+        line |= {
+            "miles_step_s": round(_median_after_first(miles), 4),
+            "miles_startup_s": round(statistics.fmean(r["startup_s"] for r in miles), 2),
+            "miles_reward_last5": _last5(miles),
+            "miles_phases": _phase_medians(miles),
+            "miles_startup_phases": miles[0]["startup_phases"],
+            "miles_command": miles[0]["command"],
+        }
     if trl:
-        line |= {"trl_step_s": round(_median_after_first(trl), 4),
-                 "trl_startup_s": round(statistics.fmean(r["startup_s"] for r in trl), 2),
-                 "trl_reward_last5": _last5(trl), "trl_phases": _phase_medians(trl)}
+        line |= {
+            "trl_step_s": round(_median_after_first(trl), 4),
+            "trl_startup_s": round(statistics.fmean(r["startup_s"] for r in trl), 2),
+            "trl_reward_last5": _last5(trl),
+            "trl_phases": _phase_medians(trl),
+        }
     if miles and trl:
         line["ratio"] = round(line["miles_step_s"] / line["trl_step_s"], 3)
     return line
@@ -298,12 +411,32 @@ def main(argv: list[str] | None = None) -> int:
     for seed in range(args.seeds):
         if "miles" in args.sides:
             miles.append(run_miles(args, model, data, work, seed, device))
-            print(json.dumps({"side": "miles", "seed": seed, "step_s": round(statistics.median(miles[-1]["steps"]), 4),
-                              "startup_s": miles[-1]["startup_s"], "rewards": miles[-1]["rewards"]}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "side": "miles",
+                        "seed": seed,
+                        "step_s": round(statistics.median(miles[-1]["steps"]), 4),
+                        "startup_s": miles[-1]["startup_s"],
+                        "rewards": miles[-1]["rewards"],
+                    }
+                ),
+                flush=True,
+            )
         if "trl" in args.sides:
             trl.append(run_trl(args, model, data, work, seed, device))
-            print(json.dumps({"side": "trl", "seed": seed, "step_s": round(statistics.median(trl[-1]["steps"]), 4),
-                              "startup_s": trl[-1]["startup_s"], "rewards": trl[-1]["rewards"]}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "side": "trl",
+                        "seed": seed,
+                        "step_s": round(statistics.median(trl[-1]["steps"]), 4),
+                        "startup_s": trl[-1]["startup_s"],
+                        "rewards": trl[-1]["rewards"],
+                    }
+                ),
+                flush=True,
+            )
     print(json.dumps(summary(args, device, miles, trl)), flush=True)
     return 0
 

@@ -112,7 +112,9 @@ RUNS = {r.name: r for r in _runs()}
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", nargs="*", default=[], help=f"runs by name: {', '.join(RUNS)}")
-    p.add_argument("--group", nargs="*", default=[], help="every run of these groups: core, crash, smollm2, precision, agentic")
+    p.add_argument(
+        "--group", nargs="*", default=[], help="every run of these groups: core, crash, smollm2, precision, agentic"
+    )
     p.add_argument("--list", action="store_true", help="print the runs and their commands, run nothing")
     p.add_argument("--parallel", type=int, default=1, help="commands at once (their GPUs are shared)")
     p.add_argument("--timeout-s", type=float, default=900.0, help="per run")

@@ -27,10 +27,29 @@ def main() -> None:
     ap.add_argument("--config", default=str(REPO / "launch" / "configs" / "demo_cpu.yaml"))
     args, extra = ap.parse_known_args()
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "miles.cli", "train", "--config", args.config, "--num-rollout", str(args.steps),
-               "--output-dir", tmp, "--no-progress-bar", "--eval-interval", "0", *extra]
-        subprocess.run(cmd, check=True, cwd=REPO, env={"MILES_TORCH_THREADS": "1", **__import__("os").environ},
-                       stdout=subprocess.DEVNULL)
+        cmd = [
+            sys.executable,
+            "-m",
+            "miles.cli",
+            "train",
+            "--config",
+            args.config,
+            "--num-rollout",
+            str(args.steps),
+            "--output-dir",
+            tmp,
+            "--no-progress-bar",
+            "--eval-interval",
+            "0",
+            *extra,
+        ]
+        subprocess.run(
+            cmd,
+            check=True,
+            cwd=REPO,
+            env={"MILES_TORCH_THREADS": "1", **__import__("os").environ},
+            stdout=subprocess.DEVNULL,
+        )
         rows = [json.loads(line) for line in open(Path(tmp) / "metrics.jsonl") if line.strip()]
     rows = [r for r in rows if "perf/step_time" in r][2:]  # skip warm-up steps
     frac = sorted(r["perf/controller_overhead_fraction"] for r in rows)
@@ -38,11 +57,23 @@ def main() -> None:
     step_ms = statistics.median(r["perf/step_time"] for r in rows) * 1e3
     p90 = frac[int(0.9 * (len(frac) - 1))]
     median = statistics.median(frac)
-    print(f"steps measured: {len(rows)}   median step {step_ms:.1f} ms   median controller overhead {overhead_ms:.2f} ms")
-    print(f"overhead fraction: median {median:.4f}  p90 {p90:.4f}  (target <= 0.01: {'met' if median <= 0.01 else 'missed'})")
-    print(json.dumps({"overhead_fraction": round(median, 5), "overhead_fraction_p90": round(p90, 5),
-                      "controller_overhead_ms": round(overhead_ms, 3), "step_time_ms": round(step_ms, 2),
-                      "steps": len(rows)}))
+    print(
+        f"steps measured: {len(rows)}   median step {step_ms:.1f} ms   median controller overhead {overhead_ms:.2f} ms"
+    )
+    print(
+        f"overhead fraction: median {median:.4f}  p90 {p90:.4f}  (target <= 0.01: {'met' if median <= 0.01 else 'missed'})"
+    )
+    print(
+        json.dumps(
+            {
+                "overhead_fraction": round(median, 5),
+                "overhead_fraction_p90": round(p90, 5),
+                "controller_overhead_ms": round(overhead_ms, 3),
+                "step_time_ms": round(step_ms, 2),
+                "steps": len(rows),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -143,8 +143,10 @@ def cmd_engine(argv: list[str]) -> int:
 def cmd_session(argv: list[str]) -> int:
     commands = {"serve": "serve_main", "check": "check_main"}
     if not argv or argv[0] not in commands:
-        raise UsageError("usage: miles session serve --model-path DIR --port N [...] | "
-                         "miles session check --model-path DIR --tito-model NAME")
+        raise UsageError(
+            "usage: miles session serve --model-path DIR --port N [...] | "
+            "miles session check --model-path DIR --tito-model NAME"
+        )
     entry = _import_entry("miles.controller.session_serve", commands[argv[0]], "miles session: not available")
     return _result_code(entry(argv[1:]))
 

@@ -178,8 +178,10 @@ def resolve_rollout_engines(cfg: MilesConfig, explicit: set[str]) -> list[str]:
             f"(Miles sets --rollout-num-gpus to that count); drop it or set it to {trainer_gpus}"
         ]
     if gpus < 1 or k < 1 or gpus % k:
-        return [f"--rollout-num-gpus={gpus} is not a positive multiple of --rollout-num-gpus-per-engine={k}; "
-                f"pick a multiple of {k}"]
+        return [
+            f"--rollout-num-gpus={gpus} is not a positive multiple of --rollout-num-gpus-per-engine={k}; "
+            f"pick a multiple of {k}"
+        ]
     engines = gpus // k
     if "rollout_num_engines" in explicit and e.rollout_num_engines != engines:
         return [
@@ -193,7 +195,12 @@ def resolve_rollout_engines(cfg: MilesConfig, explicit: set[str]) -> list[str]:
 # ---------------------------------------------------------------- validation
 
 
-OFFLOAD_ROLLOUT_LEVELS = {"kv_cache": "kv_cache", "weight": "weights", "weights": "weights", "cuda_graph": "cuda_graph"}
+OFFLOAD_ROLLOUT_LEVELS = {
+    "kv_cache": "kv_cache",
+    "weight": "weights",
+    "weights": "weights",
+    "cuda_graph": "cuda_graph",
+}
 
 
 def engine_memory_tags(levels: list[str]) -> list[str]:
@@ -396,11 +403,15 @@ def check_debug_modes(cfg: MilesConfig) -> list[str]:
     rt.debug_train_only = rt.debug_train_only or bool(rt.load_debug_rollout_data)
     mode = "--debug-train-only" if rt.debug_train_only else "--debug-rollout-only" if rt.debug_rollout_only else None
     if rt.debug_train_only and rt.debug_rollout_only:
-        return ["--debug-rollout-only and --debug-train-only (or --load-debug-rollout-data) together would start "
-                "neither engines nor a trainer; pick one"]
+        return [
+            "--debug-rollout-only and --debug-train-only (or --load-debug-rollout-data) together would start "
+            "neither engines nor a trainer; pick one"
+        ]
     if rt.debug_train_only and not rt.load_debug_rollout_data:
-        e.append("--debug-train-only needs --load-debug-rollout-data PATH (files written by "
-                 "--save-debug-rollout-data); add it")
+        e.append(
+            "--debug-train-only needs --load-debug-rollout-data PATH (files written by "
+            "--save-debug-rollout-data); add it"
+        )
     if mode and cfg.async_.fully_async:
         e.append(f"{mode} is supported by the sync loop only; drop --fully-async")
     if rt.save_debug_rollout_data and cfg.async_.fully_async:
@@ -408,13 +419,16 @@ def check_debug_modes(cfg: MilesConfig) -> list[str]:
     for name in ("save_debug_rollout_data", "load_debug_rollout_data"):
         template = getattr(rt, name)
         if template and not _has_rollout_id(template):
-            e.append(f"{flag(name)}={template!r} needs '{{rollout_id}}' in the path (one file per step), "
-                     "and no other {...} field; e.g. rollouts/{rollout_id}.pt")
+            e.append(
+                f"{flag(name)}={template!r} needs '{{rollout_id}}' in the path (one file per step), "
+                "and no other {...} field; e.g. rollouts/{rollout_id}.pt"
+            )
     if rt.save_debug_rollout_data and rt.save_debug_rollout_data == rt.load_debug_rollout_data:
         e.append("--save-debug-rollout-data is the path --load-debug-rollout-data reads; drop it or pick another")
     if rt.debug_rollout_only and (cfg.train.save or cfg.train.load):
-        e.append("--debug-rollout-only starts no trainer, so it neither saves nor loads checkpoints; "
-                 "drop --save and --load")
+        e.append(
+            "--debug-rollout-only starts no trainer, so it neither saves nor loads checkpoints; drop --save and --load"
+        )
     if rt.debug_train_only and cfg.eval.eval_interval and cfg.eval.eval_prompt_data:
         e.append("--debug-train-only starts no engine and cannot evaluate; add --eval-interval none")
     if rt.debug_train_only and cfg.engine.rollout_external_engine_addrs:
@@ -424,8 +438,10 @@ def check_debug_modes(cfg: MilesConfig) -> list[str]:
         first = cfg.rollout.start_rollout_id or 0
         path = rt.load_debug_rollout_data.format(rollout_id=first)
         if not os.path.isfile(path):
-            e.append(f"--load-debug-rollout-data: no saved rollout for the first step ({first}) at {path}; "
-                     "write it with --save-debug-rollout-data first")
+            e.append(
+                f"--load-debug-rollout-data: no saved rollout for the first step ({first}) at {path}; "
+                "write it with --save-debug-rollout-data first"
+            )
     return e
 
 

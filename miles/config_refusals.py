@@ -58,17 +58,25 @@ def _sync_only(cfg: MilesConfig) -> list[str]:
         return []
     e, r = [], cfg.rollout
     if r.recompute_logprobs_via_prefill:
-        e.append("--recompute-logprobs-via-prefill is not supported with --fully-async (Miles refuses it too); "
-                 "drop it, or use --use-tis to correct the rollout log-probs")
+        e.append(
+            "--recompute-logprobs-via-prefill is not supported with --fully-async (Miles refuses it too); "
+            "drop it, or use --use-tis to correct the rollout log-probs"
+        )
     if r.reward_phase != "inline":
-        e.append(f"--reward-phase={r.reward_phase} does not apply to --fully-async, which scores each sample as it "
-                 "finishes; use --reward-phase inline, or drop --fully-async")
+        e.append(
+            f"--reward-phase={r.reward_phase} does not apply to --fully-async, which scores each sample as it "
+            "finishes; use --reward-phase inline, or drop --fully-async"
+        )
     if r.rollout_sample_filter_path:
-        e.append("--rollout-sample-filter-path runs only in the sync loop; with --fully-async filter whole groups "
-                 "with --dynamic-sampling-filter-path, or drop --fully-async")
+        e.append(
+            "--rollout-sample-filter-path runs only in the sync loop; with --fully-async filter whole groups "
+            "with --dynamic-sampling-filter-path, or drop --fully-async"
+        )
     if cfg.weights.update_weights_interval != 1:
-        e.append(f"--update-weights-interval={cfg.weights.update_weights_interval} is for the sync loop; "
-                 "--fully-async pushes after every train step: bound staleness with --max-weight-staleness")
+        e.append(
+            f"--update-weights-interval={cfg.weights.update_weights_interval} is for the sync loop; "
+            "--fully-async pushes after every train step: bound staleness with --max-weight-staleness"
+        )
     return e
 
 
@@ -76,7 +84,12 @@ def _weights_interval(cfg: MilesConfig) -> list[str]:
     n, t = cfg.weights.update_weights_interval, cfg.train
     if n < 1:
         return [f"--update-weights-interval={n} must be at least 1 (push weights every N rollout steps)"]
-    if n > 1 and cfg.engine.colocate and t.offload_rollout is not False and {"weight", "weights"} & set(t.offload_rollout_level):
+    if (
+        n > 1
+        and cfg.engine.colocate
+        and t.offload_rollout is not False
+        and {"weight", "weights"} & set(t.offload_rollout_level)
+    ):
         return [
             f"--update-weights-interval={n} with --colocate: the engines release their weights while the trainer "
             "trains and need a push every step; use --offload-rollout-level kv_cache, or --update-weights-interval 1"
@@ -89,24 +102,46 @@ def _parallelism(cfg: MilesConfig) -> list[str]:
     t, a = cfg.train, cfg.algo
     tp, pp, cp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size, t.context_parallel_size
     if t.train_backend != "megatron":
-        set_flags = [f for f, on in (("--tensor-model-parallel-size", tp != 1), ("--pipeline-model-parallel-size", pp != 1),
-                                     ("--context-parallel-size", cp != 1), ("--sequence-parallel", t.sequence_parallel)) if on]
-        return [f"{', '.join(set_flags)} need --train-backend megatron (FSDP shards data-parallel only); "
-                "add --train-backend megatron or drop them"] if set_flags else []
+        set_flags = [
+            f
+            for f, on in (
+                ("--tensor-model-parallel-size", tp != 1),
+                ("--pipeline-model-parallel-size", pp != 1),
+                ("--context-parallel-size", cp != 1),
+                ("--sequence-parallel", t.sequence_parallel),
+            )
+            if on
+        ]
+        return (
+            [
+                f"{', '.join(set_flags)} need --train-backend megatron (FSDP shards data-parallel only); "
+                "add --train-backend megatron or drop them"
+            ]
+            if set_flags
+            else []
+        )
     e = []
     if min(tp, pp, cp) < 1 or cfg.trainer_world_size % (tp * pp * cp):
-        e.append(f"--tensor-model-parallel-size={tp} x --pipeline-model-parallel-size={pp} x --context-parallel-size={cp} "
-                 f"must divide the {cfg.trainer_world_size} trainer GPUs (--actor-num-nodes x --actor-num-gpus-per-node); "
-                 "change one of them")
+        e.append(
+            f"--tensor-model-parallel-size={tp} x --pipeline-model-parallel-size={pp} x --context-parallel-size={cp} "
+            f"must divide the {cfg.trainer_world_size} trainer GPUs (--actor-num-nodes x --actor-num-gpus-per-node); "
+            "change one of them"
+        )
     if cp != 1:
-        e.append(f"--context-parallel-size={cp}: context parallelism needs Transformer Engine's attention, which the "
-                 "megatron backend does not use; set it to 1")
+        e.append(
+            f"--context-parallel-size={cp}: context parallelism needs Transformer Engine's attention, which the "
+            "megatron backend does not use; set it to 1"
+        )
     if t.sequence_parallel and tp == 1:
-        e.append("--sequence-parallel shards activations over tensor-parallel ranks and needs "
-                 "--tensor-model-parallel-size > 1; drop it or raise the TP size")
+        e.append(
+            "--sequence-parallel shards activations over tensor-parallel ranks and needs "
+            "--tensor-model-parallel-size > 1; drop it or raise the TP size"
+        )
     if a.advantage_estimator == "ppo":
-        e.append("--advantage-estimator ppo needs a critic, which the megatron backend does not train; "
-                 "use --train-backend fsdp for PPO")
+        e.append(
+            "--advantage-estimator ppo needs a critic, which the megatron backend does not train; "
+            "use --train-backend fsdp for PPO"
+        )
     if cfg.model.dtype == "float16" or cfg.model.dtype == "fp16":
         e.append("--dtype float16 needs a loss scaler, which the megatron backend does not run; use bfloat16")
     if t.compile:
@@ -115,39 +150,58 @@ def _parallelism(cfg: MilesConfig) -> list[str]:
 
 
 # Built-in rollout features a --rollout-function-path replaces: given with one, they would do nothing.
-_BUILT_IN_ROLLOUT_ONLY = ("dynamic_sampling_filter_path", "rollout_sample_filter_path",
-                          "partial_rollout", "recompute_logprobs_via_prefill", "reward_phase")
+_BUILT_IN_ROLLOUT_ONLY = (
+    "dynamic_sampling_filter_path",
+    "rollout_sample_filter_path",
+    "partial_rollout",
+    "recompute_logprobs_via_prefill",
+    "reward_phase",
+)
 
 
 def _agentic(cfg: MilesConfig) -> list[str]:
     """The three plug-in layers and the session server: combinations where a flag would do nothing."""
     e, r = [], cfg.rollout
     if r.custom_agent_function_path and not r.use_session_server:
-        e.append("--custom-agent-function-path needs --use-session-server: the session server records the agent's "
-                 "tokens; add --use-session-server (v1 linear, v2 branching)")
+        e.append(
+            "--custom-agent-function-path needs --use-session-server: the session server records the agent's "
+            "tokens; add --use-session-server (v1 linear, v2 branching)"
+        )
     if r.custom_agent_function_path and cfg.data.apply_chat_template:
-        e.append("--apply-chat-template with --custom-agent-function-path: the agent gets the prompt's messages and "
-                 "the session server applies the chat template; drop --apply-chat-template")
+        e.append(
+            "--apply-chat-template with --custom-agent-function-path: the agent gets the prompt's messages and "
+            "the session server applies the chat template; drop --apply-chat-template"
+        )
     if not r.use_session_server:
         for name in ("session_message_matcher", "tito_model"):
             if cfg.get(name) != FIELDS[name].default:
-                e.append(f"{FIELDS[name].flag}={cfg.get(name)!r} applies to the session server only; add "
-                         f"--use-session-server or drop {FIELDS[name].flag}")
+                e.append(
+                    f"{FIELDS[name].flag}={cfg.get(name)!r} applies to the session server only; add "
+                    f"--use-session-server or drop {FIELDS[name].flag}"
+                )
     plugins = r.rollout_function_path or r.custom_generate_function_path or r.custom_agent_function_path
     if r.session_server_port and not (r.use_session_server or plugins):
-        e.append(f"--session-server-port={r.session_server_port}: no session server or plug-in gateway starts "
-                 "without --use-session-server or a custom rollout/generate/agent function; drop it")
+        e.append(
+            f"--session-server-port={r.session_server_port}: no session server or plug-in gateway starts "
+            "without --use-session-server or a custom rollout/generate/agent function; drop it"
+        )
     if r.partial_rollout and (r.custom_generate_function_path or r.custom_agent_function_path):
-        e.append("--partial-rollout resumes samples in the built-in generate only; a custom generate or agent "
-                 "function would get half-finished samples: drop --partial-rollout")
+        e.append(
+            "--partial-rollout resumes samples in the built-in generate only; a custom generate or agent "
+            "function would get half-finished samples: drop --partial-rollout"
+        )
     if r.rollout_function_path:
         if cfg.async_.fully_async:
-            e.append("--rollout-function-path replaces the sync rollout; --fully-async runs its own producer (Miles "
-                     "refuses the pair too): drop one, or plug in at --custom-generate-function-path")
+            e.append(
+                "--rollout-function-path replaces the sync rollout; --fully-async runs its own producer (Miles "
+                "refuses the pair too): drop one, or plug in at --custom-generate-function-path"
+            )
         for name in _BUILT_IN_ROLLOUT_ONLY:
             if cfg.get(name) != FIELDS[name].default:
-                e.append(f"{FIELDS[name].flag} belongs to the built-in rollout, which --rollout-function-path "
-                         "replaces; drop it, or do the same inside the rollout function")
+                e.append(
+                    f"{FIELDS[name].flag} belongs to the built-in rollout, which --rollout-function-path "
+                    "replaces; drop it, or do the same inside the rollout function"
+                )
     if r.generate_max_turns < 1:
         e.append(f"--generate-max-turns={r.generate_max_turns} must be at least 1")
     return e
@@ -167,8 +221,15 @@ def check_mode_support(cfg: MilesConfig) -> list[str]:
     log = cfg.logging
     if log.use_wandb and not log.wandb_project:
         e.append("--use-wandb needs --wandb-project NAME (the W&B project the run logs to)")
-    unused = [f for f, v in (("--wandb-project", log.wandb_project), ("--wandb-group", log.wandb_group),
-                             ("--wandb-mode", log.wandb_mode)) if v is not None]
+    unused = [
+        f
+        for f, v in (
+            ("--wandb-project", log.wandb_project),
+            ("--wandb-group", log.wandb_group),
+            ("--wandb-mode", log.wandb_mode),
+        )
+        if v is not None
+    ]
     if unused and not log.use_wandb:
         e.append(f"{', '.join(unused)} without --use-wandb logs nothing to W&B; add --use-wandb or drop them")
     return e

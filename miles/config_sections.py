@@ -25,9 +25,17 @@ def _f(default, group: str, help: str, **kw):
 
 @dataclass
 class ModelConfig:
-    hf_checkpoint: str | None = _f(None, "MODEL", "HF model directory (weights + tokenizer) for engines and trainer, or a Hub id ORG/NAME[@REV] already in the local HF cache")
-    ref_load: str | None = _f(None, "CKPT", "HF directory of the frozen reference model (default: --hf-checkpoint when a KL term needs it)")
-    critic_load: str | None = _f(None, "CKPT", "HF directory to initialise the PPO critic from (default: --hf-checkpoint)")
+    hf_checkpoint: str | None = _f(
+        None,
+        "MODEL",
+        "HF model directory (weights + tokenizer) for engines and trainer, or a Hub id ORG/NAME[@REV] already in the local HF cache",
+    )
+    ref_load: str | None = _f(
+        None, "CKPT", "HF directory of the frozen reference model (default: --hf-checkpoint when a KL term needs it)"
+    )
+    critic_load: str | None = _f(
+        None, "CKPT", "HF directory to initialise the PPO critic from (default: --hf-checkpoint)"
+    )
     dtype: str = _f("auto", "MODEL", "parameter dtype: auto (bf16 on GPU, fp32 on CPU), bfloat16, float16, float32")
     trust_remote_code: bool = _f(False, "MODEL", "pass trust_remote_code to transformers")
 
@@ -42,9 +50,15 @@ class DataConfig:
     apply_chat_template: bool = _f(False, "ROLLOUT", "render chat prompts with the tokenizer's chat template")
     rollout_shuffle: bool = _f(False, "ROLLOUT", "shuffle prompts every epoch")
     rollout_seed: int = _f(42, "ROLLOUT", "seed for shuffling and sampling")
-    rollout_max_prompt_len: int | None = _f(None, "ROLLOUT", "drop prompts longer than this many tokens (default: what the engines fit)")
-    refuse_long_prompts: bool = _f(False, "ROLLOUT", "stop at start-up on a prompt over the limit instead of skipping and counting it")
-    skip_bad_rows: bool = _f(False, "ROLLOUT", "skip and count malformed JSONL rows (bad JSON, not UTF-8) instead of stopping")
+    rollout_max_prompt_len: int | None = _f(
+        None, "ROLLOUT", "drop prompts longer than this many tokens (default: what the engines fit)"
+    )
+    refuse_long_prompts: bool = _f(
+        False, "ROLLOUT", "stop at start-up on a prompt over the limit instead of skipping and counting it"
+    )
+    skip_bad_rows: bool = _f(
+        False, "ROLLOUT", "skip and count malformed JSONL rows (bad JSON, not UTF-8) instead of stopping"
+    )
     data_source_path: str | None = _f(None, "ROLLOUT", "import path of a custom data source class")
     num_epoch: int | None = _f(None, "ROLLOUT", "epochs over the prompt data (derives --num-rollout)")
 
@@ -66,42 +80,93 @@ class RolloutConfig:
     rollout_stop: list[str] = _f([], "ROLLOUT", "stop strings", metadata={"nargs": "*"})
     rollout_stop_token_ids: list[int] = _f([], "ROLLOUT", "stop token ids", metadata={"nargs": "*"})
     rollout_skip_special_tokens: bool = _f(False, "ROLLOUT", "skip special tokens when decoding")
-    over_sampling_batch_size: int | None = _f(None, "ROLLOUT", "groups submitted per refill (default: rollout_batch_size)")
-    dynamic_sampling_filter_path: str | None = _f(None, "ROLLOUT", "import path of a group filter (e.g. miles.rollout.filters.check_reward_nonzero_std)")
-    rollout_max_consecutive_drops: int | None = _f(None, "ROLLOUT", "stop the run after this many dropped groups in a row: reward failed, aborted or filtered (default: 16 x over_sampling_batch_size)")
-    rollout_submission_granularity: str | None = _f(None, "ROLLOUT", "group | sample (default: group in sync, sample in fully async)")
-    rollout_function_path: str | None = _f(None, "ROLLOUT", "import path of a rollout class or function replacing the whole rollout (its own tasks, groups, rewards); see docs/agentic.md")
-    custom_generate_function_path: str | None = _f(None, "ROLLOUT", "import path of async generate(args, sample, sampling_params) -> Sample | list[Sample], replacing generation and token recording")
-    custom_agent_function_path: str | None = _f(None, "ROLLOUT", "import path of async agent(base_url, prompt, request_kwargs, metadata, **kw) talking to the session server (needs --use-session-server)")
-    generate_max_turns: int = _f(16, "ROLLOUT", "most model turns of one multi-turn trajectory (generate functions and agent sessions)")
+    over_sampling_batch_size: int | None = _f(
+        None, "ROLLOUT", "groups submitted per refill (default: rollout_batch_size)"
+    )
+    dynamic_sampling_filter_path: str | None = _f(
+        None, "ROLLOUT", "import path of a group filter (e.g. miles.rollout.filters.check_reward_nonzero_std)"
+    )
+    rollout_max_consecutive_drops: int | None = _f(
+        None,
+        "ROLLOUT",
+        "stop the run after this many dropped groups in a row: reward failed, aborted or filtered (default: 16 x over_sampling_batch_size)",
+    )
+    rollout_submission_granularity: str | None = _f(
+        None, "ROLLOUT", "group | sample (default: group in sync, sample in fully async)"
+    )
+    rollout_function_path: str | None = _f(
+        None,
+        "ROLLOUT",
+        "import path of a rollout class or function replacing the whole rollout (its own tasks, groups, rewards); see docs/agentic.md",
+    )
+    custom_generate_function_path: str | None = _f(
+        None,
+        "ROLLOUT",
+        "import path of async generate(args, sample, sampling_params) -> Sample | list[Sample], replacing generation and token recording",
+    )
+    custom_agent_function_path: str | None = _f(
+        None,
+        "ROLLOUT",
+        "import path of async agent(base_url, prompt, request_kwargs, metadata, **kw) talking to the session server (needs --use-session-server)",
+    )
+    generate_max_turns: int = _f(
+        16, "ROLLOUT", "most model turns of one multi-turn trajectory (generate functions and agent sessions)"
+    )
     rollout_sample_filter_path: str | None = _f(None, "ROLLOUT", "fn(args, groups) marking remove_sample in place")
     partial_rollout: bool = _f(False, "ROLLOUT", "keep partial groups at abort and resume them next step")
     recompute_logprobs_via_prefill: bool = _f(False, "ROLLOUT", "re-score sampled tokens with a prefill pass")
-    sglang_server_concurrency: int = _f(512, "ROLLOUT", "max requests in flight per engine (the rollout sends at most this x engines at once)")
-    reward_phase: str = _f("inline", "ROLLOUT", "inline (score as each sample finishes) | separate (generate all, then score)")
-    use_session_server: str | None = _f(None, "ROLLOUT", "start the token-in-token-out session server: v1 (linear, the bare flag) or v2 (branching); every request carries a routing key", metadata={"nargs": "?", "const": "v1"})
+    sglang_server_concurrency: int = _f(
+        512, "ROLLOUT", "max requests in flight per engine (the rollout sends at most this x engines at once)"
+    )
+    reward_phase: str = _f(
+        "inline", "ROLLOUT", "inline (score as each sample finishes) | separate (generate all, then score)"
+    )
+    use_session_server: str | None = _f(
+        None,
+        "ROLLOUT",
+        "start the token-in-token-out session server: v1 (linear, the bare flag) or v2 (branching); every request carries a routing key",
+        metadata={"nargs": "?", "const": "v1"},
+    )
     session_server_port: int = _f(0, "ROLLOUT", "port of the session server on the controller host (0: a free one)")
-    session_message_matcher: str = _f("strict", "ROLLOUT", "when a replayed message counts as the stored one: strict | loose_tool_call | role_content_only | import path of fn(stored, replayed) -> bool")
-    tito_model: str = _f("default", "ROLLOUT", "model family of the session server's tokenisation: chatml | default (the checkpoint's own template, unverified) | import path of a ModelFamily")
+    session_message_matcher: str = _f(
+        "strict",
+        "ROLLOUT",
+        "when a replayed message counts as the stored one: strict | loose_tool_call | role_content_only | import path of fn(stored, replayed) -> bool",
+    )
+    tito_model: str = _f(
+        "default",
+        "ROLLOUT",
+        "model family of the session server's tokenisation: chatml | default (the checkpoint's own template, unverified) | import path of a ModelFamily",
+    )
 
 
 @dataclass
 class RewardConfig:
-    rm_type: str | None = _f(None, "ROLLOUT", "built-in reward: math, gsm8k, deepscaler, f1, exact, remote_rm, boxed_* ...")
+    rm_type: str | None = _f(
+        None, "ROLLOUT", "built-in reward: math, gsm8k, deepscaler, f1, exact, remote_rm, boxed_* ..."
+    )
     rm_url: str | None = _f(None, "ROLLOUT", "URL of the remote reward model")
     reward_key: str | None = _f(None, "ROLLOUT", "key selecting the scalar when a reward is a dict")
     custom_rm_path: str | None = _f(None, "ROLLOUT", "import path of a custom reward fn(args, sample)")
     group_rm: bool = _f(False, "ROLLOUT", "score whole groups with --custom-rm-path called on a list")
-    group_reward_path: str | None = _f(None, "ROLLOUT", "import path of fn(args, samples)->list[float] seeing the whole group")
+    group_reward_path: str | None = _f(
+        None, "ROLLOUT", "import path of fn(args, samples)->list[float] seeing the whole group"
+    )
     rm_concurrency: int = _f(64, "ROLLOUT", "max concurrent remote reward calls")
     rm_timeout_s: float = _f(30.0, "ROLLOUT", "timeout of one remote reward call")
-    rm_max_retries: int = _f(3, "ROLLOUT", "retries of a failing remote reward call before the sample is marked failed")
-    rm_retry_backoff_s: float = _f(0.5, "ROLLOUT", "first wait before retrying a failing remote reward call (doubles each retry)")
+    rm_max_retries: int = _f(
+        3, "ROLLOUT", "retries of a failing remote reward call before the sample is marked failed"
+    )
+    rm_retry_backoff_s: float = _f(
+        0.5, "ROLLOUT", "first wait before retrying a failing remote reward call (doubles each retry)"
+    )
 
 
 @dataclass
 class AlgoConfig:
-    advantage_estimator: str = _f("grpo", "GRPO", "grpo | gspo | reinforce_plus_plus | reinforce_plus_plus_baseline | ppo")
+    advantage_estimator: str = _f(
+        "grpo", "GRPO", "grpo | gspo | reinforce_plus_plus | reinforce_plus_plus_baseline | ppo"
+    )
     loss_type: str = _f("policy_loss", "GRPO", "policy_loss | sft_loss | custom_loss")
     custom_loss_function_path: str | None = _f(None, "GRPO", "import path of a custom loss")
     eps_clip: float = _f(0.2, "GRPO", "PPO clip epsilon (low)")
@@ -115,7 +180,9 @@ class AlgoConfig:
     gamma: float = _f(1.0, "GRPO", "discount")
     lambd: float = _f(1.0, "GRPO", "GAE lambda")
     normalize_advantages: bool = _f(False, "GRPO", "masked whitening of advantages across data-parallel ranks")
-    disable_grpo_std_normalization: bool = _f(False, "GRPO", "Dr.GRPO: center rewards without dividing by the group std")
+    disable_grpo_std_normalization: bool = _f(
+        False, "GRPO", "Dr.GRPO: center rewards without dividing by the group std"
+    )
     disable_rewards_normalization: bool = _f(False, "GRPO", "skip group reward normalization")
     value_clip: float = _f(0.2, "GRPO", "PPO value clip")
     use_rollout_logprobs: bool = _f(False, "GRPO", "use rollout log-probs as the old policy (skip actor forward)")
@@ -150,41 +217,78 @@ class TrainConfig:
     use_dynamic_batch_size: bool = _f(False, "PERF", "pack micro-batches up to --max-tokens-per-gpu")
     max_tokens_per_gpu: int | None = _f(None, "PERF", "token budget of one packed micro-batch")
     gradient_checkpointing: bool = _f(False, "PERF", "activation checkpointing")
-    compile: bool = _f(False, "PERF", "torch.compile each transformer block (fewer kernel launches; the first steps pay the compile)")
+    compile: bool = _f(
+        False, "PERF", "torch.compile each transformer block (fewer kernel launches; the first steps pay the compile)"
+    )
     actor_num_nodes: int = _f(1, "PERF", "trainer nodes")
     actor_num_gpus_per_node: int = _f(1, "PERF", "trainer ranks per node (processes on CPU)")
-    tensor_model_parallel_size: int = _f(1, "PERF", "megatron: tensor-parallel size (divides the KV heads); data-parallel size = trainer GPUs / (TP x PP x CP)")
+    tensor_model_parallel_size: int = _f(
+        1,
+        "PERF",
+        "megatron: tensor-parallel size (divides the KV heads); data-parallel size = trainer GPUs / (TP x PP x CP)",
+    )
     pipeline_model_parallel_size: int = _f(1, "PERF", "megatron: pipeline stages (divides the layers)")
-    context_parallel_size: int = _f(1, "PERF", "megatron: context-parallel size (only 1: context parallelism needs Transformer Engine attention)")
-    sequence_parallel: bool = _f(False, "PERF", "megatron: shard activations along the sequence over tensor-parallel ranks (needs TP > 1)")
+    context_parallel_size: int = _f(
+        1, "PERF", "megatron: context-parallel size (only 1: context parallelism needs Transformer Engine attention)"
+    )
+    sequence_parallel: bool = _f(
+        False, "PERF", "megatron: shard activations along the sequence over tensor-parallel ranks (needs TP > 1)"
+    )
     critic_lr: float | None = _f(None, "OPTIMIZER", "critic learning rate (default lr)")
     num_critic_only_steps: int = _f(0, "GRPO", "critic warm-up steps")
     load: str | None = _f(None, "CKPT", "checkpoint directory to resume from")
     save: str | None = _f(None, "CKPT", "checkpoint directory")
     save_interval: int | None = _f(None, "CKPT", "save every N rollout steps")
     save_hf: str | None = _f(None, "CKPT", "HF export directory template, may contain {rollout_id}")
-    max_checkpoints: int | None = _f(None, "CKPT", "keep the newest N complete checkpoints under --save, deleting older ones after each save (default: keep all)")
+    max_checkpoints: int | None = _f(
+        None,
+        "CKPT",
+        "keep the newest N complete checkpoints under --save, deleting older ones after each save (default: keep all)",
+    )
     auto_resume: bool = _f(False, "CKPT", "resume from the latest complete checkpoint under --save")
     no_save_optim: bool = _f(False, "CKPT", "do not save optimizer state")
-    offload_train: bool | None = _f(None, "PERF", "offload trainer state while engines generate (default, colocated: on unless the trainer fits beside the engines on each GPU, measured at start-up; always on off CUDA)")
-    offload_rollout: bool | None = _f(None, "PERF", "colocated engines release memory while the trainer trains (default: as --offload-train)")
-    offload_rollout_level: list[str] = _f(["kv_cache", "weight"], "PERF", "what colocated engines release: kv_cache, weight, cuda_graph", metadata={"nargs": "+"})
-    lora_rank: int = _f(0, "LORA", "LoRA rank; 0 trains every parameter, > 0 trains only a low-rank adapter on the policy (needs the lora extra: pip install 'miles[lora]')")
+    offload_train: bool | None = _f(
+        None,
+        "PERF",
+        "offload trainer state while engines generate (default, colocated: on unless the trainer fits beside the engines on each GPU, measured at start-up; always on off CUDA)",
+    )
+    offload_rollout: bool | None = _f(
+        None, "PERF", "colocated engines release memory while the trainer trains (default: as --offload-train)"
+    )
+    offload_rollout_level: list[str] = _f(
+        ["kv_cache", "weight"],
+        "PERF",
+        "what colocated engines release: kv_cache, weight, cuda_graph",
+        metadata={"nargs": "+"},
+    )
+    lora_rank: int = _f(
+        0,
+        "LORA",
+        "LoRA rank; 0 trains every parameter, > 0 trains only a low-rank adapter on the policy (needs the lora extra: pip install 'miles[lora]')",
+    )
     lora_alpha: int = _f(16, "LORA", "LoRA alpha: the adapter's update is scaled by lora_alpha / lora_rank")
     lora_dropout: float = _f(0.0, "LORA", "dropout on the adapter's input while training (the engines apply none)")
-    target_modules: str | None = _f(None, "LORA", "modules that get an adapter: all-linear (default: every linear layer of the decoder, not lm_head) or comma-separated module names, e.g. q_proj,v_proj")
+    target_modules: str | None = _f(
+        None,
+        "LORA",
+        "modules that get an adapter: all-linear (default: every linear layer of the decoder, not lm_head) or comma-separated module names, e.g. q_proj,v_proj",
+    )
 
 
 @dataclass
 class WeightsConfig:
     update_weight_transfer_mode: str = _f("broadcast", "PERF", "broadcast | p2p | disk-delta")
     update_weight_buffer_size: int = _f(512 * 1024**2, "PERF", "bucket size in bytes")
-    update_weights_interval: int = _f(1, "PERF", "push weights every N rollout steps (sync loop; also before every eval and after the last step)")
+    update_weights_interval: int = _f(
+        1, "PERF", "push weights every N rollout steps (sync loop; also before every eval and after the last step)"
+    )
     update_weight_disk_dir: str | None = _f(None, "PERF", "shared directory for disk-delta versions")
     update_weight_delta_encoding: str = _f("xor", "PERF", "xor | overwrite")
     update_weight_digest: str = _f("xxh3-128", "PERF", "per-tensor digest: xxh3-128 | blake2b | adler32")
     pause_generation_mode: str = _f("retract", "PERF", "abort | in_place | retract")
-    check_weight_update_equal: bool = _f(False, "PERF", "verify every engine tensor against the trainer after the first update")
+    check_weight_update_equal: bool = _f(
+        False, "PERF", "verify every engine tensor against the trainer after the first update"
+    )
     weight_sync_timeout_s: float = _f(300.0, "PERF", "timeout of every rendezvous/collective of the weight path")
 
 
@@ -193,21 +297,36 @@ class EngineConfig:
     engine: str = _f("embedded", "SGLANG", "embedded | sglang")
     rollout_num_engines: int = _f(1, "SGLANG", "number of rollout engines")
     rollout_num_gpus_per_engine: int = _f(1, "SGLANG", "GPUs per engine (SGLang tp size)")
-    rollout_num_gpus: int | None = _f(None, "SGLANG", "total rollout GPUs: sets --rollout-num-engines to this / --rollout-num-gpus-per-engine (with --colocate: the trainer's GPU count)")
+    rollout_num_gpus: int | None = _f(
+        None,
+        "SGLANG",
+        "total rollout GPUs: sets --rollout-num-engines to this / --rollout-num-gpus-per-engine (with --colocate: the trainer's GPU count)",
+    )
     colocate: bool = _f(False, "SGLANG", "trainer and engines share devices")
     max_running_requests: int = _f(64, "SGLANG", "embedded engine: max requests in the running batch")
     max_total_tokens: int | None = _f(None, "SGLANG", "embedded engine: KV cache capacity in tokens")
     deterministic: bool = _f(False, "SGLANG", "deterministic engine (fixed per-request seeds, batch-invariant ops)")
-    rollout_external_engine_addrs: list[str] = _f([], "SGLANG", "use already running engines at these URLs", metadata={"nargs": "*"})
-    api_key: str | None = _f(None, "SGLANG", "key every engine wants as 'Authorization: Bearer KEY' (as SGLang's --api-key); default: a fresh random key per run, given to the engines it starts; external engines need this one. Never written to the run's config.yaml", metadata={"secret": True})
+    rollout_external_engine_addrs: list[str] = _f(
+        [], "SGLANG", "use already running engines at these URLs", metadata={"nargs": "*"}
+    )
+    api_key: str | None = _f(
+        None,
+        "SGLANG",
+        "key every engine wants as 'Authorization: Bearer KEY' (as SGLang's --api-key); default: a fresh random key per run, given to the engines it starts; external engines need this one. Never written to the run's config.yaml",
+        metadata={"secret": True},
+    )
     http_max_body_mb: float = _f(64.0, "SGLANG", "embedded engine: largest HTTP request body in MiB (413 above)")
-    sglang_args: dict = _f({}, "SGLANG", "--sglang-* passthrough flags for sglang.launch_server", metadata={"cli": False})
+    sglang_args: dict = _f(
+        {}, "SGLANG", "--sglang-* passthrough flags for sglang.launch_server", metadata={"cli": False}
+    )
 
 
 @dataclass
 class EvalConfig:
     eval_interval: int | None = _f(None, "EVAL", "evaluate every N steps")
-    eval_prompt_data: list[str] = _f([], "EVAL", "name path [name path ...] (JSONL or parquet)", metadata={"nargs": "*"})
+    eval_prompt_data: list[str] = _f(
+        [], "EVAL", "name path [name path ...] (JSONL or parquet)", metadata={"nargs": "*"}
+    )
     n_samples_per_eval_prompt: int = _f(1, "EVAL", "samples per eval prompt")
     eval_temperature: float | None = _f(None, "EVAL", "eval sampling temperature (default rollout's)")
     eval_top_p: float | None = _f(None, "EVAL", "eval top-p")
@@ -224,7 +343,9 @@ class EvalConfig:
 class AsyncConfig:
     fully_async: bool = _f(False, "ROLLOUT", "fully asynchronous RL (disaggregated only)")
     async_max_concurrent_samples: int | None = _f(None, "ROLLOUT", "trajectories kept generating")
-    async_data_buffer_capacity_factor: float = _f(2.0, "ROLLOUT", "buffer capacity = factor x rollout_batch_size groups")
+    async_data_buffer_capacity_factor: float = _f(
+        2.0, "ROLLOUT", "buffer capacity = factor x rollout_batch_size groups"
+    )
     custom_async_data_buffer_path: str | None = _f(None, "ROLLOUT", "import path of a custom data buffer")
     max_weight_staleness: int | None = _f(None, "ROLLOUT", "drop (or pace) groups staler than this")
     async_unused_samples_handler: str = _f("drop", "ROLLOUT", "retry | drop")
@@ -238,17 +359,49 @@ class RuntimeConfig:
     heartbeat_interval_s: float = _f(1.0, "RUNTIME", "worker heartbeat period")
     heartbeat_timeout_s: float = _f(30.0, "RUNTIME", "declare a worker hung after this silence")
     rpc_timeout_s: float = _f(600.0, "RUNTIME", "default RPC timeout")
-    controller_host: str | None = _f(None, "RUNTIME", "address node 0's controller binds in a multi-node run (python -m miles.launch); default: MILES_CONTROLLER_HOST, else 0.0.0.0")
-    controller_port: int = _f(0, "RUNTIME", "port node 0's controller listens on in a multi-node run; every node reads it from the same miles train args; 0: MILES_CONTROLLER_PORT, else MASTER_PORT + 1")
-    num_nodes: int | None = _f(None, "RUNTIME", "nodes of the job (default: from torchrun/Slurm, else 1); a real run refuses a count that differs from the launch")
-    num_gpus_per_node: int | None = _f(None, "RUNTIME", "GPUs of each node (default: the CUDA devices this node sees; none: a CPU plan); with --dry-run, plans a GPU layout on any machine")
+    controller_host: str | None = _f(
+        None,
+        "RUNTIME",
+        "address node 0's controller binds in a multi-node run (python -m miles.launch); default: MILES_CONTROLLER_HOST, else 0.0.0.0",
+    )
+    controller_port: int = _f(
+        0,
+        "RUNTIME",
+        "port node 0's controller listens on in a multi-node run; every node reads it from the same miles train args; 0: MILES_CONTROLLER_PORT, else MASTER_PORT + 1",
+    )
+    num_nodes: int | None = _f(
+        None,
+        "RUNTIME",
+        "nodes of the job (default: from torchrun/Slurm, else 1); a real run refuses a count that differs from the launch",
+    )
+    num_gpus_per_node: int | None = _f(
+        None,
+        "RUNTIME",
+        "GPUs of each node (default: the CUDA devices this node sees; none: a CPU plan); with --dry-run, plans a GPU layout on any machine",
+    )
     dry_run: bool = _f(False, "RUNTIME", "check the config, print it and the placement plan as JSON, start nothing")
     profile_steps: list[int] = _f([], "RUNTIME", "steps traced with torch.profiler", metadata={"nargs": "*"})
     py_spy: bool = _f(False, "RUNTIME", "sample workers with py-spy")
-    debug_rollout_only: bool = _f(False, "RUNTIME", "engines only: no trainer is started, rollouts are generated step after step with the initial weights (save them with --save-debug-rollout-data)")
-    debug_train_only: bool = _f(False, "RUNTIME", "trainer only: no engine is started, each step trains on the rollout read from --load-debug-rollout-data (implied by it)")
-    save_debug_rollout_data: str | None = _f(None, "RUNTIME", "write each step's rollout (samples with tokens, rewards, log-probs, loss masks, weight versions, metadata) to this path; {rollout_id} in it is replaced by the step")
-    load_debug_rollout_data: str | None = _f(None, "RUNTIME", "train each step on the rollout saved at this path ({rollout_id} replaced by the step) instead of generating; implies --debug-train-only")
+    debug_rollout_only: bool = _f(
+        False,
+        "RUNTIME",
+        "engines only: no trainer is started, rollouts are generated step after step with the initial weights (save them with --save-debug-rollout-data)",
+    )
+    debug_train_only: bool = _f(
+        False,
+        "RUNTIME",
+        "trainer only: no engine is started, each step trains on the rollout read from --load-debug-rollout-data (implied by it)",
+    )
+    save_debug_rollout_data: str | None = _f(
+        None,
+        "RUNTIME",
+        "write each step's rollout (samples with tokens, rewards, log-probs, loss masks, weight versions, metadata) to this path; {rollout_id} in it is replaced by the step",
+    )
+    load_debug_rollout_data: str | None = _f(
+        None,
+        "RUNTIME",
+        "train each step on the rollout saved at this path ({rollout_id} replaced by the step) instead of generating; implies --debug-train-only",
+    )
 
 
 @dataclass
@@ -256,7 +409,11 @@ class LoggingConfig:
     use_wandb: bool = _f(False, "LOGGING", "log to Weights & Biases")
     wandb_project: str | None = _f(None, "LOGGING", "W&B project")
     wandb_group: str | None = _f(None, "LOGGING", "W&B group")
-    wandb_mode: str | None = _f(None, "LOGGING", "online | offline (logs kept under the run directory, `wandb sync` later) | disabled; unset: WANDB_MODE, else online")
+    wandb_mode: str | None = _f(
+        None,
+        "LOGGING",
+        "online | offline (logs kept under the run directory, `wandb sync` later) | disabled; unset: WANDB_MODE, else online",
+    )
     use_tensorboard: bool = _f(True, "LOGGING", "TensorBoard event files in the run directory")
     progress_bar: bool = _f(True, "LOGGING", "live progress bar")
 

@@ -146,8 +146,9 @@ def invalid_points(sweep: Sweep, extra: list[str] | None = None) -> dict[int, st
     level, quiet.level = quiet.level, logging.WARNING  # the derivations are logged again when a point runs
     for index in range(len(sweep.points)):
         try:
-            load_config(point_argv(sweep, index) + list(extra or []),
-                        base=sweep.base if isinstance(sweep.base, dict) else None)
+            load_config(
+                point_argv(sweep, index) + list(extra or []), base=sweep.base if isinstance(sweep.base, dict) else None
+            )
         except ConfigError as e:
             bad[index] = str(e).replace("\n", " ")
     quiet.level = level

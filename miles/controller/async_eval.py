@@ -55,8 +55,10 @@ class AsyncEval:
         if e.eval_mode == "dedicated" and e.eval_interval and e.eval_prompt_data and not run.eval_fleet:
             raise ValueError("--eval-mode=dedicated needs --eval-num-engines >= 1 (engines reserved for eval)")
         if e.eval_mode == "external" and e.eval_interval and not e.eval_external_command:
-            raise ValueError("--eval-mode=external needs --eval-external-command, e.g. "
-                             "'python my_eval.py --ckpt {checkpoint_dir} --step {step}'")
+            raise ValueError(
+                "--eval-mode=external needs --eval-external-command, e.g. "
+                "'python my_eval.py --ckpt {checkpoint_dir} --step {step}'"
+            )
         self.cfg = cfg
         self.mode = e.eval_mode
         self.run = run
@@ -141,8 +143,10 @@ class AsyncEval:
             await fleet.update_weights_from_disk(snapshot, version)
             held = await fleet.weight_versions()
             if any(v != version for v in held):
-                raise RuntimeError(f"eval engines hold weight versions {held}, expected {version} on every one; "
-                                   "not evaluating a mix of versions")
+                raise RuntimeError(
+                    f"eval engines hold weight versions {held}, expected {version} on every one; "
+                    "not evaluating a mix of versions"
+                )
             out: dict[str, float] = {}
             for name, path in self.evaluator.datasets:
                 out.update(await self.evaluator.evaluate(name, path, router=self._router, version=version))
@@ -150,9 +154,12 @@ class AsyncEval:
 
     async def _eval_external(self, snapshot: str, step: int) -> dict[str, float]:
         # literal substitution: a shell command may hold other braces (JSON, ${VAR})
-        command = self.cfg.eval.eval_external_command.replace("{checkpoint_dir}", snapshot).replace("{step}", str(step))
-        proc = await asyncio.create_subprocess_shell(command, stdout=asyncio.subprocess.PIPE,
-                                                     stderr=asyncio.subprocess.PIPE)
+        command = self.cfg.eval.eval_external_command.replace("{checkpoint_dir}", snapshot).replace(
+            "{step}", str(step)
+        )
+        proc = await asyncio.create_subprocess_shell(
+            command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        )
         try:
             stdout, stderr = await proc.communicate()
         except asyncio.CancelledError:
@@ -191,9 +198,15 @@ class AsyncEval:
                 scores[f"eval/{name}/delay_steps"] = float(step - p.step)
                 self._record(name, p.step, step, p.weight_version, scores)
                 if name in taken:
-                    logger.warning("evals of steps %d and %d of %r both finished at the last step; the metrics row "
-                                   "keeps step %d's, both are in %s", taken[name], p.step, name, p.step,
-                                   self._results_path)
+                    logger.warning(
+                        "evals of steps %d and %d of %r both finished at the last step; the metrics row "
+                        "keeps step %d's, both are in %s",
+                        taken[name],
+                        p.step,
+                        name,
+                        p.step,
+                        self._results_path,
+                    )
                 taken[name] = p.step
             out.update(scores)
         self._pending = still
@@ -203,12 +216,18 @@ class AsyncEval:
         logger.warning("eval of step %d skipped: %s", step, reason)
         self._ready.update({f"eval/{name}/skipped": 1.0 for name in self._names()})
 
-    def _record(self, name: str, measured_step: int, finished_step: int, version: int,
-                scores: dict[str, float]) -> None:
+    def _record(
+        self, name: str, measured_step: int, finished_step: int, version: int, scores: dict[str, float]
+    ) -> None:
         prefix = f"eval/{name}/"
-        row = {"name": name, "measured_step": measured_step, "finished_step": finished_step,
-               "weight_version": version, "time": time.time(),
-               "scores": {k[len(prefix):]: v for k, v in scores.items() if k.startswith(prefix)}}
+        row = {
+            "name": name,
+            "measured_step": measured_step,
+            "finished_step": finished_step,
+            "weight_version": version,
+            "time": time.time(),
+            "scores": {k[len(prefix) :]: v for k, v in scores.items() if k.startswith(prefix)},
+        }
         with open(self._results_path, "a") as f:
             f.write(json.dumps(row) + "\n")
 
@@ -221,7 +240,9 @@ def parse_external_scores(stdout: str, command: str) -> dict[str, float]:
     try:
         scores = json.loads(lines[-1])
     except json.JSONDecodeError as e:
-        raise ValueError(f"external eval {command!r}: last stdout line is not JSON ({e.msg}): {lines[-1][:200]!r}") from e
+        raise ValueError(
+            f"external eval {command!r}: last stdout line is not JSON ({e.msg}): {lines[-1][:200]!r}"
+        ) from e
     if not isinstance(scores, dict):
         raise ValueError(f"external eval {command!r}: last line must be a JSON object, got {type(scores).__name__}")
     out: dict[str, float] = {}

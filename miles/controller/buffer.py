@@ -63,8 +63,10 @@ class DataBuffer:
 
     def __init__(self, cfg: BufferConfig, *, unused_handler: UnusedHandler, filter_fn: GroupFilter | None = None):
         if cfg.capacity < 1:
-            raise ValueError(f"async data buffer capacity={cfg.capacity} groups; raise "
-                             "--async-data-buffer-capacity-factor (capacity = factor x rollout_batch_size)")
+            raise ValueError(
+                f"async data buffer capacity={cfg.capacity} groups; raise "
+                "--async-data-buffer-capacity-factor (capacity = factor x rollout_batch_size)"
+            )
         self.cfg = cfg
         self._unused = unused_handler
         self._filter = filter_fn
@@ -119,8 +121,10 @@ class DataBuffer:
 
     def metrics(self) -> dict[str, float]:
         """The step's buffer figures (Table 2 of the design); resets the per-step counters."""
-        waiting = [group_staleness(g, self._last_version, steps_per_version=self.cfg.steps_per_version) or 0
-                   for g in self._groups]
+        waiting = [
+            group_staleness(g, self._last_version, steps_per_version=self.cfg.steps_per_version) or 0
+            for g in self._groups
+        ]
         taken = self._taken_staleness
         m = {
             "queue_size": float(self._queue_size_at_take),

@@ -37,9 +37,11 @@ class SavedRollouts:
         try:
             open(first, "rb").close()
         except OSError as e:
-            raise PreflightError(f"--load-debug-rollout-data: cannot read the rollout of the first step "
-                                 f"({first_rollout_id}) at {first}: {e.strerror}; save it with "
-                                 "--save-debug-rollout-data or --debug-rollout-only first") from None
+            raise PreflightError(
+                f"--load-debug-rollout-data: cannot read the rollout of the first step "
+                f"({first_rollout_id}) at {first}: {e.strerror}; save it with "
+                "--save-debug-rollout-data or --debug-rollout-only first"
+            ) from None
 
     async def generate(self, rollout_id: int) -> RolloutResult:
         groups, metrics = await asyncio.to_thread(load_debug_rollout, self.template, rollout_id)
@@ -60,8 +62,9 @@ class SavingRollouts:
         return result
 
 
-def debug_rollouts(runtime_cfg: RuntimeConfig, start_rollout_id: int,
-                   make_manager: Callable[[], RolloutSource]) -> RolloutSource:
+def debug_rollouts(
+    runtime_cfg: RuntimeConfig, start_rollout_id: int, make_manager: Callable[[], RolloutSource]
+) -> RolloutSource:
     """The loop's rollout source: saved rollouts under `--load-debug-rollout-data`, else `make_manager()`;
     wrapped to save every step under `--save-debug-rollout-data`."""
     if runtime_cfg.load_debug_rollout_data:

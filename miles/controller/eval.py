@@ -34,9 +34,15 @@ class Evaluator:
         self.run = run
         self.datasets = parse_eval_datasets(cfg.eval.eval_prompt_data)
         e = cfg.eval
-        self.sampling = sampling_from_config(cfg.rollout, {
-            "temperature": e.eval_temperature, "top_p": e.eval_top_p, "top_k": e.eval_top_k,
-            "max_new_tokens": e.eval_max_response_len})
+        self.sampling = sampling_from_config(
+            cfg.rollout,
+            {
+                "temperature": e.eval_temperature,
+                "top_p": e.eval_top_p,
+                "top_k": e.eval_top_k,
+                "max_new_tokens": e.eval_max_response_len,
+            },
+        )
 
     def due(self, step: int, *, before_train: bool = False) -> bool:
         if not self.datasets or not self.cfg.eval.eval_interval:
@@ -45,8 +51,9 @@ class Evaluator:
             return not self.cfg.eval.skip_eval_before_train
         return step % self.cfg.eval.eval_interval == 0 or step == self.cfg.rollout.num_rollout
 
-    async def maybe_eval(self, step: int, *, before_train: bool = False,
-                         pause: Pausable | None = None) -> dict[str, float]:
+    async def maybe_eval(
+        self, step: int, *, before_train: bool = False, pause: Pausable | None = None
+    ) -> dict[str, float]:
         """Evaluate when due. `pause` (the async producer) stops new generation while eval runs."""
         if not self.due(step, before_train=before_train):
             return {}
@@ -71,14 +78,16 @@ class Evaluator:
             return {}
         return out
 
-    async def evaluate(self, name: str, path: str, *, router: Router | None = None,
-                       version: int | None = None) -> dict[str, float]:
+    async def evaluate(
+        self, name: str, path: str, *, router: Router | None = None, version: int | None = None
+    ) -> dict[str, float]:
         """Scores of one dataset on `router`'s engines (default: the rollout fleet at the run's version)."""
         source = self.run.eval_sets.get(name)  # read and checked at start-up
         if source is None or source.path != path:
             data_cfg = replace(self.cfg.data, prompt_data=path, rollout_shuffle=False)
-            source = JsonlDataSource(data_cfg, n_samples_per_prompt=self.cfg.eval.n_samples_per_eval_prompt,
-                                     tokenizer=self.run.tokenizer)
+            source = JsonlDataSource(
+                data_cfg, n_samples_per_prompt=self.cfg.eval.n_samples_per_eval_prompt, tokenizer=self.run.tokenizer
+            )
         source.rewind()  # every eval draws the whole set with the same ids
         groups = source.get_samples(len(source))
         args = self.run.args

@@ -83,8 +83,15 @@ def staleness_at_take(position: int, batch_groups: int, *, trainer_waiting: bool
 class AsyncProducer:
     """Keeps generation running; replacement by sample (default) or by group."""
 
-    def __init__(self, cfg: MilesConfig, run: MilesRun, buffer: DataBuffer, ledger: GroupLedger, *,
-                 stop: asyncio.Event | None = None) -> None:
+    def __init__(
+        self,
+        cfg: MilesConfig,
+        run: MilesRun,
+        buffer: DataBuffer,
+        ledger: GroupLedger,
+        *,
+        stop: asyncio.Event | None = None,
+    ) -> None:
         self.cfg = cfg
         self.run = run
         self.buffer = buffer
@@ -99,11 +106,17 @@ class AsyncProducer:
         self.steps_per_version = max(1, cfg.rollout.num_steps_per_rollout or 1)
         self.max_staleness = cfg.async_.max_weight_staleness
         self.pace = cfg.async_.async_staleness_policy == "pace" and self.max_staleness is not None
-        self.runner = GroupRunner(run.args, run.router, run.tokenizer, sampling_from_config(cfg.rollout),
-                                  deterministic_seed=cfg.data.rollout_seed if cfg.engine.deterministic else None)
+        self.runner = GroupRunner(
+            run.args,
+            run.router,
+            run.tokenizer,
+            sampling_from_config(cfg.rollout),
+            deterministic_seed=cfg.data.rollout_seed if cfg.engine.deterministic else None,
+        )
         # every group dropped on arrival, many in a row: stop with the cause instead of generating forever
-        self.guard = DropGuard(max_consecutive_drops(cfg.rollout), target=None, args=run.args,
-                               where="fully async generation")
+        self.guard = DropGuard(
+            max_consecutive_drops(cfg.rollout), target=None, args=run.args, where="fully async generation"
+        )
         self.stop_event = stop  # a stop signal ends a trainer's wait for groups at once
         self._slots = asyncio.Semaphore(self.max_in_flight)
         self._tasks: set[asyncio.Task] = set()
@@ -140,11 +153,22 @@ class AsyncProducer:
         take = asyncio.ensure_future(self.buffer.take(num_groups, current_version=current_version))
         stop = asyncio.ensure_future(self.stop_event.wait()) if self.stop_event is not None else None
         try:
-            while not (await asyncio.wait([w for w in (take, self._failure, stop) if w is not None],
-                                          timeout=_STALL_WARN_S, return_when=asyncio.FIRST_COMPLETED))[0]:
-                logger.warning("the trainer has waited %.0f s for %d groups: %d started and unresolved, paused=%s, "
-                               "pace=%s (is the data source exhausted or the engines stuck?)", _STALL_WARN_S,
-                               num_groups, len(self.ledger), not self._running.is_set(), self.pace)
+            while not (
+                await asyncio.wait(
+                    [w for w in (take, self._failure, stop) if w is not None],
+                    timeout=_STALL_WARN_S,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+            )[0]:
+                logger.warning(
+                    "the trainer has waited %.0f s for %d groups: %d started and unresolved, paused=%s, "
+                    "pace=%s (is the data source exhausted or the engines stuck?)",
+                    _STALL_WARN_S,
+                    num_groups,
+                    len(self.ledger),
+                    not self._running.is_set(),
+                    self.pace,
+                )
             if self._failure.done():
                 failure = self._failure.exception()
                 if isinstance(failure, RunFailed):
@@ -163,8 +187,11 @@ class AsyncProducer:
         return groups
 
     def metrics(self) -> dict[str, float]:
-        m = {"rollout/fully_async/unresolved_groups": float(len(self.ledger)),
-             "rollout/fully_async/paced_time": self._paced_s, **self.runner.pop_metrics()}
+        m = {
+            "rollout/fully_async/unresolved_groups": float(len(self.ledger)),
+            "rollout/fully_async/paced_time": self._paced_s,
+            **self.runner.pop_metrics(),
+        }
         self._paced_s = 0.0
         return m
 
@@ -172,8 +199,12 @@ class AsyncProducer:
     def _pace_ok(self) -> bool:
         if not self.pace:
             return True
-        expected = staleness_at_take(len(self.ledger), self.batch_groups, trainer_waiting=self._trainer_waiting,
-                                     steps_per_version=self.steps_per_version)
+        expected = staleness_at_take(
+            len(self.ledger),
+            self.batch_groups,
+            trainer_waiting=self._trainer_waiting,
+            steps_per_version=self.steps_per_version,
+        )
         return expected <= self.max_staleness
 
     async def _loop(self) -> None:
@@ -181,8 +212,12 @@ class AsyncProducer:
             await self._running.wait()
             for _ in range(self.n):  # a new group needs n free places
                 await self._slots.acquire()
-            while (self._blocked_puts or len(self.ledger) >= self.max_unresolved or not self._pace_ok()
-                   or not self._running.is_set()):  # the trainer is behind (full buffer), pacing, or eval
+            while (
+                self._blocked_puts
+                or len(self.ledger) >= self.max_unresolved
+                or not self._pace_ok()
+                or not self._running.is_set()
+            ):  # the trainer is behind (full buffer), pacing, or eval
                 await asyncio.sleep(_PACE_POLL_S)
                 if not self._pace_ok():
                     self._paced_s += _PACE_POLL_S
@@ -265,9 +300,13 @@ def make_buffer(cfg: MilesConfig, run: MilesRun, ledger: GroupLedger) -> DataBuf
     a = cfg.async_
     steps = cfg.rollout.num_steps_per_rollout or 1
     if steps > 1:
-        logger.warning("num_steps_per_rollout=%d in fully async mode: each weight version is %d policy updates, "
-                       "so staleness counts policy updates (version gap x %d) against --max-weight-staleness",
-                       steps, steps, steps)
+        logger.warning(
+            "num_steps_per_rollout=%d in fully async mode: each weight version is %d policy updates, "
+            "so staleness counts policy updates (version gap x %d) against --max-weight-staleness",
+            steps,
+            steps,
+            steps,
+        )
     bcfg = BufferConfig(capacity=buffer_capacity(cfg), max_staleness=a.max_weight_staleness, steps_per_version=steps)
     flt = load_function(cfg.rollout.dynamic_sampling_filter_path)
 
@@ -276,8 +315,11 @@ def make_buffer(cfg: MilesConfig, run: MilesRun, ledger: GroupLedger) -> DataBuf
         return out.keep, out.reason
 
     cls = load_function(a.custom_async_data_buffer_path) or DataBuffer
-    return cls(bcfg, unused_handler=_unused_handler(run, ledger, a.async_unused_samples_handler),
-               filter_fn=filter_fn if flt is not None else None)
+    return cls(
+        bcfg,
+        unused_handler=_unused_handler(run, ledger, a.async_unused_samples_handler),
+        filter_fn=filter_fn if flt is not None else None,
+    )
 
 
 async def train(cfg: MilesConfig) -> str:
@@ -294,25 +336,31 @@ async def train(cfg: MilesConfig) -> str:
         await evals.before_train(run.start_rollout_id)
         producer.start()
         try:
-            with StepProgress(cfg.rollout.num_rollout, start=run.start_rollout_id,
-                              enabled=cfg.logging.progress_bar) as progress:
+            with StepProgress(
+                cfg.rollout.num_rollout, start=run.start_rollout_id, enabled=cfg.logging.progress_bar
+            ) as progress:
                 for rollout_id in range(run.start_rollout_id, cfg.rollout.num_rollout):
                     await run.profile_hooks(rollout_id, "start")
                     step_start = run.begin_step()
                     try:
-                        groups = await run._wait("train_wait_time", producer.take(
-                            cfg.rollout.rollout_batch_size, current_version=run.weight_version))
+                        groups = await run._wait(
+                            "train_wait_time",
+                            producer.take(cfg.rollout.rollout_batch_size, current_version=run.weight_version),
+                        )
                     except StopRequested:  # stopped while waiting for groups: the last finished step is the boundary
                         if rollout_id > 0:
                             await run.maybe_save(rollout_id - 1, force=True)
                         break
                     rollout_metrics = {**buffer.metrics(), **producer.metrics(), **_group_metrics(groups)}
-                    trained_log.write(json.dumps({"step": rollout_id,
-                                                  "group_index": [g[0].group_index for g in groups]}) + "\n")
+                    trained_log.write(
+                        json.dumps({"step": rollout_id, "group_index": [g[0].group_index for g in groups]}) + "\n"
+                    )
                     train_metrics = await run.train(rollout_id, run.to_train_batch(groups))
                     await run.maybe_save(rollout_id)
                     await run.push_weights(version=run.weight_version + 1)
-                    eval_metrics = await evals.after_push(rollout_id + 1, last=rollout_id + 1 == cfg.rollout.num_rollout)
+                    eval_metrics = await evals.after_push(
+                        rollout_id + 1, last=rollout_id + 1 == cfg.rollout.num_rollout
+                    )
                     progress.update(run.log_step(rollout_id, step_start, rollout_metrics, train_metrics, eval_metrics))
                     await run.profile_hooks(rollout_id, "end")
                     if stop.requested:

@@ -36,8 +36,9 @@ async def train(cfg: MilesConfig) -> str:
         evaluator = Evaluator(cfg, run)
         await run.push_weights(version=run.weight_version)  # engines start from the trainer's weights
         await evaluator.maybe_eval(run.start_rollout_id, before_train=True)
-        with StepProgress(cfg.rollout.num_rollout, start=run.start_rollout_id,
-                          enabled=cfg.logging.progress_bar) as progress:
+        with StepProgress(
+            cfg.rollout.num_rollout, start=run.start_rollout_id, enabled=cfg.logging.progress_bar
+        ) as progress:
             for rollout_id in range(run.start_rollout_id, cfg.rollout.num_rollout):
                 await run.profile_hooks(rollout_id, "start")
                 step_start = run.begin_step()
@@ -71,8 +72,15 @@ def rollout_manager(cfg: MilesConfig, run: MilesRun, stop: StopRequest) -> SyncR
     """The built-in rollout, or the one `--rollout-function-path` names (its own tasks, groups and rewards)."""
     if cfg.rollout.rollout_function_path:
         return PluginRolloutManager(run.args, cfg.rollout, run.data_source, lambda: run.weight_version)
-    return SyncRolloutManager(run.args, cfg.rollout, run.router, run.data_source, run.tokenizer,
-                              seed=cfg.data.rollout_seed if cfg.engine.deterministic else None, stop=stop.event)
+    return SyncRolloutManager(
+        run.args,
+        cfg.rollout,
+        run.router,
+        run.data_source,
+        run.tokenizer,
+        seed=cfg.data.rollout_seed if cfg.engine.deterministic else None,
+        stop=stop.event,
+    )
 
 
 def weights_due(cfg: MilesConfig, evaluator: Evaluator, step: int) -> bool:

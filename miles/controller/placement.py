@@ -211,7 +211,9 @@ def _trainer_spec(
     )
 
 
-def _engine_spec(cfg: MilesConfig, role: str, rank: int, node: int, gpus: list[int], device: str, seed: int) -> WorkerSpec:
+def _engine_spec(
+    cfg: MilesConfig, role: str, rank: int, node: int, gpus: list[int], device: str, seed: int
+) -> WorkerSpec:
     engine = cfg.engine
     env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))} if device == "cuda" else {}
     return WorkerSpec(

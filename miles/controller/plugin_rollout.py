@@ -32,8 +32,13 @@ logger = logging.getLogger(__name__)
 class PluginRolloutManager:
     """`generate(rollout_id)` over a rollout plug-in (same interface as SyncRolloutManager)."""
 
-    def __init__(self, args: argparse.Namespace, rollout_cfg: RolloutConfig, data_source: DataSource,
-                 weight_version: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        rollout_cfg: RolloutConfig,
+        data_source: DataSource,
+        weight_version: Callable[[], int],
+    ) -> None:
         self.args = args
         self.path = rollout_cfg.rollout_function_path
         self.fn = load_rollout(self.path, args, data_source)

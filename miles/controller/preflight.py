@@ -267,7 +267,10 @@ def load_run_data(cfg: MilesConfig, tokenizer: Any, limit: PromptLimit | None) -
             prompts: DataSource = SupervisedDataSource(cfg.data, tokenizer=tokenizer, prompt_limit=limit)
         else:
             prompts = load_data_source(
-                cfg.data, n_samples_per_prompt=cfg.rollout.n_samples_per_prompt, tokenizer=tokenizer, prompt_limit=limit
+                cfg.data,
+                n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
+                tokenizer=tokenizer,
+                prompt_limit=limit,
             )
         eval_sets: dict[str, JsonlDataSource] = {}
         if wants_eval_data(cfg):

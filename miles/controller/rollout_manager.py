@@ -77,9 +77,18 @@ def sampling_from_config(rollout: RolloutConfig, eval_overrides: dict[str, Any] 
 class GroupRunner:
     """Generates and scores one group; shared by the sync rollout, eval and the fully async producer."""
 
-    def __init__(self, args: argparse.Namespace, router: Router, tokenizer: PreTrainedTokenizerBase,
-                 sampling: SamplingDefaults, *, reward_inline: bool = True, deterministic_seed: int | None = None,
-                 recompute_logprobs: bool = False, evaluation: bool = False) -> None:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        router: Router,
+        tokenizer: PreTrainedTokenizerBase,
+        sampling: SamplingDefaults,
+        *,
+        reward_inline: bool = True,
+        deterministic_seed: int | None = None,
+        recompute_logprobs: bool = False,
+        evaluation: bool = False,
+    ) -> None:
         self.args = args
         self.router = router
         self.tokenizer = tokenizer
@@ -132,8 +141,10 @@ class GroupRunner:
             return [await generate_sample(self.router, sample, self.tokenizer, self.sampling, seed=self._seed(sample))]
         if sample.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED):
             return [sample]
-        params = {**self.sampling.to_payload(0, seed=self._seed(sample)),
-                  **(sample.metadata.get("sampling_params") or {})}  # per-prompt overrides
+        params = {
+            **self.sampling.to_payload(0, seed=self._seed(sample)),
+            **(sample.metadata.get("sampling_params") or {}),
+        }  # per-prompt overrides
         return await self.plugin_generate(self.args, sample, params, self.evaluation, self.tokenizer)
 
     async def on_abort(self) -> None:
@@ -145,17 +156,23 @@ class GroupRunner:
 
     def _batchable(self, group: list[Sample]) -> bool:
         """One batched call for the group: all fresh, one round trip each, no session routing."""
-        return (1 < len(group) <= self.concurrency and not self.recompute_logprobs and not self.keyed
-                and getattr(self.router, "batched_generate", False) and not getattr(self.router, "session_mode", False)
-                and all(is_fresh(s) for s in group))
+        return (
+            1 < len(group) <= self.concurrency
+            and not self.recompute_logprobs
+            and not self.keyed
+            and getattr(self.router, "batched_generate", False)
+            and not getattr(self.router, "session_mode", False)
+            and all(is_fresh(s) for s in group)
+        )
 
     async def _batch(self, group: list[Sample]) -> list[Sample]:
         async with self._claiming:
             for _ in group:
                 await self.in_flight.acquire()
         try:
-            group = await generate_group(self.router, group, self.tokenizer, self.sampling,
-                                         seeds=[self._seed(s) for s in group])
+            group = await generate_group(
+                self.router, group, self.tokenizer, self.sampling, seeds=[self._seed(s) for s in group]
+            )
         finally:
             for _ in group:
                 self.in_flight.release()
@@ -177,14 +194,20 @@ class GroupRunner:
     async def recompute(self, sample: Sample) -> None:
         """Re-score the sampled tokens with one prefill pass (the shape of computation the trainer uses)."""
         start = time.perf_counter()
-        payload = {"input_ids": list(sample.tokens), "return_logprob": True, "logprob_start_len": sample.prompt_length,
-                   "sampling_params": {"max_new_tokens": 0, "temperature": self.sampling.temperature}}
+        payload = {
+            "input_ids": list(sample.tokens),
+            "return_logprob": True,
+            "logprob_start_len": sample.prompt_length,
+            "sampling_params": {"max_new_tokens": 0, "temperature": self.sampling.temperature},
+        }
         keyed = {"routing_key": sample.routing_key} if sample.routing_key else {}  # the engine that has its prefix
         out = await self.router.generate(payload, **keyed)
         logprobs = [float(t[0]) for t in out["meta_info"]["input_token_logprobs"]]
         if len(logprobs) != sample.response_length:
-            raise RuntimeError(f"prefill re-scoring returned {len(logprobs)} log-probs for "
-                               f"{sample.response_length} response tokens (sample {sample.index})")
+            raise RuntimeError(
+                f"prefill re-scoring returned {len(logprobs)} log-probs for "
+                f"{sample.response_length} response tokens (sample {sample.index})"
+            )
         sample.metadata["decode_log_probs"] = sample.rollout_log_probs
         sample.rollout_log_probs = logprobs
         self.recompute_time_s += time.perf_counter() - start
@@ -230,17 +253,23 @@ class GroupRunner:
         sample.status = SampleStatus.FAILED
         sample.metadata["reward_error"] = str(error)
         if self.reward_failures <= _REWARD_WARNINGS_PER_STEP:
-            more = ("; further failures this step are only counted (rollout/reward_failed_samples)"
-                    if self.reward_failures == _REWARD_WARNINGS_PER_STEP else "")
-            logger.warning("reward failed for sample %s (group %s): %s%s", sample.index, sample.group_index,
-                           error, more)
+            more = (
+                "; further failures this step are only counted (rollout/reward_failed_samples)"
+                if self.reward_failures == _REWARD_WARNINGS_PER_STEP
+                else ""
+            )
+            logger.warning(
+                "reward failed for sample %s (group %s): %s%s", sample.index, sample.group_index, error, more
+            )
 
     def pop_metrics(self) -> dict[str, float]:
         """Reward failures and time summed over samples since the last call (rewards and re-scoring
         run concurrently with generation, so these are sums, not wall time)."""
-        m = {"rollout/reward_failed_samples": float(self.reward_failures),
-             "perf/rollout/reward_time_sum": self.reward_time_s,
-             "perf/rollout/log_prob_recompute_time_sum": self.recompute_time_s}
+        m = {
+            "rollout/reward_failed_samples": float(self.reward_failures),
+            "perf/rollout/reward_time_sum": self.reward_time_s,
+            "perf/rollout/log_prob_recompute_time_sum": self.recompute_time_s,
+        }
         if self.plugin_generate is not None:  # tool / environment seconds, apart from generation
             m["perf/rollout/tool_time_sum"] = self.tool_time_s
         self.reward_failures = 0
@@ -289,24 +318,42 @@ def retry_after_reward_failure(group: list[Sample]) -> bool:
         s.metadata["reward_attempts"] = attempts
     if attempts < MAX_REWARD_ATTEMPTS:
         return True
-    logger.warning("the reward of group %s failed %d times; its prompt is skipped (last error: %s)",
-                   group[0].group_index, attempts, group[0].metadata.get("reward_error"))
+    logger.warning(
+        "the reward of group %s failed %d times; its prompt is skipped (last error: %s)",
+        group[0].group_index,
+        attempts,
+        group[0].metadata.get("reward_error"),
+    )
     return False
 
 
 class SyncRolloutManager:
     """Produces one step's accepted groups from the data source through the router."""
 
-    def __init__(self, args: argparse.Namespace, rollout_cfg: RolloutConfig, router: Router, data_source: DataSource,
-                 tokenizer: PreTrainedTokenizerBase, *, seed: int | None = None,
-                 stop: asyncio.Event | None = None) -> None:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        rollout_cfg: RolloutConfig,
+        router: Router,
+        data_source: DataSource,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        seed: int | None = None,
+        stop: asyncio.Event | None = None,
+    ) -> None:
         self.args = args
         self.cfg = rollout_cfg
         self.router = router
         self.data_source = data_source
-        self.runner = GroupRunner(args, router, tokenizer, sampling_from_config(rollout_cfg),
-                                  reward_inline=rollout_cfg.reward_phase == "inline", deterministic_seed=seed,
-                                  recompute_logprobs=rollout_cfg.recompute_logprobs_via_prefill)
+        self.runner = GroupRunner(
+            args,
+            router,
+            tokenizer,
+            sampling_from_config(rollout_cfg),
+            reward_inline=rollout_cfg.reward_phase == "inline",
+            deterministic_seed=seed,
+            recompute_logprobs=rollout_cfg.recompute_logprobs_via_prefill,
+        )
         self.filter_fn = load_function(rollout_cfg.dynamic_sampling_filter_path)
         self.sample_filter_fn = load_function(rollout_cfg.rollout_sample_filter_path)
         self.max_drops = max_consecutive_drops(rollout_cfg)
@@ -331,17 +378,24 @@ class SyncRolloutManager:
                         pending.add(asyncio.create_task(self.runner.run(group)))
                         submitted += 1
                 if not pending and not generated:
-                    raise RolloutStalled(f"rollout {rollout_id}: the data source gave no prompts; "
-                                         f"{len(accepted)} of {target} groups accepted")
+                    raise RolloutStalled(
+                        f"rollout {rollout_id}: the data source gave no prompts; "
+                        f"{len(accepted)} of {target} groups accepted"
+                    )
                 finished, pending = await self._next_finished(pending)
                 if not self.runner.reward_inline:
                     generated += [g for g in finished if not self._drop(g, drops, guard, scored=False)]
                     if pending and len(accepted) + len(generated) < target:
                         continue  # keep generating; score once this round's generation is complete
                     finished, generated = generated, []
-                    await asyncio.gather(*(self.runner.score(g, whole_group=self.args.group_rm
-                                                             or self.runner.group_reward_fn is not None)
-                                           for g in finished))
+                    await asyncio.gather(
+                        *(
+                            self.runner.score(
+                                g, whole_group=self.args.group_rm or self.runner.group_reward_fn is not None
+                            )
+                            for g in finished
+                        )
+                    )
                 for group in finished:
                     if self._drop(group, drops, guard):
                         continue
@@ -351,8 +405,13 @@ class SyncRolloutManager:
                     elif self.cfg.partial_rollout:
                         surplus.append(group)
         except StopRequested:
-            logger.warning("rollout %d abandoned by the stop signal (%d of %d groups accepted); its prompts go back "
-                           "to the data source", rollout_id, len(accepted), target)
+            logger.warning(
+                "rollout %d abandoned by the stop signal (%d of %d groups accepted); its prompts go back "
+                "to the data source",
+                rollout_id,
+                len(accepted),
+                target,
+            )
             self._hand_back(accepted + generated)
             raise
         finally:
@@ -373,8 +432,9 @@ class SyncRolloutManager:
             return [], pending
         stop_wait = asyncio.ensure_future(self.stop.wait()) if self.stop is not None else None
         try:
-            done, _ = await asyncio.wait(pending | ({stop_wait} if stop_wait else set()),
-                                         return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                pending | ({stop_wait} if stop_wait else set()), return_when=asyncio.FIRST_COMPLETED
+            )
         finally:
             if stop_wait is not None:
                 stop_wait.cancel()
@@ -417,8 +477,7 @@ class SyncRolloutManager:
             return DynamicFilterOutput(keep=True)
         return apply_filter(self.filter_fn, self.args, group)
 
-    async def _abort_leftovers(self, pending: set[asyncio.Task], rollout_id: int,
-                               surplus: list[list[Sample]]) -> int:
+    async def _abort_leftovers(self, pending: set[asyncio.Task], rollout_id: int, surplus: list[list[Sample]]) -> int:
         """Abort the groups still generating and hand them back; returns how many were carried as they stand."""
         groups = list(surplus)
         if pending:
@@ -440,8 +499,9 @@ class SyncRolloutManager:
         return len(groups)
 
     @staticmethod
-    def _metrics(groups: list[list[Sample]], drops: Counter[str], submitted: int,
-                 reward_key: str | None = None) -> dict[str, float]:
+    def _metrics(
+        groups: list[list[Sample]], drops: Counter[str], submitted: int, reward_key: str | None = None
+    ) -> dict[str, float]:
         samples = [s for g in groups for s in g]
         raw = np.array([reward_value(s, reward_key) for s in samples], dtype=np.float64)
         lengths = np.array([s.response_length for s in samples], dtype=np.float64)
@@ -450,7 +510,9 @@ class SyncRolloutManager:
             "rollout/reward_std": float(raw.std()) if len(raw) else float("nan"),
             "rollout/response_len_mean": float(lengths.mean()) if len(lengths) else 0.0,
             "rollout/response_len_max": float(lengths.max()) if len(lengths) else 0.0,
-            "rollout/truncated_frac": float(np.mean([s.status == SampleStatus.TRUNCATED for s in samples])) if samples else 0.0,
+            "rollout/truncated_frac": float(np.mean([s.status == SampleStatus.TRUNCATED for s in samples]))
+            if samples
+            else 0.0,
             "rollout/groups_submitted": float(submitted),
         }
         for k, v in drops.items():
@@ -466,5 +528,8 @@ def multi_turn_metrics(samples: list[Sample]) -> dict[str, float]:
         return {}
     masked = [sum(s.loss_mask) for s in samples if s.loss_mask is not None]
     lengths = sum(s.response_length for s in samples if s.loss_mask is not None)
-    return {"rollout/turns_mean": float(np.mean(turns)), "rollout/turns_max": float(max(turns)),
-            "rollout/model_token_frac": float(sum(masked)) / lengths if lengths else 0.0}
+    return {
+        "rollout/turns_mean": float(np.mean(turns)),
+        "rollout/turns_max": float(max(turns)),
+        "rollout/model_token_frac": float(sum(masked)) / lengths if lengths else 0.0,
+    }

@@ -31,8 +31,12 @@ async def engine_clients(
     worker is gone, raises the runtime's WorkerDied instead of retrying a dead address.
     """
     clients = [
-        EngineClient((await w.call("info"))["url"], api_key=api_key, name=f"{w.role}:{w.rank}",
-                     known_failure=lambda: runtime.failure)
+        EngineClient(
+            (await w.call("info"))["url"],
+            api_key=api_key,
+            name=f"{w.role}:{w.rank}",
+            known_failure=lambda: runtime.failure,
+        )
         for w in runtime.workers(role)
     ]
     return clients + [EngineClient(url, api_key=api_key) for url in external]
@@ -70,7 +74,9 @@ class EngineFleet:
         await self._each(lambda e: e.resume_memory_occupation(tags=tags))
 
     async def update_weights_from_disk(self, model_path: str, weight_version: int) -> None:
-        await self._each(lambda e: e.update_weights_from_disk(model_path=model_path, weight_version=str(weight_version)))
+        await self._each(
+            lambda e: e.update_weights_from_disk(model_path=model_path, weight_version=str(weight_version))
+        )
 
     async def weight_versions(self) -> list[int]:
         """The weight version each engine serves, in fleet order."""

@@ -80,8 +80,11 @@ async def resolve_offload(cfg: MilesConfig, trainers: TrainerGroup) -> None:
         logger.info(
             "colocated memory: %.1f of %.1f GiB free with the engines loaded; the trainer still needs %.1f GiB of "
             "state and up to %.1f GiB of activations: offload %s",
-            p["free_bytes"] / 2**30, p["total_bytes"] / 2**30, p["pending_state_bytes"] / 2**30,
-            p["activation_bytes"] / 2**30, "off (both fit)" if fits else "on",
+            p["free_bytes"] / 2**30,
+            p["total_bytes"] / 2**30,
+            p["pending_state_bytes"] / 2**30,
+            p["activation_bytes"] / 2**30,
+            "off (both fit)" if fits else "on",
         )
     if t.offload_train is None:
         t.offload_train = not fits
@@ -90,8 +93,17 @@ async def resolve_offload(cfg: MilesConfig, trainers: TrainerGroup) -> None:
 
 
 class MilesRun:
-    def __init__(self, cfg: MilesConfig, runtime: Runtime, placement: Placement, router: Router | None,
-                 engines: list[EngineClient], tokenizer: PreTrainedTokenizerBase, sink: MetricsSink, data: RunData):
+    def __init__(
+        self,
+        cfg: MilesConfig,
+        runtime: Runtime,
+        placement: Placement,
+        router: Router | None,
+        engines: list[EngineClient],
+        tokenizer: PreTrainedTokenizerBase,
+        sink: MetricsSink,
+        data: RunData,
+    ):
         self.cfg = cfg
         self.args = cfg.flat()
         self.runtime = runtime
@@ -134,11 +146,16 @@ class MilesRun:
         clock.mark("checks")
         # The workers start (imports, model loads) while the data is read, validated and tokenised here:
         # bad data is refused as early as before, and the workers started meanwhile are stopped.
-        runtime = await Runtime.start(placement.specs, run_dir=run_dir,
-                                      heartbeat_interval_s=cfg.runtime.heartbeat_interval_s,
-                                      heartbeat_timeout_s=cfg.runtime.heartbeat_timeout_s,
-                                      default_timeout_s=cfg.runtime.rpc_timeout_s, install_signal_handlers=False,
-                                      wait_ready=False, **runtime_options(le))
+        runtime = await Runtime.start(
+            placement.specs,
+            run_dir=run_dir,
+            heartbeat_interval_s=cfg.runtime.heartbeat_interval_s,
+            heartbeat_timeout_s=cfg.runtime.heartbeat_timeout_s,
+            default_timeout_s=cfg.runtime.rpc_timeout_s,
+            install_signal_handlers=False,
+            wait_ready=False,
+            **runtime_options(le),
+        )
         try:
             tokenizer, data = await asyncio.to_thread(read_run_data, cfg, placement)
             clock.mark("data")
@@ -156,27 +173,45 @@ class MilesRun:
             clock.mark("trainer_setup")  # what the trainers' set-up took beyond the engines' start
             if placement.colocated and placement.trainer_specs:
                 await resolve_offload(cfg, trainers)
-            engines = [] if cfg.runtime.debug_train_only or is_sft(cfg) else await engine_clients(
-                runtime, "rollout", api_key=cfg.engine.api_key, external=cfg.engine.rollout_external_engine_addrs)
+            engines = (
+                []
+                if cfg.runtime.debug_train_only or is_sft(cfg)
+                else await engine_clients(
+                    runtime, "rollout", api_key=cfg.engine.api_key, external=cfg.engine.rollout_external_engine_addrs
+                )
+            )
             urls = [e.base_url for e in engines]
             router = Router(engines, session_mode=bool(cfg.rollout.use_session_server)) if engines else None
-            sink = MetricsSink(run_dir, tensorboard=cfg.logging.use_tensorboard,
-                               wandb_project=cfg.logging.wandb_project if cfg.logging.use_wandb else None,
-                               wandb_group=cfg.logging.wandb_group, run_name=cfg.runtime.run_name,
-                               config=cfg.to_dict(), wandb_mode=cfg.logging.wandb_mode,
-                               resume_from=cfg.train.load, checkpoint_root=cfg.train.save)
+            sink = MetricsSink(
+                run_dir,
+                tensorboard=cfg.logging.use_tensorboard,
+                wandb_project=cfg.logging.wandb_project if cfg.logging.use_wandb else None,
+                wandb_group=cfg.logging.wandb_group,
+                run_name=cfg.runtime.run_name,
+                config=cfg.to_dict(),
+                wandb_mode=cfg.logging.wandb_mode,
+                resume_from=cfg.train.load,
+                checkpoint_root=cfg.train.save,
+            )
             run = cls(cfg, runtime, placement, router, engines, tokenizer, sink, data)
             run.startup = clock
             run.eval_fleet = EngineFleet(await engine_clients(runtime, "eval_rollout", api_key=cfg.engine.api_key))
             # engines that release their weights between updates get a fresh weight buffer each time
             releases_weights = bool(cfg.train.offload_rollout) and "weights" in engine_memory_tags(
-                cfg.train.offload_rollout_level)
+                cfg.train.offload_rollout_level
+            )
             if placement.trainer_specs and engines:
-                await run.trainers.connect_engines(urls, mode=cfg.weights.update_weight_transfer_mode,
-                                                   colocated=cfg.engine.colocate, keep_weight_mapping=not releases_weights)
+                await run.trainers.connect_engines(
+                    urls,
+                    mode=cfg.weights.update_weight_transfer_mode,
+                    colocated=cfg.engine.colocate,
+                    keep_weight_mapping=not releases_weights,
+                )
             clock.mark("connect_weights")
             if router is not None and needs_gateway(cfg):  # session server + /generate for the plug-in layers
-                run.gateway = await start_rollout_gateway(cfg, router, tokenizer, run.args, engine_context_len(placement))
+                run.gateway = await start_rollout_gateway(
+                    cfg, router, tokenizer, run.args, engine_context_len(placement)
+                )
             await run._maybe_resume()
             return run
         except BaseException:
@@ -257,9 +292,12 @@ class MilesRun:
             samples = [s for g in groups for s in g]
             algo = self.cfg.algo
             batch = samples_to_train_batch(
-                samples, reward_key=self.cfg.reward.reward_key, estimator=algo.advantage_estimator,
+                samples,
+                reward_key=self.cfg.reward.reward_key,
+                estimator=algo.advantage_estimator,
                 std_normalization=not algo.disable_grpo_std_normalization,
-                disable_rewards_normalization=algo.disable_rewards_normalization)
+                disable_rewards_normalization=algo.disable_rewards_normalization,
+            )
             shards = split_by_dp(batch, self.cfg.dp_size)
             return [shards[self.cfg.dp_rank_of(r)] for r in range(len(self.placement.trainer_specs))]
 
@@ -303,9 +341,12 @@ class MilesRun:
 
         if os.path.exists(os.path.join(self._ckpt_dir(rollout_id), COMPLETE_MARKER)):
             return  # this step is already saved (a stop signal right after a scheduled save)
-        extra = {"rollout_id": rollout_id, "weight_version": self.weight_version,
-                 "data_source": self.data_source.state_dict(),
-                 "pending_groups": self.pending_state_fn() if self.pending_state_fn else []}
+        extra = {
+            "rollout_id": rollout_id,
+            "weight_version": self.weight_version,
+            "data_source": self.data_source.state_dict(),
+            "pending_groups": self.pending_state_fn() if self.pending_state_fn else [],
+        }
         # a full disk, say, is raised as the trainers' one-line reason, not their traceback
         await self._wait("save_time", self.trainers.save(self._ckpt_dir(rollout_id), extra))
         if t.max_checkpoints:  # after the new one is complete: the newest complete checkpoint is never deleted

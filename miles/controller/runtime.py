@@ -193,8 +193,9 @@ class Runtime:
         if role is None and not self._all_ready_logged:
             self._all_ready_logged = True
             workers = sum(p.spec is not None for p in self._peers.values())
-            logger.info("runtime %s: %d workers ready in %.2f s", self.run_id, workers,
-                        time.monotonic() - self._started_at)
+            logger.info(
+                "runtime %s: %d workers ready in %.2f s", self.run_id, workers, time.monotonic() - self._started_at
+            )
 
     def worker_env(self, spec: WorkerSpec, parent_pid: int) -> dict[str, str]:
         """Environment of a worker process (also sent to node agents for their workers)."""

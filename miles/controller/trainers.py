@@ -41,7 +41,9 @@ class TrainerGroup:
 
     async def connect_engines(self, urls: list[str], *, mode: str, colocated: bool, keep_weight_mapping: bool) -> None:
         """Build the weight updater for `mode` and attach it to the engines at `urls`."""
-        await self._all("connect_engines", urls, mode=mode, colocated=colocated, keep_weight_mapping=keep_weight_mapping)
+        await self._all(
+            "connect_engines", urls, mode=mode, colocated=colocated, keep_weight_mapping=keep_weight_mapping
+        )
 
     async def push_weights(self, version: int, *, timeout_s: float) -> dict[str, float]:
         """Move the weights to the engines as `version`; rank 0's metrics (the complete ones)."""

@@ -194,7 +194,11 @@ class EngineClient:
             self._outage_since = time.monotonic()
             logger.warning(
                 "engine %s is unreachable (%s: %s); retrying each request up to %d times over %.1fs",
-                self.label, type(exc).__name__, exc, retries, self._retry_budget_s(),
+                self.label,
+                type(exc).__name__,
+                exc,
+                retries,
+                self._retry_budget_s(),
             )
 
     def _reachable(self) -> None:

@@ -65,7 +65,9 @@ def parse_tiny_spec(spec: str) -> tuple[str, int, int]:
         try:
             layers, hidden = (int(x) for x in parts[2].lower().split("x"))
         except ValueError:
-            raise ModelNotFound(f"--hf-checkpoint {spec!r}: write the size as LAYERSxHIDDEN, e.g. tiny:qwen2:2x64") from None
+            raise ModelNotFound(
+                f"--hf-checkpoint {spec!r}: write the size as LAYERSxHIDDEN, e.g. tiny:qwen2:2x64"
+            ) from None
     return arch, layers, hidden
 
 
@@ -79,8 +81,9 @@ def tiny_model_dir(spec: str, *, seed: int = 0) -> str:
     out = os.path.join(cache, f"tiny-{arch}-{layers}x{hidden}-seed{seed}")
     if not os.path.exists(os.path.join(out, "config.json")):
         tmp = f"{out}.tmp-{os.getpid()}"
-        make_tiny_model(tmp, arch=arch, layers=layers, hidden=hidden, heads=4, kv_heads=2, intermediate=hidden * 2,
-                        seed=seed)
+        make_tiny_model(
+            tmp, arch=arch, layers=layers, hidden=hidden, heads=4, kv_heads=2, intermediate=hidden * 2, seed=seed
+        )
         try:
             os.rename(tmp, out)
         except OSError:  # another run finished first: use its copy

@@ -234,8 +234,11 @@ class JsonlDataSource(DataSource):
         if prompt_limit is None and data.rollout_max_prompt_len is not None:
             prompt_limit = PromptLimit(data.rollout_max_prompt_len)
         if prompt_limit is not None and tokenizer is None:
-            logger.warning("the %d-token prompt limit (%s) is ignored: no tokenizer to count prompt tokens",
-                           prompt_limit.max_tokens, prompt_limit.source)
+            logger.warning(
+                "the %d-token prompt limit (%s) is ignored: no tokenizer to count prompt tokens",
+                prompt_limit.max_tokens,
+                prompt_limit.source,
+            )
             prompt_limit = None
         self.prompt_limit = prompt_limit
         self._max_prompt_chars = prompt_limit.max_tokens * max_chars_per_token(tokenizer) if prompt_limit else None
@@ -290,7 +293,9 @@ class JsonlDataSource(DataSource):
     def _bad_row(self, path: Path, line_no: int, error: ValueError) -> None:
         message = f"{path}:{line_no}: {error}"
         if not self.data.skip_bad_rows:
-            raise DataRowError(f"{message}; fix the file or pass --skip-bad-rows to skip and count such rows") from None
+            raise DataRowError(
+                f"{message}; fix the file or pass --skip-bad-rows to skip and count such rows"
+            ) from None
         self.bad_rows += 1
         logger.warning("skipping malformed row %s", message)
 
@@ -315,8 +320,13 @@ class JsonlDataSource(DataSource):
             logger.warning(
                 "%s: skipped %d prompts longer than the %d-token limit of %s; the longest has %s (%s %d). "
                 "Pass --refuse-long-prompts to stop instead",
-                path, self.long_prompts_dropped, self.prompt_limit.max_tokens, self.prompt_limit.source,
-                longest, "row" if is_parquet(path) else "line", line_no,
+                path,
+                self.long_prompts_dropped,
+                self.prompt_limit.max_tokens,
+                self.prompt_limit.source,
+                longest,
+                "row" if is_parquet(path) else "line",
+                line_no,
             )
 
     def __len__(self) -> int:

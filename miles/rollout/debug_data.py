@@ -22,8 +22,9 @@ def debug_rollout_path(template: str, rollout_id: int) -> str:
     return template.format(rollout_id=rollout_id)
 
 
-def save_debug_rollout(template: str, rollout_id: int, groups: list[list[Sample]],
-                       metrics: dict[str, float] | None = None) -> str:
+def save_debug_rollout(
+    template: str, rollout_id: int, groups: list[list[Sample]], metrics: dict[str, float] | None = None
+) -> str:
     """Write one step's groups; written beside the target, then renamed: a reader never sees half a file."""
     path = debug_rollout_path(template, rollout_id)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -104,8 +104,9 @@ def is_fresh(sample: Sample) -> bool:
     return sample.status == SampleStatus.PENDING and sample.response_length == 0
 
 
-async def generate_group(router, samples: list[Sample], tokenizer, sampling: SamplingDefaults, *,
-                         seeds: list[int | None]) -> list[Sample]:
+async def generate_group(
+    router, samples: list[Sample], tokenizer, sampling: SamplingDefaults, *, seeds: list[int | None]
+) -> list[Sample]:
     """Fresh samples of one group in one batched /generate call (SGLang's list form: one prompt,
     sampling-params dict and rid per item), filled as `generate_sample` fills each.
 
@@ -121,13 +122,16 @@ async def generate_group(router, samples: list[Sample], tokenizer, sampling: Sam
     payload = {"input_ids": prompt_ids, "sampling_params": params, "return_logprob": True, "rid": rids}
     outs = await router.generate(payload)
     if not isinstance(outs, list) or len(outs) != len(samples):
-        raise RuntimeError(f"a batched /generate of {len(samples)} prompts returned {type(outs).__name__} "
-                           f"of {len(outs) if isinstance(outs, list) else 1}")
+        raise RuntimeError(
+            f"a batched /generate of {len(samples)} prompts returned {type(outs).__name__} "
+            f"of {len(outs) if isinstance(outs, list) else 1}"
+        )
     return [apply_generate_output(s, ids, out) for s, ids, out in zip(samples, prompt_ids, outs, strict=True)]
 
 
-async def generate_sample(router, sample: Sample, tokenizer, sampling: SamplingDefaults, *,
-                          seed: int | None = None) -> Sample:
+async def generate_sample(
+    router, sample: Sample, tokenizer, sampling: SamplingDefaults, *, seed: int | None = None
+) -> Sample:
     """One trajectory: tokens in, tokens + log-probs + per-token weight versions out.
 
     A partial sample (see `is_partial`) sends prompt + partial response and continues it, with
@@ -139,8 +143,10 @@ async def generate_sample(router, sample: Sample, tokenizer, sampling: SamplingD
     prompt_ids = prompt_token_ids(sample, tokenizer)
     rid = uuid.uuid4().hex
     sample.metadata["rid"] = rid
-    params = {**sampling.to_payload(len(prompt_ids), seed=seed),
-              **(sample.metadata.get("sampling_params") or {})}  # per-prompt overrides
+    params = {
+        **sampling.to_payload(len(prompt_ids), seed=seed),
+        **(sample.metadata.get("sampling_params") or {}),
+    }  # per-prompt overrides
     if resumed:
         params["max_new_tokens"] = params["max_new_tokens"] - sample.response_length
         if params["max_new_tokens"] <= 0:  # the budget ran out as it was aborted

@@ -65,7 +65,9 @@ class Sample:
             if value is not None and len(value) != n:
                 raise ValueError(f"sample {self.index}: len({name})={len(value)} != response_length={n}")
         if self.weight_versions and len(self.weight_versions) != n:
-            raise ValueError(f"sample {self.index}: len(weight_versions)={len(self.weight_versions)} != response_length={n}")
+            raise ValueError(
+                f"sample {self.index}: len(weight_versions)={len(self.weight_versions)} != response_length={n}"
+            )
 
     @property
     def oldest_weight_version(self) -> int | None:

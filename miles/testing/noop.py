@@ -58,4 +58,3 @@ class NoopWorker(Worker):
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
         self._children.append(child)
         return child.pid
-

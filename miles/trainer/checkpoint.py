@@ -169,8 +169,9 @@ def save_checkpoint(
             dcp.save(state, checkpoint_id=os.path.join(path, "model"))
         torch.save(_rng_state(), os.path.join(path, "rng", f"rank_{rank}.pt"))
         if rank == 0:
-            _write_json(os.path.join(path, "meta.json"),
-                        {**meta, "has_optim": save_optim, "trainable_only": trainable_only})
+            _write_json(
+                os.path.join(path, "meta.json"), {**meta, "has_optim": save_optim, "trainable_only": trainable_only}
+            )
     except Exception as e:  # noqa: BLE001 - shared with every rank below
         error = _write_error(path, e)
     _raise_first(path, error)  # every rank's shards and RNG file exist before the marker
@@ -213,8 +214,10 @@ def _raise_first(path: str, local_error: str | None) -> None:
 def _write_error(path: str, exc: BaseException) -> str:
     """One line naming the checkpoint and the cause; a full disk is said so, whatever layer noticed it."""
     if _is_disk_full(exc, path):
-        return (f"disk full (ENOSPC) while saving checkpoint {path}; free space or point --save elsewhere "
-                f"(the partial checkpoint was removed)")
+        return (
+            f"disk full (ENOSPC) while saving checkpoint {path}; free space or point --save elsewhere "
+            f"(the partial checkpoint was removed)"
+        )
     return f"writing checkpoint {path} failed: {type(exc).__name__}: {exc} (the partial checkpoint was removed)"
 
 
@@ -298,8 +301,13 @@ def _load_dcp(
     options = StateDictOptions(strict=not trainable_only)  # LoRA: the frozen base is absent by design
     for key, (model, optim) in models.items():
         if "optim" in state[key]:
-            set_state_dict(model, optim, model_state_dict=state[key]["model"], optim_state_dict=state[key]["optim"],
-                           options=options)
+            set_state_dict(
+                model,
+                optim,
+                model_state_dict=state[key]["model"],
+                optim_state_dict=state[key]["optim"],
+                options=options,
+            )
         else:
             set_state_dict(model, [], model_state_dict=state[key]["model"], optim_state_dict={}, options=options)
 

@@ -377,8 +377,14 @@ class FSDPBackend:
         cfg = self.actor.config
         dtype = source_dtype(self.model_cfg.hf_checkpoint)
         if self.lora is not None:  # the merged model, plain HF; the adapter itself in PATH/adapter
-            export_lora_hf(path, self.actor, self.lora, dtype=dtype, source_dir=self.model_cfg.hf_checkpoint,
-                           write=self.dp_rank == 0)
+            export_lora_hf(
+                path,
+                self.actor,
+                self.lora,
+                dtype=dtype,
+                source_dir=self.model_cfg.hf_checkpoint,
+                write=self.dp_rank == 0,
+            )
         else:
             tensors = [(n, t.cpu()) for n, t in self.named_hf_tensors(dtype)]
             if self.dp_rank == 0:
@@ -400,20 +406,30 @@ class FSDPBackend:
             "lr_schedule": self.scheduler.state_dict(),
             "critic_lr_schedule": self.critic_scheduler.state_dict() if self.critic_scheduler else None,
         }
-        ckpt.save_checkpoint(path, self._ckpt_models(), meta, save_optim=not self.train_cfg.no_save_optim,
-                             trainable_only=self.lora is not None)
+        ckpt.save_checkpoint(
+            path,
+            self._ckpt_models(),
+            meta,
+            save_optim=not self.train_cfg.no_save_optim,
+            trainable_only=self.lora is not None,
+        )
 
     def _refuse_non_finite_weights(self, path: str) -> None:
         """No checkpoint of NaN or inf weights: every rank checks its shards, and all agree before raising."""
-        named = [(f"{key}.{name}", p._local_tensor if isinstance(p, DTensor) else p)
-                 for key, (model, _) in self._ckpt_models().items() for name, p in model.named_parameters()]
+        named = [
+            (f"{key}.{name}", p._local_tensor if isinstance(p, DTensor) else p)
+            for key, (model, _) in self._ckpt_models().items()
+            for name, p in model.named_parameters()
+        ]
         named = [(n, t) for n, t in named if t.numel()]
         finite = torch.stack([torch.isfinite(t).all() for _, t in named]).tolist() if named else []  # one sync
         local_bad = [n for (n, _), ok in zip(named, finite, strict=True) if not ok]
         total_bad = int(_all_reduce([float(len(local_bad))], self.device)[0])
         if total_bad:
-            raise NonFiniteTraining(f"refusing to save {path}: {total_bad} parameter shard(s) hold NaN or inf "
-                                    f"(on this rank: {local_bad[:3]}); the last complete checkpoint is kept")
+            raise NonFiniteTraining(
+                f"refusing to save {path}: {total_bad} parameter shard(s) hold NaN or inf "
+                f"(on this rank: {local_bad[:3]}); the last complete checkpoint is kept"
+            )
 
     def load(self, path: str) -> dict:
         resolved = ckpt.resolve_load_path(path)

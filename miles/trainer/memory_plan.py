@@ -36,8 +36,9 @@ class MemoryPlan:
 
 
 def _local_numel(model: nn.Module) -> int:
-    return sum((p._local_tensor if hasattr(p, "_local_tensor") else p).numel() for p in model.parameters()
-               if p.requires_grad)
+    return sum(
+        (p._local_tensor if hasattr(p, "_local_tensor") else p).numel() for p in model.parameters() if p.requires_grad
+    )
 
 
 def pending_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:

@@ -41,7 +41,7 @@ VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
 
 
 def layout_for(attn_implementation: str | None) -> str:
-    """"row" for varlen attention kernels, "padded" for the rest (SDPA, eager)."""
+    """ "row" for varlen attention kernels, "padded" for the rest (SDPA, eager)."""
     return "row" if attn_implementation in VARLEN_ATTENTION else "padded"
 
 

@@ -86,8 +86,10 @@ class MetricsSink:
 
                 self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
             except ImportError:
-                logger.warning("no TensorBoard event files: tensorboard is not installed (pip install "
-                               "'miles[tensorboard]', or --no-use-tensorboard); metrics.jsonl has every metric")
+                logger.warning(
+                    "no TensorBoard event files: tensorboard is not installed (pip install "
+                    "'miles[tensorboard]', or --no-use-tensorboard); metrics.jsonl has every metric"
+                )
             except Exception as e:  # noqa: BLE001 - TensorBoard is optional at run time
                 logger.warning("TensorBoard disabled: %s", e)
         if wandb_project:

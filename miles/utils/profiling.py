@@ -88,8 +88,19 @@ class WorkerProfiler:
             logger.warning("%s: --py-spy given but py-spy is not on PATH (pip install py-spy); skipping", self.name)
             return None
         out = os.path.join(trace_dir, f"{self.name}.py-spy.json")
-        cmd = [exe, "record", "--pid", str(os.getpid()), "--format", "speedscope", "--output", out,
-               "--rate", "100", "--nonblocking"]
+        cmd = [
+            exe,
+            "record",
+            "--pid",
+            str(os.getpid()),
+            "--format",
+            "speedscope",
+            "--output",
+            out,
+            "--rate",
+            "100",
+            "--nonblocking",
+        ]
         self._py_spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self._py_spy_out = out
         return out

@@ -24,8 +24,12 @@ class StepProgress:
         if self.enabled:
             from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-            self._progress = Progress(TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
-                                      TextColumn("{task.description}"), TimeRemainingColumn())
+            self._progress = Progress(
+                TextColumn("[bold]step {task.completed}/{task.total}"),
+                BarColumn(),
+                TextColumn("{task.description}"),
+                TimeRemainingColumn(),
+            )
             self._progress.start()
             self._task = self._progress.add_task("", total=self.total, completed=self.start)
         return self

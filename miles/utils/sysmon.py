@@ -42,8 +42,9 @@ class SystemMonitor:
     @classmethod
     def for_local_workers(cls, runtime: Any, roles: tuple[str, ...] = ("trainer", "rollout")) -> SystemMonitor:
         """The workers of `runtime` that run on the controller's node (node 0)."""
-        workers = {f"{w.role}_{w.rank}": w.pid for role in roles for w in runtime.workers(role)
-                   if w.node == 0 and w.pid}
+        workers = {
+            f"{w.role}_{w.rank}": w.pid for role in roles for w in runtime.workers(role) if w.node == 0 and w.pid
+        }
         return cls(workers)
 
     @property

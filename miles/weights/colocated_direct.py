@@ -452,9 +452,7 @@ class MappedBuffer:
         self._word: np.memmap | None = None
         if export.get("generation_word"):
             try:
-                self._word = np.memmap(
-                    shm_path(export["generation_word"]), dtype=np.int64, mode="r", shape=(1,)
-                )
+                self._word = np.memmap(shm_path(export["generation_word"]), dtype=np.int64, mode="r", shape=(1,))
             except FileNotFoundError:
                 self._word = None  # then every update asks the engine
 

@@ -75,8 +75,9 @@ def spawn_worker_process(role: str, rank: int, env: dict[str, str], run_dir: str
     log_path.parent.mkdir(parents=True, exist_ok=True)
     full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
     if "CUDA_VISIBLE_DEVICES" in env:
-        full_env["CUDA_VISIBLE_DEVICES"] = visible_devices(env["CUDA_VISIBLE_DEVICES"],
-                                                           os.environ.get("CUDA_VISIBLE_DEVICES"))
+        full_env["CUDA_VISIBLE_DEVICES"] = visible_devices(
+            env["CUDA_VISIBLE_DEVICES"], os.environ.get("CUDA_VISIBLE_DEVICES")
+        )
     # the child must import the same miles as this process, whatever its working directory
     package_root = str(Path(__file__).resolve().parents[2])
     full_env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, full_env.get("PYTHONPATH", "")) if p)

@@ -27,11 +27,25 @@ def embedded_options(sglang_args: dict[str, Any]) -> dict[str, Any]:
 
 
 class RolloutWorker(Worker):
-    def __init__(self, ctx, *, engine: str, model_path: str, device: str = "cpu", dtype: str = "auto",
-                 max_running_requests: int = 64, max_total_tokens: int | None = None, seed: int = 0,
-                 deterministic: bool = False, host: str = "127.0.0.1", sglang_args: dict | None = None,
-                 tp_size: int = 1, api_key: str | None = None, weight_dirs: list[str] | None = None,
-                 max_body_mb: float = DEFAULT_MAX_BODY_MB):
+    def __init__(
+        self,
+        ctx,
+        *,
+        engine: str,
+        model_path: str,
+        device: str = "cpu",
+        dtype: str = "auto",
+        max_running_requests: int = 64,
+        max_total_tokens: int | None = None,
+        seed: int = 0,
+        deterministic: bool = False,
+        host: str = "127.0.0.1",
+        sglang_args: dict | None = None,
+        tp_size: int = 1,
+        api_key: str | None = None,
+        weight_dirs: list[str] | None = None,
+        max_body_mb: float = DEFAULT_MAX_BODY_MB,
+    ):
         super().__init__(ctx)
         self.kind = engine
         self.model_path = model_path
@@ -66,8 +80,14 @@ class RolloutWorker(Worker):
             from miles.engines.sglang_engine import SGLangServer
 
             port = free_port(self.host)
-            self._sglang = SGLangServer(self.model_path, port=port, host=self.host, sglang_args=self.sglang_args,
-                                        tp_size=self.tp_size, api_key=self.api_key)
+            self._sglang = SGLangServer(
+                self.model_path,
+                port=port,
+                host=self.host,
+                sglang_args=self.sglang_args,
+                tp_size=self.tp_size,
+                api_key=self.api_key,
+            )
             self._sglang.start()
             await self._sglang.wait_healthy_async()
             return
@@ -77,13 +97,26 @@ class RolloutWorker(Worker):
 
         # weights and KV cache are built off the event loop, so heartbeats keep flowing meanwhile
         self._engine = await asyncio.to_thread(
-            EmbeddedEngine, self.model_path, device=self.device, dtype=self.dtype,
-            max_running_requests=self.max_running_requests, max_total_tokens=self.max_total_tokens, seed=self.seed,
-            deterministic=self.deterministic, **embedded_options(self.sglang_args))
+            EmbeddedEngine,
+            self.model_path,
+            device=self.device,
+            dtype=self.dtype,
+            max_running_requests=self.max_running_requests,
+            max_total_tokens=self.max_total_tokens,
+            seed=self.seed,
+            deterministic=self.deterministic,
+            **embedded_options(self.sglang_args),
+        )
         await self._engine.start()
-        self._http = await start_http_server(self._engine, self.host, 0, receiver=WeightReceiver(self._engine),
-                                             api_key=self.api_key, max_body_mb=self.max_body_mb,
-                                             weight_dirs=self.weight_dirs)
+        self._http = await start_http_server(
+            self._engine,
+            self.host,
+            0,
+            receiver=WeightReceiver(self._engine),
+            api_key=self.api_key,
+            max_body_mb=self.max_body_mb,
+            weight_dirs=self.weight_dirs,
+        )
         logger.info("embedded engine serving at %s", self._http.url)
 
     def url(self) -> str:

@@ -53,8 +53,13 @@ class TrainerWorker(Worker):
             dist.init_process_group("nccl" if self.device == "cuda" else "gloo")
         from miles.trainer.backend import create_backend
 
-        self.backend = create_backend(self.train_cfg.train_backend, model=self.model_cfg, train=self.train_cfg,
-                                      algo=self.algo_cfg, rollout=self.rollout_cfg)
+        self.backend = create_backend(
+            self.train_cfg.train_backend,
+            model=self.model_cfg,
+            train=self.train_cfg,
+            algo=self.algo_cfg,
+            rollout=self.rollout_cfg,
+        )
         self.backend.setup()
         return {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
 
@@ -68,8 +73,15 @@ class TrainerWorker(Worker):
         return {"log_probs": logp, "entropy": ent}
 
     # ---- weights ---------------------------------------------------------------------
-    def connect_engines(self, engine_urls: list[str], *, mode: str | None = None, colocated: bool = False,
-                        master_address: str | None = None, keep_weight_mapping: bool = True) -> dict[str, Any]:
+    def connect_engines(
+        self,
+        engine_urls: list[str],
+        *,
+        mode: str | None = None,
+        colocated: bool = False,
+        master_address: str | None = None,
+        keep_weight_mapping: bool = True,
+    ) -> dict[str, Any]:
         from miles.engines.client import EngineClient
         from miles.trainer.lora import lora_settings
         from miles.weights.registry import make_updater
@@ -81,13 +93,23 @@ class TrainerWorker(Worker):
             self.weights_cfg.update_weight_transfer_mode = mode
         engines = [EngineClient(u, api_key=self.engine_api_key) for u in engine_urls]
         lora = lora_settings(self.train_cfg)  # LoRA: only the adapter moves; the engines keep their base
-        self.updater = make_updater(self.weights_cfg, colocate=colocated, keep_mapping=keep_weight_mapping,
-                                    lora_config=lora.engine_config() if lora else None)
+        self.updater = make_updater(
+            self.weights_cfg,
+            colocate=colocated,
+            keep_mapping=keep_weight_mapping,
+            lora_config=lora.engine_config() if lora else None,
+        )
         # every trainer rank must agree on the weight-sync group's port (p2p has several senders)
         port = [free_port(master_address) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(port, src=0)
-        self.updater.connect(engines, trainer_rank=dist.get_rank(), trainer_world_size=dist.get_world_size(),
-                             master_address=master_address, master_port=port[0], barrier=dist.barrier)
+        self.updater.connect(
+            engines,
+            trainer_rank=dist.get_rank(),
+            trainer_world_size=dist.get_world_size(),
+            master_address=master_address,
+            master_port=port[0],
+            barrier=dist.barrier,
+        )
         return {"mode": self.updater.mode}
 
     def push_weights(self, version: int) -> dict[str, float]:

@@ -38,9 +38,22 @@ def _results(run_dir: Path) -> list[dict]:
 @pytest.mark.slow
 def test_dedicated_fleet_evaluates_exported_snapshots(tmp_path, monkeypatch) -> None:
     evals = write_prompts(tmp_path / "eval.jsonl", 6)
-    run_dir, rows = _run(monkeypatch, base_args(tmp_path, num_rollout=NUM_STEPS) + [
-        "--eval-mode", "dedicated", "--eval-num-engines", "1", "--eval-interval", "2",
-        "--eval-prompt-data", "digits", str(evals), "--skip-eval-before-train"])
+    run_dir, rows = _run(
+        monkeypatch,
+        base_args(tmp_path, num_rollout=NUM_STEPS)
+        + [
+            "--eval-mode",
+            "dedicated",
+            "--eval-num-engines",
+            "1",
+            "--eval-interval",
+            "2",
+            "--eval-prompt-data",
+            "digits",
+            str(evals),
+            "--skip-eval-before-train",
+        ],
+    )
     assert [r["step"] for r in rows] == list(range(NUM_STEPS))
     scored = [r for r in rows if "eval/digits/reward_mean" in r]
     measured = sorted(r["step"] + 1 - r["eval/digits/delay_steps"] for r in scored)
@@ -57,7 +70,7 @@ def test_dedicated_fleet_evaluates_exported_snapshots(tmp_path, monkeypatch) -> 
 
 
 EXTERNAL = (
-    f"{sys.executable} -c \"import json, os, sys; d, s = sys.argv[1], int(sys.argv[2]); "
+    f'{sys.executable} -c "import json, os, sys; d, s = sys.argv[1], int(sys.argv[2]); '
     "sys.exit(3) if s == 2 else print('log line'); "
     "print(json.dumps({'score': s, 'has_config': float(os.path.exists(os.path.join(d, 'config.json')))}))\" "
     "{checkpoint_dir} {step}"
@@ -66,9 +79,19 @@ EXTERNAL = (
 
 @pytest.mark.slow
 def test_external_backend_failure_is_skipped_and_training_continues(tmp_path, monkeypatch) -> None:
-    run_dir, rows = _run(monkeypatch, base_args(tmp_path, num_rollout=NUM_STEPS) + [
-        "--eval-mode", "external", "--eval-external-command", EXTERNAL, "--eval-interval", "2",
-        "--skip-eval-before-train"])
+    run_dir, rows = _run(
+        monkeypatch,
+        base_args(tmp_path, num_rollout=NUM_STEPS)
+        + [
+            "--eval-mode",
+            "external",
+            "--eval-external-command",
+            EXTERNAL,
+            "--eval-interval",
+            "2",
+            "--skip-eval-before-train",
+        ],
+    )
     assert [r["step"] for r in rows] == list(range(NUM_STEPS))  # the failing backend did not stop training
     assert sum(r.get("eval/external/skipped", 0) for r in rows) == 1  # the step-2 eval (exit code 3)
     scored = [r for r in rows if "eval/external/score" in r]
@@ -96,14 +119,33 @@ class FakeEngine:
 
 def _fake(tmp: Path, *, mode: str, engines=(), command: str | None = None, max_in_flight: int = 2):
     cfg = SimpleNamespace(
-        eval=SimpleNamespace(eval_mode=mode, eval_interval=1, eval_prompt_data=["d", "unused.jsonl"],
-                             eval_external_command=command, eval_max_in_flight=max_in_flight,
-                             skip_eval_before_train=True, eval_temperature=None, eval_top_p=None, eval_top_k=None,
-                             eval_max_response_len=None, n_samples_per_eval_prompt=1),
-        rollout=SimpleNamespace(num_rollout=10, rollout_temperature=1.0, rollout_top_p=1.0, rollout_top_k=-1,
-                                rollout_min_p=0.0, rollout_max_response_len=4, rollout_max_context_len=None,
-                                rollout_stop=None, rollout_stop_token_ids=None, rollout_skip_special_tokens=False),
-        runtime=SimpleNamespace(output_dir=str(tmp), rpc_timeout_s=10))
+        eval=SimpleNamespace(
+            eval_mode=mode,
+            eval_interval=1,
+            eval_prompt_data=["d", "unused.jsonl"],
+            eval_external_command=command,
+            eval_max_in_flight=max_in_flight,
+            skip_eval_before_train=True,
+            eval_temperature=None,
+            eval_top_p=None,
+            eval_top_k=None,
+            eval_max_response_len=None,
+            n_samples_per_eval_prompt=1,
+        ),
+        rollout=SimpleNamespace(
+            num_rollout=10,
+            rollout_temperature=1.0,
+            rollout_top_p=1.0,
+            rollout_top_k=-1,
+            rollout_min_p=0.0,
+            rollout_max_response_len=4,
+            rollout_max_context_len=None,
+            rollout_stop=None,
+            rollout_stop_token_ids=None,
+            rollout_skip_special_tokens=False,
+        ),
+        runtime=SimpleNamespace(output_dir=str(tmp), rpc_timeout_s=10),
+    )
 
     async def export_hf(path):
         os.makedirs(path, exist_ok=True)
@@ -111,8 +153,12 @@ def _fake(tmp: Path, *, mode: str, engines=(), command: str | None = None, max_i
     async def wait(name, aw):
         return await aw
 
-    run = SimpleNamespace(eval_fleet=EngineFleet(list(engines)), weight_version=7,
-                          trainers=SimpleNamespace(export_hf=export_hf), _wait=wait)
+    run = SimpleNamespace(
+        eval_fleet=EngineFleet(list(engines)),
+        weight_version=7,
+        trainers=SimpleNamespace(export_hf=export_hf),
+        _wait=wait,
+    )
     return AsyncEval(cfg, run, producer=None)
 
 
@@ -150,15 +196,19 @@ def test_two_evals_finishing_together_take_one_row_each(tmp_path) -> None:
         async def scores(value: float) -> dict[str, float]:
             return {"eval/external/score": value}
 
-        ev._pending = [_Pending(4, 4, ["external"], asyncio.create_task(scores(4.0))),
-                       _Pending(2, 2, ["external"], asyncio.create_task(scores(2.0)))]
+        ev._pending = [
+            _Pending(4, 4, ["external"], asyncio.create_task(scores(4.0))),
+            _Pending(2, 2, ["external"], asyncio.create_task(scores(2.0))),
+        ]
         await asyncio.sleep(0)
         first = ev._collect(5)
         assert first["eval/external/score"] == 2.0 and first["eval/external/delay_steps"] == 3
         second = ev._collect(6)
         assert second["eval/external/score"] == 4.0 and second["eval/external/delay_steps"] == 2
-        ev._pending = [_Pending(8, 8, ["external"], asyncio.create_task(scores(8.0))),
-                       _Pending(6, 6, ["external"], asyncio.create_task(scores(6.0)))]
+        ev._pending = [
+            _Pending(8, 8, ["external"], asyncio.create_task(scores(8.0))),
+            _Pending(6, 6, ["external"], asyncio.create_task(scores(6.0))),
+        ]
         await asyncio.sleep(0)
         assert ev._collect(9, last=True)["eval/external/score"] == 8.0
         assert ev._pending == []
@@ -169,7 +219,9 @@ def test_two_evals_finishing_together_take_one_row_each(tmp_path) -> None:
 
 
 def test_external_scores_parse_last_line() -> None:
-    assert parse_external_scores("noise\n{\"acc\": 0.5, \"gsm\": {\"pass1\": 1}}\n\n", "cmd") == {
-        "eval/external/acc": 0.5, "eval/gsm/pass1": 1.0}
+    assert parse_external_scores('noise\n{"acc": 0.5, "gsm": {"pass1": 1}}\n\n', "cmd") == {
+        "eval/external/acc": 0.5,
+        "eval/gsm/pass1": 1.0,
+    }
     with pytest.raises(ValueError, match="not JSON"):
         parse_external_scores("done\n", "cmd")

@@ -26,8 +26,15 @@ NUM_PROMPTS = 40
 BATCH_GROUPS = 4
 NUM_STEPS = 4
 ABORT_GROUP = 1  # the first attempt of this prompt is aborted by the engine mid-generation
-KEYS = ("queue_size", "avg_staleness", "max_staleness", "buffer_avg_staleness", "buffer_max_staleness",
-        "aborted_groups_filtered", "stale_groups_filtered")
+KEYS = (
+    "queue_size",
+    "avg_staleness",
+    "max_staleness",
+    "buffer_avg_staleness",
+    "buffer_max_staleness",
+    "aborted_groups_filtered",
+    "stale_groups_filtered",
+)
 
 FILTER_LOG_ENV = "MILES_TEST_FILTER_LOG"
 abort_attempts: Counter[int] = Counter()
@@ -59,11 +66,35 @@ def write_prompts(path: Path, num_prompts: int, *, metadata=None) -> Path:
 def base_args(tmp: Path, *, num_prompts: int = NUM_PROMPTS, num_rollout: int = NUM_STEPS) -> list[str]:
     data = write_prompts(tmp / "prompts.jsonl", num_prompts)
     return [
-        "--hf-checkpoint", "tiny:qwen2:2x64", "--prompt-data", str(data), "--input-key", "input",
-        "--label-key", "label", "--custom-rm-path", "miles.recipes.digit_copy.reward", "--fully-async",
-        "--num-rollout", str(num_rollout), "--rollout-batch-size", str(BATCH_GROUPS), "--n-samples-per-prompt", "2",
-        "--global-batch-size", str(2 * BATCH_GROUPS), "--rollout-max-response-len", "4", "--rollout-temperature", "1.0",
-        "--actor-num-gpus-per-node", "1", "--rollout-num-engines", "1", "--output-dir", str(tmp / "run"),
+        "--hf-checkpoint",
+        "tiny:qwen2:2x64",
+        "--prompt-data",
+        str(data),
+        "--input-key",
+        "input",
+        "--label-key",
+        "label",
+        "--custom-rm-path",
+        "miles.recipes.digit_copy.reward",
+        "--fully-async",
+        "--num-rollout",
+        str(num_rollout),
+        "--rollout-batch-size",
+        str(BATCH_GROUPS),
+        "--n-samples-per-prompt",
+        "2",
+        "--global-batch-size",
+        str(2 * BATCH_GROUPS),
+        "--rollout-max-response-len",
+        "4",
+        "--rollout-temperature",
+        "1.0",
+        "--actor-num-gpus-per-node",
+        "1",
+        "--rollout-num-engines",
+        "1",
+        "--output-dir",
+        str(tmp / "run"),
     ]
 
 
@@ -143,9 +174,20 @@ FILTER = "tests.integration.test_async_loop:reject_some"
 @pytest.mark.slow
 def test_drop_policy_drops_and_counts_stale_groups(tmp_path, monkeypatch) -> None:
     monkeypatch.syspath_prepend(str(REPO))
-    run_dir = _run(monkeypatch, base_args(tmp_path) + [
-        "--max-weight-staleness", "0", "--async-max-concurrent-samples", "32",
-        "--async-unused-samples-handler", "retry", "--dynamic-sampling-filter-path", FILTER])
+    run_dir = _run(
+        monkeypatch,
+        base_args(tmp_path)
+        + [
+            "--max-weight-staleness",
+            "0",
+            "--async-max-concurrent-samples",
+            "32",
+            "--async-unused-samples-handler",
+            "retry",
+            "--dynamic-sampling-filter-path",
+            FILTER,
+        ],
+    )
     rows = _check_common(run_dir)
     assert sum(r["rollout/fully_async/stale_groups_filtered"] for r in rows) >= 1
     assert max(r["rollout/fully_async/queue_size"] for r in rows) > 0  # generation outran the trainer
@@ -157,10 +199,28 @@ def test_drop_policy_drops_and_counts_stale_groups(tmp_path, monkeypatch) -> Non
 def test_pace_policy_keeps_groups_fresh_and_shared_eval(tmp_path, monkeypatch) -> None:
     monkeypatch.syspath_prepend(str(REPO))
     evals = write_prompts(tmp_path / "eval.jsonl", 6)
-    run_dir = _run(monkeypatch, base_args(tmp_path) + [
-        "--max-weight-staleness", "0", "--async-max-concurrent-samples", "32", "--async-staleness-policy", "pace",
-        "--async-unused-samples-handler", "retry", "--dynamic-sampling-filter-path", FILTER,
-        "--eval-prompt-data", "digits", str(evals), "--eval-interval", "2", "--skip-eval-before-train"])
+    run_dir = _run(
+        monkeypatch,
+        base_args(tmp_path)
+        + [
+            "--max-weight-staleness",
+            "0",
+            "--async-max-concurrent-samples",
+            "32",
+            "--async-staleness-policy",
+            "pace",
+            "--async-unused-samples-handler",
+            "retry",
+            "--dynamic-sampling-filter-path",
+            FILTER,
+            "--eval-prompt-data",
+            "digits",
+            str(evals),
+            "--eval-interval",
+            "2",
+            "--skip-eval-before-train",
+        ],
+    )
     rows = _check_common(run_dir)
     assert sum(r["rollout/fully_async/stale_groups_filtered"] for r in rows) == 0
     assert sum(r["rollout/fully_async/paced_time"] for r in rows) > 0

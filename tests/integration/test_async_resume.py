@@ -48,23 +48,62 @@ class OneEpochSource(JsonlDataSource):
 def _args(tmp: Path, out: str) -> list[str]:
     data = tmp / "prompts.jsonl"
     if not data.exists():
-        data.write_text("".join(json.dumps({"input": f"copy {i % 10} :", "label": str(i % 10)}) + "\n"
-                                for i in range(NUM_PROMPTS)))
+        data.write_text(
+            "".join(json.dumps({"input": f"copy {i % 10} :", "label": str(i % 10)}) + "\n" for i in range(NUM_PROMPTS))
+        )
     return [
-        sys.executable, "-m", "miles.cli", "train", "--hf-checkpoint", "tiny:qwen2:2x64", "--prompt-data", str(data),
-        "--input-key", "input", "--label-key", "label", "--custom-rm-path", "miles.recipes.digit_copy.reward",
-        "--data-source-path", "tests.integration.test_async_resume:OneEpochSource", "--fully-async",
-        "--num-rollout", str(NUM_STEPS), "--rollout-batch-size", str(BATCH_GROUPS), "--n-samples-per-prompt", "2",
-        "--global-batch-size", str(2 * BATCH_GROUPS), "--rollout-max-response-len", "4",
-        "--async-max-concurrent-samples", "16", "--async-unused-samples-handler", "retry",
-        "--actor-num-gpus-per-node", "1", "--rollout-num-engines", "1", "--save", str(tmp / "ckpt"),
-        "--save-interval", str(SAVE_INTERVAL), "--auto-resume", "--output-dir", str(tmp / out),
+        sys.executable,
+        "-m",
+        "miles.cli",
+        "train",
+        "--hf-checkpoint",
+        "tiny:qwen2:2x64",
+        "--prompt-data",
+        str(data),
+        "--input-key",
+        "input",
+        "--label-key",
+        "label",
+        "--custom-rm-path",
+        "miles.recipes.digit_copy.reward",
+        "--data-source-path",
+        "tests.integration.test_async_resume:OneEpochSource",
+        "--fully-async",
+        "--num-rollout",
+        str(NUM_STEPS),
+        "--rollout-batch-size",
+        str(BATCH_GROUPS),
+        "--n-samples-per-prompt",
+        "2",
+        "--global-batch-size",
+        str(2 * BATCH_GROUPS),
+        "--rollout-max-response-len",
+        "4",
+        "--async-max-concurrent-samples",
+        "16",
+        "--async-unused-samples-handler",
+        "retry",
+        "--actor-num-gpus-per-node",
+        "1",
+        "--rollout-num-engines",
+        "1",
+        "--save",
+        str(tmp / "ckpt"),
+        "--save-interval",
+        str(SAVE_INTERVAL),
+        "--auto-resume",
+        "--output-dir",
+        str(tmp / out),
     ]
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "MILES_TORCH_THREADS": "1", "MILES_ENGINE_STEP_DELAY_S": "0.05",
-            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+    return {
+        **os.environ,
+        "MILES_TORCH_THREADS": "1",
+        "MILES_ENGINE_STEP_DELAY_S": "0.05",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
+    }
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -97,13 +136,19 @@ def _kill_after_checkpoint(proc: subprocess.Popen, tmp: Path, timeout_s: float =
 
 @pytest.mark.slow
 def test_sigkill_and_resume_trains_every_prompt_once(tmp_path, monkeypatch) -> None:
-    run1 = subprocess.Popen(_args(tmp_path, "run1"), cwd=REPO, env=_env(),
-                            stdout=subprocess.DEVNULL, stderr=(tmp_path / "run1.log").open("w"))
+    run1 = subprocess.Popen(
+        _args(tmp_path, "run1"),
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / "run1.log").open("w"),
+    )
     workers = _kill_after_checkpoint(run1, tmp_path)
     assert workers, "the controller had no worker processes"
     psutil.wait_procs(workers, timeout=60)
-    assert not [w.pid for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE], \
+    assert not [w.pid for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE], (
         "workers outlived their SIGKILLed controller"
+    )
 
     saved = _last_complete_step(tmp_path / "ckpt")
     assert saved is not None and saved < NUM_STEPS - 1

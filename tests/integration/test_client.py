@@ -166,7 +166,9 @@ def test_a_known_failure_is_raised_instead_of_retrying():
     died = RuntimeError("rollout:0 (pid 123) was killed by SIGKILL")
 
     async def main():
-        client = EngineClient(f"http://127.0.0.1:{port}", max_retries=50, retry_backoff_s=10, known_failure=lambda: died)
+        client = EngineClient(
+            f"http://127.0.0.1:{port}", max_retries=50, retry_backoff_s=10, known_failure=lambda: died
+        )
         try:
             with pytest.raises(RuntimeError) as info:
                 await client.generate({"input_ids": [1]})

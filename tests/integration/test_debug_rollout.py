@@ -18,8 +18,18 @@ import torch
 from e2e_helpers import DEMO, REPO, leftover_processes, python_path, run_train
 
 STEPS = 3
-SMALL = ("--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16",
-         "--eval-interval", "none", "--num-rollout", str(STEPS))
+SMALL = (
+    "--rollout-batch-size",
+    "4",
+    "--n-samples-per-prompt",
+    "4",
+    "--global-batch-size",
+    "16",
+    "--eval-interval",
+    "none",
+    "--num-rollout",
+    str(STEPS),
+)
 VOLATILE_PREFIXES = ("perf/", "sys/")  # time and machine load, not the computation
 
 
@@ -76,8 +86,18 @@ def test_rollout_only_starts_no_trainer_and_saves_every_step(tmp_path) -> None:
     ],
 )
 def test_impossible_combinations_stop_before_any_worker(tmp_path, flags, expected) -> None:
-    cmd = [sys.executable, "-m", "miles.cli", "train", "--config", str(DEMO), "--output-dir", str(tmp_path / "run"),
-           *SMALL, *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "miles.cli",
+        "train",
+        "--config",
+        str(DEMO),
+        "--output-dir",
+        str(tmp_path / "run"),
+        *SMALL,
+        *flags,
+    ]
     env = {**os.environ, "MILES_TORCH_THREADS": "1", "PYTHONPATH": python_path()}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]

@@ -22,8 +22,21 @@ from e2e_helpers import leftover_processes, run_train
 
 STANDARD = Path(__file__).resolve().parents[1] / "standards" / "sync_demo.jsonl"
 STEPS = 40
-COMMON = ("--deterministic", "--num-rollout", str(STEPS), "--rollout-batch-size", "8", "--global-batch-size", "64",
-          "--actor-num-gpus-per-node", "2", "--eval-interval", "20", "--lr", "0.01")
+COMMON = (
+    "--deterministic",
+    "--num-rollout",
+    str(STEPS),
+    "--rollout-batch-size",
+    "8",
+    "--global-batch-size",
+    "64",
+    "--actor-num-gpus-per-node",
+    "2",
+    "--eval-interval",
+    "20",
+    "--lr",
+    "0.01",
+)
 # Keys that measure time or machine load, not the computation.
 VOLATILE_PREFIXES = ("perf/", "sys/")
 # The engine batches requests by arrival, so its float sums may differ in the last bits between
@@ -80,8 +93,14 @@ def test_reward_rises(broadcast_rows):
 
 
 def test_disk_delta_gives_the_same_run(tmp_path, broadcast_rows):
-    rows = run_train(tmp_path / "run", *COMMON, "--update-weight-transfer-mode", "disk-delta",
-                     "--update-weight-disk-dir", str(tmp_path / "deltas"))
+    rows = run_train(
+        tmp_path / "run",
+        *COMMON,
+        "--update-weight-transfer-mode",
+        "disk-delta",
+        "--update-weight-disk-dir",
+        str(tmp_path / "deltas"),
+    )
     assert_same_metrics(rows, broadcast_rows, "disk-delta")
     versions = sorted(p.name for p in (tmp_path / "deltas").iterdir() if p.is_dir())
     assert versions, "disk-delta wrote no version directory"
@@ -95,8 +114,20 @@ def test_colocated_gives_the_same_run(tmp_path, broadcast_rows):
 def test_separate_reward_phase_and_prefill_recompute(tmp_path):
     """Generate-then-score, with rollout log-probs re-scored by prefill: the trainer's old log-probs
     (fp32, same weights) must then agree with the rollout's to float precision."""
-    rows = run_train(tmp_path / "run", "--num-rollout", "3", "--rollout-batch-size", "4", "--global-batch-size", "32",
-                     "--reward-phase", "separate", "--recompute-logprobs-via-prefill", "--eval-interval", "0")
+    rows = run_train(
+        tmp_path / "run",
+        "--num-rollout",
+        "3",
+        "--rollout-batch-size",
+        "4",
+        "--global-batch-size",
+        "32",
+        "--reward-phase",
+        "separate",
+        "--recompute-logprobs-via-prefill",
+        "--eval-interval",
+        "0",
+    )
     steps = [r for r in rows if "rollout/reward_mean" in r]
     assert len(steps) == 3
     for r in steps:
@@ -117,8 +148,9 @@ def test_every_update_logs_the_bytes_it_moved(broadcast_rows):
 
     from safetensors import safe_open
 
-    model_dir = os.path.expanduser(os.path.join(os.environ.get("MILES_CACHE", "~/.cache/miles"),
-                                                "tiny-qwen2-2x64-seed1234"))
+    model_dir = os.path.expanduser(
+        os.path.join(os.environ.get("MILES_CACHE", "~/.cache/miles"), "tiny-qwen2-2x64-seed1234")
+    )
     total = 0
     for path in glob.glob(os.path.join(model_dir, "*.safetensors")):
         with safe_open(path, framework="pt") as f:

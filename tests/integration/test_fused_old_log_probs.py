@@ -51,7 +51,9 @@ def test_fused_old_log_probs_match_the_separate_pass(tmp_path):
     fused, separate = r["fused"], r["separate"]
     assert (fused["separate_passes"], separate["separate_passes"]) == (0, 1)
     for key in ("train/loss", "train/pg_loss", "train/grad_norm", "train/entropy", "train/ppo_kl"):
-        assert abs(fused["metrics"][key] - separate["metrics"][key]) <= 1e-5 + 1e-4 * abs(separate["metrics"][key]), key
+        assert abs(fused["metrics"][key] - separate["metrics"][key]) <= 1e-5 + 1e-4 * abs(separate["metrics"][key]), (
+            key
+        )
     assert fused["metrics"]["train/pg_clipfrac"] == 0.0
     for name, g in separate["grads"].items():
         torch.testing.assert_close(fused["grads"][name], g, rtol=1e-4, atol=1e-5)

@@ -13,8 +13,18 @@ import pytest
 from miles.utils.profiling import ProfileSchedule
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TINY = ["--config", "launch/configs/demo_cpu.yaml", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
-        "--global-batch-size", "16", "--eval-interval", "none"]
+TINY = [
+    "--config",
+    "launch/configs/demo_cpu.yaml",
+    "--rollout-batch-size",
+    "4",
+    "--n-samples-per-prompt",
+    "4",
+    "--global-batch-size",
+    "16",
+    "--eval-interval",
+    "none",
+]
 
 
 def test_schedule_groups_consecutive_steps_into_windows(tmp_path) -> None:
@@ -28,8 +38,12 @@ def test_schedule_groups_consecutive_steps_into_windows(tmp_path) -> None:
 
 
 def _run_train(out_dir: str, *flags: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "MILES_TORCH_THREADS": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {
+        **os.environ,
+        "MILES_TORCH_THREADS": "1",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
     cmd = [sys.executable, "-m", "miles.cli", "train", *TINY, *flags, "--output-dir", out_dir]
     return subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
 

@@ -17,8 +17,20 @@ from miles.trainer.checkpoint import latest_complete_checkpoint
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NUM_ROLLOUT = 6
-TINY = ["--config", "launch/configs/demo_cpu.yaml", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
-        "--global-batch-size", "16", "--eval-interval", "none", "--num-rollout", str(NUM_ROLLOUT)]
+TINY = [
+    "--config",
+    "launch/configs/demo_cpu.yaml",
+    "--rollout-batch-size",
+    "4",
+    "--n-samples-per-prompt",
+    "4",
+    "--global-batch-size",
+    "16",
+    "--eval-interval",
+    "none",
+    "--num-rollout",
+    str(NUM_ROLLOUT),
+]
 
 
 def _train_steps(run_dir: Path) -> list[int]:
@@ -37,19 +49,39 @@ def _train_steps(run_dir: Path) -> list[int]:
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "MILES_TORCH_THREADS": "1", "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return {
+        **os.environ,
+        "MILES_TORCH_THREADS": "1",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
 
 
 def _train_cmd(run_dir: Path, save_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "miles.cli", "train", *TINY, "--output-dir", str(run_dir),
-            "--save", str(save_dir), "--auto-resume"]
+    return [
+        sys.executable,
+        "-m",
+        "miles.cli",
+        "train",
+        *TINY,
+        "--output-dir",
+        str(run_dir),
+        "--save",
+        str(save_dir),
+        "--auto-resume",
+    ]
 
 
 def test_sigterm_checkpoints_and_the_next_run_resumes(tmp_path) -> None:
     save_dir = tmp_path / "ckpt"
-    first = subprocess.Popen(_train_cmd(tmp_path / "run1", save_dir), cwd=REPO_ROOT, env=_env(),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = subprocess.Popen(
+        _train_cmd(tmp_path / "run1", save_dir),
+        cwd=REPO_ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     descendants: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 240
@@ -75,10 +107,10 @@ def test_sigterm_checkpoints_and_the_next_run_resumes(tmp_path) -> None:
     assert ckpt is not None and Path(ckpt).name == f"iter_{stopped_at:07d}"
     assert not [p for p in descendants if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
-    second = subprocess.run(_train_cmd(tmp_path / "run2", save_dir), cwd=REPO_ROOT, env=_env(),
-                            capture_output=True, text=True, timeout=300)
+    second = subprocess.run(
+        _train_cmd(tmp_path / "run2", save_dir), cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=300
+    )
     assert second.returncode == 0, second.stderr[-4000:]
     assert f"resumed from {ckpt} at rollout {stopped_at + 1}" in second.stderr
     assert _train_steps(tmp_path / "run2") == list(range(stopped_at + 1, NUM_ROLLOUT))
     assert Path(latest_complete_checkpoint(str(save_dir))).name == f"iter_{NUM_ROLLOUT - 1:07d}"
-

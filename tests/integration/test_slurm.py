@@ -19,8 +19,16 @@ import pytest
 import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-TINY = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16",
-        "--eval-interval", "none"]
+TINY = [
+    "--rollout-batch-size",
+    "4",
+    "--n-samples-per-prompt",
+    "4",
+    "--global-batch-size",
+    "16",
+    "--eval-interval",
+    "none",
+]
 ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED"}
 
 
@@ -52,9 +60,15 @@ def slurm() -> None:
 
 
 def _job_env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    return {**os.environ, "MILES_PYTHON": sys.executable, "MILES_TORCH_THREADS": "1", "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-            "SBATCH_OUTPUT": str(tmp_path / "%x-%j.out"), **extra}
+    return {
+        **os.environ,
+        "MILES_PYTHON": sys.executable,
+        "MILES_TORCH_THREADS": "1",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "SBATCH_OUTPUT": str(tmp_path / "%x-%j.out"),
+        **extra,
+    }
 
 
 def _submit(cmd: list[str], env: dict[str, str]) -> str:
@@ -118,10 +132,20 @@ def test_train_and_sweep_jobs_finish(slurm, tmp_path) -> None:
     )
     sweep_file = tmp_path / "lr.yaml"
     lrs = [0.001, 0.002, 0.005]
-    sweep_file.write_text(yaml.safe_dump({"name": "lr", "base": str(REPO_ROOT / "launch/configs/demo_cpu.yaml"),
-                                          "sweep_dir": str(tmp_path / "sweep"), "grid": {"lr": lrs}}))
-    sweep_job = _submit([sys.executable, "-m", "miles.cli", "sweep", str(sweep_file), "--submit",
-                         "--num-rollout", "2", *TINY], _job_env(tmp_path, SBATCH_OUTPUT=str(tmp_path / "%x-%A_%a.out")))
+    sweep_file.write_text(
+        yaml.safe_dump(
+            {
+                "name": "lr",
+                "base": str(REPO_ROOT / "launch/configs/demo_cpu.yaml"),
+                "sweep_dir": str(tmp_path / "sweep"),
+                "grid": {"lr": lrs},
+            }
+        )
+    )
+    sweep_job = _submit(
+        [sys.executable, "-m", "miles.cli", "sweep", str(sweep_file), "--submit", "--num-rollout", "2", *TINY],
+        _job_env(tmp_path, SBATCH_OUTPUT=str(tmp_path / "%x-%A_%a.out")),
+    )
 
     records = _wait_done([train_job, sweep_job], timeout_s=600)
     for rs in records.values():
@@ -142,9 +166,19 @@ def test_usr1_checkpoints_and_the_requeued_job_resumes(slurm, tmp_path) -> None:
     checkpoint at the step boundary -> `scontrol requeue` -> the same job starts again and resumes."""
     run_dir = tmp_path / "train"
     num_rollout = 6  # the demo's batch sizes: about a second a step, so the signal lands mid-run
-    job = _submit(["sbatch", "--parsable", "slurm/train.sbatch", "launch/configs/demo_cpu.yaml",
-                   "--num-rollout", str(num_rollout), "--eval-interval", "none"],
-                  _job_env(tmp_path, MILES_RUN_DIR=str(run_dir)))
+    job = _submit(
+        [
+            "sbatch",
+            "--parsable",
+            "slurm/train.sbatch",
+            "launch/configs/demo_cpu.yaml",
+            "--num-rollout",
+            str(num_rollout),
+            "--eval-interval",
+            "none",
+        ],
+        _job_env(tmp_path, MILES_RUN_DIR=str(run_dir)),
+    )
     deadline = time.monotonic() + 300
     while not _train_steps(run_dir):
         assert time.monotonic() < deadline, f"no step logged in 300 s\n{_logs(tmp_path)}"
@@ -161,8 +195,7 @@ def test_usr1_checkpoints_and_the_requeued_job_resumes(slurm, tmp_path) -> None:
             return
         pending_since.append(time.monotonic())
         if pending_since[-1] - pending_since[0] >= 3.0:
-            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False,
-                           capture_output=True)
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False, capture_output=True)
 
     (record,) = _wait_done([job], timeout_s=600, on_pending=release_requeued)[job]
     logs = _logs(tmp_path)

@@ -17,9 +17,24 @@ import pytest
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO_ROOT, "launch", "torchrun_multi_node.sh")
-TINY = ["--config", "launch/configs/demo_cpu.yaml", "--num-rollout", "3", "--rollout-batch-size", "4",
-        "--n-samples-per-prompt", "4", "--global-batch-size", "16", "--eval-interval", "none",
-        "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "1"]
+TINY = [
+    "--config",
+    "launch/configs/demo_cpu.yaml",
+    "--num-rollout",
+    "3",
+    "--rollout-batch-size",
+    "4",
+    "--n-samples-per-prompt",
+    "4",
+    "--global-batch-size",
+    "16",
+    "--eval-interval",
+    "none",
+    "--actor-num-nodes",
+    "2",
+    "--actor-num-gpus-per-node",
+    "1",
+]
 
 
 def _free_port_pair() -> int:
@@ -43,14 +58,27 @@ def _free_port_pair() -> int:
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
 def test_demo_trains_across_two_torchrun_nodes(tmp_path) -> None:
     run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "MILES_TORCH_THREADS": "1", "OMP_NUM_THREADS": "1", "MASTER_PORT": str(_free_port_pair()),
-           "MILES_HEARTBEAT_TIMEOUT_S": "60"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "MILES_TORCH_THREADS": "1",
+        "OMP_NUM_THREADS": "1",
+        "MASTER_PORT": str(_free_port_pair()),
+        "MILES_HEARTBEAT_TIMEOUT_S": "60",
+    }
     env.pop("MILES_RUN_SECRET", None)  # node 0 hands a fresh secret to node 1 through torchrun's store
-    procs = [subprocess.Popen(["bash", SCRIPT, "2", str(node), "127.0.0.1", *TINY, "--output-dir", str(run_dir)],
-                              cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True)
-             for node in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            ["bash", SCRIPT, "2", str(node), "127.0.0.1", *TINY, "--output-dir", str(run_dir)],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for node in (0, 1)
+    ]
     outputs: list[str] = []
     try:
         for p in procs:
@@ -73,6 +101,7 @@ def test_demo_trains_across_two_torchrun_nodes(tmp_path) -> None:
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in steps if "train/loss" in m] == [0, 1, 2]
     assert all(m["rollout/weight_version"] == m["step"] + 1 for m in steps if "train/loss" in m)
-    leftover = [p for p in psutil.process_iter(["cmdline", "environ"])
-                if str(run_dir) in " ".join(p.info["cmdline"] or [])]
+    leftover = [
+        p for p in psutil.process_iter(["cmdline", "environ"]) if str(run_dir) in " ".join(p.info["cmdline"] or [])
+    ]
     assert leftover == [], f"processes left behind: {leftover}"

@@ -12,8 +12,17 @@ from miles.rollout.sample import Sample, SampleStatus
 
 
 def _group(index: int, versions: list[list[int]], status: SampleStatus = SampleStatus.COMPLETED) -> list[Sample]:
-    return [Sample(group_index=index, index=index * 10 + i, weight_versions=list(v), status=status,
-                   response_length=len(v), reward=float(i)) for i, v in enumerate(versions)]
+    return [
+        Sample(
+            group_index=index,
+            index=index * 10 + i,
+            weight_versions=list(v),
+            status=status,
+            response_length=len(v),
+            reward=float(i),
+        )
+        for i, v in enumerate(versions)
+    ]
 
 
 class Recorder:
@@ -106,10 +115,18 @@ def test_zero_capacity_is_refused_with_the_flag_to_fix() -> None:
         _buffer(capacity=0)
 
 
-@pytest.mark.parametrize(("position", "waiting", "expected"), [
-    (0, True, 0), (3, True, 0), (4, True, 1), (8, True, 2),  # a waiting trainer takes positions 0..3 now
-    (0, False, 1), (3, False, 1), (4, False, 2),  # a training trainer takes its next batch after its push
-])
+@pytest.mark.parametrize(
+    ("position", "waiting", "expected"),
+    [
+        (0, True, 0),
+        (3, True, 0),
+        (4, True, 1),
+        (8, True, 2),  # a waiting trainer takes positions 0..3 now
+        (0, False, 1),
+        (3, False, 1),
+        (4, False, 2),  # a training trainer takes its next batch after its push
+    ],
+)
 def test_pace_estimate(position: int, waiting: bool, expected: int) -> None:
     assert staleness_at_take(position, 4, trainer_waiting=waiting, steps_per_version=1) == expected
     assert staleness_at_take(position, 4, trainer_waiting=waiting, steps_per_version=3) == 3 * expected

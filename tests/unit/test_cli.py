@@ -93,7 +93,9 @@ def test_train_dispatches_sync_and_async(monkeypatch):
     fake_module(monkeypatch, "miles.controller.loop_sync", run=sync_run)
     fake_module(monkeypatch, "miles.controller.loop_async", run=async_run)
     # the model spec is resolved before the loop gets the config
-    monkeypatch.setattr("miles.models.resolve.resolve_model_paths", lambda model, seed: seen.setdefault("model", model))
+    monkeypatch.setattr(
+        "miles.models.resolve.resolve_model_paths", lambda model, seed: seen.setdefault("model", model)
+    )
     assert main(TRAIN) == 0
     cfg = seen["sync"]
     assert seen["model"] is cfg.model
@@ -204,8 +206,13 @@ def test_unknown_command_exits_2(capsys):
 def test_plot_writes_pngs_for_known_keys(tmp_path, capsys):
     rows = [
         {"step": 0, "rollout/reward_mean": 0.1, "train/kl_loss": 0.0, "rollout/other": 5},
-        {"step": 1, "rollout/reward_mean": 0.4, "eval/gsm8k/reward_mean": 0.2, "eval/gsm8k/num_samples": 64,
-         "perf/step_time": 3.0},
+        {
+            "step": 1,
+            "rollout/reward_mean": 0.4,
+            "eval/gsm8k/reward_mean": 0.2,
+            "eval/gsm8k/num_samples": 64,
+            "perf/step_time": 3.0,
+        },
         {
             "step": 2,
             "rollout/reward_mean": 0.9,

@@ -240,7 +240,9 @@ def test_load_data_source_honours_custom_path(tmp_path: Path) -> None:
 
 def test_non_utf8_byte_names_file_line_and_column(tmp_path: Path) -> None:
     path = tmp_path / "x.jsonl"
-    path.write_bytes(b'{"input": "q0", "label": "0"}\n{"input": "q1", "label": "1"}\n{"in\xffput": "q", "label": "2"}\n')
+    path.write_bytes(
+        b'{"input": "q0", "label": "0"}\n{"input": "q1", "label": "1"}\n{"in\xffput": "q", "label": "2"}\n'
+    )
     with pytest.raises(DataRowError) as info:
         _source(path)
     message = str(info.value)
@@ -250,8 +252,9 @@ def test_non_utf8_byte_names_file_line_and_column(tmp_path: Path) -> None:
 
 def test_skip_bad_rows_skips_and_counts_non_utf8_rows(tmp_path: Path) -> None:
     path = tmp_path / "x.jsonl"
-    path.write_bytes(b'\xef\xbb\xbf{"input": "q0", "label": "0"}\n{"input": "\xc3(", "label": "1"}\n'
-                     b'{"input": "q2", "label": "2"}\n')
+    path.write_bytes(
+        b'\xef\xbb\xbf{"input": "q0", "label": "0"}\n{"input": "\xc3(", "label": "1"}\n{"input": "q2", "label": "2"}\n'
+    )
     source = _source(path, skip_bad_rows=True)
     assert source.bad_rows == 1
     assert _prompts(source.get_samples(2)) == ["q0", "q2"]  # the byte-order mark of line 1 is not an error
@@ -282,8 +285,12 @@ def _long_rows(tmp_path: Path) -> Path:
 def test_too_long_prompts_are_skipped_and_counted_and_huge_rows_not_tokenised(tmp_path: Path, caplog) -> None:
     path = _long_rows(tmp_path)
     tokenizer = CountingTokenizer()
-    source = JsonlDataSource(DataConfig(prompt_data=str(path), label_key="label"), n_samples_per_prompt=1,
-                             tokenizer=tokenizer, prompt_limit=PromptLimit(8, "the engine's context"))
+    source = JsonlDataSource(
+        DataConfig(prompt_data=str(path), label_key="label"),
+        n_samples_per_prompt=1,
+        tokenizer=tokenizer,
+        prompt_limit=PromptLimit(8, "the engine's context"),
+    )
     assert len(source) == 2 and source.long_prompts_dropped == 2
     assert _prompts(source.get_samples(2)) == ["q0", "q2"]
     assert max(tokenizer.texts) < 100  # the 4 MB row was judged by its characters alone
@@ -298,8 +305,9 @@ def test_refuse_long_prompts_stops_at_the_first_with_file_and_line(tmp_path: Pat
     with pytest.raises(DataRowError) as info:
         JsonlDataSource(data, n_samples_per_prompt=1, tokenizer=_tiny_tokenizer(), prompt_limit=PromptLimit(8))
     message = str(info.value)
-    assert message.startswith(f"{path}:2: the prompt has 12 tokens (more than the 8-token limit of "
-                              "--rollout-max-prompt-len)")
+    assert message.startswith(
+        f"{path}:2: the prompt has 12 tokens (more than the 8-token limit of --rollout-max-prompt-len)"
+    )
     assert "drop --refuse-long-prompts" in message
 
 

@@ -14,15 +14,40 @@ from miles.controller.placement import plan_placement
 from miles.rollout.debug_data import group_consecutive, load_debug_rollout, save_debug_rollout
 from miles.rollout.sample import Sample, SampleStatus
 
-REQUIRED = ["--hf-checkpoint", "/m", "--prompt-data", "/p.jsonl", "--rm-type", "math", "--num-rollout", "3",
-            "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4"]
+REQUIRED = [
+    "--hf-checkpoint",
+    "/m",
+    "--prompt-data",
+    "/p.jsonl",
+    "--rm-type",
+    "math",
+    "--num-rollout",
+    "3",
+    "--rollout-batch-size",
+    "2",
+    "--n-samples-per-prompt",
+    "2",
+    "--global-batch-size",
+    "4",
+]
 
 
 def _sample(group: int, index: int, logprob: float) -> Sample:
-    return Sample(prompt=[{"role": "user", "content": "2+2?"}], tokens=[5, 6, 7, 8], response="4", response_length=2,
-                  label="4", reward={"score": 1.0 / 3.0, "acc": 1.0}, loss_mask=[1, 0],
-                  rollout_log_probs=[logprob, -1e-300], weight_versions=[3, 4], status=SampleStatus.TRUNCATED,
-                  metadata={"rid": "x", "turns": [1, 2]}, group_index=group, index=index)
+    return Sample(
+        prompt=[{"role": "user", "content": "2+2?"}],
+        tokens=[5, 6, 7, 8],
+        response="4",
+        response_length=2,
+        label="4",
+        reward={"score": 1.0 / 3.0, "acc": 1.0},
+        loss_mask=[1, 0],
+        rollout_log_probs=[logprob, -1e-300],
+        weight_versions=[3, 4],
+        status=SampleStatus.TRUNCATED,
+        metadata={"rid": "x", "turns": [1, 2]},
+        group_index=group,
+        index=index,
+    )
 
 
 def test_saved_rollout_round_trips_exactly(tmp_path) -> None:
@@ -66,8 +91,9 @@ def _errors(*argv: str) -> str:
 def test_load_implies_train_only_and_the_first_file_must_exist(tmp_path) -> None:
     template = str(tmp_path / "{rollout_id}.pt")
     assert "no saved rollout for the first step (0)" in _errors("--load-debug-rollout-data", template)
-    assert "no saved rollout for the first step (2)" in _errors("--load-debug-rollout-data", template,
-                                                                  "--start-rollout-id", "2")
+    assert "no saved rollout for the first step (2)" in _errors(
+        "--load-debug-rollout-data", template, "--start-rollout-id", "2"
+    )
     save_debug_rollout(template, 0, [[_sample(0, 0, -1.0)]])
     cfg = load_config([*REQUIRED, "--load-debug-rollout-data", template, "--eval-interval", "none"])
     assert cfg.runtime.debug_train_only
@@ -83,8 +109,19 @@ def test_load_implies_train_only_and_the_first_file_must_exist(tmp_path) -> None
         (["--save-debug-rollout-data", "r/rollout.pt"], "needs '{rollout_id}' in the path"),
         (["--save-debug-rollout-data", "r/{step}.pt"], "needs '{rollout_id}' in the path"),
         (["--debug-rollout-only", "--save", "ckpt"], "--debug-rollout-only starts no trainer"),
-        (["--debug-train-only", "--load-debug-rollout-data", "r/{rollout_id}.pt", "--eval-interval", "5",
-          "--eval-prompt-data", "a", "a.jsonl"], "add --eval-interval none"),
+        (
+            [
+                "--debug-train-only",
+                "--load-debug-rollout-data",
+                "r/{rollout_id}.pt",
+                "--eval-interval",
+                "5",
+                "--eval-prompt-data",
+                "a",
+                "a.jsonl",
+            ],
+            "add --eval-interval none",
+        ),
     ],
 )
 def test_refused_combinations(argv, expected) -> None:

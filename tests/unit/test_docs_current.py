@@ -67,7 +67,8 @@ def test_quickstart_config_errors_happen_as_shown():
             continue
         command, *expected = block.splitlines()
         args = command.removeprefix("$ miles train ").split()
-        proc = subprocess.run([sys.executable, "-m", "miles.cli", "train", *args], cwd=ROOT, capture_output=True,
-                              text=True, timeout=60)
+        proc = subprocess.run(
+            [sys.executable, "-m", "miles.cli", "train", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
+        )
         assert proc.returncode == 2
-        assert proc.stderr.strip().splitlines()[-len(expected):] == expected
+        assert proc.stderr.strip().splitlines()[-len(expected) :] == expected

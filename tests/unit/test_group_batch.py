@@ -30,9 +30,17 @@ class BatchRouter:
         outs = []
         for params, rid in zip(payload["sampling_params"], payload["rid"], strict=True):
             ids = [7, 7] if params["sampling_seed"] % 2 == 0 else [8]
-            outs.append({"text": " ".join(map(str, ids)), "output_ids": ids,
-                         "meta_info": {"id": rid, "output_token_logprobs": [[-0.25, t, None] for t in ids],
-                                       "finish_reason": {"type": "stop"}}})
+            outs.append(
+                {
+                    "text": " ".join(map(str, ids)),
+                    "output_ids": ids,
+                    "meta_info": {
+                        "id": rid,
+                        "output_token_logprobs": [[-0.25, t, None] for t in ids],
+                        "finish_reason": {"type": "stop"},
+                    },
+                }
+            )
         return outs
 
 

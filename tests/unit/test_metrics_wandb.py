@@ -136,8 +136,9 @@ def test_load_without_a_stored_id_starts_a_new_wandb_run(tmp_path: Path, fake_wa
     assert (tmp_path / "run" / WANDB_ID_FILE).read_text().strip() == fake_wandb[0][0]["id"]
 
 
-def test_without_tensorboard_the_run_says_how_to_get_it_and_keeps_metrics_jsonl(tmp_path: Path, monkeypatch,
-                                                                                 caplog) -> None:
+def test_without_tensorboard_the_run_says_how_to_get_it_and_keeps_metrics_jsonl(
+    tmp_path: Path, monkeypatch, caplog
+) -> None:
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if not installed
     sink = MetricsSink(str(tmp_path), tensorboard=True)
     sink.log(0, {"rollout/reward_mean": 0.5})

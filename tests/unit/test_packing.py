@@ -122,7 +122,9 @@ def test_padded_and_row_layouts_give_the_same_log_probs(tmp_path):
     from miles.models.tiny import make_tiny_model
     from miles.trainer.forward import response_logits
 
-    path = make_tiny_model(str(tmp_path / "m"), arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128)
+    path = make_tiny_model(
+        str(tmp_path / "m"), arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128
+    )
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
     b = _batch([9, 5, 12, 7], [3, 1, 6, 2])
     b.tokens = b.tokens % 300

@@ -209,7 +209,9 @@ def test_refusal_names_what_is_needed_and_what_exists():
         "placement needs 10 GPUs (8 for trainers + 2 rollout engine(s) x 1) but the cluster has 8 "
         "(1 node(s) x 8 GPUs); lower --actor-num-nodes, --actor-num-gpus-per-node, --rollout-num-engines"
     )
-    evals = cfg_of("--fully-async", "--eval-mode", "dedicated", "--eval-num-engines", "1", "--rollout-num-gpus-per-engine", "2")
+    evals = cfg_of(
+        "--fully-async", "--eval-mode", "dedicated", "--eval-num-engines", "1", "--rollout-num-gpus-per-engine", "2"
+    )
     assert (
         "needs 5 GPUs (1 for trainers + 1 rollout engine(s) x 2 + 1 eval engine(s) x 2) but the cluster has 4 "
         "(2 node(s) x 2 GPUs)" in refusal(evals, nodes=2, gpus=2)

@@ -40,16 +40,25 @@ class Runtime:
         return self.ranks
 
     async def call_all(self, role: str, method: str, *args, timeout_s=None, **kwargs) -> list:
-        return list(await asyncio.gather(*(r.call(method, *args, timeout_s=timeout_s, **kwargs) for r in self.workers(role))))
+        return list(
+            await asyncio.gather(*(r.call(method, *args, timeout_s=timeout_s, **kwargs) for r in self.workers(role)))
+        )
 
 
 def _batch(n: int) -> TrainBatch:
     """n samples of 3 tokens, one of them the response."""
     ones, zeros = np.ones(n, np.int64), np.zeros(n, np.int64)
-    return TrainBatch(tokens=np.arange(3 * n, dtype=np.int64), seq_lens=3 * ones, response_lengths=ones,
-                      loss_masks=np.ones(n, np.float32), rewards=np.zeros(n, np.float32),
-                      raw_rewards=np.zeros(n, np.float32), group_index=zeros, sample_index=np.arange(n),
-                      truncated=np.zeros(n, np.int8))
+    return TrainBatch(
+        tokens=np.arange(3 * n, dtype=np.int64),
+        seq_lens=3 * ones,
+        response_lengths=ones,
+        loss_masks=np.ones(n, np.float32),
+        rewards=np.zeros(n, np.float32),
+        raw_rewards=np.zeros(n, np.float32),
+        group_index=zeros,
+        sample_index=np.arange(n),
+        truncated=np.zeros(n, np.int8),
+    )
 
 
 def test_every_method_reaches_every_rank_with_trainer_worker_signatures() -> None:
@@ -72,8 +81,19 @@ def test_every_method_reaches_every_rank_with_trainer_worker_signatures() -> Non
 
     assert asyncio.run(main()) == ({"rank": 0}, {"rank": 0}, {"rank": 0})  # rank 0 speaks for the group
     methods = [m for _, m, *_ in rt.calls]
-    for name in ("setup", "memory_plan", "connect_engines", "push_weights", "train", "save", "load", "export_hf", "offload",
-                 "onload", "close_weights"):
+    for name in (
+        "setup",
+        "memory_plan",
+        "connect_engines",
+        "push_weights",
+        "train",
+        "save",
+        "load",
+        "export_hf",
+        "offload",
+        "onload",
+        "close_weights",
+    ):
         assert methods.count(name) == 2, name
     trains = {rank: args for rank, m, args, _, _ in rt.calls if m == "train"}
     assert [len(TrainBatch.from_dict(trains[r][0])) for r in (0, 1)] == [1, 2]  # shard i on rank i

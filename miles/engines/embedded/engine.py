@@ -359,8 +359,10 @@ class EmbeddedEngine:
         if not self.runner.weights_on_device:
             raise RuntimeError("weights are released; call resume_memory_occupation(['weights']) first")
         if self.adapter.active:
-            raise ValueError(f"{what} refused: LoRA adapter {self.adapter.name!r} is merged into the weights; "
-                             "unload it first (/unload_lora_adapter) or push adapters only")
+            raise ValueError(
+                f"{what} refused: LoRA adapter {self.adapter.name!r} is merged into the weights; "
+                "unload it first (/unload_lora_adapter) or push adapters only"
+            )
 
     # ---- LoRA adapters (miles/engines/embedded/lora.py) --------------------------------------------------------
     def load_lora_adapter(self, named: Iterable[tuple[str, torch.Tensor]], config: dict, lora_name: str) -> None:

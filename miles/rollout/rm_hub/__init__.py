@@ -49,15 +49,20 @@ def check_reward(value: Any, sample: Sample, *, source: str, reward_key: str | N
         if reward_key is None:
             return value
         if reward_key not in value:
-            raise RewardFailed(f"{source} returned a dict without --reward-key {reward_key!r} (keys {sorted(value)})",
-                               sample_index=sample.index)
+            raise RewardFailed(
+                f"{source} returned a dict without --reward-key {reward_key!r} (keys {sorted(value)})",
+                sample_index=sample.index,
+            )
         scalar = value[reward_key]
     if isinstance(scalar, (numbers.Real, np.bool_)) and math.isfinite(float(scalar)):
         return value
     shown = repr(scalar)
     shown = shown if len(shown) <= 60 else shown[:57] + "..."
-    raise RewardFailed(f"{source} returned {shown} ({type(scalar).__name__}); a reward must be a finite number "
-                       "(int, float, bool or numpy scalar)", sample_index=sample.index)
+    raise RewardFailed(
+        f"{source} returned {shown} ({type(scalar).__name__}); a reward must be a finite number "
+        "(int, float, bool or numpy scalar)",
+        sample_index=sample.index,
+    )
 
 
 def reward_source(args: Any, sample: Sample | None = None) -> str:
@@ -167,8 +172,9 @@ async def _group_rewards(path: str, args: Any, samples: list[Sample]) -> list[fl
             for i in idx:
                 results[i] = failure
             continue
-        values = _each_checked(_checked_list(out, len(idx), path), args, [samples[i] for i in idx],
-                               f"--group-reward-path {path}")
+        values = _each_checked(
+            _checked_list(out, len(idx), path), args, [samples[i] for i in idx], f"--group-reward-path {path}"
+        )
         for i, value in zip(idx, values, strict=True):
             results[i] = value
     return _raise_on_failures(results)
