@@ -114,6 +114,9 @@ def _finalize_grads(model: list[torch.nn.Module], num_tokens=None, **kw) -> None
     finalize_model_grads(model, num_tokens=None, **kw)
 
 
+OPTIMIZER_CHECKPOINT_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
 @register_backend("megatron")
 class MegatronBackend:
     def __init__(self, *, model: ModelConfig, train: TrainConfig, algo: AlgoConfig, rollout: RolloutConfig) -> None:
@@ -398,7 +401,12 @@ class MegatronBackend:
         model_sd = self.actor.module.sharded_state_dict()
         state = {"model": model_sd}
         if with_optim:
-            state["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+            # megatron-core 0.19's default optimizer format ("fully_sharded_model_space") writes ShardedTensors
+            # with a flattened_range that its torch_dist save strategy refuses; "dp_reshardable" writes each
+            # buffer whole (resharding across DP only), for save and load alike
+            state["optimizer"] = self.optimizer.sharded_state_dict(
+                model_sd, is_loading=is_loading, metadata=OPTIMIZER_CHECKPOINT_FORMAT
+            )
         return state
 
     def save(self, path: str, extra_state: dict) -> None:
