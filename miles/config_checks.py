@@ -47,7 +47,11 @@ ENUM_CHOICES: dict[str, tuple[str, ...]] = {
     "async_staleness_policy": ("drop", "pace"),
     "wandb_mode": ("online", "offline", "disabled"),
     "use_session_server": ("v1", "v2"),
+    "opd_type": ("sglang", "megatron"),
+    "opd_top_k_strategy": ("only-student", "only-teacher", "intersection", "union", "xor"),
+    "opd_reward_weight_mode": ("student_p", "teacher_p", "none"),
 }
+DEFAULT_TEACHER = "default"  # the teacher a prompt without a known teacher name goes to
 
 
 def flag(name: str) -> str:
@@ -144,6 +148,8 @@ def apply_derivations(cfg: MilesConfig, explicit: set[str]) -> None:
         a.eps_clip_high = a.eps_clip
     if r.over_sampling_batch_size is None:
         r.over_sampling_batch_size = r.rollout_batch_size
+    if cfg.train.true_on_policy_mode and a.loss_type != "sft_loss" and not r.rollout_function_path:
+        r.recompute_logprobs_via_prefill = True  # the rollout's log-probs come from the reference forward
     if r.n_samples_per_prompt == 1 and not a.disable_grpo_std_normalization:
         a.disable_grpo_std_normalization = True  # the std of a single sample is 0
     if r.rollout_submission_granularity is None:
@@ -326,6 +332,82 @@ def check_algo(cfg: MilesConfig) -> list[str]:
     return e
 
 
+def parse_teacher_urls(entries: list[str]) -> dict[str, str]:
+    """`--opd-teacher-urls NAME=URL ...` as {name: base URL}; a trailing /generate (Miles' form) is dropped."""
+    urls: dict[str, str] = {}
+    for entry in entries:
+        name, sep, url = (part.strip() for part in entry.partition("="))
+        if not sep or not name or not url.startswith(("http://", "https://")):
+            raise ValueError(
+                f"--opd-teacher-urls entry {entry!r} is not NAME=URL with an http(s) URL, "
+                "e.g. default=http://127.0.0.1:30000"
+            )
+        if name in urls:
+            raise ValueError(f"--opd-teacher-urls names the teacher {name!r} twice; give each name once")
+        urls[name] = url.rstrip("/").removesuffix("/generate")
+    return urls
+
+
+_OPD_FLAGS = (
+    "opd_type",
+    "opd_kl_coef",
+    "opd_log_prob_top_k",
+    "opd_top_k_strategy",
+    "opd_reward_weight_mode",
+    "opd_teacher_urls",
+    "opd_teacher_key",
+    "opd_teacher_load",
+)
+
+
+def check_opd(cfg: MilesConfig) -> list[str]:
+    """On-policy distillation: a teacher, named consistently, with settings that take effect."""
+    a = cfg.algo
+    if not a.use_opd:
+        given = [flag(n) for n in _OPD_FLAGS if cfg.get(n) != FIELDS[n].default]
+        return (
+            [f"{', '.join(given)}: distillation settings without --use-opd take no effect; add --use-opd or drop them"]
+            if given
+            else []
+        )
+    e: list[str] = []
+    try:
+        urls = parse_teacher_urls(a.opd_teacher_urls)
+    except ValueError as exc:
+        e.append(str(exc))
+        urls = {"?": ""}
+    if not urls and not a.opd_teacher_load:
+        e.append(
+            "--use-opd needs a teacher: --opd-teacher-urls default=http://HOST:PORT (a served teacher) or "
+            "--opd-teacher-load DIR (a checkpoint this run serves)"
+        )
+    if a.opd_teacher_load and DEFAULT_TEACHER in urls:
+        e.append(
+            "--opd-teacher-load is served as the teacher 'default' and --opd-teacher-urls names a 'default' "
+            "too; rename the URL's teacher"
+        )
+    if a.opd_type == "sglang" and a.opd_teacher_load:
+        e.append(
+            "--opd-type sglang scores with served teachers (--opd-teacher-urls); --opd-teacher-load is "
+            "--opd-type megatron's: drop one"
+        )
+    if a.opd_type == "megatron" and (urls or not a.opd_teacher_load):
+        e.append(
+            "--opd-type megatron scores with the --opd-teacher-load checkpoint alone: give it, and drop "
+            "--opd-teacher-urls"
+        )
+    if a.opd_log_prob_top_k < 0:
+        e.append(f"--opd-log-prob-top-k={a.opd_log_prob_top_k} must be >= 0 (0: the sampled token alone)")
+    if a.opd_log_prob_top_k == 0 and (a.opd_top_k_strategy, a.opd_reward_weight_mode) != ("only-student", "student_p"):
+        e.append(
+            "--opd-top-k-strategy / --opd-reward-weight-mode shape the top-K estimate; add "
+            "--opd-log-prob-top-k K (e.g. 16) or drop them"
+        )
+    if a.loss_type == "sft_loss":
+        e.append("--use-opd shapes the policy-gradient advantage, which --loss-type sft_loss has none of; drop one")
+    return e
+
+
 # field -> (interval, what it means); "(" and ")" exclude the bound, "[" and "]" include it.
 NUMBER_RANGES: dict[str, tuple[str, str]] = {
     "lr": ("[0, inf)", "a negative learning rate climbs the loss; typical values are 1e-6 to 1e-5"),
@@ -459,7 +541,7 @@ def finalize(cfg: MilesConfig, explicit: set[str], *, for_train: bool = True) ->
     errors += check_enums(cfg) + check_modes(cfg) + check_batching(cfg) + check_algo(cfg)
     errors += check_not_implemented(cfg) + check_mode_support(cfg)
     errors += check_sglang_passthrough(cfg) + check_numbers(cfg, explicit)
-    errors += check_debug_modes(cfg) + check_lora(cfg) + check_sft(cfg)
+    errors += check_debug_modes(cfg) + check_lora(cfg) + check_sft(cfg) + check_opd(cfg)
     if for_train:
         errors += check_train_inputs(cfg)
     if errors:

@@ -193,10 +193,42 @@ class AlgoConfig:
     custom_tis_function_path: str | None = _f(None, "GRPO", "import path of a custom correction")
     calculate_per_token_loss: bool = _f(False, "GRPO", "aggregate as a global token mean")
     loss_aggregation: str | None = _f(None, "GRPO", "sample_mean (default) | token_mean | seq_mean_token_sum")
-    use_opd: bool = _f(False, "GRPO", "on-policy distillation penalty in the advantage")
+    use_opd: bool = _f(
+        False,
+        "GRPO",
+        "on-policy distillation: a teacher scores every sampled token; the reverse-KL estimate, times --opd-kl-coef, is subtracted from the advantage",
+    )
+    opd_type: str | None = _f(
+        None,
+        "GRPO",
+        "where the teacher runs: sglang (served: --opd-teacher-urls) | megatron (a checkpoint: --opd-teacher-load, served by this run on an engine of its own); default: from the flags given",
+    )
     opd_kl_coef: float = _f(1.0, "GRPO", "OPD coefficient")
-    opd_log_prob_top_k: int = _f(0, "GRPO", "top-K OPD variant (0: sampled-token estimate)")
-    opd_teacher_url: str | None = _f(None, "GRPO", "engine URL of the served teacher")
+    opd_log_prob_top_k: int = _f(
+        0,
+        "GRPO",
+        "top-K OPD: estimate the reverse KL over K candidate tokens per position (0: the sampled token alone)",
+    )
+    opd_top_k_strategy: str = _f(
+        "only-student", "GRPO", "top-K candidate set: only-student | only-teacher | intersection | union | xor"
+    )
+    opd_reward_weight_mode: str = _f(
+        "student_p", "GRPO", "top-K weights of the candidates: student_p | teacher_p | none (uniform)"
+    )
+    opd_teacher_urls: list[str] = _f(
+        [],
+        "GRPO",
+        "served teachers as NAME=URL (SGLang protocol: an SGLang server or `miles engine serve`); each prompt goes to the teacher named by its metadata[--opd-teacher-key], else to 'default'",
+        metadata={"nargs": "*"},
+    )
+    opd_teacher_key: str = _f(
+        "opd_teacher", "GRPO", "prompt metadata key naming the teacher that scores the prompt's samples"
+    )
+    opd_teacher_load: str | None = _f(
+        None,
+        "GRPO",
+        "HF directory of a teacher this run serves itself, on one engine of its own (teacher name 'default'); same tokenizer as the student",
+    )
 
 
 @dataclass
@@ -219,6 +251,13 @@ class TrainConfig:
     gradient_checkpointing: bool = _f(False, "PERF", "activation checkpointing")
     compile: bool = _f(
         False, "PERF", "torch.compile each transformer block (fewer kernel launches; the first steps pay the compile)"
+    )
+    true_on_policy_mode: bool = _f(
+        False,
+        "PERF",
+        "engine and trainer give bit-identical log-probs for every sampled token: both score with one reference "
+        "forward (HF, eager attention, one sequence at a time, deterministic kernels); the engine re-scores each "
+        "sample by prefill; costs throughput",
     )
     actor_num_nodes: int = _f(1, "PERF", "trainer nodes")
     actor_num_gpus_per_node: int = _f(1, "PERF", "trainer ranks per node (processes on CPU)")

@@ -112,6 +112,7 @@ class AsyncProducer:
             run.tokenizer,
             sampling_from_config(cfg.rollout),
             deterministic_seed=cfg.data.rollout_seed if cfg.engine.deterministic else None,
+            teacher=run.teacher,
         )
         # every group dropped on arrival, many in a row: stop with the cause instead of generating forever
         self.guard = DropGuard(

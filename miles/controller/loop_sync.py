@@ -80,6 +80,7 @@ def rollout_manager(cfg: MilesConfig, run: MilesRun, stop: StopRequest) -> SyncR
         run.tokenizer,
         seed=cfg.data.rollout_seed if cfg.engine.deterministic else None,
         stop=stop.event,
+        teacher=run.teacher,
     )
 
 

@@ -6,7 +6,9 @@ GPU plan (device "cuda"), on `num_nodes` nodes of `gpus_per_node` GPUs each:
   engine of k = rollout_num_gpus_per_engine GPUs takes k consecutive free GPUs of one node and
   never spans nodes;
 - colocated engines share the trainers' GPUs: engine i runs on trainer GPUs i*k .. i*k+k-1;
-- dedicated eval engines (fully async, --eval-num-engines) take free GPUs after the rollout engines.
+- dedicated eval engines (fully async, --eval-num-engines) take free GPUs after the rollout engines;
+- the OPD teacher engine (--opd-teacher-load) takes one free GPU after those, or, when none is left,
+  shares rollout engine 0's (an embedded engine holds its weights and a KV cache of --max-total-tokens).
 A layout the cluster cannot hold raises `PlacementError` before anything starts.
 The debug modes plan the full layout, then start one side: `--debug-rollout-only` no trainers,
 `--debug-train-only` no engines.
@@ -23,11 +25,14 @@ from dataclasses import asdict, dataclass, field, fields, is_dataclass
 
 from miles.config_lora_sft import is_sft
 from miles.config_sections import MilesConfig
+from miles.true_on_policy import CUBLAS_WORKSPACE_CONFIG
 from miles.wire.ports import free_port
 from miles.wire.specs import WorkerSpec
 
 EVAL_ROLE = "eval_rollout"
 EVAL_SEED_OFFSET = 10_000  # eval engine i samples with rollout_seed + 10000 + i
+TEACHER_ROLE = "opd_teacher"  # the engine serving --opd-teacher-load
+TEACHER_SEED_OFFSET = 20_000
 ROLLOUT_ENTRY = "miles.workers.rollout_worker:RolloutWorker"
 TRAINER_ENTRY = "miles.workers.trainer_worker:TrainerWorker"
 
@@ -48,10 +53,11 @@ class Placement:
     eval_specs: list[WorkerSpec] = field(default_factory=list)  # dedicated eval engines (role eval_rollout)
     num_nodes: int = 1
     gpus_per_node: int = 0  # 0 on CPU
+    teacher_specs: list[WorkerSpec] = field(default_factory=list)  # the OPD teacher's engine (role opd_teacher)
 
     @property
     def specs(self) -> list[WorkerSpec]:
-        return self.trainer_specs + self.rollout_specs + self.eval_specs
+        return self.trainer_specs + self.rollout_specs + self.eval_specs + self.teacher_specs
 
     @property
     def gpus_needed(self) -> int:
@@ -116,8 +122,8 @@ class _FreeGpus:
         return self.node, taken
 
 
-def _gpu_layout(cfg: MilesConfig, num_nodes: int, gpus_per_node: int, n_eval: int) -> tuple[list, list, list]:
-    """Trainers' (node, gpu), rollout engines' (node, gpus), eval engines' (node, gpus)."""
+def _gpu_layout(cfg: MilesConfig, num_nodes: int, gpus_per_node: int, n_eval: int) -> tuple[list, list, list, list]:
+    """Trainers' (node, gpu), rollout engines' (node, gpus), eval engines' (node, gpus), the teacher's (node, gpus)."""
     t, e = cfg.train, cfg.engine
     a, k, g = t.actor_num_gpus_per_node, e.rollout_num_gpus_per_engine, gpus_per_node
     dp, n_rollout = t.actor_num_nodes * a, num_rollout_engines(cfg)
@@ -146,7 +152,19 @@ def _gpu_layout(cfg: MilesConfig, num_nodes: int, gpus_per_node: int, n_eval: in
     trainers = [(r // a, r % a) for r in range(dp)]
     pool = _FreeGpus(num_nodes, g, t.actor_num_nodes, a)
     engines = _colocated_engines(trainers, n_rollout, k, a) if e.colocate else _take_all(pool, n_rollout, k, "rollout")
-    return trainers, engines, _take_all(pool, n_eval, k, "eval")
+    evals = _take_all(pool, n_eval, k, "eval")
+    teacher = []
+    if serves_teacher(cfg):
+        got = pool.take(1)
+        if got is None:  # no GPU left: share rollout engine 0's (or, with external engines only, trainer 0's)
+            got = engines[0] if engines else (trainers[0][0], [trainers[0][1]])
+        teacher = [got]
+    return trainers, engines, evals, teacher
+
+
+def serves_teacher(cfg: MilesConfig) -> bool:
+    """This run starts an engine for the OPD teacher checkpoint (--opd-teacher-load)."""
+    return bool(cfg.algo.use_opd and cfg.algo.opd_teacher_load) and not cfg.runtime.debug_train_only
 
 
 def _colocated_engines(trainers: list[tuple[int, int]], n: int, k: int, a: int) -> list[tuple[int, list[int]]]:
@@ -201,6 +219,8 @@ def _trainer_spec(
     if device == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = str(local)
         env["LOCAL_RANK"] = "0"
+    if t.true_on_policy_mode:
+        env.update(true_on_policy_env(device))
     return WorkerSpec(
         role="trainer",
         rank=rank,
@@ -212,10 +232,22 @@ def _trainer_spec(
 
 
 def _engine_spec(
-    cfg: MilesConfig, role: str, rank: int, node: int, gpus: list[int], device: str, seed: int
+    cfg: MilesConfig,
+    role: str,
+    rank: int,
+    node: int,
+    gpus: list[int],
+    device: str,
+    seed: int,
+    model_path: str | None = None,
 ) -> WorkerSpec:
     engine = cfg.engine
     env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))} if device == "cuda" else {}
+    true_on_policy = cfg.train.true_on_policy_mode and role == "rollout"
+    dtype = cfg.model.dtype
+    if true_on_policy:
+        env.update(true_on_policy_env(device))
+        dtype = true_on_policy_dtype(dtype, device)
     return WorkerSpec(
         role=role,
         rank=rank,
@@ -224,9 +256,9 @@ def _engine_spec(
         env=env,
         init_kwargs={
             "engine": engine.engine,
-            "model_path": cfg.model.hf_checkpoint,
+            "model_path": model_path or cfg.model.hf_checkpoint,
             "device": device,
-            "dtype": cfg.model.dtype,
+            "dtype": dtype,
             "max_running_requests": engine.max_running_requests,
             "max_total_tokens": engine.max_total_tokens or _kv_tokens(cfg),
             "seed": seed,
@@ -236,8 +268,22 @@ def _engine_spec(
             "api_key": engine.api_key,
             "weight_dirs": engine_weight_dirs(cfg),
             "max_body_mb": engine.http_max_body_mb,
+            "true_on_policy": true_on_policy,
         },
     )
+
+
+def true_on_policy_env(device: str) -> dict[str, str]:
+    """What both sides of --true-on-policy-mode need in their environment before CUDA starts."""
+    return {"CUBLAS_WORKSPACE_CONFIG": CUBLAS_WORKSPACE_CONFIG} if device == "cuda" else {}
+
+
+def true_on_policy_dtype(dtype: str, device: str) -> str:
+    """The engine computes in the trainer's compute dtype (`--dtype auto`: bf16 on GPU, fp32 on CPU, as
+    the trainer resolves it), never the checkpoint's own (an fp16 checkpoint would differ)."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device == "cuda" else "float32"
 
 
 def engine_weight_dirs(cfg: MilesConfig) -> list[str]:
@@ -270,12 +316,13 @@ def plan_placement(
     if device == "cuda":
         if not gpus_per_node:
             raise PlacementError("a GPU plan needs the GPUs per node: give --num-gpus-per-node")
-        trainer_gpus, rollout_gpus, eval_gpus = _gpu_layout(cfg, num_nodes, gpus_per_node, n_eval)
+        trainer_gpus, rollout_gpus, eval_gpus, teacher_gpus = _gpu_layout(cfg, num_nodes, gpus_per_node, n_eval)
     else:  # CPU: engines go after the trainer ranks' nodes, round-robin over the nodes
         a = t.actor_num_gpus_per_node
         trainer_gpus = [(r // a, r % a) for r in range(cfg.trainer_world_size)]
         rollout_gpus = [((t.actor_num_nodes + i) % num_nodes if num_nodes > 1 else 0, []) for i in range(n_rollout)]
         eval_gpus = [(rollout_gpus[0][0], []) for _ in range(n_eval)]  # n_eval > 0 only beside rollout engines
+        teacher_gpus = [(rollout_gpus[0][0] if rollout_gpus else 0, [])] if serves_teacher(cfg) else []
         gpus_per_node = 0
     master_port = master_port or free_port()
     sections = sections_dict(cfg)
@@ -291,9 +338,13 @@ def plan_placement(
         _engine_spec(cfg, EVAL_ROLE, i, node, gpus, device, seed + EVAL_SEED_OFFSET + i)
         for i, (node, gpus) in enumerate(eval_gpus)
     ]
+    teachers = [
+        _engine_spec(cfg, TEACHER_ROLE, 0, node, gpus, device, seed + TEACHER_SEED_OFFSET, cfg.algo.opd_teacher_load)
+        for node, gpus in teacher_gpus
+    ]
     if cfg.runtime.debug_rollout_only:  # engines only
         trainers = []
-    placement = Placement(trainers, rollouts, device, cfg.engine.colocate, evals, num_nodes, gpus_per_node)
+    placement = Placement(trainers, rollouts, device, cfg.engine.colocate, evals, num_nodes, gpus_per_node, teachers)
     if num_nodes > 1:
         for spec in placement.specs:
             spec.env["MILES_NUM_NODES"] = str(num_nodes)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -36,6 +37,7 @@ from miles.errors import RolloutStalled
 from miles.rollout.data_source import DataSource
 from miles.rollout.filters import DynamicFilterOutput, apply_filter
 from miles.rollout.generate import SamplingDefaults, generate_group, generate_sample, is_fresh
+from miles.rollout.opd_teacher import TeacherRoutingError, TeacherScorer
 from miles.rollout.rm_hub import RewardFailed, async_rm, batched_async_rm, check_reward
 from miles.rollout.sample import Sample, SampleStatus
 from miles.rollout.train_data import reward_value
@@ -88,10 +90,14 @@ class GroupRunner:
         deterministic_seed: int | None = None,
         recompute_logprobs: bool = False,
         evaluation: bool = False,
+        teacher: TeacherScorer | None = None,
     ) -> None:
         self.args = args
         self.router = router
         self.tokenizer = tokenizer
+        self.teacher = teacher  # on-policy distillation: scores every finished sample
+        if teacher is not None and teacher.student_top_k:
+            sampling = dataclasses.replace(sampling, top_logprobs_num=teacher.student_top_k)
         self.sampling = sampling
         self.reward_inline = reward_inline
         self.deterministic_seed = deterministic_seed
@@ -126,15 +132,39 @@ class GroupRunner:
                 for s in samples:
                     if self.recompute_logprobs and s.status != SampleStatus.ABORTED and s.response_length:
                         await self.recompute(s)
+                await self._teacher_scores(samples)
         finally:
             if key is not None and hasattr(self.router, "release_key"):
                 self.router.release_key(key)
         self.tool_time_s += sum(s.non_generation_time for s in samples)
-        # a sample finished before a partial-rollout abort keeps its reward
-        unscored = [s for s in samples if s.status != SampleStatus.ABORTED and s.reward is None]
+        await self._score_unscored(samples)
+        return samples
+
+    async def _score_unscored(self, samples: list[Sample]) -> None:
+        # a sample finished before a partial-rollout abort keeps its reward; a failed teacher leaves it FAILED
+        unscored = [
+            s for s in samples if s.status not in (SampleStatus.ABORTED, SampleStatus.FAILED) and s.reward is None
+        ]
         if self.reward_inline and not self.args.group_rm and unscored:
             await self.score(unscored)
-        return samples
+
+    async def _teacher_scores(self, samples: list[Sample]) -> None:
+        """On-policy distillation: the teacher's log-probs of every finished sample, concurrently."""
+        if self.teacher is not None:
+            await asyncio.gather(
+                *(self._teacher_score(s) for s in samples if s.status != SampleStatus.ABORTED and s.response_length)
+            )
+
+    async def _teacher_score(self, sample: Sample) -> None:
+        """A teacher that fails marks the sample FAILED, as a reward would."""
+        if sample.teacher_log_probs is not None and len(sample.teacher_log_probs) == sample.response_length:
+            return  # scored before a partial-rollout abort and carried whole
+        try:
+            await self.teacher.score(sample)
+        except TeacherRoutingError:
+            raise  # the data names a teacher the flags do not: the run stops with that line
+        except Exception as e:  # noqa: BLE001 - a teacher down or a bad reply: this sample cannot be trained on
+            self._reward_failed(sample, RewardFailed(f"teacher scoring failed: {type(e).__name__}: {e}"))
 
     async def _generate(self, sample: Sample) -> list[Sample]:
         if self.plugin_generate is None:
@@ -173,13 +203,23 @@ class GroupRunner:
             group = await generate_group(
                 self.router, group, self.tokenizer, self.sampling, seeds=[self._seed(s) for s in group]
             )
+            await self._teacher_scores(group)
         finally:
             for _ in group:
                 self.in_flight.release()
-        unscored = [s for s in group if s.status != SampleStatus.ABORTED and s.reward is None]
-        if self.reward_inline and not self.args.group_rm and unscored:
-            await self.score(unscored)
+        await self._score_unscored(group)
         return group
+
+    async def _teacher_score(self, sample: Sample) -> None:
+        """The teacher's log-probs of the sample (OPD); a teacher that fails marks it FAILED, as a reward would."""
+        if sample.teacher_log_probs is not None and len(sample.teacher_log_probs) == sample.response_length:
+            return  # scored before a partial-rollout abort and carried whole
+        try:
+            await self.teacher.score(sample)
+        except TeacherRoutingError:
+            raise  # the data names a teacher the flags do not: the run stops with that line
+        except Exception as e:  # noqa: BLE001 - a teacher down or a bad reply: this sample cannot be trained on
+            self._reward_failed(sample, RewardFailed(f"teacher scoring failed: {type(e).__name__}: {e}"))
 
     async def run(self, group: list[Sample]) -> list[Sample]:
         if self._batchable(group):
@@ -264,7 +304,7 @@ class GroupRunner:
 
     def pop_metrics(self) -> dict[str, float]:
         """Reward failures and time summed over samples since the last call (rewards and re-scoring
-        run concurrently with generation, so these are sums, not wall time)."""
+        run concurrently with generation, so these are sums, not wall time); the teacher's, with OPD."""
         m = {
             "rollout/reward_failed_samples": float(self.reward_failures),
             "perf/rollout/reward_time_sum": self.reward_time_s,
@@ -272,6 +312,8 @@ class GroupRunner:
         }
         if self.plugin_generate is not None:  # tool / environment seconds, apart from generation
             m["perf/rollout/tool_time_sum"] = self.tool_time_s
+        if self.teacher is not None:
+            m.update(self.teacher.pop_metrics())
         self.reward_failures = 0
         self.reward_time_s = self.recompute_time_s = self.tool_time_s = 0.0
         return m
@@ -340,6 +382,7 @@ class SyncRolloutManager:
         *,
         seed: int | None = None,
         stop: asyncio.Event | None = None,
+        teacher: TeacherScorer | None = None,
     ) -> None:
         self.args = args
         self.cfg = rollout_cfg
@@ -353,6 +396,7 @@ class SyncRolloutManager:
             reward_inline=rollout_cfg.reward_phase == "inline",
             deterministic_seed=seed,
             recompute_logprobs=rollout_cfg.recompute_logprobs_via_prefill,
+            teacher=teacher,
         )
         self.filter_fn = load_function(rollout_cfg.dynamic_sampling_filter_path)
         self.sample_filter_fn = load_function(rollout_cfg.rollout_sample_filter_path)

@@ -18,6 +18,7 @@ from miles.config_lora_sft import is_sft
 from miles.config_sections import MilesConfig
 from miles.controller.gateway import check_session_server, engine_context_len, needs_gateway, start_rollout_gateway
 from miles.controller.machine import plan_run
+from miles.controller.opd import check_modes_before_start, start_teacher
 from miles.controller.placement import Placement
 from miles.controller.preflight import (
     PreflightError,
@@ -32,6 +33,7 @@ from miles.controller.runtime import Runtime
 from miles.controller.trainers import TrainerGroup
 from miles.engines.client import EngineClient
 from miles.engines.doors import new_api_key
+from miles.rollout.opd_teacher import TeacherScorer
 from miles.rollout.sample import Sample
 from miles.rollout.train_data import TrainBatch, samples_to_train_batch, split_by_dp
 from miles.utils.metrics import MetricsSink
@@ -53,6 +55,7 @@ def read_run_data(cfg: MilesConfig, placement: Placement) -> tuple[PreTrainedTok
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint, trust_remote_code=cfg.model.trust_remote_code)
     data = load_run_data(cfg, tokenizer, prompt_limit(cfg, placement))
+    check_modes_before_start(cfg, tokenizer, data.prompts)  # OPD's teacher and routes, true-on-policy's model
     try:  # the session server's family (append-only on this tokenizer) and its matcher
         check_session_server(cfg, tokenizer)
     except ValueError as e:
@@ -124,6 +127,7 @@ class MilesRun:
         # fully async runs save the prompts of buffered and in-flight groups with each checkpoint
         self.pending_state_fn = None
         self.eval_fleet = EngineFleet([])  # dedicated eval engines (--eval-mode dedicated), never updated by pushes
+        self.teacher: TeacherScorer | None = None  # --use-opd: who scores the samples
         self.profile = ProfileSchedule(cfg.runtime.profile_steps, cfg.runtime.output_dir)
         self._profiling = False
         self.sysmon = SystemMonitor.for_local_workers(runtime, PROFILED_ROLES)
@@ -196,6 +200,7 @@ class MilesRun:
             run = cls(cfg, runtime, placement, router, engines, tokenizer, sink, data)
             run.startup = clock
             run.eval_fleet = EngineFleet(await engine_clients(runtime, "eval_rollout", api_key=cfg.engine.api_key))
+            run.teacher = await start_teacher(cfg, runtime, router)
             # engines that release their weights between updates get a fresh weight buffer each time
             releases_weights = bool(cfg.train.offload_rollout) and "weights" in engine_memory_tags(
                 cfg.train.offload_rollout_level
@@ -231,6 +236,8 @@ class MilesRun:
             await self.gateway.stop()
         await self.fleet.close()
         await self.eval_fleet.close()
+        for teacher in self.teacher.teachers.values() if self.teacher is not None else ():
+            await teacher.close()
         self.sink.close()
         await self.runtime.shutdown()
 

@@ -122,6 +122,11 @@ class EngineFront:
         for key in ("output_token_logprobs", "input_token_logprobs"):
             for entry in meta_info.get(key) or []:
                 entry[2] = tokenizer.decode([entry[1]])
+        for side in ("output", "input"):  # per position, a list of entries
+            for key in (f"{side}_top_logprobs", f"{side}_token_ids_logprobs"):
+                for position in meta_info.get(key) or []:
+                    for entry in position or []:
+                        entry[2] = tokenizer.decode([entry[1]])
 
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await _json_body(request)

@@ -1,8 +1,9 @@
 """SGLang's /generate request body, parsed into per-prompt calls of the engine's in-process API.
 
 Mirrors `GenerateReqInput` in SGLang's io_struct.py: `text` or `input_ids`, each either one prompt
-or a batch, with `sampling_params`, `rid`, `return_logprob` and `logprob_start_len` given once or
-per prompt. Fields the embedded engine cannot honour are refused rather than silently dropped.
+or a batch, with `sampling_params`, `rid`, `return_logprob`, `logprob_start_len` and
+`top_logprobs_num` given once or per prompt, and `token_ids_logprob` (a list of ids: once, or one
+list per prompt). Fields the embedded engine cannot honour are refused rather than silently dropped.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 # GenerateReqInput fields we cannot honour; refusing them beats silently returning less than asked.
 UNSUPPORTED_GENERATE_FIELDS = (
     "stream",
-    "top_logprobs_num",
-    "token_ids_logprob",
     "return_routed_experts",
     "return_indexer_topk",
     "return_hidden_states",
@@ -26,7 +25,7 @@ UNSUPPORTED_GENERATE_FIELDS = (
     "input_embeds",
     "custom_logit_processor",
 )
-PER_ITEM_FIELDS = ("sampling_params", "rid", "return_logprob", "logprob_start_len")
+PER_ITEM_FIELDS = ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num")
 
 
 def parse_generate_body(body: dict) -> tuple[list[dict], bool]:
@@ -58,9 +57,24 @@ def parse_generate_body(body: dict) -> tuple[list[dict], bool]:
                 "rid": item["rid"] or uuid.uuid4().hex,
                 "return_logprob": bool(item["return_logprob"]),
                 "logprob_start_len": -1 if item["logprob_start_len"] is None else int(item["logprob_start_len"]),
+                "top_logprobs_num": int(item["top_logprobs_num"] or 0),
+                "token_ids_logprob": _token_ids(body.get("token_ids_logprob"), i, len(prompts), is_batch),
             }
         )
     return calls, is_batch
+
+
+def _token_ids(value: Any, index: int, batch_size: int, is_batch: bool) -> list[int] | None:
+    """`token_ids_logprob`: one list of ids for every prompt, or (a batch) one list per prompt."""
+    if not value:
+        return None
+    if not isinstance(value, list):
+        raise ValueError(f"/generate token_ids_logprob must be a list of token ids, got {value!r:.80}")
+    if not isinstance(value[0], list):
+        return value
+    if not is_batch or len(value) != batch_size:
+        raise ValueError(f"/generate token_ids_logprob has {len(value)} lists for {batch_size} prompt(s)")
+    return value[index] or None
 
 
 def _item_field(body: dict, name: str, index: int, batch_size: int, is_batch: bool) -> Any:

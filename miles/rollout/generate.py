@@ -8,6 +8,8 @@ from typing import Any
 
 from miles.rollout.sample import Sample, SampleStatus
 
+STUDENT_TOP_KEY = "opd_student_top_logprobs"  # Sample.metadata: per response token, [[log-prob, id], ...]
+
 
 @dataclass(slots=True)
 class SamplingDefaults:
@@ -20,6 +22,7 @@ class SamplingDefaults:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     skip_special_tokens: bool = False
+    top_logprobs_num: int = 0  # top-K log-probs recorded with every sampled token (top-K OPD); 0: none
 
     def to_payload(self, prompt_len: int, *, seed: int | None = None) -> dict[str, Any]:
         max_new = self.max_new_tokens
@@ -67,9 +70,20 @@ def parse_output(out: dict[str, Any]) -> tuple[list[int], list[float], list[int]
     return ids, lps, [int(v) for v in versions], (meta.get("finish_reason") or {}).get("type", "stop")
 
 
+def _record_top_logprobs(sample: Sample, out: dict[str, Any], *, extend: bool) -> None:
+    """Keep the engine's per-token top-K log-probs (asked for by top-K OPD) as [[log-prob, id], ...] lists."""
+    tops = out["meta_info"].get("output_top_logprobs")
+    if tops is None:
+        return
+    new = [[[float(e[0]), int(e[1])] for e in pos or []] for pos in tops]
+    old = (sample.metadata.get(STUDENT_TOP_KEY) or []) if extend else []
+    sample.metadata[STUDENT_TOP_KEY] = old + new
+
+
 def apply_generate_output(sample: Sample, prompt_ids: list[int], out: dict[str, Any]) -> Sample:
     """Fill a sample from one SGLang-shaped /generate response (the engine's exact token ids)."""
     ids, logprobs, versions, finish = parse_output(out)
+    _record_top_logprobs(sample, out, extend=False)
     sample.tokens = list(prompt_ids) + ids
     sample.response = out.get("text", "")
     sample.response_length = len(ids)
@@ -84,6 +98,7 @@ def extend_with_output(sample: Sample, out: dict[str, Any]) -> Sample:
     """Append a resumed request's output to a partial response: earlier tokens keep their log-probs
     and weight versions, so `weight_versions` records which version produced each token."""
     ids, logprobs, versions, finish = parse_output(out)
+    _record_top_logprobs(sample, out, extend=True)
     sample.tokens = list(sample.tokens) + ids
     sample.response += out.get("text", "")
     sample.response_length += len(ids)
@@ -120,6 +135,8 @@ async def generate_group(
         sample.metadata["rid"] = rid
         params.append({**sampling.to_payload(len(ids), seed=seed), **(sample.metadata.get("sampling_params") or {})})
     payload = {"input_ids": prompt_ids, "sampling_params": params, "return_logprob": True, "rid": rids}
+    if sampling.top_logprobs_num:
+        payload["top_logprobs_num"] = sampling.top_logprobs_num
     outs = await router.generate(payload)
     if not isinstance(outs, list) or len(outs) != len(samples):
         raise RuntimeError(
@@ -158,6 +175,8 @@ async def generate_sample(
         "return_logprob": True,
         "rid": rid,
     }
+    if sampling.top_logprobs_num:
+        payload["top_logprobs_num"] = sampling.top_logprobs_num
     keyed = {"routing_key": sample.routing_key} if sample.routing_key else {}  # session mode: one engine per key
     out = await router.generate(payload, **keyed)
     return extend_with_output(sample, out) if resumed else apply_generate_output(sample, prompt_ids, out)

@@ -2,8 +2,8 @@
 
 A `Sample` is one attempt at one prompt. Samples of the same prompt share `group_index`;
 `index` is unique over the run. Per-token lists (`loss_mask`, `rollout_log_probs`,
-`weight_versions`) have exactly `response_length` entries: they describe the response tail
-of `tokens`.
+`weight_versions`, `teacher_log_probs`, `opd_reverse_kl`) have exactly `response_length` entries:
+they describe the response tail of `tokens`.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ class Sample:
     metadata: dict[str, Any] = field(default_factory=dict)
     group_index: int | None = None
     index: int | None = None
-    teacher_log_probs: list[float] | None = None
+    teacher_log_probs: list[float] | None = None  # OPD: the teacher's log-prob of each response token
+    opd_reverse_kl: list[float] | None = None  # top-K OPD: the reverse-KL estimate at each response token
     remove_sample: bool = False
     routing_key: str | None = None  # sent as X-SMG-Routing-Key: every turn of a trajectory on one engine
     non_generation_time: float = 0.0  # tool / environment seconds, reported apart from generation
@@ -60,7 +61,7 @@ class Sample:
         n = self.response_length
         if n > len(self.tokens):
             raise ValueError(f"sample {self.index}: response_length={n} > len(tokens)={len(self.tokens)}")
-        for name in ("loss_mask", "rollout_log_probs", "teacher_log_probs"):
+        for name in ("loss_mask", "rollout_log_probs", "teacher_log_probs", "opd_reverse_kl"):
             value = getattr(self, name)
             if value is not None and len(value) != n:
                 raise ValueError(f"sample {self.index}: len({name})={len(value)} != response_length={n}")
@@ -85,6 +86,7 @@ class Sample:
         self.loss_mask = None
         self.rollout_log_probs = None
         self.teacher_log_probs = None
+        self.opd_reverse_kl = None
         self.weight_versions = []
         self.non_generation_time = 0.0
         self.status = SampleStatus.ABORTED

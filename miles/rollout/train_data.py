@@ -18,7 +18,7 @@ from miles.algo.reward_norm import normalize_group_rewards
 from miles.rollout.sample import Sample, SampleStatus
 
 _PER_SAMPLE = ("seq_lens", "response_lengths", "rewards", "raw_rewards", "group_index", "sample_index", "truncated")
-_PER_TOKEN = ("loss_masks", "rollout_log_probs", "weight_versions", "teacher_log_probs")
+_PER_TOKEN = ("loss_masks", "rollout_log_probs", "weight_versions", "teacher_log_probs", "opd_reverse_kl")
 
 
 def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -45,6 +45,7 @@ class TrainBatch:
     rollout_log_probs: np.ndarray | None = None  # float32 [sum(response_lengths)]
     weight_versions: np.ndarray | None = None  # int64 [sum(response_lengths)]
     teacher_log_probs: np.ndarray | None = None  # float32 [sum(response_lengths)]
+    opd_reverse_kl: np.ndarray | None = None  # float32 [sum(response_lengths)], top-K OPD
 
     def __len__(self) -> int:
         return int(self.seq_lens.shape[0])
@@ -173,6 +174,7 @@ def samples_to_train_batch(
         rollout_log_probs=_per_token_column(samples, "rollout_log_probs", np.float32),
         weight_versions=_per_token_column(samples, "weight_versions", np.int64),
         teacher_log_probs=_per_token_column(samples, "teacher_log_probs", np.float32),
+        opd_reverse_kl=_per_token_column(samples, "opd_reverse_kl", np.float32),
     )
 
 

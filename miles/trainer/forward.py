@@ -195,8 +195,14 @@ def forward_micro_batch(
     *,
     entropy: str = "detached",
     compiled: bool = False,
+    true_on_policy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
-    """(log_probs[T], entropy[T], tokens in the micro-batch) for one micro-batch."""
+    """(log_probs[T], entropy[T], tokens in the micro-batch) for one micro-batch; `true_on_policy`: one
+    sequence per reference forward, the engine's scoring path (miles/trainer/true_on_policy.py)."""
+    if true_on_policy:
+        from miles.trainer.true_on_policy import forward_sequences
+
+        return forward_sequences(model, sub, device, temperature, entropy=entropy)
     packed = pack_sequences(sub, model_layout(model)).to(device)
     logits = response_logits(model, packed)
     log_probs, entropy = log_probs_and_entropy(logits, packed.targets, temperature, entropy=entropy, compiled=compiled)

@@ -42,6 +42,7 @@ from miles.trainer.lr_schedule import LRSchedule, LRScheduler
 from miles.trainer.offload import HostOffloader, module_tensors, optimizer_tensors
 from miles.trainer.packing import layout_for, pack_sequences, plan_micro_batches
 from miles.trainer.train_loop import run_rl_step
+from miles.true_on_policy import ATTN_IMPLEMENTATION
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +186,8 @@ class FSDPBackend:
             if compute_dtype != torch.float32
             else None
         )
-        self.attn_impl = pick_attn_implementation(self.device.type)
+        self.true_on_policy = self.train_cfg.true_on_policy_mode
+        self.attn_impl = ATTN_IMPLEMENTATION if self.true_on_policy else pick_attn_implementation(self.device.type)
         self.actor, self.optimizer, self.scheduler = self._build_trainable(
             self.model_cfg.hf_checkpoint, self.train_cfg.lr
         )
@@ -272,7 +274,12 @@ class FSDPBackend:
             for idx in self._schedule(batch):
                 sub = batch.select(idx) if idx is not None else dummy_batch()
                 lp, ent, _ = forward_micro_batch(
-                    model, sub, self.device, self.rollout.rollout_temperature, compiled=self.train_cfg.compile
+                    model,
+                    sub,
+                    self.device,
+                    self.rollout.rollout_temperature,
+                    compiled=self.train_cfg.compile,
+                    true_on_policy=self.true_on_policy,
                 )
                 if idx is not None:
                     pos = token_index(batch.response_lengths, idx)
@@ -338,6 +345,7 @@ class FSDPBackend:
                     self.rollout.rollout_temperature,
                     entropy=entropy,
                     compiled=self.train_cfg.compile,
+                    true_on_policy=self.true_on_policy,
                 )
             if idx is None:
                 # Matches the other ranks' collectives; contributes exactly zero to loss and gradients.

@@ -38,6 +38,7 @@ _PER_TOKEN_KEYS = (
     "returns",
     "old_values",
     "teacher_log_probs",
+    "opd_reverse_kl",
 )
 
 
@@ -116,6 +117,7 @@ def run_rl_step(be: TrainBackend, batch: TrainBatch, rollout_id: int) -> dict[st
         ref_log_probs=t(ref_lp),
         values=t(values),
         teacher_log_probs=t(batch.teacher_log_probs),
+        opd_reverse_kl=t(batch.opd_reverse_kl),
         dp_group=be.dp_group,
     )
     per_token = _per_token_tensors(
@@ -127,6 +129,7 @@ def run_rl_step(be: TrainBackend, batch: TrainBatch, rollout_id: int) -> dict[st
         returns=returns.cpu().numpy(),
         old_values=values,
         teacher_log_probs=batch.teacher_log_probs,
+        opd_reverse_kl=batch.opd_reverse_kl,
     )
     train_actor = rollout_id >= be.train_cfg.num_critic_only_steps or not be.has_critic
     per_rank = len(batch) // n_steps
@@ -267,6 +270,7 @@ def _micro_batch_loss(
             ref_log_probs=tok.get("ref_log_probs"),
             entropy=entropy,
             teacher_log_probs=tok.get("teacher_log_probs"),
+            opd_reverse_kl=tok.get("opd_reverse_kl"),
         )
         loss, parts = policy_loss(algo, inp)
         if fused_old and entropy is not None:

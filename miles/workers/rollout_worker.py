@@ -45,6 +45,7 @@ class RolloutWorker(Worker):
         api_key: str | None = None,
         weight_dirs: list[str] | None = None,
         max_body_mb: float = DEFAULT_MAX_BODY_MB,
+        true_on_policy: bool = False,
     ):
         super().__init__(ctx)
         self.kind = engine
@@ -67,6 +68,7 @@ class RolloutWorker(Worker):
         self.max_body_mb = max_body_mb
         self.sglang_args = sglang_args or {}
         self.tp_size = tp_size
+        self.true_on_policy = true_on_policy  # prefill-only scoring through the trainer's reference forward
         self._engine = None
         self._http = None
         self._sglang = None
@@ -105,6 +107,7 @@ class RolloutWorker(Worker):
             max_total_tokens=self.max_total_tokens,
             seed=self.seed,
             deterministic=self.deterministic,
+            true_on_policy=self.true_on_policy,
             **embedded_options(self.sglang_args),
         )
         await self._engine.start()

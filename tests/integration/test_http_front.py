@@ -117,7 +117,8 @@ def test_return_text_in_logprobs_fills_token_text():
     "body, needle",
     [
         ({"input_ids": [1], "stream": True}, "stream"),
-        ({"input_ids": [1], "top_logprobs_num": 5}, "top_logprobs_num"),
+        ({"input_ids": [1], "return_hidden_states": True}, "return_hidden_states"),
+        ({"input_ids": [1], "token_ids_logprob": [[1], [2]]}, "2 lists for 1 prompt"),
         ({"sampling_params": {}}, "exactly one"),
         ({"input_ids": [1], "text": "x"}, "exactly one"),
         ({"input_ids": [[1], [2]], "rid": ["only-one"]}, "1 entries for 2 prompts"),

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from miles.algo.advantages import check_algo_config, compute_advantages_and_returns, discounted_reverse_cumsum
-from miles.algo.opd import apply_opd, topk_reverse_kl
+from miles.algo.opd import apply_opd
 from miles.algo.whiten import masked_whiten
 from miles.config_sections import AlgoConfig
 
@@ -193,21 +193,6 @@ def test_apply_opd_prefers_precomputed_reverse_kl():
     assert got.tolist() == pytest.approx([0.5, 3.0])
     with pytest.raises(ValueError, match="teacher"):
         apply_opd(adv, student_log_probs=adv, coef=1.0)
-
-
-def test_topk_reverse_kl_weightings():
-    s = [[math.log(0.6), math.log(0.3)], [math.log(0.5), math.log(0.5)]]
-    t = [[math.log(0.2), math.log(0.6)], [math.log(0.5), float("-inf")]]
-    st, tt = torch.tensor(s), torch.tensor(t)
-    student = topk_reverse_kl(st, tt, "student").tolist()
-    assert student[0] == pytest.approx(0.6 * math.log(0.6 / 0.2) + 0.3 * math.log(0.3 / 0.6), rel=1e-5)
-    assert student[1] == pytest.approx(0.0, abs=1e-7)  # the unscored candidate contributes 0
-    uniform = topk_reverse_kl(st, tt, "uniform").tolist()
-    assert uniform[0] == pytest.approx((math.log(3.0) + math.log(0.5)) / 2, rel=1e-5)
-    norm = topk_reverse_kl(st, tt, "normalized").tolist()
-    ps, pt = [2 / 3, 1 / 3], [0.25, 0.75]
-    assert norm[0] == pytest.approx(sum(p * math.log(p / q) for p, q in zip(ps, pt, strict=True)), rel=1e-5)
-    assert norm[1] == pytest.approx(0.0, abs=1e-7)
 
 
 def test_masked_whiten_shift_mean_false_keeps_mean():

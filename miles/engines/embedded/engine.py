@@ -42,11 +42,12 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from miles.engines.embedded.logprob_extras import Extras, ExtrasRequest, check_request, extras_of
 from miles.engines.embedded.lora import AdapterMerger
 from miles.engines.embedded.model import CausalLM, iter_safetensors, read_config
 from miles.engines.embedded.runner import ModelRunner
 from miles.engines.embedded.sampler import SamplingParams
-from miles.engines.embedded.scheduler import Request, Scheduler
+from miles.engines.embedded.scheduler import Request, Scheduler, input_extras
 from miles.weights.colocated_direct import SharedWeights, wait_for_writer
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ class EmbeddedEngine:
         fused_kernels: bool | None = None,
         inline_step_s: float | None = None,
         lookahead: bool | None = None,
+        true_on_policy: bool = False,
     ):
         from transformers import AutoTokenizer
 
@@ -134,6 +136,12 @@ class EmbeddedEngine:
         self._inline_step_s = (
             inline_step_s if inline_step_s is not None else (0.003 if self.device.type == "cpu" else 0.0)
         )
+        # --true-on-policy-mode: prefill-only scoring goes through the trainer's reference forward
+        self.reference = None
+        if true_on_policy:
+            from miles.engines.embedded.reference import ReferenceModel
+
+            self.reference = ReferenceModel(model_path, self.model)
 
     def _graphs_supported(self) -> bool:
         return self.device.type == "cuda" and not self.model.spec.moe_layers
@@ -192,7 +200,12 @@ class EmbeddedEngine:
         rid: str | None = None,
         return_logprob: bool = False,
         logprob_start_len: int = -1,
+        top_logprobs_num: int | None = None,
+        token_ids_logprob: list[int] | None = None,
     ) -> dict | list[dict]:
+        """One SGLang /generate prompt. `top_logprobs_num` / `token_ids_logprob` (with `return_logprob`) add each
+        position's top-k tokens / the listed ids' log-probs, for the output and for the input from
+        `logprob_start_len` on."""
         scheduler = self._require_started()
         params = SamplingParams.from_dict(sampling_params)
         if (input_ids is None) == (text is None):
@@ -200,7 +213,13 @@ class EmbeddedEngine:
         prompt = self._check_prompt(list(input_ids) if input_ids is not None else await self._encode(text), params)
         if logprob_start_len >= len(prompt):
             raise ValueError(f"logprob_start_len={logprob_start_len} must be < prompt length {len(prompt)}")
+        extras = check_request(top_logprobs_num, token_ids_logprob, self.model.spec.vocab_size)
+        if not return_logprob:
+            extras = ExtrasRequest()  # SGLang computes them only alongside the log-probs
         rid = rid or uuid.uuid4().hex
+        scoring = return_logprob and logprob_start_len >= 0 and params.max_new_tokens == 0 and params.n == 1
+        if scoring and self.reference is not None:
+            return await self._reference_score(scheduler, rid, prompt, params, logprob_start_len, extras)
         rids = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
         if params.n > 1:
             self._children[rid] = rids
@@ -215,6 +234,7 @@ class EmbeddedEngine:
                 future=loop.create_future(),
                 generator=self._request_generator(params, r, i),
                 stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids),
+                extras=extras,
             )
             for i, r in enumerate(rids)
         ]
@@ -292,12 +312,62 @@ class EmbeddedEngine:
         }
         if req.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.output_logprobs, ids, strict=True)]
+            _put_extras(meta, "output", req.extras, req.output_extras)
             if req.logprob_start_len >= 0:
                 tokens = req.prompt_ids[req.logprob_start_len :]
                 meta["input_token_logprobs"] = [
                     [lp, t, None] for lp, t in zip(req.input_logprobs or [], tokens, strict=False)
                 ]
+                _put_extras(meta, "input", req.extras, req.input_extras or Extras())
         return {"text": text, "output_ids": list(ids), "meta_info": meta}
+
+    # ---- true-on-policy scoring ---------------------------------------------------------------------------
+    async def _reference_score(
+        self,
+        scheduler: Scheduler,
+        rid: str,
+        prompt: list[int],
+        params: SamplingParams,
+        start: int,
+        extras: ExtrasRequest,
+    ) -> dict:
+        """A prefill-only scoring request through the reference forward (true-on-policy mode): held back while
+        generation is paused (a weight update may be under way), then run under the runner's lock."""
+        await scheduler.wait_unpaused()
+        lps, extra, version = await asyncio.to_thread(
+            self._reference_locked, prompt, start, params.temperature, extras
+        )
+        meta = {
+            "id": rid,
+            "finish_reason": {"type": "length", "length": 0},
+            "prompt_tokens": len(prompt),
+            "completion_tokens": 0,
+            "cached_tokens": 0,
+            "weight_version": str(version),
+            "output_token_weight_versions": [],
+            "output_token_logprobs": [],
+            "input_token_logprobs": [[lp, t, None] for lp, t in zip(lps, prompt[start:], strict=True)],
+        }
+        _put_extras(meta, "output", extras, Extras())
+        _put_extras(meta, "input", extras, extra)
+        return {"text": "", "output_ids": [], "meta_info": meta}
+
+    def _reference_locked(
+        self, prompt: list[int], start: int, temperature: float, extras: ExtrasRequest
+    ) -> tuple[list[float | None], Extras, int]:
+        with self.runner.lock:
+            if not self.runner.weights_on_device:
+                raise RuntimeError("weights are released; call resume_memory_occupation(['weights']) first")
+            self.reference.sync(self.runner.kv_epoch)
+            first = max(start, 1)  # position 0 predicts nothing (SGLang reports None there)
+            if first < len(prompt):
+                rows = self.reference.log_probs(prompt, first, temperature)
+            else:
+                rows = torch.empty((0, self.model.spec.vocab_size), device=self.device)
+            targets = torch.tensor(prompt[first:], dtype=torch.long, device=rows.device)
+            lps = rows.gather(-1, targets[:, None]).squeeze(-1).tolist()
+            extra = input_extras(extras_of(rows, extras), start) if extras.wanted else Extras()
+            return ([None] if start == 0 else []) + lps, extra, self.weight_version
 
     # ---- control -------------------------------------------------------------------------------------------
     def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
@@ -448,6 +518,8 @@ class EmbeddedEngine:
                 # The runner moves the views to host memory; then nothing holds the flat buffer.
                 self._shared.drop()
                 self._repack_on_resume = True
+            if "weights" in tags_set and self.reference is not None and self.device.type == "cuda":
+                self.reference.release()  # its copies of the weights go too (synced again on the next scoring)
             self.runner.release(tags_set)
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
@@ -475,6 +547,14 @@ class EmbeddedEngine:
             "max_seq_len": self.max_seq_len,
             "deterministic": self.deterministic,
         }
+
+
+def _put_extras(meta: dict, side: str, asked: ExtrasRequest, got: Extras) -> None:
+    """SGLang's `{side}_top_logprobs` / `{side}_token_ids_logprobs` keys, for what was asked."""
+    if asked.top_k > 0:
+        meta[f"{side}_top_logprobs"] = got.top or []
+    if asked.token_ids:
+        meta[f"{side}_token_ids_logprobs"] = got.token_ids or []
 
 
 def _has_config(path: str) -> bool:

@@ -36,8 +36,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from miles.engines.embedded.logprob_extras import Extras, ExtrasRequest, extras_of
 from miles.engines.embedded.runner import ModelRunner
 from miles.engines.embedded.sampler import SamplingBatch, SamplingParams, sample, token_logprobs
+from miles.true_on_policy.scoring import scaled_log_softmax
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +65,9 @@ class Request:
     abort_requested: bool = False
     prefill_count: int = 0
     stop_ids: frozenset[int] = frozenset()  # token ids that finish it (its stop_token_ids, eos unless ignored)
+    extras: ExtrasRequest = field(default_factory=ExtrasRequest)  # top-k / token-id log-probs asked for
+    output_extras: Extras = field(default_factory=Extras)
+    input_extras: Extras | None = None
 
     @property
     def all_ids(self) -> list[int]:
@@ -109,9 +114,10 @@ class Lookahead:
 class StepResult:
     tokens: list[int]
     logprobs: list[float]
-    input_logprobs: dict[int, list[float | None]]  # index in step order -> input token log-probs
+    input_logprobs: dict[int, tuple[list[float | None], Extras | None]]  # step index -> input log-probs, extras
     weight_version: int
     lookahead: Lookahead | None = None
+    output_extras: dict[int, Extras] = field(default_factory=dict)  # step index -> this token's extras
 
 
 class Scheduler:
@@ -134,6 +140,8 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.paused = False
+        self._unpaused = asyncio.Event()
+        self._unpaused.set()
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -165,6 +173,7 @@ class Scheduler:
         if mode not in ("abort", "in_place", "retract"):
             raise ValueError(f"pause mode {mode!r} is not one of 'abort', 'in_place', 'retract'")
         self.paused = True
+        self._unpaused.clear()
         await self._idle.wait()  # the step in flight completes first
         if mode == "abort":
             self.abort(None)
@@ -173,7 +182,12 @@ class Scheduler:
 
     def resume(self) -> None:
         self.paused = False
+        self._unpaused.set()
         self._wakeup.set()
+
+    async def wait_unpaused(self) -> None:
+        """Return once generation is not paused (work outside the scheduler waits for weight updates too)."""
+        await self._unpaused.wait()
 
     def retract_all(self) -> None:
         """Move running requests back to the head of the queue; their KV is dropped, tokens kept."""
@@ -329,11 +343,14 @@ class Scheduler:
             if ahead is not None:
                 self.lookahead_used += 1
                 parts.append(ahead.take(rows))
+            output_extras: dict[int, Extras] = {}
             if sampled:
                 batch = self._sampling_batch([r.params for r in sampled])
+                step_logits = torch.cat(logits) if len(logits) > 1 else logits[0]
+                output_extras = self._output_extras(sampled, step_logits, len(reqs) - len(sampled))
                 parts.append(
                     sample(
-                        torch.cat(logits) if len(logits) > 1 else logits[0],
+                        step_logits,
                         batch,
                         [r.generator for r in sampled],
                         self.batch_generator,
@@ -358,7 +375,17 @@ class Scheduler:
                 lookahead = self._launch_lookahead(reqs, tokens_dev, epoch, version)
                 copied.synchronize()
                 tokens, lps = host_tokens.tolist(), host_lps.tolist()
-            return StepResult(tokens, lps, input_lps, version, lookahead)
+            return StepResult(tokens, lps, input_lps, version, lookahead, output_extras)
+
+    @staticmethod
+    def _output_extras(sampled: list[Request], logits: torch.Tensor, offset: int) -> dict[int, Extras]:
+        """Top-k / token-id log-probs of the positions sampled now, for the requests that asked (step index ->)."""
+        out = {}
+        for j, req in enumerate(sampled):
+            if req.extras.wanted:
+                rows = scaled_log_softmax(logits[j : j + 1], req.params.temperature)
+                out[offset + j] = extras_of(rows, req.extras)
+        return out
 
     def _launch_lookahead(self, reqs: list[Request], tokens: torch.Tensor, epoch: int, version: int) -> Lookahead:
         """Queue the next decode step of `reqs`, fed this step's device `tokens` at their next positions."""
@@ -374,7 +401,10 @@ class Scheduler:
         if not self.lookahead or self.paused or not reqs:
             return False
         max_len = self.runner.max_seq_len
-        if any(r.generator is not None or r.seq_len + 1 >= max_len or r.params.max_new_tokens == 0 for r in reqs):
+        if any(
+            r.generator is not None or r.seq_len + 1 >= max_len or r.params.max_new_tokens == 0 or r.extras.wanted
+            for r in reqs
+        ):
             return False
         # at least one request goes on after this step (else the lookahead is wasted work)
         return any(len(r.output_ids) + 1 < r.params.max_new_tokens for r in reqs)
@@ -390,12 +420,17 @@ class Scheduler:
         return batch
 
     @staticmethod
-    def _input_logprobs(req: Request, full_logits: torch.Tensor) -> list[float | None]:
-        """Log-prob of each prompt token given its prefix, from logprob_start_len on (first token: None)."""
+    def _input_logprobs(req: Request, full_logits: torch.Tensor) -> tuple[list[float | None], Extras | None]:
+        """Log-prob of each prompt token given its prefix, from logprob_start_len on (first token: None), and
+        the extras asked for at those positions (the first position has none: an empty list)."""
         ids = torch.tensor(req.prompt_ids, device=full_logits.device)
-        n = len(req.prompt_ids)
+        n, start = len(req.prompt_ids), req.logprob_start_len
         lps = token_logprobs(full_logits[: n - 1], ids[1:], req.params.temperature).tolist() if n > 1 else []
-        return ([None] + lps)[req.logprob_start_len :]
+        extras = None
+        if req.extras.wanted:  # row r of the logits predicts token r + 1
+            rows = scaled_log_softmax(full_logits[max(start, 1) - 1 : n - 1], req.params.temperature)
+            extras = input_extras(extras_of(rows, req.extras), start)
+        return ([None] + lps)[start:], extras
 
     # ---- bookkeeping (event loop thread) -----------------------------------------------------------------
     def _apply(self, result: StepResult, n_decode: int) -> None:
@@ -404,9 +439,10 @@ class Scheduler:
         finished: list[tuple[int, dict]] = []
         input_lps, check_strings, max_len = result.input_logprobs, self.check_stop_strings, self.runner.max_seq_len
         version = result.weight_version
+        extras = result.output_extras
         for i, (req, token, logprob) in enumerate(zip(self.running, result.tokens, result.logprobs, strict=True)):
             if input_lps and i in input_lps:
-                req.input_logprobs = input_lps[i]
+                req.input_logprobs, req.input_extras = input_lps[i]
             params = req.params
             if params.max_new_tokens == 0:  # prefill-only scoring: nothing is sampled
                 finished.append((i, {"type": "length", "length": 0}))
@@ -415,6 +451,8 @@ class Scheduler:
             out.append(token)
             req.output_logprobs.append(logprob)
             req.output_versions.append(version)
+            if extras and i in extras:
+                req.output_extras.extend(extras[i])
             if token in req.stop_ids:
                 finished.append((i, {"type": "stop", "matched": token}))
             elif params.stop and (reason := check_strings(req)) is not None:
@@ -449,3 +487,10 @@ class Scheduler:
                 req.future.set_exception(error)
         self.running.clear()
         self.waiting.clear()
+
+
+def input_extras(extras: Extras, start: int) -> Extras:
+    """Extras of input positions from `start` on: position 0 predicts nothing, so it gets an empty list."""
+    if start > 0:
+        return extras
+    return Extras(*(None if v is None else [[]] + v for v in (extras.top, extras.token_ids)))

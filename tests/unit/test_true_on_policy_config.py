@@ -1,0 +1,59 @@
+"""--true-on-policy-mode: what it implies, what it refuses, and how both sides' workers are set up."""
+
+from __future__ import annotations
+
+import pytest
+
+from miles.config import ConfigError, load_config
+from miles.controller.placement import plan_placement
+
+BASE = (
+    "--hf-checkpoint /m --prompt-data /p.jsonl --rm-type math --num-rollout 2 --rollout-batch-size 4 "
+    "--n-samples-per-prompt 2 --true-on-policy-mode"
+).split()
+
+
+def errors_of(*argv: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config([*BASE, *argv])
+    return str(info.value)
+
+
+def test_the_mode_rescores_every_sample_by_prefill():
+    assert load_config(BASE).rollout.recompute_logprobs_via_prefill
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--engine", "sglang"], "needs the embedded engine"),
+        (["--rollout-external-engine-addrs", "http://h:1"], "needs the embedded engine"),
+        (["--fully-async"], "drop --fully-async"),
+        (["--compile"], "drop --compile"),
+        (
+            ["--actor-num-gpus-per-node", "2", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "64"],
+            "fixed --micro-batch-size",
+        ),
+    ],
+)
+def test_what_the_mode_cannot_make_exact_is_refused(argv, needle):
+    assert needle in errors_of(*argv)
+
+
+def test_one_rank_may_keep_dynamic_micro_batches():
+    cfg = load_config([*BASE, "--use-dynamic-batch-size", "--max-tokens-per-gpu", "64"])
+    assert cfg.train.use_dynamic_batch_size
+
+
+@pytest.mark.parametrize(("device", "dtype"), [("cpu", "float32"), ("cuda", "bfloat16")])
+def test_workers_of_both_sides_get_the_mode(device, dtype):
+    cfg = load_config(BASE)
+    gpus = {"num_nodes": 1, "gpus_per_node": 2} if device == "cuda" else {}
+    plan = plan_placement(cfg, device=device, master_port=29500, **gpus)
+    (trainer,), (engine,) = plan.trainer_specs, plan.rollout_specs
+    assert engine.init_kwargs["true_on_policy"] and engine.init_kwargs["dtype"] == dtype
+    cublas = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"} if device == "cuda" else {}
+    for spec in (trainer, engine):
+        assert {k: v for k, v in spec.env.items() if k == "CUBLAS_WORKSPACE_CONFIG"} == cublas
+    explicit = plan_placement(load_config([*BASE, "--dtype", "float16"]), device=device, master_port=29500, **gpus)
+    assert explicit.rollout_specs[0].init_kwargs["dtype"] == "float16"
