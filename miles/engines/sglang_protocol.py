@@ -50,17 +50,20 @@ def parse_generate_body(body: dict) -> tuple[list[dict], bool]:
     calls = []
     for i, (key, prompt) in enumerate(prompts):
         item = {name: _item_field(body, name, i, len(prompts), is_batch) for name in PER_ITEM_FIELDS}
-        calls.append(
-            {
-                key: prompt,
-                "sampling_params": dict(item["sampling_params"] or {}),
-                "rid": item["rid"] or uuid.uuid4().hex,
-                "return_logprob": bool(item["return_logprob"]),
-                "logprob_start_len": -1 if item["logprob_start_len"] is None else int(item["logprob_start_len"]),
-                "top_logprobs_num": int(item["top_logprobs_num"] or 0),
-                "token_ids_logprob": _token_ids(body.get("token_ids_logprob"), i, len(prompts), is_batch),
-            }
-        )
+        call = {
+            key: prompt,
+            "sampling_params": dict(item["sampling_params"] or {}),
+            "rid": item["rid"] or uuid.uuid4().hex,
+            "return_logprob": bool(item["return_logprob"]),
+            "logprob_start_len": -1 if item["logprob_start_len"] is None else int(item["logprob_start_len"]),
+        }
+        # the extra log-prob outputs are passed only when asked for
+        if item["top_logprobs_num"]:
+            call["top_logprobs_num"] = int(item["top_logprobs_num"])
+        token_ids = _token_ids(body.get("token_ids_logprob"), i, len(prompts), is_batch)
+        if token_ids:
+            call["token_ids_logprob"] = token_ids
+        calls.append(call)
     return calls, is_batch
 
 
