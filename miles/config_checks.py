@@ -376,10 +376,23 @@ def check_opd(cfg: MilesConfig) -> list[str]:
     except ValueError as exc:
         e.append(str(exc))
         urls = {"?": ""}
-    if not urls and not a.opd_teacher_load:
+    r = cfg.rollout
+    if r.rollout_function_path and (urls or a.opd_teacher_load):
+        e.append(
+            "--opd-teacher-urls / --opd-teacher-load score samples in the built-in rollout, which "
+            "--rollout-function-path replaces: fill Sample.teacher_log_probs in the rollout function and drop them"
+        )
+    elif not r.rollout_function_path and not urls and not a.opd_teacher_load:
         e.append(
             "--use-opd needs a teacher: --opd-teacher-urls default=http://HOST:PORT (a served teacher) or "
             "--opd-teacher-load DIR (a checkpoint this run serves)"
+        )
+    custom_generate = r.custom_generate_function_path or r.custom_agent_function_path
+    if a.opd_log_prob_top_k > 0 and custom_generate and a.opd_top_k_strategy != "only-teacher":
+        e.append(
+            f"--opd-top-k-strategy {a.opd_top_k_strategy} reads the student's top-K log-probs, which the built-in "
+            "generate records and a custom generate or agent function does not; use --opd-top-k-strategy "
+            "only-teacher, or sampled-token OPD (--opd-log-prob-top-k 0)"
         )
     if a.opd_teacher_load and DEFAULT_TEACHER in urls:
         e.append(

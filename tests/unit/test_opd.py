@@ -114,10 +114,28 @@ def errors_of(*argv: str) -> str:
         (["--use-opd", "--opd-teacher-load", "/t", "--opd-top-k-strategy", "unoin"], "did you mean 'union'"),
         (["--use-opd", "--opd-teacher-load", "/t", "--opd-log-prob-top-k", "-1"], "must be >= 0"),
         (["--use-opd", "--opd-teacher-load", "/t", "--loss-type", "sft_loss"], "sft_loss"),
+        (["--use-opd", "--opd-teacher-load", "/t", "--rollout-function-path", "m.f"], "fill Sample.teacher_log_probs"),
+        (
+            [
+                "--use-opd",
+                "--opd-teacher-load",
+                "/t",
+                "--opd-log-prob-top-k",
+                "4",
+                "--custom-generate-function-path",
+                "m.g",
+            ],
+            "a custom generate or agent function does not",
+        ),
     ],
 )
 def test_opd_flags_are_checked(argv, needle):
     assert needle in errors_of(*argv)
+
+
+def test_a_rollout_function_may_fill_the_teacher_log_probs_itself():
+    cfg = load_config([*BASE, "--use-opd", "--rollout-function-path", "m.f"])
+    assert cfg.algo.use_opd and not cfg.algo.opd_teacher_urls
 
 
 def test_a_complete_opd_config_loads():

@@ -30,6 +30,9 @@ def test_the_mode_rescores_every_sample_by_prefill():
         (["--rollout-external-engine-addrs", "http://h:1"], "needs the embedded engine"),
         (["--fully-async"], "drop --fully-async"),
         (["--compile"], "drop --compile"),
+        (["--rollout-function-path", "m.f"], "which --rollout-function-path replaces"),
+        (["--lora-rank", "4"], "--lora-rank: the engine merges the adapter"),
+        (["--loss-type", "sft_loss"], "SFT has no rollout"),
         (
             ["--actor-num-gpus-per-node", "2", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "64"],
             "fixed --micro-batch-size",
