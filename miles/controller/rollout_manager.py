@@ -210,17 +210,6 @@ class GroupRunner:
         await self._score_unscored(group)
         return group
 
-    async def _teacher_score(self, sample: Sample) -> None:
-        """The teacher's log-probs of the sample (OPD); a teacher that fails marks it FAILED, as a reward would."""
-        if sample.teacher_log_probs is not None and len(sample.teacher_log_probs) == sample.response_length:
-            return  # scored before a partial-rollout abort and carried whole
-        try:
-            await self.teacher.score(sample)
-        except TeacherRoutingError:
-            raise  # the data names a teacher the flags do not: the run stops with that line
-        except Exception as e:  # noqa: BLE001 - a teacher down or a bad reply: this sample cannot be trained on
-            self._reward_failed(sample, RewardFailed(f"teacher scoring failed: {type(e).__name__}: {e}"))
-
     async def run(self, group: list[Sample]) -> list[Sample]:
         if self._batchable(group):
             group = await self._batch(group)

@@ -140,6 +140,7 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.paused = False
+        self.extras_in_use = False  # a request asked for top-k / token-id log-probs: steps look for them
         self._unpaused = asyncio.Event()
         self._unpaused.set()
         self._wakeup = asyncio.Event()
@@ -157,6 +158,7 @@ class Scheduler:
 
     # ---- control (event loop thread) ---------------------------------------------------------------
     def submit(self, req: Request) -> None:
+        self.extras_in_use = self.extras_in_use or req.extras.wanted
         self.waiting.append(req)
         self._wakeup.set()
 
@@ -347,7 +349,8 @@ class Scheduler:
             if sampled:
                 batch = self._sampling_batch([r.params for r in sampled])
                 step_logits = torch.cat(logits) if len(logits) > 1 else logits[0]
-                output_extras = self._output_extras(sampled, step_logits, len(reqs) - len(sampled))
+                if self.extras_in_use:
+                    output_extras = self._output_extras(sampled, step_logits, len(reqs) - len(sampled))
                 parts.append(
                     sample(
                         step_logits,
