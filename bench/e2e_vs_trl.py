@@ -366,6 +366,12 @@ def _last5(runs: list[dict]) -> float:
     return round(statistics.fmean(statistics.fmean(r["rewards"][-5:]) for r in runs), 4)
 
 
+def _seed_line(side: str, seed: int, run: dict) -> dict:
+    """One side's one seed, printed as it finishes."""
+    step_s = round(statistics.median(run["steps"]), 4)
+    return {"side": side, "seed": seed, "step_s": step_s, "startup_s": run["startup_s"], "rewards": run["rewards"]}
+
+
 def summary(args: argparse.Namespace, device: str, miles: list[dict], trl: list[dict]) -> dict:
     line: dict = {
         "job": args.job,
@@ -408,35 +414,12 @@ def main(argv: list[str] | None = None) -> int:
     model = resolve_model(args, device)
     data = job_data(args, work)
     miles, trl = [], []
+    runners = {"miles": (run_miles, miles), "trl": (run_trl, trl)}
     for seed in range(args.seeds):
-        if "miles" in args.sides:
-            miles.append(run_miles(args, model, data, work, seed, device))
-            print(
-                json.dumps(
-                    {
-                        "side": "miles",
-                        "seed": seed,
-                        "step_s": round(statistics.median(miles[-1]["steps"]), 4),
-                        "startup_s": miles[-1]["startup_s"],
-                        "rewards": miles[-1]["rewards"],
-                    }
-                ),
-                flush=True,
-            )
-        if "trl" in args.sides:
-            trl.append(run_trl(args, model, data, work, seed, device))
-            print(
-                json.dumps(
-                    {
-                        "side": "trl",
-                        "seed": seed,
-                        "step_s": round(statistics.median(trl[-1]["steps"]), 4),
-                        "startup_s": trl[-1]["startup_s"],
-                        "rewards": trl[-1]["rewards"],
-                    }
-                ),
-                flush=True,
-            )
+        for side in args.sides:
+            run, results = runners[side]
+            results.append(run(args, model, data, work, seed, device))
+            print(json.dumps(_seed_line(side, seed, results[-1])), flush=True)
     print(json.dumps(summary(args, device, miles, trl)), flush=True)
     return 0
 

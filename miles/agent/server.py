@@ -47,6 +47,7 @@ from miles.agent.sessions import RULES, Checkpoint, Session, SessionConflict, ch
 from miles.agent.tito import TitoTokenizer
 from miles.engines.client import ROUTING_KEY_HEADER, EngineConnectionError, EngineHTTPError, EngineTimeoutError
 from miles.engines.doors import AUTH_HEADER, loads_strict
+from miles.engines.http_front import listen
 from miles.rollout.generate import parse_output
 
 logger = logging.getLogger(__name__)
@@ -406,14 +407,7 @@ async def start_gateway(
     gateway: Gateway, host: str = "127.0.0.1", port: int = 0, *, api_key: str | None = None
 ) -> GatewayHandle:
     """Serve `gateway` on host:port (0: a free port) on the running loop."""
-    runner = web.AppRunner(build_gateway_app(gateway, api_key=api_key), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=4096)
-    try:
-        await site.start()
-    except OSError as e:
-        await runner.cleanup()
-        raise OSError(f"the session server cannot listen on {host}:{port}: {e}; pick another port") from e
-    bound = runner.addresses[0][1]
+    app = build_gateway_app(gateway, api_key=api_key)
+    runner, bound = await listen(app, host, port, fix="pick another port for the session server")
     logger.info("session server listening on http://%s:%d (%s sessions)", host, bound, gateway.rule)
     return GatewayHandle(runner, host, bound, gateway)

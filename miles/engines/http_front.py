@@ -373,18 +373,30 @@ async def start_http_server(
     """Serve `engine` on host:port (port 0 picks a free one) on the running loop (doors: see build_app)."""
     warn_if_open(host, api_key)
     app = build_app(engine, receiver, api_key=api_key, max_body_mb=max_body_mb, weight_dirs=weight_dirs)
-    # handler_cancellation: a client that disconnects cancels its handler, which aborts the request.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    runner, bound_port = await listen(
+        app, host, port, fix="pick another --port (0 picks a free one)", shutdown_timeout=5.0
+    )
+    logger.info("engine HTTP front listening on http://%s:%d", host, bound_port)
+    return HttpServerHandle(runner=runner, host=host, port=bound_port)
+
+
+async def listen(
+    app: web.Application, host: str, port: int, *, fix: str, **runner_kwargs: Any
+) -> tuple[web.AppRunner, int]:
+    """Serve `app` on host:port (0: a free port) on the running loop; returns the runner and the bound port.
+
+    A port that cannot be bound raises OSError naming the address and `fix`. Handlers are cancelled when
+    their client disconnects (for /generate that aborts the request).
+    """
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, **runner_kwargs)
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=4096)
     try:
         await site.start()
     except OSError as exc:
         await runner.cleanup()
-        raise OSError(f"cannot listen on {host}:{port}: {exc}; pick another --port (0 picks a free one)") from exc
-    bound_port = runner.addresses[0][1]
-    logger.info("engine HTTP front listening on http://%s:%d", host, bound_port)
-    return HttpServerHandle(runner=runner, host=host, port=bound_port)
+        raise OSError(f"cannot listen on {host}:{port}: {exc}; {fix}") from exc
+    return runner, runner.addresses[0][1]
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -87,6 +87,7 @@ def run_rl_step(be: TrainBackend, batch: TrainBatch, rollout_id: int) -> dict[st
     ref_lp = be.compute_log_probs(batch, "ref")[0] if be.has_ref else None
     metrics["perf/train/ref_log_probs_time"] = be.now() - t_phase
     t_phase = be.now()
+    fused_old = old_log_probs_in_update(be, batch, n_steps)
     if algo.use_rollout_logprobs:
         if batch.rollout_log_probs is None:
             raise ValueError(
@@ -95,7 +96,7 @@ def run_rl_step(be: TrainBackend, batch: TrainBatch, rollout_id: int) -> dict[st
         old_lp = batch.rollout_log_probs.astype(np.float32)
     elif algo.loss_type == "sft_loss":
         old_lp = None  # the SFT loss needs no old policy
-    elif old_log_probs_in_update(be, batch, n_steps):
+    elif fused_old:
         old_lp = None  # taken from the update's own forward: see old_log_probs_in_update
     else:
         old_lp, entropy = be.compute_log_probs(batch, "actor")
@@ -145,8 +146,9 @@ def run_rl_step(be: TrainBackend, batch: TrainBatch, rollout_id: int) -> dict[st
             for k, v in _optimizer_step(be, step_batch, step_tok, critic=True, where=where).items():
                 sums[f"train/{k}" if k.startswith("value") else f"train/critic_{k}"] += v
         if train_actor:
-            fused = "old_log_probs" not in step_tok and algo.loss_type != "sft_loss"
-            for k, v in _optimizer_step(be, step_batch, step_tok, critic=False, where=where, fused_old=fused).items():
+            for k, v in _optimizer_step(
+                be, step_batch, step_tok, critic=False, where=where, fused_old=fused_old
+            ).items():
                 sums[f"train/{k}"] += v
         tokens += step_batch.num_tokens
     elapsed = be.now() - t0
