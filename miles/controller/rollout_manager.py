@@ -76,6 +76,11 @@ def sampling_from_config(rollout: RolloutConfig, eval_overrides: dict[str, Any] 
     return s
 
 
+def _submission_order(group: list[Sample]) -> int:
+    """Groups are drawn (and sample indices given) in order; carried groups keep their earlier indices."""
+    return min(s.index for s in group)
+
+
 class GroupRunner:
     """Generates and scores one group; shared by the sync rollout, eval and the fully async producer."""
 
@@ -449,7 +454,7 @@ class SyncRolloutManager:
             raise
         finally:
             carried = await self._abort_leftovers(pending, rollout_id, surplus)
-        accepted.sort(key=lambda g: min(s.index for s in g))
+        accepted.sort(key=_submission_order)
         if self.sample_filter_fn is not None:
             self.sample_filter_fn(self.args, accepted)
         metrics = {**self._metrics(accepted, drops, submitted, self.args.reward_key), **self.runner.pop_metrics()}
@@ -473,7 +478,9 @@ class SyncRolloutManager:
                 stop_wait.cancel()
         if self.stop is not None and self.stop.is_set():
             raise StopRequested
-        return [t.result() for t in done], pending - done
+        # groups that finished together are taken in submission order (asyncio.wait's set has none):
+        # which of them fill the batch must not depend on hashing
+        return sorted((t.result() for t in done), key=_submission_order), pending - done
 
     def _drop(self, group: list[Sample], drops: Counter[str], guard: DropGuard, *, scored: bool = True) -> bool:
         """True when the group cannot be trained on; a failed or aborted group's prompt is retried."""
