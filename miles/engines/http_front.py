@@ -37,11 +37,13 @@ from miles.engines.doors import (
     loads_strict,
     warn_if_open,
 )
-from miles.engines.sglang_protocol import PAUSE_MODES, parse_generate_body
+from miles.engines.sglang_protocol import PAUSE_MODES, check_request_fields, parse_generate_body
+from miles.weights.verify import CHECKER_ACTIONS
 
 logger = logging.getLogger(__name__)
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
+EMBEDDED_VERSION = "miles-embedded"  # /server_info "version" (SGLang reports its release there)
 # Memory tags SGLang knows that the embedded engine has no use for (it captures no CUDA graphs).
 IGNORED_MEMORY_TAGS = frozenset({"cuda_graph"})
 
@@ -70,6 +72,13 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
 
 
 async def _json_body(request: web.Request) -> dict:
+    """The JSON object body; for an endpoint SGLang has, only fields its request class has (see sglang_protocol)."""
+    body = await _read_json(request)
+    check_request_fields(request.path.lstrip("/"), body)
+    return body
+
+
+async def _read_json(request: web.Request) -> dict:
     if not request.can_read_body:
         return {}
     raw = await request.read()
@@ -95,7 +104,7 @@ class EngineFront:
     # -- generation -------------------------------------------------------------------------------
 
     async def generate(self, request: web.Request) -> web.Response:
-        body = await _json_body(request)
+        body = await _read_json(request)
         calls, is_batch = parse_generate_body(body)
         try:
             results = await asyncio.gather(*(self.engine.generate(**call) for call in calls))
@@ -213,8 +222,9 @@ class EngineFront:
             if isinstance(value, (int, float, str, bool)):
                 info[name] = value
         info.update(
-            version="miles-embedded",
-            tp_size=1,
+            version=EMBEDDED_VERSION,
+            tp_size=1,  # one device: one rank in a weight-sync group
+            weights_checker_actions=list(CHECKER_ACTIONS),  # --check-weight-update-equal probes for fill_noise
             internal_states=[{"num_active_requests": self.engine.num_active_requests, "paused": self.paused}],
         )
         return web.json_response(info)
@@ -236,6 +246,8 @@ class EngineFront:
         async def handler(request: web.Request) -> web.Response:
             body = await _json_body(request)
             method = getattr(self.receiver(), method_name)
+            if body.get("abort_all_requests"):  # SGLang aborts every request before it changes the weights
+                self.engine.abort(abort_all=True)
             try:
                 inspect.signature(method).bind(**body)
             except TypeError as exc:

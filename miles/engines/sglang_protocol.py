@@ -1,9 +1,15 @@
-"""SGLang's /generate request body, parsed into per-prompt calls of the engine's in-process API.
+"""SGLang's request bodies: /generate parsed into per-prompt calls of the engine's in-process API, and
+the fields of every other request class the embedded front serves.
 
-Mirrors `GenerateReqInput` in SGLang's io_struct.py: `text` or `input_ids`, each either one prompt
-or a batch, with `sampling_params`, `rid`, `return_logprob`, `logprob_start_len` and
+`/generate` mirrors `GenerateReqInput` in SGLang's io_struct.py: `text` or `input_ids`, each either
+one prompt or a batch, with `sampling_params`, `rid`, `return_logprob`, `logprob_start_len` and
 `top_logprobs_num` given once or per prompt, and `token_ids_logprob` (a list of ids: once, or one
 list per prompt). Fields the embedded engine cannot honour are refused rather than silently dropped.
+
+`REQUEST_FIELDS`: for each control and weight endpoint, the fields of SGLang's request class (as of
+`SGLANG_VERSION_CHECKED`; tests/contract compares the table with SGLang's own classes). The
+embedded front refuses any other field with a 400: SGLang would drop it silently, and a field it
+drops is one whose sender believed it did something.
 """
 
 from __future__ import annotations
@@ -26,6 +32,85 @@ UNSUPPORTED_GENERATE_FIELDS = (
     "custom_logit_processor",
 )
 PER_ITEM_FIELDS = ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num")
+
+SGLANG_VERSION_CHECKED = "0.5.23"
+_BASE_REQ = ("rid", "http_worker_ipc")  # every io_struct request class has these
+# endpoint -> fields of SGLang's request class for it (io_struct.py at SGLANG_VERSION_CHECKED)
+REQUEST_FIELDS: dict[str, frozenset[str]] = {
+    name: frozenset((*_BASE_REQ, *fields))
+    for name, fields in {
+        "abort_request": ("abort_all", "finished_reason", "abort_message", "weight_versions"),  # AbortReq
+        "pause_generation": ("mode",),  # PauseGenerationReqInput
+        "continue_generation": ("torch_empty_cache",),  # ContinueGenerationReqInput
+        "release_memory_occupation": ("tags",),  # ReleaseMemoryOccupationReqInput
+        "resume_memory_occupation": ("tags",),  # ResumeMemoryOccupationReqInput
+        "update_weight_version": ("new_version", "abort_all_requests"),  # UpdateWeightVersionReqInput
+        "init_weights_update_group": (  # InitWeightsUpdateGroupReqInput
+            "master_address",
+            "master_port",
+            "rank_offset",
+            "world_size",
+            "group_name",
+            "backend",
+        ),
+        "destroy_weights_update_group": ("group_name",),  # DestroyWeightsUpdateGroupReqInput
+        "update_weights_from_distributed": (  # UpdateWeightsFromDistributedReqInput
+            "names",
+            "dtypes",
+            "shapes",
+            "group_name",
+            "flush_cache",
+            "abort_all_requests",
+            "weight_version",
+            "load_format",
+            "selector",
+            "torch_empty_cache",
+        ),
+        "update_weights_from_tensor": (  # UpdateWeightsFromTensorReqInput
+            "serialized_named_tensors",
+            "load_format",
+            "flush_cache",
+            "abort_all_requests",
+            "weight_version",
+            "selector",
+            "torch_empty_cache",
+        ),
+        "update_weights_from_disk": (  # UpdateWeightFromDiskReqInput
+            "model_path",
+            "load_format",
+            "abort_all_requests",
+            "weight_version",
+            "is_async",
+            "torch_empty_cache",
+            "keep_pause",
+            "recapture_cuda_graph",
+            "token_step",
+            "flush_cache",
+            "manifest",
+        ),
+    }.items()
+}
+# fields SGLang declares as strings that a JSON number would fail to decode into (SGLang answers 400)
+STRING_FIELDS = ("weight_version", "new_version", "group_name", "master_address", "model_path")
+
+
+def check_request_fields(endpoint: str, body: dict) -> None:
+    """Refuse (ValueError: HTTP 400) a body field SGLang's request class for `endpoint` does not have, and a
+    number where SGLang's class takes a string; endpoints SGLang does not have are not checked."""
+    known = REQUEST_FIELDS.get(endpoint)
+    if known is None:
+        return
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise ValueError(
+            f"/{endpoint} fields {unknown} are not fields of SGLang's request class (SGLang {SGLANG_VERSION_CHECKED} "
+            f"would drop them silently); known: {sorted(known - set(_BASE_REQ))}"
+        )
+    wrong = [
+        name for name in STRING_FIELDS if name in body and body[name] is not None and not isinstance(body[name], str)
+    ]
+    if wrong:
+        raise ValueError(f'/{endpoint} fields {wrong} must be strings, as SGLang declares them (send e.g. "3")')
 
 
 def parse_generate_body(body: dict) -> tuple[list[dict], bool]:

@@ -55,6 +55,15 @@ def prompt_token_ids(sample: Sample, tokenizer) -> list[int]:
     return list(tokenizer(sample.prompt, add_special_tokens=False)["input_ids"])
 
 
+def _version(reported: Any) -> int:
+    """A reply's weight version; SGLang reports "default" until its first weight update: its startup weights,
+    which miles numbers 0."""
+    try:
+        return int(reported or 0)
+    except ValueError:
+        return 0
+
+
 def parse_output(out: dict[str, Any]) -> tuple[list[int], list[float], list[int], str]:
     """Token ids, log-probs, per-token weight versions and finish type of one SGLang-shaped reply."""
     meta = out["meta_info"]
@@ -64,7 +73,7 @@ def parse_output(out: dict[str, Any]) -> tuple[list[int], list[float], list[int]
         output_ids = [int(t[1]) for t in logprobs]
     versions = meta.get("output_token_weight_versions")
     if versions is None:
-        versions = [int(meta.get("weight_version") or 0)] * len(output_ids)
+        versions = [_version(meta.get("weight_version"))] * len(output_ids)
     ids = [int(t) for t in output_ids]
     lps = [float(t[0]) for t in logprobs] if logprobs else [0.0] * len(ids)
     return ids, lps, [int(v) for v in versions], (meta.get("finish_reason") or {}).get("type", "stop")

@@ -23,6 +23,7 @@ import torch
 
 from miles.weights.colocated_direct import SharedWeights, wait_for_writer
 from miles.weights.groups import dtype_from_name, dtype_name
+from miles.weights.verify import CHECKER_ACTIONS
 from miles.wire.ports import free_port
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,8 @@ def _serve(spec: TensorSpec, port: int, device: str, seed: int, skip_tensor: str
             elif method == "repack":  # what a memory release + resume does to an engine's weight buffer
                 engine.repack()
                 result = {}
+            elif method == "server_info":  # what the updaters read of an engine: one rank, the digest checker
+                result = {"tp_size": 1, "version": "miles-fake", "weights_checker_actions": list(CHECKER_ACTIONS)}
             elif method == "dump":
                 result = {
                     "weight_version": engine.weight_version,
@@ -126,7 +129,7 @@ def _serve(spec: TensorSpec, port: int, device: str, seed: int, skip_tensor: str
                 return web.json_response({"error": f"no endpoint {method}"}, status=404)
             else:
                 result = await getattr(receiver, method)(**body)
-        except (ValueError, RuntimeError) as exc:
+        except (ValueError, RuntimeError, TypeError) as exc:  # TypeError: the body's fields do not fit the method
             return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=400)
         return web.json_response(result if result is not None else {})
 
@@ -239,6 +242,23 @@ class HTTPEngineControl:
 
         return call
 
+    async def request(
+        self, method: str, endpoint: str, payload: dict | None = None, *, ok_statuses: tuple[int, ...] = (), **_: Any
+    ) -> tuple[int, Any]:
+        """EngineClient.request's shape: (status, parsed body); other non-2xx statuses raise."""
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        async with (
+            aiohttp.ClientSession(timeout=timeout) as s,
+            s.request(method, self.url + endpoint, json=payload or {}) as r,
+        ):
+            body = await r.json(content_type=None)
+            if r.status >= 300 and r.status not in ok_statuses:
+                raise RuntimeError(f"{endpoint} -> HTTP {r.status}: {body}")
+            return r.status, body
+
+    async def server_info(self) -> dict:
+        return await self._post("server_info", {})
+
     async def export_weight_buffer(self, **kw: Any) -> dict:
         return await self._post("miles/export_weight_buffer", kw)
 
@@ -254,18 +274,37 @@ class HTTPEngineControl:
         return d["weight_version"], {n: base64.b64decode(b) for n, (_, b) in d["tensors"].items()}
 
 
+class _RankCollectives:
+    """One trainer thread's barrier (call it) and `all_gather(obj)`, as trainer processes get from torch.distributed."""
+
+    def __init__(self, rank: int, barrier: threading.Barrier, slots: list[Any]) -> None:
+        self.rank, self._barrier, self._slots = rank, barrier, slots
+
+    def __call__(self) -> None:
+        self._barrier.wait()
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        self._slots[self.rank] = obj
+        self._barrier.wait()
+        out = list(self._slots)
+        self._barrier.wait()  # nobody overwrites a slot before every rank read them all
+        return out
+
+
 def run_trainer_ranks(
     world_size: int, body: Callable[[int, Callable[[], None]], None], timeout_s: float = 120
 ) -> None:
     """Run `body(rank, barrier)` for each trainer rank in a thread of its own, as trainer processes would
-    run it; `barrier` is what `WeightUpdater.connect` takes. Re-raises the first rank's error (the other
-    ranks' barrier is broken so they do not wait for it) and fails when a rank hangs."""
+    run it; `barrier` is what `WeightUpdater.connect` takes (and `barrier.all_gather` its `all_gather`).
+    Re-raises the first rank's error (the other ranks' barrier is broken so they do not wait for it) and
+    fails when a rank hangs."""
     barrier = threading.Barrier(world_size, timeout=60)
+    slots: list[Any] = [None] * world_size
     errors: list[BaseException] = []
 
     def run(rank: int) -> None:
         try:
-            body(rank, barrier.wait)
+            body(rank, _RankCollectives(rank, barrier, slots))
         except BaseException as exc:  # noqa: BLE001 - re-raised by the calling thread
             errors.append(exc)
             barrier.abort()

@@ -47,6 +47,7 @@ class EngineControl(Protocol):
     async def pull_weights(self, **kw: Any) -> dict: ...
     async def update_weight_version(self, new_version: str | int) -> None: ...
     async def weights_checker(self, **kw: Any) -> dict: ...
+    async def server_info(self) -> dict: ...
 
     # Miles-only (direct colocated updates); EngineClient reaches them through request("POST", "/miles/...").
     # async def export_weight_buffer(self) -> dict | None
@@ -55,6 +56,36 @@ class EngineControl(Protocol):
 
 class EngineCallError(RuntimeError):
     """One or more engines failed (or did not answer in time) during a weight update."""
+
+
+class EngineUnsupportedError(ValueError):
+    """An engine lacks what the chosen weight path needs (an endpoint of Miles' SGLang fork, a layout)."""
+
+
+def engine_gpus(info: dict, label: str) -> int:
+    """How many ranks an engine joins a weight-sync group with, from its /server_info: one per GPU of its
+    tensor-parallel group (SGLang joins rank `rank_offset + tp_rank` for each TP rank). SGLang's weight
+    groups hold no data- or pipeline-parallel ranks, so an engine with dp_size or pp_size > 1 is refused."""
+    tp = int(info.get("tp_size") or 1)
+    for key in ("dp_size", "pp_size"):
+        if int(info.get(key) or 1) > 1:
+            raise EngineUnsupportedError(
+                f"engine {label} runs with {key}={info[key]}; SGLang's weight updates (init_weights_update_group) "
+                f"support tensor parallelism only; start it with {key} 1 and --rollout-num-gpus-per-engine {tp}"
+            )
+    if tp < 1:
+        raise EngineUnsupportedError(f"engine {label} reports tp_size={tp} in /server_info")
+    return tp
+
+
+def group_layout(engine_gpus: Sequence[int], first_rank: int = 1) -> tuple[int, list[int]]:
+    """(world_size, rank_offset per engine) of a weight-sync group whose ranks below `first_rank` are
+    trainer sources and whose engine i holds ranks rank_offset_i .. rank_offset_i + engine_gpus[i] - 1."""
+    offsets, rank = [], first_rank
+    for gpus in engine_gpus:
+        offsets.append(rank)
+        rank += gpus
+    return rank, offsets
 
 
 class _LoopThread:
@@ -92,6 +123,7 @@ class WeightUpdater:
         self.trainer_world_size = 1
         self.weight_version: int | None = None
         self._barrier: Callable[[], None] | None = None
+        self._all_gather: Callable[[Any], list[Any]] | None = None
         self._checked = False
         self._loop: _LoopThread | None = None
         self.engine_failures: list[str] = []  # filled as engine calls fail, read when a collective fails
@@ -110,16 +142,20 @@ class WeightUpdater:
         master_address: str = "127.0.0.1",
         master_port: int | None = None,
         barrier: Callable[[], None] | None = None,
+        all_gather: Callable[[Any], list[Any]] | None = None,
     ) -> None:
-        """Attach to the engines. `barrier` synchronises the trainer ranks (needed by p2p with several ranks)."""
+        """Attach to the engines. `barrier` synchronises the trainer ranks (needed by p2p with several ranks);
+        `all_gather(obj)` returns every trainer rank's `obj` by rank (colocated engines of several GPUs)."""
         if not engines:
             raise ValueError("connect() got no engines")
         self.engines = list(engines)
         self.trainer_rank, self.trainer_world_size = trainer_rank, trainer_world_size
         self._barrier = barrier
+        self._all_gather = all_gather
         if self._loop is None:
             self._loop = _LoopThread()
         if self.is_leader:
+            self._probe_engines()
             self._prepare_engines()
         if self.check_equal and self.is_leader and not self._checked:
             self._noise_before_connect()
@@ -185,6 +221,11 @@ class WeightUpdater:
     def is_sender(self) -> bool:
         return self.is_leader
 
+    def _probe_engines(self) -> None:
+        """Leader-only, before anything changes on the engines: refuse engines that lack what this path needs."""
+        if self.check_equal:
+            self._require_checker()
+
     def _prepare_engines(self) -> None:
         """Leader-only work on the engines' startup weights, before the equality check's noise."""
 
@@ -198,6 +239,39 @@ class WeightUpdater:
         pass
 
     # -- helpers -------------------------------------------------------------------------------
+
+    def engine_gpus(self, indices: Iterable[int] | None = None) -> dict[int, int]:
+        """Weight-group ranks per engine (by index), read from each engine's /server_info."""
+        chosen = list(range(len(self.engines)) if indices is None else indices)
+        asked = [i for i in chosen if hasattr(self.engines[i], "server_info")]  # in-process receivers: one rank
+        infos = self._run_engines("server_info", lambda i: None, asked) if asked else {}
+        return {i: engine_gpus(infos.get(i) or {}, repr(self.engines[i])) for i in chosen}
+
+    def _require_endpoint(self, path: str, why: str) -> None:
+        """Refuse, naming them, the engines that answer 404 on `path` (probed with an empty POST, which an
+        engine that has the endpoint refuses as incomplete without acting on it)."""
+
+        async def probe() -> list[bool]:
+            return list(await asyncio.gather(*(endpoint_exists(e, path) for e in self.engines)))
+
+        found = self._run(probe())
+        lacking = [repr(e) for e, ok in zip(self.engines, found, strict=True) if not ok]
+        if lacking:
+            raise EngineUnsupportedError(f"engines {lacking} do not serve {path} (HTTP 404): {why}")
+
+    def _require_checker(self) -> None:
+        """--check-weight-update-equal needs the digest checker (fill_noise + compare by digest) on every engine."""
+        infos = self._run_engines("server_info", lambda i: None)
+        lacking = [
+            i for i, info in infos.items() if "fill_noise" not in ((info or {}).get("weights_checker_actions") or [])
+        ]
+        if lacking:
+            raise EngineUnsupportedError(
+                f"--check-weight-update-equal: engines {[repr(self.engines[i]) for i in lacking]} have no digest "
+                "weight checker (/weights_checker with fill_noise and compare by digest is served by the embedded "
+                "engine only; SGLang's checker compares against its own snapshot); drop --check-weight-update-equal "
+                "or use --engine embedded"
+            )
 
     def _noise_before_connect(self) -> None:
         # Before any transport can deliver, so a tensor it forgets keeps this noise.
@@ -264,6 +338,15 @@ class WeightUpdater:
         self, named: Iterable[NamedTensor], start: Callable[[list[NamedTensor]], Callable[[], None]]
     ) -> int:
         return pipelined(iter_buckets(named, self.bucket_bytes), start)
+
+
+async def endpoint_exists(engine: Any, path: str) -> bool:
+    """Whether the engine serves POST `path`: anything but HTTP 404 to an empty body counts as served (an
+    engine object without HTTP, such as an in-process receiver, serves it when it has the method)."""
+    if not hasattr(engine, "request"):
+        return callable(getattr(engine, path.strip("/").replace("/", "_"), None))
+    status, _ = await engine.request("POST", path, {}, ok_statuses=(400, 404, 405, 422), max_retries=0)
+    return status != 404
 
 
 class _Counter:

@@ -1,10 +1,13 @@
 """Broadcast transport (default): trainer rank 0 broadcasts each bucket to every engine rank.
 
-The sync group is made for weight sync only: the trainer source is rank 0 and engine i joins
-as rank 1 + i through `/init_weights_update_group` (one rank per engine). For each bucket the
-source posts `update_weights_from_distributed(names, dtypes, shapes, ...)` to every engine and,
-at the same time, issues one async broadcast per tensor; the engines receive inside a thread.
-Other trainer ranks only take part in producing the stream (FSDP gathers) and send nothing.
+The sync group is made for weight sync only, as vanilla SGLang's `/init_weights_update_group`
+joins it: the trainer source is rank 0 and an engine of k GPUs (SGLang's tp_size, read from its
+`/server_info`) holds k ranks, `rank_offset + tp_rank`, so engine i gets
+`rank_offset = 1 + sum of the GPUs of engines 0..i-1` and the world is 1 + every engine GPU.
+For each bucket the source posts `update_weights_from_distributed(names, dtypes, shapes, ...)`
+to every engine and, at the same time, issues one async broadcast per tensor; every engine rank
+receives each tensor whole. Other trainer ranks only take part in producing the stream (FSDP
+gathers) and send nothing.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from miles.weights.base import EngineCallError, WeightUpdater
+from miles.weights.base import EngineCallError, WeightUpdater, group_layout
 from miles.weights.bucket import NamedTensor, bucket_meta
 from miles.weights.groups import SyncGroup, WeightSyncTimeoutError, create_sync_group
 from miles.wire.ports import free_port
@@ -58,13 +61,14 @@ class BroadcastUpdater(GroupUpdater):
             self._close()
         port = master_port or free_port(master_address)
         backend = self._backend()
-        world_size = 1 + len(self.engines)
+        gpus = self.engine_gpus()
+        world_size, offsets = group_layout([gpus[i] for i in range(len(self.engines))])
         fut = self._start_engines(
             "init_weights_update_group",
             lambda i: {
                 "master_address": master_address,
                 "master_port": port,
-                "rank_offset": 1 + i,
+                "rank_offset": offsets[i],
                 "world_size": world_size,
                 "group_name": self.group_name,
                 "backend": backend,
@@ -78,9 +82,10 @@ class BroadcastUpdater(GroupUpdater):
             _raise_with_engine_errors(exc, fut, self, "init_weights_update_group")
         self._wait_engines(fut, "init_weights_update_group")
         logger.info(
-            "broadcast weight sync: group %r, %d engines, %s at %s:%d",
+            "broadcast weight sync: group %r, %d engines (%d ranks), %s at %s:%d",
             self.group_name,
             len(self.engines),
+            world_size - 1,
             backend,
             master_address,
             port,

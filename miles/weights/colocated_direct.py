@@ -515,7 +515,7 @@ class DirectColocatedUpdater(ColocatedUpdater):
         self._ready_handle: str | None = None
 
     def _transfer(self, named, version: int) -> dict[str, float]:
-        if not self.is_sender or self.direct is False:
+        if not self.is_sender or self.direct is False or self.exchanges:  # engines of several GPUs: SGLang's path
             return super()._transfer(named, version)
         t0 = time.perf_counter()
         if self._mapped is not None and self._mapped.still_current():

@@ -52,6 +52,15 @@ class DiskDeltaUpdater(WeightUpdater):
     def _connect(self, master_address: str, master_port: int | None) -> None:
         pass
 
+    def _probe_engines(self) -> None:
+        super()._probe_engines()
+        self._require_endpoint(
+            "/pull_weights",
+            "disk-delta patches each engine host's copy through /pull_weights, an endpoint of Miles' SGLang fork "
+            "and of the embedded engine that vanilla SGLang does not have; use --update-weight-transfer-mode "
+            "broadcast (or p2p) with vanilla SGLang",
+        )
+
     def _prepare_engines(self) -> None:
         # Host copies come from the engines' startup weights, before the equality check adds noise.
         self._run_engines(

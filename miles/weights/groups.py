@@ -1,23 +1,30 @@
 """Process groups made only for weight sync, outside any default torch.distributed world.
 
 A trainer already runs inside its own default world (FSDP), and an engine may run inside its
-own (tensor parallelism). `init_process_group` can be called once per process, so the weight
-path builds its groups by hand: a TCPStore rendezvous on the sync source's address, a
-PrefixStore per group name (several groups can share one process), and a ProcessGroupGloo or
-ProcessGroupNCCL object used directly. Every step carries a timeout, so a missing or dead peer
-becomes an error naming the group, the rank and the address instead of a hang.
+own (tensor parallelism), so the weight path builds its groups the way SGLang's
+`init_custom_process_group` does, which is what a vanilla SGLang server runs on
+`/init_weights_update_group`: a `tcp://` rendezvous on the sync source's address (rank 0 hosts
+the TCPStore), the store prefixed with the group's name, and torch's own process-group helper.
+Both ends therefore meet under the same store keys, whether the other end is SGLang, the
+embedded engine or another trainer rank. Collectives are `torch.distributed.broadcast(..., group=pg)`
+as in SGLang.
+Neither end issues any collective the other does not: no barrier after the rendezvous (SGLang
+issues none); a wrong world size times out in the rendezvous instead.
+Every step carries a timeout, so a missing or dead peer becomes an error naming the group, the
+rank and the address instead of a hang.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
-import socket
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo
+from torch._C._distributed_c10d import _unregister_process_group
+from torch.distributed import distributed_c10d as c10d
+from torch.distributed.rendezvous import rendezvous
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +45,6 @@ class SyncGroup:
     world_size: int
     timeout_s: float
     pg: object
-    store: object
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     def wait(self, work: object, what: str) -> None:
@@ -59,38 +65,23 @@ class SyncGroup:
             raise WeightSyncTimeoutError(f"weight-sync group {self.name!r}: {what} did not complete")
 
     def broadcast(self, tensors: list[torch.Tensor], src: int) -> list[object]:
-        """Issue one async broadcast per tensor (all in flight at once); returns the work handles."""
-        works = []
-        for t in tensors:
-            opts = dist.BroadcastOptions()
-            opts.rootRank = src
-            opts.rootTensor = 0
-            works.append(self.pg.broadcast([t], opts))
-        return works
+        """Issue one async broadcast per tensor from group rank `src` (all in flight at once); returns the works.
 
-    def send(self, tensors: list[torch.Tensor], dst: int) -> list[object]:
-        return [self.pg.send([t], dst, i) for i, t in enumerate(tensors)]
-
-    def recv(self, tensors: list[torch.Tensor], src: int) -> list[object]:
-        return [self.pg.recv([t], src, i) for i, t in enumerate(tensors)]
-
-    def barrier(self) -> None:
-        if self.backend == "nccl":
-            t = torch.zeros(1, device=self.device)
-            self.wait(self.pg.allreduce([t]), "barrier")
-        else:
-            self.wait(self.pg.barrier(), "barrier")
+        The same call SGLang's receiving side makes (`torch.distributed.broadcast(t, src=0, group=pg,
+        async_op=True)` per tensor), so the two ends pair their collectives one to one."""
+        if self.pg is None:
+            raise RuntimeError(f"weight-sync group {self.name!r} was destroyed")
+        return [dist.broadcast(t, src=src, group=self.pg, async_op=True) for t in tensors]
 
     def destroy(self) -> None:
-        """Release the group; safe to call twice."""
+        """Release the group (its name can be joined again afterwards); safe to call twice."""
         pg, self.pg = self.pg, None
         if pg is not None:
             try:
-                if hasattr(pg, "shutdown"):
-                    pg.shutdown()
-            except RuntimeError as exc:  # a group whose peers already left cannot shut down cleanly
-                logger.debug("shutdown of group %s: %s", self.name, exc)
-        self.store = None
+                c10d._world.pg_names[pg] = self.name  # noqa: SLF001 - what destroy_process_group looks up
+                dist.destroy_process_group(pg)
+            except (RuntimeError, ValueError) as exc:  # a group whose peers already left cannot shut down cleanly
+                logger.debug("destroying group %s: %s", self.name, exc)
 
 
 def create_sync_group(
@@ -105,52 +96,46 @@ def create_sync_group(
     """Join the weight-sync group `group_name`; rank 0 hosts the TCPStore. Blocks until every rank joined.
 
     Raises WeightSyncTimeoutError naming the group when the other ranks do not arrive within
-    `timeout_s` (an engine that never got /init_weights_update_group, a wrong address or port).
+    `timeout_s` (an engine that never got /init_weights_update_group, a wrong address, port or
+    world size).
     """
     if backend not in BACKENDS:
         raise ValueError(f"weight-sync backend={backend!r} is not supported; use one of {BACKENDS}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} is outside the weight-sync world of size {world_size}")
+    if not group_name:
+        raise ValueError("a weight-sync group needs a non-empty group_name")
     timeout = datetime.timedelta(seconds=timeout_s)
     where = f"group {group_name!r} at {master_address}:{master_port} (rank {rank}/{world_size}, {backend})"
+    device = torch.device("cpu") if backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
     try:
-        store = dist.TCPStore(
-            master_address, master_port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=True
-        )
+        store, _, _ = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout))
+        store.set_timeout(timeout)
     except (RuntimeError, dist.DistStoreError) as exc:
         raise WeightSyncTimeoutError(
             f"weight-sync rendezvous of {where} failed within {timeout_s}s: {exc}; check that every engine was asked "
-            "to join (init_weights_update_group) and that the address is reachable"
+            "to join (init_weights_update_group), that the address is reachable and that world_size counts "
+            "every engine GPU"
         ) from exc
-    prefixed = PrefixStore(f"miles_weights/{group_name}", store)
-    device = torch.device("cpu")
     try:
-        if backend == "gloo":
-            opts = ProcessGroupGloo._Options()
-            opts._timeout = timeout
-            opts._devices = [ProcessGroupGloo.create_device(hostname=_gloo_host(master_address))]
-            pg = ProcessGroupGloo(prefixed, rank, world_size, opts)
-        else:
-            from torch._C._distributed_c10d import ProcessGroupNCCL
-
-            opts = ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            pg = ProcessGroupNCCL(prefixed, rank, world_size, opts)
-            device = torch.device("cuda", torch.cuda.current_device())
-    except RuntimeError as exc:
+        pg, _ = c10d._new_process_group_helper(  # noqa: SLF001 - what SGLang's init_custom_process_group calls
+            world_size,
+            rank,
+            [],
+            c10d.Backend(backend),
+            c10d.PrefixStore(group_name, store),
+            group_name=group_name,
+            timeout=timeout,
+        )
+    except (RuntimeError, dist.DistStoreError) as exc:
         raise WeightSyncTimeoutError(f"creating the process group of {where} failed: {exc}") from exc
-    group = SyncGroup(group_name, backend, rank, world_size, timeout_s, pg, store, device)
-    # Gloo connects lazily per pair; a barrier makes a wrong world size fail here, not mid-update.
-    group.barrier()
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}  # noqa: SLF001 - group rank == group index
+    # torch lets one member per name join from a process; a trainer and an engine in one process (tests) are two
+    # members, so the name is released here and given back when the group is destroyed.
+    c10d._world.pg_names.pop(pg, None)  # noqa: SLF001
+    _unregister_process_group(group_name)  # torch's by-name registry (functional collectives; unused here)
     logger.info("joined weight-sync %s", where)
-    return group
-
-
-def _gloo_host(master_address: str) -> str:
-    # Gloo binds the address it advertises; loopback masters keep everything on loopback.
-    if master_address in ("127.0.0.1", "localhost"):
-        return "127.0.0.1"
-    return socket.gethostname()
+    return SyncGroup(group_name, backend, rank, world_size, timeout_s, pg, device)
 
 
 def dtype_from_name(name: str) -> torch.dtype:

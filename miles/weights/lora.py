@@ -22,12 +22,19 @@ from miles.config_sections import WeightsConfig
 from miles.weights.base import WeightUpdater
 from miles.weights.broadcast import BroadcastUpdater, _raise_with_engine_errors
 from miles.weights.bucket import NamedTensor, bucket_meta, iter_buckets
-from miles.weights.colocated import LOAD_FORMAT, ColocatedUpdater, pack
+from miles.weights.colocated import ColocatedUpdater, pack
 from miles.weights.groups import WeightSyncTimeoutError
 
 logger = logging.getLogger(__name__)
 
 LORA_NAME = "miles_lora"  # the adapter's name on the engines (SGLang's `lora_name`)
+# Vanilla SGLang (0.5.23) has no load_lora_adapter_from_distributed and applies an adapter only to requests
+# that name it: the adapter paths need the embedded engine (or Miles' SGLang fork), probed on connect.
+FORK_ENDPOINT = "/load_lora_adapter_from_distributed"
+NEEDS_FORK = (
+    "LoRA adapter sync needs the embedded engine (it serves the adapter to every request) or Miles' SGLang "
+    "fork; vanilla SGLang has no load_lora_adapter_from_distributed; use --engine embedded for LoRA runs"
+)
 
 
 def whole_adapter(named: Iterable[NamedTensor]) -> list[NamedTensor]:
@@ -45,6 +52,10 @@ class LoraBroadcastUpdater(BroadcastUpdater):
         super().__init__(cfg)
         self.adapter_config = adapter_config
         self.lora_name = lora_name
+
+    def _probe_engines(self) -> None:
+        super()._probe_engines()
+        self._require_endpoint(FORK_ENDPOINT, NEEDS_FORK)
 
     def _transfer(self, named: Iterable[NamedTensor], version: int) -> dict[str, float]:
         if not self.is_sender:
@@ -83,6 +94,10 @@ class LoraColocatedUpdater(ColocatedUpdater):
         self.adapter_config = adapter_config
         self.lora_name = lora_name
 
+    def _probe_engines(self) -> None:
+        super()._probe_engines()
+        self._require_endpoint(FORK_ENDPOINT, NEEDS_FORK)
+
     def _transfer(self, named: Iterable[NamedTensor], version: int) -> dict[str, float]:
         if not self.is_sender:
             for _ in named:
@@ -95,8 +110,7 @@ class LoraColocatedUpdater(ColocatedUpdater):
                 lambda i: {
                     "lora_name": self.lora_name,
                     "config_dict": self.adapter_config,
-                    "serialized_tensors": packed.payload,
-                    "load_format": LOAD_FORMAT,
+                    "serialized_tensors": packed.payload,  # [(name, tensor), ...] as update_weights_from_tensor's
                     "weight_version": str(version),
                 },
                 [self.trainer_rank],

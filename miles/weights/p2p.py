@@ -2,11 +2,15 @@
 
 Plan: the first min(sources, targets) ranks pair one to one; the remaining targets are spread
 round-robin over the sources, so no source serves more than ceil(targets / sources) engines.
-With more sources than targets the surplus sources sit idle. The sync group holds every source
-(ranks 0..S-1, S = min(sources, targets)) and every engine (rank S + i); a source posts
-`update_weights_from_distributed(..., src_rank=s)` to each of its engines and issues one
-point-to-point send per tensor, while every other source does the same for its own engines.
-Each source must see the full HF tensors (FSDP `full_tensor()` gives every rank the whole tensor).
+With more sources than targets the surplus sources sit idle.
+
+Each sending source owns one weight-sync group, `<group_name>-<source>`, whose rank 0 is that
+source and whose other ranks are its engines' GPUs (an engine of k GPUs holds k ranks, as in the
+broadcast transport). A source posts `update_weights_from_distributed(..., group_name=its group)`
+to its engines and broadcasts each tensor in its group, while every other source does the same
+for its own engines. Engines see exactly vanilla SGLang's protocol: one group each, receiving
+from group rank 0. Each source must see the full HF tensors (FSDP `full_tensor()` gives every
+rank the whole tensor).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 
+from miles.weights.base import EngineCallError, group_layout
 from miles.weights.broadcast import GroupUpdater
 from miles.weights.bucket import NamedTensor, bucket_meta
 from miles.weights.groups import WeightSyncTimeoutError, create_sync_group
@@ -54,46 +59,64 @@ class P2PUpdater(GroupUpdater):
     def is_sender(self) -> bool:
         return self.trainer_rank in self.plan
 
+    @property
+    def source_group(self) -> str:
+        """The weight-sync group this source broadcasts in."""
+        return f"{self.group_name}-{self.trainer_rank}"
+
     def _connect(self, master_address: str, master_port: int | None) -> None:
         self.plan = plan_transfers(self.trainer_world_size, len(self.engines))
         if self.is_leader:
             print(format_plan(self.plan, self.trainer_world_size), flush=True)
-        if self.trainer_world_size > 1 and (master_port is None or self._barrier is None):
+        if self.trainer_world_size > 1 and self._barrier is None:
             raise ValueError(
-                "p2p with several trainer ranks needs the same master_port on every rank and a trainer barrier; "
-                "pass connect(..., master_port=<port agreed by the ranks>, barrier=<trainer barrier>)"
+                "p2p with several trainer ranks needs a trainer barrier (the weight version is bumped once every "
+                "source delivered); pass connect(..., barrier=<trainer barrier>)"
             )
         if not self.is_sender:
             return
         if self.group is not None:
             self._close()
-        port = master_port or free_port(master_address)
-        backend = self._backend()
-        num_sources = len(self.plan)
-        world_size = num_sources + len(self.engines)
-        fut = None
-        if self.is_leader:
-            fut = self._start_engines(
-                "init_weights_update_group",
-                lambda i: {
-                    "master_address": master_address,
-                    "master_port": port,
-                    "rank_offset": num_sources + i,
-                    "world_size": world_size,
-                    "group_name": self.group_name,
-                    "backend": backend,
-                },
-            )
+        targets = self.plan[self.trainer_rank]
+        gpus = self.engine_gpus(targets)
+        world_size, offsets = group_layout([gpus[i] for i in targets])
+        rank_offset = dict(zip(targets, offsets, strict=True))
+        # Every source hosts its own group's store; the leader may use the port the ranks agreed on.
+        port = master_port if master_port and self.is_leader else free_port(master_address)
+        backend, name = self._backend(), self.source_group
+        fut = self._start_engines(
+            "init_weights_update_group",
+            lambda i: {
+                "master_address": master_address,
+                "master_port": port,
+                "rank_offset": rank_offset[i],
+                "world_size": world_size,
+                "group_name": name,
+                "backend": backend,
+            },
+            targets,
+        )
         try:
-            self.group = create_sync_group(
-                backend, master_address, port, world_size, self.trainer_rank, self.group_name, self.timeout_s
-            )
+            self.group = create_sync_group(backend, master_address, port, world_size, 0, name, self.timeout_s)
         except WeightSyncTimeoutError as exc:
-            if fut is not None and fut.done() and fut.exception() is not None:
-                raise WeightSyncTimeoutError(f"{exc}; engine side: {fut.exception()}") from exc
-            raise
-        if fut is not None:
-            self._wait_engines(fut, "init_weights_update_group")
+            raise WeightSyncTimeoutError(
+                f"{exc}{self.engine_failure_detail(fut, 'init_weights_update_group')}"
+            ) from exc
+        self._wait_engines(fut, "init_weights_update_group")
+
+    def _close(self) -> None:
+        if self.group is None:
+            return
+        try:
+            self._run_engines(
+                "destroy_weights_update_group",
+                lambda i: {"group_name": self.source_group},
+                self.plan[self.trainer_rank],
+            )
+        except EngineCallError as exc:
+            logger.warning("destroying weight-sync group %r on its engines: %s", self.source_group, exc)
+        self.group.destroy()
+        self.group = None
 
     def _transfer(self, named: Iterable[NamedTensor], version: int) -> dict[str, float]:
         if not self.is_sender:
@@ -110,29 +133,26 @@ class P2PUpdater(GroupUpdater):
         assert self.group is not None
         group = self.group
         meta = bucket_meta(bucket)
-        num_sources = len(self.plan)
         targets = self.plan[self.trainer_rank]
         payload = {
             "names": meta.names,
             "dtypes": meta.dtypes,
             "shapes": meta.shapes,
-            "group_name": self.group_name,
+            "group_name": self.source_group,
             "weight_version": str(version),
             "flush_cache": False,
-            "src_rank": self.trainer_rank,
         }
         fut = self._start_engines("update_weights_from_distributed", lambda i: payload, targets)
         tensors = [t if t.device == group.device else t.to(group.device) for _, t in bucket]
-        sends = [(i, group.send(tensors, num_sources + i)) for i in targets]
+        works = group.broadcast(tensors, src=0)
 
         def finish() -> None:
-            for i, works in sends:
-                try:
-                    for name, work in zip(meta.names, works, strict=True):
-                        group.wait(work, f"send of {name!r} to engine {i}")
-                except WeightSyncTimeoutError as exc:
-                    detail = self.engine_failure_detail(fut, "update_weights_from_distributed")
-                    raise WeightSyncTimeoutError(f"{exc}{detail}") from exc
+            try:
+                for name, work in zip(meta.names, works, strict=True):
+                    group.wait(work, f"broadcast of {name!r} to engines {targets}")
+            except WeightSyncTimeoutError as exc:
+                detail = self.engine_failure_detail(fut, "update_weights_from_distributed")
+                raise WeightSyncTimeoutError(f"{exc}{detail}") from exc
             self._wait_engines(fut, "update_weights_from_distributed")
             del tensors[:]
 

@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 # pull_weights(target_version=MATERIALISE_BASE): write the engine's startup weights as the host copy.
 MATERIALISE_BASE = -1
+SGLANG_GROUP_NAME = "weight_update_group"  # SGLang's default group_name when a payload names none
 
 
 class WeightTarget(Protocol):
@@ -57,10 +58,12 @@ class WeightReceiver:
         master_port: int,
         rank_offset: int,
         world_size: int,
-        group_name: str = "miles",
+        group_name: str = SGLANG_GROUP_NAME,
         backend: str = "gloo",
         **_: Any,
     ) -> None:
+        """Join as rank `rank_offset` (one device: the embedded engine's whole TP group, as SGLang's rank
+        `rank_offset + tp_rank` with tp_size 1)."""
         if group_name in self._groups:
             await self.destroy_weights_update_group(group_name)
         # A sender may post its first bucket as soon as the rendezvous completes, before this
@@ -83,7 +86,7 @@ class WeightReceiver:
             joined.set()
             self._joining.pop(group_name, None)
 
-    async def destroy_weights_update_group(self, group_name: str = "miles", **_: Any) -> None:
+    async def destroy_weights_update_group(self, group_name: str = SGLANG_GROUP_NAME, **_: Any) -> None:
         group = self._groups.pop(group_name, None)
         self._locks.pop(group_name, None)
         if group is not None:
@@ -108,19 +111,24 @@ class WeightReceiver:
         names: list[str],
         dtypes: list[str],
         shapes: list[list[int]],
-        group_name: str = "miles",
+        group_name: str = SGLANG_GROUP_NAME,
         weight_version: str | None = None,
-        flush_cache: bool = False,
-        src_rank: int | None = None,
+        flush_cache: bool = True,
+        load_format: str | None = None,
         **_: Any,
     ) -> None:
-        """Receive one bucket: a broadcast from rank 0, or (p2p, `src_rank` given) sends from that rank."""
-        named = await self._receive(names, dtypes, shapes, group_name, src_rank)
+        """Receive one bucket: one broadcast per tensor from group rank 0, as SGLang receives it."""
+        if load_format is not None:
+            raise ValueError(
+                f"update_weights_from_distributed load_format={load_format!r} is not supported by the embedded "
+                "engine (one broadcast per tensor); send load_format null"
+            )
+        named = await self._receive(names, dtypes, shapes, group_name)
         self.engine.load_weights(named)
         self._finish(weight_version, flush_cache)
 
     async def _receive(
-        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str, src_rank: int | None
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str
     ) -> list[tuple[str, torch.Tensor]]:
         if not (len(names) == len(dtypes) == len(shapes)):
             raise ValueError(f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}")
@@ -130,8 +138,7 @@ class WeightReceiver:
         ]
 
         def receive() -> None:
-            works = group.broadcast(buffers, 0) if src_rank is None else group.recv(buffers, int(src_rank))
-            for name, work in zip(names, works, strict=True):
+            for name, work in zip(names, group.broadcast(buffers, 0), strict=True):
                 group.wait(work, f"receiving {name!r}")
 
         async with self._locks[group_name]:
@@ -143,12 +150,18 @@ class WeightReceiver:
         serialized_named_tensors: list[str],
         load_format: str | None = None,
         weight_version: str | None = None,
-        flush_cache: bool = False,
+        flush_cache: bool = True,
         **_: Any,
     ) -> None:
+        """SGLang's payload: one entry per TP rank (the embedded engine is TP rank 0), each the base64 pickle of
+        [(name, tensor), ...] (see colocated.py)."""
         if not serialized_named_tensors:
             raise ValueError("serialized_named_tensors is empty")
-        # One payload per TP rank in SGLang; the embedded engine has one rank.
+        if load_format is not None:
+            raise ValueError(
+                f"update_weights_from_tensor load_format={load_format!r} is not supported by the embedded engine; "
+                "send load_format null with [(name, tensor), ...] per TP rank"
+            )
         with open_payload(serialized_named_tensors[0]) as named:
             self.engine.load_weights(named)
             if named and named[0][1].is_cuda:
@@ -223,7 +236,7 @@ class WeightReceiver:
     ) -> None:
         """The whole adapter in one call: its tensors arrive by broadcast from rank 0 of the group."""
         load = self._adapter_method("load_lora_adapter")
-        named = await self._receive(names, dtypes, shapes, group_name, None)
+        named = await self._receive(names, dtypes, shapes, group_name)
         load(named, config_dict, lora_name)
         self._finish(weight_version, flush_cache=False)
 

@@ -27,6 +27,11 @@ DIGESTS: dict[str, Callable[[memoryview], str]] = {
 }
 
 
+# The engine-side checker's actions (WeightReceiver.weights_checker); an engine reports them in /server_info
+# as "weights_checker_actions", and --check-weight-update-equal needs fill_noise. SGLang's own checker has others.
+CHECKER_ACTIONS = ("fill_noise", "snapshot", "compare")
+
+
 class WeightMismatchError(RuntimeError):
     """An engine tensor differs from the trainer's after a weight update."""
 

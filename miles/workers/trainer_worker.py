@@ -29,6 +29,13 @@ def push_dtype(model_dtype: str | None, device: str) -> torch.dtype | None:
     return None if device == "cpu" else torch.bfloat16
 
 
+def _all_gather_object(obj: Any) -> list[Any]:
+    """Every trainer rank's `obj`, by rank (the colocated path exchanges its per-GPU payloads this way)."""
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 class TrainerWorker(Worker):
     def __init__(self, ctx, *, sections: dict[str, dict[str, Any]], device: str = "cpu"):
         super().__init__(ctx)
@@ -109,6 +116,7 @@ class TrainerWorker(Worker):
             master_address=master_address,
             master_port=port[0],
             barrier=dist.barrier,
+            all_gather=_all_gather_object,
         )
         return {"mode": self.updater.mode}
 
