@@ -10,9 +10,12 @@
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from miles.controller.placement import Placement, PlacementError, plan_placement
@@ -54,10 +57,34 @@ def cuda_device_count() -> int:
         finally:
             pynvml.nvmlShutdown()
     except Exception:  # noqa: BLE001 - no NVML library or driver: ask torch
+        if not torch_has_gpu_build():  # a CPU-only wheel: no devices, without importing torch (seconds)
+            return 0
         import torch
 
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
     return visible_count(os.environ.get("CUDA_VISIBLE_DEVICES"), count)
+
+
+def torch_has_gpu_build() -> bool:
+    """Whether the installed torch was built for CUDA or ROCm, read from its `version.py` (no import).
+    Unreadable or unusual: True, so that torch itself is asked."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return False  # no torch at all: no device it could use
+    try:
+        tree = ast.parse(Path(spec.submodule_search_locations[0], "version.py").read_text())
+    except (OSError, SyntaxError, ValueError):
+        return True
+    values = {}
+    for node in tree.body:
+        target = node.target if isinstance(node, ast.AnnAssign) else None
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target = node.targets[0]
+        if isinstance(target, ast.Name) and isinstance(node.value, ast.Constant):
+            values[target.id] = node.value.value
+    if "cuda" not in values or "hip" not in values:
+        return True
+    return values["cuda"] is not None or values["hip"] is not None
 
 
 def visible_count(visible: str | None, count: int) -> int:

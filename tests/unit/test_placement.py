@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from miles.config import load_config
-from miles.controller.machine import Machine, detect_gpus_per_node, resolve_machine
+from miles.controller.machine import Machine, detect_gpus_per_node, resolve_machine, torch_has_gpu_build
 from miles.controller.placement import PlacementError, plan_placement
 from miles.wire.launch_env import launch_env
 from miles.wire.specs import validate_specs
@@ -329,3 +331,29 @@ def test_visible_devices_count_as_cuda_reads_them():
     assert visible_count("", 4) == 0
     assert visible_count("1,-1,2", 4) == 1  # CUDA stops at the first invalid entry
     assert visible_count("0,1,2,3,4,5", 2) == 2  # never more than the machine has
+
+
+def _fake_torch(tmp_path, monkeypatch, version_py: str | None) -> None:
+    pkg = tmp_path / "torch"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("raise ImportError('the probe must not import torch')\n")
+    if version_py is not None:
+        (pkg / "version.py").write_text(version_py)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+
+
+@pytest.mark.parametrize(
+    ("version_py", "gpu"),
+    [
+        ("cuda: Optional[str] = None\nhip: Optional[str] = None\n", False),
+        ("cuda: Optional[str] = '13.0'\nhip: Optional[str] = None\n", True),
+        ("cuda = None\nhip = '6.2'\n", True),
+        ("__version__ = '9.9'\n", True),  # no cuda/hip lines: unusual, so torch is asked
+        (None, True),  # no version.py
+    ],
+)
+def test_torch_build_read_without_importing_torch(tmp_path, monkeypatch, version_py, gpu):
+    _fake_torch(tmp_path, monkeypatch, version_py)
+    assert torch_has_gpu_build() is gpu
+    assert "torch" not in sys.modules
