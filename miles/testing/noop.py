@@ -13,14 +13,34 @@ from miles.workers.base import Worker, WorkerContext
 
 class NoopWorker(Worker):
     def __init__(
-        self, ctx: WorkerContext, *, tag: str = "", fail_in_init: bool = False, init_sleep_s: float = 0.0
+        self,
+        ctx: WorkerContext,
+        *,
+        tag: str = "",
+        fail_in_init: bool = False,
+        init_sleep_s: float = 0.0,
+        warm_up_s: float = 0.0,
     ) -> None:
         super().__init__(ctx)
         time.sleep(init_sleep_s)  # stands in for a slow model load
+        self.warm_up_s = warm_up_s
+        self.warmed_up = False
         if fail_in_init:
             raise ValueError(f"NoopWorker {ctx.name} was asked to fail in __init__ (tag={tag!r})")
         self.tag = tag
         self._children: list[subprocess.Popen] = []
+
+    def warm_up(self) -> None:
+        time.sleep(self.warm_up_s)  # stands in for a set-up begun before any call
+        self.warmed_up = True
+
+    async def is_warm(self) -> bool:
+        """On the event loop: answers while warm_up still runs."""
+        return self.warmed_up
+
+    def is_warm_sync(self) -> bool:
+        """On the sync thread: queued behind warm_up."""
+        return self.warmed_up
 
     async def noop(self) -> None:
         """Runs on the event loop: the cheapest possible round trip."""

@@ -23,7 +23,7 @@ import socket
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-LIFECYCLE_HOOKS = frozenset({"on_start", "on_stop"})
+LIFECYCLE_HOOKS = frozenset({"on_start", "on_stop", "warm_up"})
 
 
 @dataclasses.dataclass(slots=True)
@@ -60,6 +60,12 @@ class Worker:
 
     async def on_start(self) -> None:
         """Called once after registration, before the worker reports ready."""
+
+    def warm_up(self) -> None:
+        """Work to begin as soon as the worker exists, without waiting for a call (loading a model while
+        the controller is busy elsewhere). Runs on the worker's first sync thread, queued ahead of every
+        call, after the worker reports ready: with one sync thread the calls wait for it, in order.
+        An exception is logged; a method that needs the result re-raises it (see TrainerWorker.setup)."""
 
     async def on_stop(self) -> None:
         """Called on an orderly shutdown (not on SIGKILL)."""

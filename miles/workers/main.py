@@ -106,6 +106,7 @@ class WorkerHost:
         self.worker: Worker | None = None
         self._methods: dict[str, RpcMethod] = {}
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._warm_up: asyncio.Future | None = None
 
     def _seen(self, _peer: bytes) -> None:
         self._last_seen = time.monotonic()
@@ -182,6 +183,9 @@ class WorkerHost:
         self.worker = await loop.run_in_executor(self._executor, functools.partial(cls, ctx, **init_kwargs))
         await self.worker.on_start()
         self._methods = rpc_methods(self.worker)
+        # queued first on the sync thread: calls that arrive after "ready" run once it is done
+        self._warm_up = loop.run_in_executor(self._executor, self.worker.warm_up)
+        self._warm_up.add_done_callback(_log_warm_up_failure)
         await self.rpc.call_controller("ready", timeout_s=self.cfg.register_timeout_s)
         logger.info("ready: %s serving %d methods", self.identity, len(self._methods))
 
@@ -215,6 +219,11 @@ class WorkerHost:
         self.rpc.close()
         self._zmq.term()
         kill_own_descendants()
+
+
+def _log_warm_up_failure(fut: asyncio.Future) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        logger.error("warm_up failed (the call that needs it raises the error)", exc_info=fut.exception())
 
 
 async def _run_host(cfg: WorkerEnv) -> int:

@@ -49,10 +49,31 @@ class TrainerWorker(Worker):
         self.backend = None
         self.updater = None
         self.profiler = WorkerProfiler(f"{ctx.role}_{ctx.rank}")
+        self._setup_result: dict[str, Any] | None = None
+        self._setup_error: BaseException | None = None
 
     # ---- lifecycle -------------------------------------------------------------------
+    def warm_up(self) -> None:
+        """Set up at once, on the thread the calls run on (torch.cuda.set_device is per thread): the model,
+        FSDP and the optimizer are built while the controller reads the data and the engines load."""
+        try:
+            self.setup()
+        except BaseException as e:  # noqa: BLE001 - kept for the controller's `setup` call, which raises it
+            self._setup_error = e
+            raise
+        import miles.engines.client  # noqa: F401 - what connect_engines imports, off the critical path too
+        import miles.weights.registry  # noqa: F401
+
     def setup(self) -> dict[str, Any]:
-        """Join the training world (env set by the runtime) and build the backend."""
+        """Join the training world (env set by the runtime) and build the backend, once: a second call
+        (the controller's, after warm_up did it) returns the first one's result or raises its error."""
+        if self._setup_error is not None:
+            raise self._setup_error
+        if self._setup_result is None:
+            self._setup_result = self._setup()
+        return self._setup_result
+
+    def _setup(self) -> dict[str, Any]:
         torch.set_num_threads(max(1, int(os.environ.get("MILES_TORCH_THREADS", "1"))))
         if self.device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count()))

@@ -137,6 +137,19 @@ def test_failing_constructor_fails_start_with_traceback(tmp_path) -> None:
     run(main())
 
 
+def test_warm_up_runs_after_ready_and_sync_calls_wait_for_it(tmp_path) -> None:
+    async def main():
+        rt = await Runtime.start(specs(1, warm_up_s=3.0), run_dir=str(tmp_path))
+        try:
+            worker = rt.worker("noop", 0)
+            assert await worker.call("is_warm") is False  # ready was reported without waiting for warm_up
+            assert await worker.call("is_warm_sync") is True  # a sync call runs after it, on the same thread
+        finally:
+            await rt.shutdown()
+
+    run(main())
+
+
 def test_worker_not_ready_in_time_fails_start(tmp_path) -> None:
     async def main():
         with pytest.raises(WorkerDied, match=r"noop:0 .* was not ready within register_timeout_s=1.5") as err:
