@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from miles.agent.envs.calculator import REMINDER, calculate, final_answer, make_problem, respond, reward
+from miles.agent.envs.calculator import REMINDER, calculate, final_answer, main, make_problem, respond, reward
 from miles.rollout.sample import Sample
 
 
@@ -78,3 +78,19 @@ def test_reward_grades_the_last_assistant_turn_not_tool_output():
     assert asyncio.run(reward(None, sample)) == 0.0
     sample.metadata["messages"] = messages[:2]
     assert asyncio.run(reward(None, sample)) == 1.0
+
+
+def _one_op_share(path) -> float:
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    one = [r for r in rows if sum(r["messages"][0]["content"].count(op) for op in "+-*") == 1]
+    return len(one) / len(rows)
+
+
+def test_the_training_file_leans_on_one_operation_and_the_held_out_file_does_not(tmp_path):
+    assert main(["--out-dir", str(tmp_path), "--num-train", "200", "--num-eval", "100"]) == 0
+    assert _one_op_share(tmp_path / "calculator_train.jsonl") > 0.6  # drawn 3:1, repeats dropped
+    assert _one_op_share(tmp_path / "calculator_eval.jsonl") < 0.55  # the seven forms uniformly: 3/7
+    main(["--out-dir", str(tmp_path), "--num-train", "50", "--num-eval", "10", "--train-one-op-frac", "0"])
+    assert _one_op_share(tmp_path / "calculator_train.jsonl") == 0.0
+    with pytest.raises(SystemExit):
+        main(["--out-dir", str(tmp_path), "--train-one-op-frac", "1.5"])

@@ -61,15 +61,10 @@ TOOL = {
         "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
     },
 }
-FORMS = (
-    "{a} + {b}",
-    "{a} - {b}",
-    "{a} * {c}",
-    "({a} + {b}) * {c}",
-    "{a} * {c} + {b}",
-    "{a} + {b} - {c}",
-    "({a} - {b}) * {c}",
-)  # one and two operations, drawn uniformly
+ONE_OP = ("{a} + {b}", "{a} - {b}", "{a} * {c}")
+TWO_OPS = ("({a} + {b}) * {c}", "{a} * {c} + {b}", "{a} + {b} - {c}", "({a} - {b}) * {c}")
+FORMS = ONE_OP + TWO_OPS  # the held-out set draws these uniformly (3 of 7 one operation)
+TRAIN_ONE_OP_FRAC = 0.75  # the training set leans on one operation, which the base model sometimes solves
 _NUMBER = r"-?\d+(?:\.\d+)?"
 _ANSWER = re.compile(rf"Answer:\s*({_NUMBER})")
 _FIRST_NUMBER = re.compile(_NUMBER)
@@ -172,27 +167,36 @@ def _run_call(call: dict) -> str:
 
 async def agent(base_url: str, prompt: Any, request_kwargs: dict, metadata: dict, **kwargs: Any) -> dict:
     """Talks to `{base_url}/v1/chat/completions` like any OpenAI-API agent; the session server records tokens."""
-    messages = first_messages(prompt)
+    async with aiohttp.ClientSession() as http:
+        _, metrics = await run_episode(
+            http, base_url, first_messages(prompt), request_kwargs, int(metadata.get("max_turns", 4))
+        )
+    return {"agent_metrics": metrics}
+
+
+async def run_episode(
+    http: aiohttp.ClientSession, base_url: str, messages: list[dict], request_kwargs: dict, max_turns: int
+) -> tuple[list[dict], dict[str, float]]:
+    """One episode over an OpenAI-compatible endpoint: (the messages, with every reply, and the metrics)."""
     turns = tool_calls = 0
     tool_s = 0.0
-    async with aiohttp.ClientSession() as http:
-        while turns < int(metadata.get("max_turns", 4)):
-            body = {"model": "policy", "messages": messages, "tools": [TOOL], **request_kwargs}
-            async with http.post(f"{base_url}/v1/chat/completions", json=body) as resp:
-                if resp.status != 200:  # refused or aborted: the episode ends with what it has
-                    break
-                choice = (await resp.json())["choices"][0]
-            turns += 1
-            reply = {k: v for k, v in choice["message"].items() if v is not None}
-            messages.append(reply)
-            if choice["finish_reason"] == "length":
+    while turns < max_turns:
+        body = {"model": "policy", "messages": messages, "tools": [TOOL], **request_kwargs}
+        async with http.post(f"{base_url}/v1/chat/completions", json=body) as resp:
+            if resp.status != 200:  # refused or aborted: the episode ends with what it has
                 break
-            step = respond(reply)
-            tool_s, tool_calls = tool_s + step.tool_s, tool_calls + step.tool_calls
-            if step.done:
-                break
-            messages += step.messages
-    return {"agent_metrics": {"total_tool_time": tool_s, "turns": turns, "tool_calls": tool_calls}}
+            choice = (await resp.json())["choices"][0]
+        turns += 1
+        reply = {k: v for k, v in choice["message"].items() if v is not None}
+        messages.append(reply)
+        if choice["finish_reason"] == "length":
+            break
+        step = respond(reply)
+        tool_s, tool_calls = tool_s + step.tool_s, tool_calls + step.tool_calls
+        if step.done:
+            break
+        messages += step.messages
+    return messages, {"total_tool_time": tool_s, "turns": turns, "tool_calls": tool_calls}
 
 
 # ---------------------------------------------------------------- layer 2: the generate function
@@ -291,8 +295,12 @@ class CalculatorRollout:
 # ---------------------------------------------------------------- task files
 
 
-def make_problem(rng: random.Random) -> tuple[str, int]:
-    form = rng.choice(FORMS)
+def make_problem(rng: random.Random, one_op_frac: float | None = None) -> tuple[str, int]:
+    """An expression and its value; `one_op_frac` None draws the forms uniformly, else one operation that often."""
+    if one_op_frac is None:
+        form = rng.choice(FORMS)
+    else:
+        form = rng.choice(ONE_OP if rng.random() < one_op_frac else TWO_OPS)
     a, b, c = rng.randint(2, 20), rng.randint(2, 20), rng.randint(2, 9)
     if "-" in form and a < b:
         a, b = b, a
@@ -300,12 +308,14 @@ def make_problem(rng: random.Random) -> tuple[str, int]:
     return expression, int(float(calculate(expression)))
 
 
-def write_tasks(path: Path, n: int, rng: random.Random, exclude: set[str]) -> set[str]:
+def write_tasks(
+    path: Path, n: int, rng: random.Random, exclude: set[str], one_op_frac: float | None = None
+) -> set[str]:
     seen: set[str] = set()
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
         while len(seen) < n:
-            expression, answer = make_problem(rng)
+            expression, answer = make_problem(rng, one_op_frac)
             if expression in seen or expression in exclude:
                 continue
             seen.add(expression)
@@ -320,10 +330,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-train", type=int, default=512)
     parser.add_argument("--num-eval", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--train-one-op-frac",
+        type=float,
+        default=TRAIN_ONE_OP_FRAC,
+        help="share of one-operation tasks in the training file (the held-out file draws all forms uniformly)",
+    )
     args = parser.parse_args(argv)
+    if not 0.0 <= args.train_one_op_frac <= 1.0:
+        parser.error(f"--train-one-op-frac {args.train_one_op_frac} must be within [0, 1]")
     rng = random.Random(args.seed)
     held_out = write_tasks(Path(args.out_dir) / "calculator_eval.jsonl", args.num_eval, rng, set())
-    write_tasks(Path(args.out_dir) / "calculator_train.jsonl", args.num_train, rng, held_out)
+    write_tasks(Path(args.out_dir) / "calculator_train.jsonl", args.num_train, rng, held_out, args.train_one_op_frac)
     print(f"wrote {args.num_train} + {args.num_eval} tasks to {args.out_dir}")
     return 0
 
