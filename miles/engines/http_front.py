@@ -96,10 +96,26 @@ class EngineFront:
     """Request handlers bound to one engine (and, lazily, its weight receiver)."""
 
     def __init__(self, engine: Any, receiver: Any = None, weight_dirs: WeightDirs | None = None) -> None:
-        self.engine = engine
+        self._engine = engine
         self._receiver = receiver
         self.weight_dirs = weight_dirs or WeightDirs.of((), getattr(engine, "model_path", None))
         self.paused = False
+
+    @property
+    def engine(self) -> Any:
+        if self._engine is None:
+            raise RuntimeError("this HTTP front is stopped: it no longer serves an engine")
+        return self._engine
+
+    def detach(self) -> None:
+        """Let go of the engine and the weight receiver once the server stopped.
+
+        aiohttp (>= 3.10.6) caches every application's middleware-wrapped handlers in a module-level
+        LRU (up to 1024 entries) that outlives the application; each handler is bound to this front,
+        so without this a stopped front keeps its engine (weights, KV cache) alive for as long as the
+        process runs, one engine per server started in it.
+        """
+        self._engine = self._receiver = None
 
     # -- generation -------------------------------------------------------------------------------
 
@@ -333,6 +349,7 @@ def build_app(
         middlewares.insert(0, api_key_middleware(api_key))
     app = web.Application(middlewares=middlewares, client_max_size=max_bytes)
     app[FRONT_KEY] = front
+    app.on_cleanup.append(_detach_front)
     add = app.router.add_route
     for method in ("POST", "PUT"):
         add(method, "/generate", front.generate)
@@ -356,6 +373,10 @@ def build_app(
     for name in MILES_WEIGHT_ENDPOINTS:
         add("POST", f"/miles/{name}", front.weights_route(name))
     return app
+
+
+async def _detach_front(app: web.Application) -> None:
+    app[FRONT_KEY].detach()
 
 
 @dataclass(slots=True)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import sys
+import weakref
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -68,6 +70,22 @@ def test_generate_matches_in_process_call():
     assert [e[1] for e in meta["output_token_logprobs"]] == greedy(7, 6)
     # logprob_start_len=1 keeps input positions 1 and 2.
     assert [e[1] for e in meta["input_token_logprobs"]] == [6, 7]
+
+
+def test_a_stopped_front_lets_its_engine_go():
+    """aiohttp keeps every app's middleware-wrapped handlers in a process-wide cache after the app stopped:
+    the handlers must not hold the engine (a real one holds its weights and KV cache) past `stop()`."""
+
+    async def main():
+        engine = FakeEngine()
+        async with serving(engine) as client:
+            await client.generate({"input_ids": [1], "sampling_params": {"max_new_tokens": 1}})
+            await client.update_weight_version("1")  # through the weight receiver, which holds the engine too
+        return weakref.ref(engine)
+
+    gone = run(main())
+    gc.collect()
+    assert gone() is None
 
 
 def test_batch_and_n_are_flattened_like_sglang():
