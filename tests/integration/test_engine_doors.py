@@ -8,8 +8,10 @@ an oversized body, a huge prompt beside a small one, NaN sampling parameters.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
+import pickle
 import threading
 from contextlib import asynccontextmanager
 
@@ -132,6 +134,22 @@ def test_weight_endpoints_take_only_the_runs_directories(model_dir, tmp_path):
     assert version == 2
 
 
+class _SharedStorage:
+    """Pickles as torch's file_system storage reduction naming `segment` (SGLang's payload format)."""
+
+    def __init__(self, segment: str) -> None:
+        self.segment = segment
+
+    def __reduce__(self):
+        from torch.multiprocessing import reductions
+
+        return reductions.rebuild_storage_filename, (torch.UntypedStorage, b"/manager", self.segment.encode(), 64)
+
+
+def _storage_payload(segment: str) -> str:
+    return base64.b64encode(pickle.dumps([("w", _SharedStorage(segment))])).decode()
+
+
 def test_a_shared_memory_segment_must_be_a_plain_name(model_dir, tmp_path):
     secret = tmp_path / "not-shm"
     secret.write_bytes(b"\0" * 64)
@@ -142,7 +160,7 @@ def test_a_shared_memory_segment_must_be_a_plain_name(model_dir, tmp_path):
         async with serving(model_dir) as (_, _url, client):
             errors = []
             for segment in (escape, "/" + escape, "a/b", ".."):
-                payload = json.dumps({"kind": "shm", "segment": segment, "tensors": []})
+                payload = _storage_payload(segment)
                 with pytest.raises(EngineHTTPError) as info:
                     await client.update_weights_from_tensor(serialized_named_tensors=[payload])
                 errors.append(info.value)
