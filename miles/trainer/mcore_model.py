@@ -1,11 +1,17 @@
 """megatron-core GPTModel for a HF dense decoder, fed packed sequences.
 
 The layer spec is megatron-core's local one (its own ColumnParallelLinear / RowParallelLinear)
-with torch's RMSNorm (`RMSNorm`, `HeadRMSNorm`) and the core attention replaced by `PackedCoreAttention`: every micro-batch is one
-row of concatenated sequences in Megatron's THD layout (`PackedSeqParams(qkv_format="thd")`), so
-RoPE restarts at every sequence (megatron-core applies it per `cu_seqlens`) and attention runs causal
-within each sequence, one SDPA call per sequence (flash kernels on GPU, in bf16). Transformer
-Engine is not needed.
+with torch's RMSNorm (`RMSNorm`, `HeadRMSNorm`) and the core attention replaced by
+`PackedCoreAttention`. Every micro-batch is one row of concatenated sequences in Megatron's THD
+layout, described by `PackedRows` (a `PackedSeqParams(qkv_format="thd")` that also carries each
+token's position and how the sequences group for attention, all built once per micro-batch on the
+host). The core attention applies RoPE itself (GPTModel is built without a position embedding:
+megatron-core's THD RoPE loops over the sequences in Python, with a host sync per layer) and runs
+causal attention within each sequence as a few SDPA calls over right-padded [n, L] groups of
+similar length (flash kernels on GPU). Transformer Engine is not needed.
+
+Parameters are fp32 (the checkpoint's values, as in the FSDP backend); the compute dtype applies
+through autocast in the backend's forward step.
 
 Only the positions that predict a response token go through the output layer (`response_logits`,
 given to GPTModel as its output processor), gathered over tensor-parallel ranks to the full
@@ -15,7 +21,9 @@ vocabulary; log-probs and entropy then come from `forward.log_probs_and_entropy`
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
@@ -23,6 +31,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -36,7 +45,6 @@ def transformer_config(
     pp: int,
     cp: int,
     sequence_parallel: bool,
-    compute_dtype: torch.dtype,
     on_gpu: bool,
     recompute: bool,
 ) -> TransformerConfig:
@@ -61,10 +69,10 @@ def transformer_config(
         pipeline_model_parallel_size=pp,
         context_parallel_size=cp,
         sequence_parallel=sequence_parallel,
-        params_dtype=compute_dtype,
-        pipeline_dtype=compute_dtype,
-        bf16=compute_dtype == torch.bfloat16,
-        fp16=compute_dtype == torch.float16,
+        params_dtype=torch.float32,  # fp32 parameters; bf16 compute comes from autocast
+        pipeline_dtype=torch.float32,  # the residual stream stays fp32 under autocast
+        bf16=False,
+        fp16=False,
         variable_seq_lengths=True,  # packed micro-batches differ in length; stages exchange shapes
         moe_token_dispatcher_type="alltoall",  # dense models: only the check of variable lengths reads it
         calculate_per_token_loss=True,  # losses arrive divided by step-wide denominators: no 1/num_microbatches
@@ -82,8 +90,77 @@ def transformer_config(
     )
 
 
+# Sequences of a micro-batch share one SDPA call when padding them to the longest of the call
+# costs at most this factor in attention positions (sorted by length, grouped greedily).
+PAD_WASTE = 1.5
+
+
+@dataclass
+class PackedRows(PackedSeqParams):
+    """THD packing of one micro-batch, with what the core attention needs precomputed on the host.
+
+    `positions` [t]: each token's position within its sequence (RoPE). `groups`: per SDPA call,
+    `index` [n, L] (the packed-row index of each sequence's tokens, right-padded with index 0) and
+    `valid` [n, L]. `inverse` [t]: where each packed token sits in the concatenation of the
+    groups' valid outputs. `cache`: per-dtype cos/sin, filled by the first layer.
+    """
+
+    positions: torch.Tensor | None = None
+    groups: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    inverse: torch.Tensor | None = None
+    cache: dict = field(default_factory=dict)
+
+
+def group_by_length(seq_lens: list[int], waste: float = PAD_WASTE) -> list[list[int]]:
+    """Sequence indices in groups (longest first) whose padded size stays within `waste` x their tokens."""
+    order = sorted(range(len(seq_lens)), key=lambda i: -seq_lens[i])
+    groups: list[list[int]] = []
+    tokens = 0
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * seq_lens[groups[-1][0]] <= waste * (tokens + seq_lens[i]):
+            groups[-1].append(i)
+            tokens += seq_lens[i]
+        else:
+            groups.append([i])
+            tokens = seq_lens[i]
+    return groups
+
+
+def packed_seq_params(seq_lens: list[int], device: torch.device) -> PackedRows:
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+    positions = np.concatenate([np.arange(n) for n in lens])
+    groups, order = [], []
+    for g in group_by_length([int(n) for n in lens]):
+        width = int(lens[g[0]])
+        cols = np.arange(width)
+        valid = cols[None, :] < lens[g][:, None]
+        index = np.where(valid, starts[g][:, None] + cols[None, :], 0)
+        order.append(index[valid])
+        groups.append((torch.from_numpy(index).to(device), torch.from_numpy(valid).to(device)))
+    inverse = np.empty(int(lens.sum()), dtype=np.int64)
+    inverse[np.concatenate(order)] = np.arange(len(inverse))
+    cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)).to(device)
+    longest = int(lens.max())
+    return PackedRows(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+        positions=torch.from_numpy(positions).to(device),
+        groups=groups,
+        inverse=torch.from_numpy(inverse).to(device),
+    )
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
 class PackedCoreAttention(MegatronModule):
-    """Causal attention within each sequence of a THD-packed row (GQA through SDPA's enable_gqa)."""
+    """RoPE, then causal attention within each sequence of a THD-packed row (GQA through SDPA's enable_gqa)."""
 
     def __init__(
         self,
@@ -95,9 +172,20 @@ class PackedCoreAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection=None,
+        rope_theta: float = 10000.0,
     ) -> None:
         super().__init__(config=config)
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+        d = config.kv_channels
+        self.inv_freq = 1.0 / (rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))  # as HF
+
+    def _cos_sin(self, rows: PackedRows, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if dtype not in rows.cache:  # once per micro-batch: every layer shares it
+            inv = self.inv_freq.to(rows.positions.device)
+            freqs = rows.positions.float()[:, None] * inv[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [t, 1, d]
+            rows.cache[dtype] = (emb.cos().to(dtype), emb.sin().to(dtype))
+        return rows.cache[dtype]
 
     def forward(
         self,
@@ -110,22 +198,18 @@ class PackedCoreAttention(MegatronModule):
         packed_seq_params: PackedSeqParams | None = None,
     ) -> torch.Tensor:
         """query [t, heads, d], key/value [t, kv_heads, d] -> [t, heads * d]."""
-        if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
-            raise ValueError("PackedCoreAttention needs THD-packed inputs (PackedSeqParams(qkv_format='thd'))")
-        cu = packed_seq_params.cu_seqlens_q
-        lengths = (cu[1:] - cu[:-1]).tolist()
+        if not isinstance(packed_seq_params, PackedRows):
+            raise ValueError("PackedCoreAttention needs the micro-batch's PackedRows (mcore_model.packed_seq_params)")
+        rows = packed_seq_params
+        cos, sin = self._cos_sin(rows, query.dtype)
+        query = query * cos + _rotate_half(query) * sin
+        key = key * cos.to(key.dtype) + _rotate_half(key) * sin.to(key.dtype)
         outs = []
-        for q, k, v in zip(query.split(lengths), key.split(lengths), value.split(lengths), strict=True):
-            o = F.scaled_dot_product_attention(
-                q.transpose(0, 1).unsqueeze(0),
-                k.transpose(0, 1).unsqueeze(0),
-                v.transpose(0, 1).unsqueeze(0),
-                is_causal=True,
-                scale=self.softmax_scale,
-                enable_gqa=True,
-            )
-            outs.append(o.squeeze(0).transpose(0, 1).flatten(1))
-        return torch.cat(outs)
+        for index, valid in rows.groups:
+            q, k, v = (x[index].transpose(1, 2) for x in (query, key, value))  # [n, heads, L, d]
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=True)
+            outs.append(o.transpose(1, 2)[valid].flatten(1))  # right padding: real queries never see it
+        return torch.cat(outs)[rows.inverse]
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -150,7 +234,7 @@ def block_spec(s: ModelShape, num_stage_layers: int) -> TransformerBlockSubmodul
     layer.submodules.input_layernorm = RMSNorm
     layer.submodules.pre_mlp_layernorm = RMSNorm
     attn = layer.submodules.self_attention.submodules
-    attn.core_attention = PackedCoreAttention
+    attn.core_attention = ModuleSpec(module=PackedCoreAttention, params={"rope_theta": s.rope_theta})
     if s.qk_norm:
         attn.q_layernorm = attn.k_layernorm = HeadRMSNorm
     return TransformerBlockSubmodules(layer_specs=[layer] * num_stage_layers, layer_norm=RMSNorm)
@@ -168,16 +252,7 @@ def build_gpt_model(
         post_process=post,
         parallel_output=True,
         share_embeddings_and_output_weights=s.tied_embeddings,
-        position_embedding_type="rope",
-        rotary_base=s.rope_theta,
-    )
-
-
-def packed_seq_params(seq_lens: list[int], device: torch.device) -> PackedSeqParams:
-    cu = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    longest = max(seq_lens)
-    return PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+        position_embedding_type="none",  # RoPE is applied in PackedCoreAttention
     )
 
 

@@ -5,8 +5,10 @@ The trainer world of `--actor-num-nodes x --actor-num-gpus-per-node` ranks is sp
 DP is what is left). The controller gives every rank of one data-parallel replica the same shard.
 The model is megatron-core's GPTModel built from the HF config (`mcore_model`), its weights converted
 from the HF checkpoint (`mcore_convert`), wrapped in megatron-core's DistributedDataParallel and
-trained by its distributed optimizer (fp32 master weights and Adam states sharded over DP, bf16
-compute). Micro-batches are THD-packed rows run through megatron-core's forward/backward schedule
+trained by its distributed optimizer (Adam states sharded over DP). Parameters stay fp32, the
+checkpoint's values, and `--dtype` is the compute dtype (autocast), as in the FSDP backend: bf16
+parameters would round every weight at load and hide updates smaller than half a bf16 step from
+both the forward and the engines. Micro-batches are THD-packed rows run through megatron-core's forward/backward schedule
 (1F1B across pipeline stages). Losses arrive divided by step-wide denominators
 (`calculate_per_token_loss`), so gradients are summed over micro-batches and DP ranks, as in FSDP.
 
@@ -171,7 +173,6 @@ class MegatronBackend:
             pp=pp,
             cp=t.context_parallel_size,
             sequence_parallel=t.sequence_parallel,
-            compute_dtype=self.compute_dtype,
             on_gpu=True,
             recompute=t.gradient_checkpointing,
         )
@@ -218,8 +219,7 @@ class MegatronBackend:
             adam_beta2=t.adam_beta2,
             adam_eps=t.adam_eps,
             clip_grad=t.clip_grad,
-            bf16=self.compute_dtype == torch.bfloat16,
-            params_dtype=self.compute_dtype,
+            params_dtype=torch.float32,
             use_distributed_optimizer=True,
         )
         optimizer = get_megatron_optimizer(opt_config, [model])
@@ -248,16 +248,19 @@ class MegatronBackend:
         (on the last stage; [] elsewhere)."""
         vocab = self.shape.vocab_size
 
+        autocast = self.compute_dtype != torch.float32
+
         def forward_step(data_iterator, chunk):
             mb = next(data_iterator)
-            out = chunk(
-                mb.input_ids,
-                mb.position_ids,
-                None,
-                packed_seq_params=mb.seq_params,
-                output_processor=response_logits,
-                output_processor_context={"logits_index": mb.logits_index, "vocab_size": vocab},
-            )
+            with torch.autocast("cuda", dtype=self.compute_dtype, enabled=autocast):
+                out = chunk(
+                    mb.input_ids,
+                    mb.position_ids,
+                    None,
+                    packed_seq_params=mb.seq_params,
+                    output_processor=response_logits,
+                    output_processor_context={"logits_index": mb.logits_index, "vocab_size": vocab},
+                )
             return out, lambda logits: loss(mb, logits)
 
         return get_forward_backward_func()(
@@ -372,7 +375,7 @@ class MegatronBackend:
                 pairs = mc.to_hf(mname, full, hnames, self.shape)
                 tensors = [(t.to(dtype) if dtype is not None else t).contiguous() for _, t in pairs]
             else:  # filled by the owning stage's broadcast below
-                out_dtype = dtype or self.compute_dtype
+                out_dtype = dtype or torch.float32
                 tensors = [
                     torch.empty(mc.hf_shape(h, self.shape), dtype=out_dtype, device=self.device) for h in hnames
                 ]
