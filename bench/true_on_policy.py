@@ -35,7 +35,7 @@ MODES = {"default": [], "true_on_policy": ["--true-on-policy-mode"]}
 
 def run_once(flags: list[str], out_dir: Path, timeout_s: float) -> list[dict]:
     cmd = [sys.executable, "-m", "miles.cli", "train", *flags, "--output-dir", str(out_dir), "--no-progress-bar"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")

@@ -161,7 +161,12 @@ def test_smollm2_colocated_logprob_diff_is_exactly_zero(tmp_path):
         "--no-progress-bar",
     ]
     proc = subprocess.run(
-        cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=900
+        cmd,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))},
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]

@@ -43,7 +43,12 @@ def free_port_pair() -> int:
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
 def test_two_torchrun_nodes_selftest(tmp_path) -> None:
     port = free_port_pair()
-    env = {**os.environ, "PYTHONPATH": REPO_ROOT, "MILES_HEARTBEAT_TIMEOUT_S": "15", "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "MILES_HEARTBEAT_TIMEOUT_S": "15",
+        "OMP_NUM_THREADS": "1",
+    }
     env.pop("MILES_RUN_SECRET", None)  # exercise the secret hand-off through torchrun's store
     procs = []
     for node in (0, 1):
@@ -106,7 +111,7 @@ def test_single_node_selftest_without_torchrun(tmp_path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "GROUP_", "LOCAL_", "MASTER_"))}
     out = subprocess.run(
         [sys.executable, "-m", "miles.launch", "--selftest", "--workers-per-node", "3", "--run-dir", str(tmp_path)],
-        env={**env, "PYTHONPATH": REPO_ROOT},
+        env=env,
         capture_output=True,
         text=True,
         timeout=120,
@@ -127,7 +132,7 @@ def test_remote_worker_death_is_reported_by_its_node_agent(tmp_path) -> None:
     key = os.urandom(32)
     agent = subprocess.Popen(
         [sys.executable, "-c", AGENT_SCRIPT, f"tcp://127.0.0.1:{port}", key.hex()],
-        env={**os.environ, "PYTHONPATH": REPO_ROOT},
+        env={**os.environ, "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -182,7 +182,7 @@ CONTROLLER_SCRIPT = textwrap.dedent("""
 def start_controller(tmp_path) -> tuple[subprocess.Popen, list[int]]:
     script = tmp_path / "controller.py"
     script.write_text(CONTROLLER_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": REPO_ROOT}
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen(
         [sys.executable, str(script), str(tmp_path / "run")],
         stdout=subprocess.PIPE,
