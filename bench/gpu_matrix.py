@@ -42,7 +42,7 @@ class Run:
     name: str
     gpus: int
     flags: list[str]
-    group: str  # core | crash | smollm2 | precision | agentic
+    group: str  # core | crash | smollm2 | precision | agentic | megatron
     learns: str = "rollout"  # rollout | heldout | none (stability only)
     long_answers: bool = False  # every prompt forces 512 new tokens (ignore_eos)
     env: dict[str, str] = field(default_factory=dict)
@@ -97,6 +97,31 @@ def _runs() -> list[Run]:
             long_answers=True,
         ),
     ]
+    megatron = [*DEMO, "--colocate", "--train-backend", "megatron"]
+    runs += [
+        Run("megatron_colocate_1gpu", 1, megatron, "megatron"),
+        # two tensor-parallel ranks gather their shards for the engine, whose every tensor is checked
+        Run(
+            "megatron_tp2_colocate",
+            2,
+            [
+                *megatron,
+                "--actor-num-gpus-per-node",
+                "2",
+                "--tensor-model-parallel-size",
+                "2",
+                "--check-weight-update-equal",
+            ],
+            "megatron",
+        ),  # fmt: skip
+        Run(
+            "smollm2_megatron_colocate",
+            1,
+            [*SMOLLM2, "--colocate", "--train-backend", "megatron"],
+            "megatron",
+            learns="heldout",
+        ),  # fmt: skip
+    ]
     for mode in ("retract", "in_place", "abort"):
         for graphs in (True, False):
             flags = [*DEMO, "--pause-generation-mode", mode]
@@ -113,7 +138,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", nargs="*", default=[], help=f"runs by name: {', '.join(RUNS)}")
     p.add_argument(
-        "--group", nargs="*", default=[], help="every run of these groups: core, crash, smollm2, precision, agentic"
+        "--group",
+        nargs="*",
+        default=[],
+        help="every run of these groups: core, crash, smollm2, precision, agentic, megatron",
     )
     p.add_argument("--list", action="store_true", help="print the runs and their commands, run nothing")
     p.add_argument("--parallel", type=int, default=1, help="commands at once (their GPUs are shared)")
