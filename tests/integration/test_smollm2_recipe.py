@@ -97,7 +97,8 @@ def test_engine_greedy_equals_transformers_greedy(converted: Path) -> None:
     del hf
 
     async def engine_greedy() -> list[int]:
-        engine = EmbeddedEngine(str(converted), dtype="float32")
+        # one slot of 256 tokens: the default cache (64 slots x 4096 tokens) is 12 GB for this model
+        engine = EmbeddedEngine(str(converted), dtype="float32", max_running_requests=1, max_total_tokens=256)
         await engine.start()
         try:
             out = await engine.generate(

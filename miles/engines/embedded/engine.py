@@ -71,6 +71,28 @@ def _resolve_dtype(dtype: str, config: dict, device: torch.device) -> torch.dtyp
     return value
 
 
+# Without --max-total-tokens, a CPU engine's KV cache takes at most this share of the available memory
+# (64 slots of 4096 tokens is 12 GB for a 135M-parameter model: a GPU's default, not a laptop's).
+CPU_KV_MEMORY_FRACTION = 0.25
+
+
+def _cpu_slot_len(spec, dtype: torch.dtype, slots: int, wanted: int) -> int:
+    """Tokens per slot for a CPU cache sized by default: `wanted`, or what fits the memory share."""
+    import psutil
+
+    per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * torch.empty((), dtype=dtype).element_size()
+    fit = int(CPU_KV_MEMORY_FRACTION * psutil.virtual_memory().available // (slots * per_token))
+    if fit >= wanted:
+        return wanted
+    fit = max(fit, 2)
+    logger.warning(
+        "KV cache on CPU: %d slots x %d tokens would exceed %.0f%% of the available memory; each slot holds %d "
+        "tokens (set --max-total-tokens, or fewer --max-running-requests, to choose)",
+        slots, wanted, 100 * CPU_KV_MEMORY_FRACTION, fit,
+    )  # fmt: skip
+    return fit
+
+
 class EmbeddedEngine:
     def __init__(
         self,
@@ -98,6 +120,8 @@ class EmbeddedEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = CausalLM.from_pretrained(model_path, self.device, self.dtype)
         max_seq_len = min(self.model.spec.max_position_embeddings, 4096)
+        if max_total_tokens is None and self.device.type == "cpu":
+            max_seq_len = _cpu_slot_len(self.model.spec, self.dtype, max_running_requests, max_seq_len)
         if max_total_tokens is not None:
             max_seq_len = max_total_tokens // max_running_requests
             if max_seq_len < 2:
