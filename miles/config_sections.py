@@ -207,7 +207,7 @@ class AlgoConfig:
     opd_log_prob_top_k: int = _f(
         0,
         "GRPO",
-        "top-K OPD: estimate the reverse KL over K candidate tokens per position (0: the sampled token alone)",
+        "top-K OPD: estimate each position's reverse KL over K candidate tokens, the sampled token's baseline (0: none)",
     )
     opd_top_k_strategy: str = _f(
         "only-student", "GRPO", "top-K candidate set: only-student | only-teacher | intersection | union | xor"

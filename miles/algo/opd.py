@@ -5,9 +5,11 @@ subtracted (times a coefficient) from the estimator's advantage, after the estim
 whitening, so it composes with every estimator and the policy loss is unchanged. Both
 log-probabilities are fixed inputs (no gradient flows through the penalty).
 
-The top-K estimate (`topk_reverse_kl`, "Rethinking OPD") replaces the sampled token's difference by a
-weighted sum over a candidate set per position; it is computed on the rollout side, where the
-teacher's and the student's top-K log-probs arrive (miles/rollout/opd_teacher.py).
+The top-K estimate (`topk_reverse_kl`, "Rethinking OPD") is a weighted sum over a candidate set per
+position, computed on the rollout side, where the teacher's and the student's top-K log-probs arrive
+(miles/rollout/opd_teacher.py). It estimates the position's KL with less noise than one sample, but it
+does not depend on the sampled token, so it serves as the baseline of the sampled token's log-ratio
+(`apply_opd`), not as the penalty itself.
 """
 
 from __future__ import annotations
@@ -47,11 +49,24 @@ def apply_opd(
     opd_reverse_kl: Tensor | None = None,
     coef: float,
 ) -> Tensor:
-    """advantages − coef · reverse_kl, using the precomputed top-K estimate when given, else the sampled one."""
-    if opd_reverse_kl is not None:
-        penalty = opd_reverse_kl.detach().float().nan_to_num(0.0, 0.0, 0.0)
-    elif teacher_log_probs is not None and student_log_probs is not None:
+    """advantages − coef · penalty: the sampled token's log-ratio, minus the top-K estimate when given.
+
+    Only the sampled token's term tells the policy gradient which action to move: its expectation over
+    the action is the reverse KL, and reinforcing −(log p_s(a) − log p_t(a)) follows the KL's gradient.
+    The top-K estimate is a property of the position (the same whatever token was sampled), so on its
+    own as a penalty its expected gradient is zero: it only pushes every sampled token down, the policy
+    spreads away from the teacher and the KL grows (measured: docs/distillation.md). It is used as the
+    baseline of the sampled term instead, which keeps the gradient's expectation and lowers its variance.
+    """
+    if teacher_log_probs is not None and student_log_probs is not None:
         penalty = sampled_reverse_kl(student_log_probs, teacher_log_probs)
+        if opd_reverse_kl is not None:
+            penalty = penalty - opd_reverse_kl.detach().float().nan_to_num(0.0, 0.0, 0.0)
+    elif opd_reverse_kl is not None:
+        raise ValueError(
+            "top-K OPD needs the teacher's log-probs of the sampled tokens too (the top-K estimate is only "
+            "their baseline); the rollout stores both when a teacher scores the sample"
+        )
     else:
         raise ValueError(
             "--use-opd needs per-token teacher log-probs (and the student's old log-probs) or a precomputed "

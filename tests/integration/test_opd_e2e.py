@@ -105,3 +105,11 @@ def test_distilled_student_approaches_the_teacher_where_grpo_alone_cannot(tmp_pa
     assert mean(kl[STEPS // 2 :]) < mean(kl[:3]) - 0.2, f"the reverse KL to the teacher did not fall: {kl}"
     assert curve(opd, "rollout/opd_teacher_samples/default") == [128.0] * STEPS  # every sample scored
     assert not curve(grpo, "train/opd_reverse_kl")
+    # top-K: the estimate is the sampled term's baseline. As the penalty itself it pushed every sampled
+    # token down: reward 0.26 -> 0.00 and the KL 2.3 -> 6.3 on this run (docs/distillation.md)
+    topk = run_train(
+        tmp_path / "topk", *flags, "--use-opd", "--opd-teacher-load", teacher, "--opd-log-prob-top-k", "10"
+    )
+    topk_kl, topk_reward = curve(topk, "train/opd_reverse_kl"), curve(topk, "rollout/reward_mean")
+    assert mean(topk_kl[STEPS // 2 :]) < mean(topk_kl[:3]) - 0.2, f"top-K: the reverse KL did not fall: {topk_kl}"
+    assert mean(topk_reward[STEPS // 2 :]) > mean(topk_reward[:3]) - 0.05, f"top-K: the reward fell: {topk_reward}"

@@ -181,7 +181,7 @@ def test_opd_penalty_applies_after_estimator_and_before_whitening():
     assert adv_w == pytest.approx(_whiten_ref(want, MASK), abs=1e-5)
 
 
-def test_apply_opd_prefers_precomputed_reverse_kl():
+def test_apply_opd_uses_the_top_k_estimate_as_the_baseline_of_the_sampled_term():
     adv = torch.tensor([1.0, 2.0])
     got = apply_opd(
         adv,
@@ -190,9 +190,36 @@ def test_apply_opd_prefers_precomputed_reverse_kl():
         opd_reverse_kl=torch.tensor([0.25, -0.5]),
         coef=2.0,
     )
-    assert got.tolist() == pytest.approx([0.5, 3.0])
+    assert got.tolist() == pytest.approx([1 - 2 * (2 - 0.25), 2 - 2 * (2 + 0.5)])
     with pytest.raises(ValueError, match="teacher"):
         apply_opd(adv, student_log_probs=adv, coef=1.0)
+    with pytest.raises(ValueError, match="baseline"):  # a top-K estimate alone carries no action's signal
+        apply_opd(adv, student_log_probs=None, opd_reverse_kl=adv, coef=1.0)
+
+
+def test_opd_advantages_follow_the_reverse_kl_gradient():
+    """REINFORCE with the OPD advantages of sampled tokens estimates -grad KL(student || teacher); the
+    position's KL alone as the penalty (it does not depend on the sampled token) estimates nothing."""
+    gen = torch.Generator().manual_seed(0)
+    theta = torch.tensor([0.5, -0.2, 1.0, 0.0, -1.0], requires_grad=True)
+    teacher = torch.log_softmax(torch.tensor([2.0, 0.0, -1.0, 0.5, 0.0]), -1)
+    logp = torch.log_softmax(theta, -1)
+    kl = (logp.exp() * (logp - teacher)).sum()
+    (true_grad,) = torch.autograd.grad(-kl, theta)
+    p = logp.detach().exp()
+    actions = torch.multinomial(p, 200_000, replacement=True, generator=gen)
+    score = torch.nn.functional.one_hot(actions, 5).float() - p  # grad of log p(a) w.r.t. theta
+    zeros = torch.zeros(len(actions))
+    exact_kl = torch.full_like(zeros, float(kl))
+    with_baseline = apply_opd(
+        zeros, student_log_probs=logp.detach()[actions], teacher_log_probs=teacher[actions],
+        opd_reverse_kl=exact_kl, coef=1.0,
+    )  # fmt: skip
+    estimate = (with_baseline[:, None] * score).mean(0)
+    assert torch.nn.functional.cosine_similarity(estimate, true_grad, dim=0) > 0.99
+    assert (estimate - true_grad).norm() < 0.05 * true_grad.norm()
+    position_only = ((-exact_kl)[:, None] * score).mean(0)  # the estimate as the penalty itself
+    assert position_only.norm() < 0.05 * true_grad.norm()
 
 
 def test_masked_whiten_shift_mean_false_keeps_mean():
