@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import math
 import pickle
 
@@ -70,9 +69,16 @@ def test_a_missing_step_names_the_flag_and_path(tmp_path) -> None:
         load_debug_rollout(str(tmp_path / "{rollout_id}.pt"), 4)
 
 
+class _Arbitrary:
+    """A class no library adds to torch's safe globals (megatron-core adds argparse.Namespace, for one)."""
+
+    def __init__(self, x: int) -> None:
+        self.x = x
+
+
 def test_a_file_that_asks_for_arbitrary_objects_is_refused(tmp_path) -> None:
     path = tmp_path / "0.pt"  # any class: a full unpickle would import and build it
-    torch.save({"rollout_id": 0, "samples": [], "extra": argparse.Namespace(x=1)}, path)
+    torch.save({"rollout_id": 0, "samples": [], "extra": _Arbitrary(1)}, path)
     with pytest.raises(pickle.UnpicklingError):
         load_debug_rollout(str(tmp_path / "{rollout_id}.pt"), 0)
 
