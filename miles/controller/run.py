@@ -338,14 +338,24 @@ class MilesRun:
         return os.path.join(self.cfg.train.save, f"iter_{step:07d}")
 
     async def maybe_save(self, rollout_id: int, *, force: bool = False) -> None:
+        """At --save-interval steps and the last one: the checkpoint (--save) and the HF export (--save-hf),
+        each when asked for; either works without the other."""
         t = self.cfg.train
-        if not t.save:
+        if not (t.save or t.save_hf):
             return
         last = self.cfg.rollout.num_rollout - 1
         if not force and not (t.save_interval and (rollout_id + 1) % t.save_interval == 0) and rollout_id != last:
             return
+        if t.save:
+            await self._save_checkpoint(rollout_id)
+        if t.save_hf:
+            path = t.save_hf.format(rollout_id=rollout_id)
+            await self._wait("save_time", self.trainers.export_hf(path))
+
+    async def _save_checkpoint(self, rollout_id: int) -> None:
         from miles.trainer.checkpoint import COMPLETE_MARKER, prune_checkpoints
 
+        t = self.cfg.train
         if os.path.exists(os.path.join(self._ckpt_dir(rollout_id), COMPLETE_MARKER)):
             return  # this step is already saved (a stop signal right after a scheduled save)
         extra = {
@@ -358,9 +368,6 @@ class MilesRun:
         await self._wait("save_time", self.trainers.save(self._ckpt_dir(rollout_id), extra))
         if t.max_checkpoints:  # after the new one is complete: the newest complete checkpoint is never deleted
             await asyncio.to_thread(prune_checkpoints, t.save, t.max_checkpoints)
-        if t.save_hf:
-            path = t.save_hf.format(rollout_id=rollout_id)
-            await self._wait("save_time", self.trainers.export_hf(path))
 
     async def _maybe_resume(self) -> None:
         from miles.trainer.checkpoint import latest_complete_checkpoint, resolve_load_path

@@ -51,9 +51,7 @@ def test_sft_loss_falls_without_engines_and_its_export_starts_an_rl_run(tmp_path
         str(SFT_CONFIG),
         "--hf-checkpoint",
         base_dir,
-        "--save",
-        str(tmp_path / "ckpt"),
-        "--save-hf",
+        "--save-hf",  # without --save: the export alone
         str(hf),
     )
     assert not leftover_processes(str(sft_out))
