@@ -100,6 +100,7 @@ def _fake_run(save: Path, max_checkpoints: int | None) -> SimpleNamespace:
         pending_state_fn=None,
     )
     run._ckpt_dir = lambda step: MilesRun._ckpt_dir(run, step)
+    run._save_checkpoint = lambda step: MilesRun._save_checkpoint(run, step)
     return run
 
 
