@@ -27,7 +27,7 @@ from miles.agent.tito import TitoTokenizer, check_append_only
 from miles.controller.router import Router
 from miles.engines.client import EngineClient
 from miles.engines.doors import warn_if_open
-from miles.engines.http_front import start_http_server
+from miles.engines.http_front import engine_from_args, start_http_server
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +76,6 @@ def tito_for(model_path: str, family_spec: str) -> tuple[TitoTokenizer, list[str
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    from miles.engines.embedded.engine import EmbeddedEngine
-
     tito, problems = tito_for(args.model_path, args.tito_model)
     if problems:
         logger.warning(
@@ -86,14 +84,7 @@ async def _serve(args: argparse.Namespace) -> None:
             args.model_path,
             problems[0],
         )
-    engine = EmbeddedEngine(
-        args.model_path,
-        device=args.device,
-        dtype=args.dtype,
-        max_running_requests=args.max_running_requests,
-        max_total_tokens=args.max_total_tokens,
-        seed=args.seed,
-    )
+    engine = engine_from_args(args)
     await engine.start()
     engine_front = await start_http_server(engine, "127.0.0.1", 0, api_key=args.api_key)
     router = Router([EngineClient(engine_front.url, api_key=args.api_key)], session_mode=True)

@@ -462,18 +462,23 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-async def _serve(args: argparse.Namespace) -> None:
+def engine_from_args(args: argparse.Namespace):
+    """The embedded engine the serving commands' shared flags describe (`miles engine serve`, `miles session serve`)."""
     from miles.engines.embedded.engine import EmbeddedEngine
 
-    engine = EmbeddedEngine(
+    return EmbeddedEngine(
         args.model_path,
         device=args.device,
         dtype=args.dtype,
         max_running_requests=args.max_running_requests,
         max_total_tokens=args.max_total_tokens,
         seed=args.seed,
-        deterministic=args.deterministic,
+        deterministic=getattr(args, "deterministic", False),
     )
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    engine = engine_from_args(args)
     await engine.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

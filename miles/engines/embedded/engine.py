@@ -80,7 +80,7 @@ def _cpu_slot_len(spec, dtype: torch.dtype, slots: int, wanted: int) -> int:
     """Tokens per slot for a CPU cache sized by default: `wanted`, or what fits the memory share."""
     import psutil
 
-    per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * torch.empty((), dtype=dtype).element_size()
+    per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * dtype.itemsize
     fit = int(CPU_KV_MEMORY_FRACTION * psutil.virtual_memory().available // (slots * per_token))
     if fit >= wanted:
         return wanted
