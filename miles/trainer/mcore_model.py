@@ -96,17 +96,45 @@ PAD_WASTE = 1.5
 
 
 @dataclass
+class SdpaGroup:
+    """One SDPA call: `n` sequences right-padded to `width` tokens.
+
+    `gather` [n * width]: the packed-row index of each padded slot (padding reads token 0); None when
+    the group is the contiguous block of the packed row from `start` (equal lengths, in order), read
+    as a view. `keep`: the real slots among the n * width; None when nothing is padding.
+    """
+
+    n: int
+    width: int
+    start: int
+    gather: torch.Tensor | None
+    keep: torch.Tensor | None
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """[t, heads, d] packed -> [n, heads, width, d]."""
+        rows = (
+            x[self.start : self.start + self.n * self.width] if self.gather is None else x.index_select(0, self.gather)
+        )
+        return rows.view(self.n, self.width, *x.shape[1:]).transpose(1, 2)
+
+    def put(self, o: torch.Tensor) -> torch.Tensor:
+        """[n, heads, width, d] -> [real tokens, heads * d]; right padding: real queries never saw it."""
+        flat = o.transpose(1, 2).reshape(self.n * self.width, -1)
+        return flat if self.keep is None else flat.index_select(0, self.keep)
+
+
+@dataclass
 class PackedRows(PackedSeqParams):
     """THD packing of one micro-batch, with what the core attention needs precomputed on the host.
 
-    `positions` [t]: each token's position within its sequence (RoPE). `groups`: per SDPA call,
-    `index` [n, L] (the packed-row index of each sequence's tokens, right-padded with index 0) and
-    `valid` [n, L]. `inverse` [t]: where each packed token sits in the concatenation of the
-    groups' valid outputs. `cache`: per-dtype cos/sin, filled by the first layer.
+    `positions` [t]: each token's position within its sequence (RoPE). `groups`: the SDPA calls.
+    `inverse` [t]: where each packed token sits in the concatenation of the groups' outputs; None
+    when that concatenation is already in packed order. `cache`: per-dtype cos/sin, filled by the
+    first layer. Every index is an integer tensor made once on the host: no layer syncs with it.
     """
 
     positions: torch.Tensor | None = None
-    groups: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    groups: list[SdpaGroup] = field(default_factory=list)
     inverse: torch.Tensor | None = None
     cache: dict = field(default_factory=dict)
 
@@ -130,6 +158,10 @@ def packed_seq_params(seq_lens: list[int], device: torch.device) -> PackedRows:
     lens = np.asarray(seq_lens, dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
     positions = np.concatenate([np.arange(n) for n in lens])
+
+    def on_device(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
+
     groups, order = [], []
     for g in group_by_length([int(n) for n in lens]):
         width = int(lens[g[0]])
@@ -137,9 +169,21 @@ def packed_seq_params(seq_lens: list[int], device: torch.device) -> PackedRows:
         valid = cols[None, :] < lens[g][:, None]
         index = np.where(valid, starts[g][:, None] + cols[None, :], 0)
         order.append(index[valid])
-        groups.append((torch.from_numpy(index).to(device), torch.from_numpy(valid).to(device)))
-    inverse = np.empty(int(lens.sum()), dtype=np.int64)
-    inverse[np.concatenate(order)] = np.arange(len(inverse))
+        start = int(starts[g[0]])
+        contiguous = bool(valid.all()) and np.array_equal(index.reshape(-1), np.arange(start, start + index.size))
+        groups.append(
+            SdpaGroup(
+                n=len(g),
+                width=width,
+                start=start,
+                gather=None if contiguous else on_device(index.reshape(-1)),
+                keep=None if valid.all() else on_device(np.flatnonzero(valid)),
+            )
+        )
+    packed_order = np.concatenate(order)
+    in_order = np.array_equal(packed_order, np.arange(len(packed_order)))
+    inverse = np.empty(len(packed_order), dtype=np.int64)
+    inverse[packed_order] = np.arange(len(inverse))
     cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)).to(device)
     longest = int(lens.max())
     return PackedRows(
@@ -148,9 +192,9 @@ def packed_seq_params(seq_lens: list[int], device: torch.device) -> PackedRows:
         cu_seqlens_kv=cu,
         max_seqlen_q=longest,
         max_seqlen_kv=longest,
-        positions=torch.from_numpy(positions).to(device),
+        positions=on_device(positions),
         groups=groups,
-        inverse=torch.from_numpy(inverse).to(device),
+        inverse=None if in_order else on_device(inverse),
     )
 
 
@@ -205,11 +249,12 @@ class PackedCoreAttention(MegatronModule):
         query = query * cos + _rotate_half(query) * sin
         key = key * cos.to(key.dtype) + _rotate_half(key) * sin.to(key.dtype)
         outs = []
-        for index, valid in rows.groups:
-            q, k, v = (x[index].transpose(1, 2) for x in (query, key, value))  # [n, heads, L, d]
+        for g in rows.groups:
+            q, k, v = (g.take(x) for x in (query, key, value))  # [n, heads, L, d]
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=True)
-            outs.append(o.transpose(1, 2)[valid].flatten(1))  # right padding: real queries never see it
-        return torch.cat(outs)[rows.inverse]
+            outs.append(g.put(o))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return out if rows.inverse is None else out.index_select(0, rows.inverse)
 
 
 class RMSNorm(torch.nn.RMSNorm):

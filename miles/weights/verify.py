@@ -13,10 +13,13 @@ import hashlib
 import logging
 import zlib
 from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 import xxhash
+
+if TYPE_CHECKING:  # torch is imported where a tensor is touched: the controller's HTTP layers import this module
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +47,8 @@ def check_digest_name(algo: str) -> str:
 
 def tensor_bytes(t: torch.Tensor) -> np.ndarray:
     """The tensor's raw bytes as a 1-D uint8 numpy array (host copy only when it lives on a device)."""
+    import torch
+
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -71,18 +76,20 @@ def digesting(
 # -- engine side -------------------------------------------------------------------------------
 
 
-@torch.no_grad()
 def fill_noise(named: Iterable[tuple[str, torch.Tensor]], seed: int = 1234) -> int:
     """Overwrite every tensor in place with seeded noise; returns the number of tensors filled."""
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
     count = 0
-    for _, t in named:
-        if t.is_floating_point():
-            noise = torch.randn(t.shape, generator=gen, dtype=torch.float32)
-        else:
-            noise = torch.randint(-100, 100, t.shape, generator=gen)
-        t.copy_(noise.to(t.dtype))
-        count += 1
+    with torch.no_grad():
+        for _, t in named:
+            if t.is_floating_point():
+                noise = torch.randn(t.shape, generator=gen, dtype=torch.float32)
+            else:
+                noise = torch.randint(-100, 100, t.shape, generator=gen)
+            t.copy_(noise.to(t.dtype))
+            count += 1
     return count
 
 
@@ -113,6 +120,8 @@ def compare_with_snapshot(
     named: Iterable[tuple[str, torch.Tensor]], snapshot: dict[str, torch.Tensor], atol: float = 0.0
 ) -> dict[str, list[str]]:
     """Compare engine tensors with a host snapshot taken earlier (atol=0: bit-exact)."""
+    import torch
+
     mismatched, seen = [], set()
     for name, t in named:
         if name not in snapshot:

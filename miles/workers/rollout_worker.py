@@ -26,6 +26,14 @@ def embedded_options(sglang_args: dict[str, Any]) -> dict[str, Any]:
     return {"cuda_graphs": False} if sglang_args.get("disable_cuda_graph") else {}
 
 
+def _since_launch() -> float:
+    import time
+
+    import psutil
+
+    return time.time() - psutil.Process().create_time()
+
+
 class RolloutWorker(Worker):
     def __init__(
         self,
@@ -75,6 +83,7 @@ class RolloutWorker(Worker):
         self.profiler = WorkerProfiler(f"{ctx.role}_{ctx.rank}")
 
     async def on_start(self) -> None:
+        logger.info("importing torch, %.1f s after the process started", _since_launch())
         import torch
 
         torch.set_num_threads(max(1, int(os.environ.get("MILES_TORCH_THREADS", "1"))))
@@ -120,7 +129,7 @@ class RolloutWorker(Worker):
             max_body_mb=self.max_body_mb,
             weight_dirs=self.weight_dirs,
         )
-        logger.info("embedded engine serving at %s", self._http.url)
+        logger.info("embedded engine serving at %s, %.1f s after its process started", self._http.url, _since_launch())
 
     def url(self) -> str:
         url = self._sglang.url if self._sglang is not None else self._http.url

@@ -138,11 +138,16 @@ def test_attention_groups_cover_every_token_once_and_bound_padding():
     for lens in ([5], [3, 3, 3], [200, 3, 3, 40, 41, 39, 7], list(rng.integers(1, 300, size=64))):
         lens = [int(n) for n in lens]
         rows = mm.packed_seq_params(lens, torch.device("cpu"))
-        gathered = torch.cat([index[valid] for index, valid in rows.groups])
-        assert torch.equal(gathered[rows.inverse], torch.arange(sum(lens)))  # the inverse restores packed order
-        for _, valid in rows.groups:
-            padded, real = valid.numel(), int(valid.sum())
-            assert valid.shape[0] == 1 or padded <= mm.PAD_WASTE * real
+        token = torch.arange(sum(lens))[:, None, None]  # each packed token's own index, as [t, heads, d]
+        gathered = torch.cat([g.put(g.take(token)) for g in rows.groups]).flatten()
+        in_packed_order = gathered if rows.inverse is None else gathered[rows.inverse]
+        assert torch.equal(in_packed_order, torch.arange(sum(lens)))  # every token once, back in packed order
+        for g in rows.groups:
+            padded, real = g.n * g.width, g.n * g.width if g.keep is None else g.keep.numel()
+            assert g.n == 1 or padded <= mm.PAD_WASTE * real
         starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
         assert torch.equal(rows.positions, torch.cat([torch.arange(n) for n in lens]))
         assert rows.cu_seqlens_q.tolist() == [*starts.tolist(), sum(lens)]
+    # equal lengths: one group read as a view of the packed row, nothing gathered or reordered
+    rows = mm.packed_seq_params([4, 4, 4], torch.device("cpu"))
+    assert [(g.n, g.width, g.gather, g.keep) for g in rows.groups] == [(3, 4, None, None)] and rows.inverse is None
