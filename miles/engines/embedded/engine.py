@@ -113,13 +113,13 @@ class EmbeddedEngine:
         true_on_policy: bool = False,
     ):
         clock = time.perf_counter()
-        from transformers import AutoTokenizer
+        from miles.utils.tokenizer_file import load_engine_tokenizer
 
         self.model_path = model_path
         self.device = torch.device(device)
         config = read_config(model_path)
         self.dtype = _resolve_dtype(dtype, config, self.device)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.tokenizer = load_engine_tokenizer(model_path)  # no transformers import where the file suffices
         phases = {"tokenizer": time.perf_counter() - clock}
         self.model = CausalLM.from_pretrained(model_path, self.device, self.dtype)
         phases["weights"] = time.perf_counter() - clock - sum(phases.values())
