@@ -484,18 +484,14 @@ class FSDPBackend:
         """Whether this rank trains without offloading beside its colocated engine (None off CUDA)."""
         if self.device.type != "cuda":
             return None
-        from miles.trainer.memory_plan import activation_bytes, pending_state_bytes, plan
+        from miles.trainer.memory_plan import activation_bytes, micro_batch_tokens, pending_state_bytes, plan
 
         t = self.train_cfg
-        tokens = t.max_tokens_per_gpu if t.use_dynamic_batch_size else t.micro_batch_size * self.rollout_max_len()
+        tokens = micro_batch_tokens(t, self.rollout)
         models = [(m, o) for m, o in ((self.actor, self.optimizer), (self.critic, self.critic_optimizer)) if m]
         pending = sum(pending_state_bytes(m, o) for m, o in models)
         acts = activation_bytes(self.actor.config, tokens, checkpointing=t.gradient_checkpointing)
         return plan(self.device, pending, acts).to_dict()
-
-    def rollout_max_len(self) -> int:
-        r = self.rollout
-        return int((r.rollout_max_prompt_len or 2048) + (r.rollout_max_response_len or 2048))
 
     # ---- metrics helpers ---------------------------------------------------------------------------
     def peak_mem_gb(self) -> float:

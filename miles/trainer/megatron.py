@@ -466,6 +466,23 @@ class MegatronBackend:
         if off is not None and off.is_offloaded:
             off.onload()
 
+    def memory_plan(self) -> dict:
+        """Whether this rank trains without offloading beside its colocated engine.
+
+        Megatron's gradient buffers exist from the start; what the first step still allocates is Adam's
+        two fp32 moments of this rank's optimizer shard (the whole local model, as an upper bound) and a
+        micro-batch's activations at the token budget (every layer of the model, also an upper bound).
+        """
+        from miles.trainer.memory_plan import activation_bytes, micro_batch_tokens, plan
+
+        t = self.train_cfg
+        inner = [opt.optimizer for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer])]
+        local = sum(p.numel() for p in self.actor.module.parameters() if p.requires_grad)
+        pending = 0 if any(o.state for o in inner) else 2 * local * 4
+        tokens = micro_batch_tokens(t, self.rollout)
+        acts = activation_bytes(self.hf_config, tokens, checkpointing=t.gradient_checkpointing)
+        return plan(self.device, pending, acts).to_dict()
+
     # ---- metrics helpers ---------------------------------------------------------------------------
     def peak_mem_gb(self) -> float:
         if self.device.type == "cuda":

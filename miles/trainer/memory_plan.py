@@ -59,6 +59,14 @@ def activation_bytes(config, tokens: int, *, checkpointing: bool) -> int:
     return tokens * (layers * per_layer + LOGIT_BYTES_PER_VOCAB * vocab)
 
 
+def micro_batch_tokens(train, rollout) -> int:
+    """The most tokens one micro-batch holds: the dynamic budget, else micro-batch size x the longest sample."""
+    if train.use_dynamic_batch_size:
+        return int(train.max_tokens_per_gpu)
+    longest = (rollout.rollout_max_prompt_len or 2048) + (rollout.rollout_max_response_len or 2048)
+    return int(train.micro_batch_size * longest)
+
+
 def plan(device: torch.device, pending: int, activations: int) -> MemoryPlan:
     free, total = torch.cuda.mem_get_info(device)
     need = pending + activations + int(HEADROOM * total)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from miles.controller.run import resolve_offload
-from miles.trainer.memory_plan import activation_bytes, pending_state_bytes
+from miles.trainer.memory_plan import activation_bytes, micro_batch_tokens, pending_state_bytes
 
 
 def test_pending_state_is_grads_and_two_moments_until_allocated():
@@ -27,6 +27,14 @@ def test_activation_estimate_grows_with_tokens_and_shrinks_with_checkpointing():
     assert full == 16384 * (30 * 34 * 576 + 10 * 49152)
     assert activation_bytes(config, 8192, checkpointing=False) * 2 == full
     assert activation_bytes(config, 16384, checkpointing=True) < full
+
+
+def test_micro_batch_tokens_is_the_dynamic_budget_or_size_times_the_longest_sample():
+    rollout = SimpleNamespace(rollout_max_prompt_len=100, rollout_max_response_len=None)
+    dynamic = SimpleNamespace(use_dynamic_batch_size=True, max_tokens_per_gpu=16384, micro_batch_size=4)
+    fixed = SimpleNamespace(use_dynamic_batch_size=False, max_tokens_per_gpu=16384, micro_batch_size=4)
+    assert micro_batch_tokens(dynamic, rollout) == 16384
+    assert micro_batch_tokens(fixed, rollout) == 4 * (100 + 2048)
 
 
 class _Trainers:
