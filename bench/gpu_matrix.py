@@ -114,6 +114,41 @@ def _runs() -> list[Run]:
             ],
             "megatron",
         ),  # fmt: skip
+        # disaggregated (one trainer GPU, one engine GPU): each weight transport from the megatron trainer
+        Run(
+            "megatron_broadcast_1p1",
+            2,
+            [*DEMO, "--train-backend", "megatron", "--check-weight-update-equal"],
+            "megatron",
+        ),
+        Run(
+            "megatron_p2p_1p1",
+            2,
+            [
+                *DEMO,
+                "--train-backend",
+                "megatron",
+                "--update-weight-transfer-mode",
+                "p2p",
+                "--check-weight-update-equal",
+            ],
+            "megatron",
+        ),
+        Run(
+            "megatron_disk_delta_1p1",
+            2,
+            [
+                *DEMO,
+                "--train-backend",
+                "megatron",
+                "--update-weight-transfer-mode",
+                "disk-delta",
+                "--update-weight-disk-dir",
+                "{work}/disk_delta_megatron",
+                "--check-weight-update-equal",
+            ],
+            "megatron",
+        ),
         Run(
             "smollm2_megatron_colocate",
             1,
