@@ -73,7 +73,7 @@ def check_checkpoint_paths(load: str | None, save: str | None, save_hf: str | No
 
 
 def _check_load(load: str, *, resumes_save: bool) -> None:
-    from miles.trainer.checkpoint import COMPLETE_MARKER, is_complete, resolve_load_path
+    from miles.trainer.checkpoint_layout import COMPLETE_MARKER, is_complete, resolve_load_path
 
     fix = "or drop --load to start from --hf-checkpoint"
     if os.path.exists(load) and not os.path.isdir(load):

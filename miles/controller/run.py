@@ -51,9 +51,11 @@ PROFILED_ROLES = ("trainer", "rollout", "eval_rollout")  # worker roles that tak
 
 def read_run_data(cfg: MilesConfig, placement: Placement) -> tuple[PreTrainedTokenizerBase, RunData]:
     """The tokenizer and the run's prompts and eval sets, read, validated and tokenised."""
-    from transformers import AutoTokenizer
+    from miles.utils.tokenizer_file import load_controller_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint, trust_remote_code=cfg.model.trust_remote_code)
+    # tokenizer.json and the chat template without importing transformers where they match it (seconds
+    # of start-up on slow file systems); transformers' tokenizer otherwise, and for anything else asked of it
+    tokenizer = load_controller_tokenizer(cfg.model.hf_checkpoint, trust_remote_code=cfg.model.trust_remote_code)
     data = load_run_data(cfg, tokenizer, prompt_limit(cfg, placement))
     check_modes_before_start(cfg, tokenizer, data.prompts)  # OPD's teacher and routes, true-on-policy's model
     try:  # the session server's family (append-only on this tokenizer) and its matcher
@@ -353,7 +355,7 @@ class MilesRun:
             await self._wait("save_time", self.trainers.export_hf(path))
 
     async def _save_checkpoint(self, rollout_id: int) -> None:
-        from miles.trainer.checkpoint import COMPLETE_MARKER, prune_checkpoints
+        from miles.trainer.checkpoint_layout import COMPLETE_MARKER, prune_checkpoints
 
         t = self.cfg.train
         if os.path.exists(os.path.join(self._ckpt_dir(rollout_id), COMPLETE_MARKER)):
@@ -370,7 +372,7 @@ class MilesRun:
             await asyncio.to_thread(prune_checkpoints, t.save, t.max_checkpoints)
 
     async def _maybe_resume(self) -> None:
-        from miles.trainer.checkpoint import latest_complete_checkpoint, resolve_load_path
+        from miles.trainer.checkpoint_layout import latest_complete_checkpoint, resolve_load_path
 
         t = self.cfg.train
         path = None

@@ -65,7 +65,7 @@ class TrainerGroup:
         except RemoteError as e:
             if e.exc_type != "CheckpointWriteError":
                 raise
-            from miles.trainer.checkpoint import CheckpointWriteError  # imports torch: only on this path
+            from miles.trainer.checkpoint_layout import CheckpointWriteError
 
             raise CheckpointWriteError(e.remote_message) from None
 

@@ -74,12 +74,12 @@ def parse_tiny_spec(spec: str) -> tuple[str, int, int]:
 def tiny_model_dir(spec: str, *, seed: int = 0) -> str:
     """The cached directory of a `tiny:` spec, built on first use (beside the target, then renamed, so
     concurrent runs never see a half-written model)."""
-    from miles.models.tiny import make_tiny_model
-
     arch, layers, hidden = parse_tiny_spec(spec)
     cache = os.path.expanduser(os.environ.get("MILES_CACHE", "~/.cache/miles"))
     out = os.path.join(cache, f"tiny-{arch}-{layers}x{hidden}-seed{seed}")
     if not os.path.exists(os.path.join(out, "config.json")):
+        from miles.models.tiny import make_tiny_model  # torch and transformers: only to build one
+
         tmp = f"{out}.tmp-{os.getpid()}"
         make_tiny_model(
             tmp, arch=arch, layers=layers, hidden=hidden, heads=4, kv_heads=2, intermediate=hidden * 2, seed=seed

@@ -59,11 +59,11 @@ def parse_spec(spec: str) -> str:
 
 def converted_dir(dtype: str = DEFAULT_DTYPE, cache: Path | None = None) -> Path:
     """The HF directory for the shipped GGUF, converted on first use (atomically: tmp dir + rename)."""
-    from miles.utils.gguf import convert_gguf
-
     out = (cache or cache_root()) / f"smollm2-135m-instruct-q4_1-{dtype}"
     if (out / "config.json").is_file():
         return out
+    from miles.utils.gguf import convert_gguf  # transformers and torch: only to convert
+
     src = find_gguf()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))

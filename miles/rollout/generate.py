@@ -52,7 +52,9 @@ def prompt_token_ids(sample: Sample, tokenizer) -> list[int]:
         return list(sample.tokens[: sample.prompt_length])
     if isinstance(sample.prompt, list):
         # return_dict=False: transformers 5 returns a BatchEncoding by default, whose list() is its keys
-        ids = tokenizer.apply_chat_template(sample.prompt, tokenize=True, add_generation_prompt=True, return_dict=False)
+        ids = tokenizer.apply_chat_template(
+            sample.prompt, tokenize=True, add_generation_prompt=True, return_dict=False
+        )
         return list(ids)
     return list(tokenizer(sample.prompt, add_special_tokens=False)["input_ids"])
 

@@ -23,7 +23,6 @@ import json
 import logging
 import os
 import random
-import re
 import shutil
 from collections.abc import Callable
 from typing import Any
@@ -34,66 +33,23 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from miles.errors import RunFailed
+from miles.trainer.checkpoint_layout import (  # noqa: F401 - the layout's names, re-exported
+    COMPLETE_MARKER,
+    CheckpointWriteError,
+    checkpoint_dir,
+    complete_checkpoint_steps,
+    is_complete,
+    latest_complete_checkpoint,
+    prune_checkpoints,
+    resolve_load_path,
+)
 from miles.trainer.safe_load import SafeLoadPlanner, SafeReader
 
 logger = logging.getLogger(__name__)
 
-COMPLETE_MARKER = "COMPLETE"
-_ITER_RE = re.compile(r"^iter_(\d{7,})$")
 # torch.save reports a short write without its errno ("unexpected pos 704 vs 598"): with less free
 # space than this left on the device, a failed write is taken to be a full disk.
 _DISK_FULL_FREE_BYTES = 64 * 1024**2
-
-
-class CheckpointWriteError(RunFailed):
-    """A checkpoint could not be written; its directory holds no COMPLETE marker."""
-
-
-def checkpoint_dir(save_dir: str, step: int) -> str:
-    return os.path.join(save_dir, f"iter_{step:07d}")
-
-
-def is_complete(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, COMPLETE_MARKER))
-
-
-def latest_complete_checkpoint(save_dir: str) -> str | None:
-    """The `iter_*` directory under `save_dir` with the highest step and a COMPLETE marker."""
-    if not save_dir or not os.path.isdir(save_dir):
-        return None
-    steps = []
-    for name in os.listdir(save_dir):
-        m = _ITER_RE.match(name)
-        if m and is_complete(os.path.join(save_dir, name)):
-            steps.append(int(m.group(1)))
-        elif m:
-            logger.warning(
-                "ignoring incomplete checkpoint %s (no %s marker)", os.path.join(save_dir, name), COMPLETE_MARKER
-            )
-    return checkpoint_dir(save_dir, max(steps)) if steps else None
-
-
-def complete_checkpoint_steps(save_dir: str) -> list[int]:
-    """Steps of the complete `iter_*` checkpoints under `save_dir`, oldest first."""
-    if not save_dir or not os.path.isdir(save_dir):
-        return []
-    names = (_ITER_RE.match(name) for name in os.listdir(save_dir))
-    return sorted(int(m.group(1)) for m in names if m and is_complete(os.path.join(save_dir, m.group(0))))
-
-
-def prune_checkpoints(save_dir: str, keep: int) -> list[str]:
-    """Delete all but the newest `keep` (>= 1) complete checkpoints under `save_dir`; the deleted paths."""
-    if keep < 1:
-        raise ValueError(f"keep={keep}: at least the newest complete checkpoint is kept; pass keep >= 1")
-    removed = []
-    for step in complete_checkpoint_steps(save_dir)[:-keep]:
-        path = checkpoint_dir(save_dir, step)
-        os.remove(os.path.join(path, COMPLETE_MARKER))  # no longer a checkpoint, even if rmtree stops halfway
-        shutil.rmtree(path)
-        removed.append(path)
-        logger.info("removed checkpoint %s (--max-checkpoints %d)", path, keep)
-    return removed
 
 
 def _rng_state() -> dict[str, Any]:
@@ -310,13 +266,6 @@ def _load_dcp(
             )
         else:
             set_state_dict(model, [], model_state_dict=state[key]["model"], optim_state_dict={}, options=options)
-
-
-def resolve_load_path(path: str) -> str | None:
-    """An `iter_*` directory as given, or the latest complete one under a save root."""
-    if _ITER_RE.match(os.path.basename(os.path.normpath(path))):
-        return path
-    return latest_complete_checkpoint(path)
 
 
 def _write_json(path: str, obj: dict[str, Any]) -> None:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +108,159 @@ class FileTokenizer:
 
     def __len__(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+
+_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # transformers aliases these: not rendered here
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_JSON_SCALARS = (str, int, float, bool, type(None))
+
+
+def _plain(value: Any) -> bool:
+    """JSON data only (what a chat template sees unchanged in transformers)."""
+    if type(value) in _JSON_SCALARS:
+        return True
+    if type(value) is list:
+        return all(_plain(v) for v in value)
+    if type(value) is dict:
+        return all(type(k) is str and _plain(v) for k, v in value.items())
+    return False
+
+
+def _compile_template(source: str):
+    """A chat template in the sandbox transformers renders in, with the same filters and globals."""
+    from datetime import datetime
+
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+class ChatFileTokenizer(FileTokenizer):
+    """`FileTokenizer` plus the model's chat template, rendered as transformers renders it, for the controller.
+
+    The common call (one conversation of JSON messages, JSON tools, text or plain ids out) is rendered
+    here; any other call, and any attribute this class lacks, goes to transformers' tokenizer for the
+    same directory, loaded on first use. `tests/unit/test_tokenizer_file.py` renders both ways.
+    """
+
+    def __init__(self, model_path: str | Path) -> None:
+        super().__init__(model_path)
+        path = Path(model_path)
+        config = _read_config(path)
+        template = config.get("chat_template")
+        if (path / "chat_template.jinja").is_file():
+            template = (path / "chat_template.jinja").read_text()
+        named = (path / "additional_chat_templates").is_dir() or not isinstance(template, (str, type(None)))
+        self.chat_template = template if isinstance(template, str) else None
+        self._renderable = bool(self.chat_template) and not named and not _GENERATION_TAG.search(self.chat_template)
+        self._compiled = None
+        self._template_tokens = {k: getattr(self, k) for k in SPECIAL_KEYS if getattr(self, k) is not None}
+        self._hf = None
+        self._hf_lock = threading.Lock()
+
+    @property
+    def hf(self) -> Any:
+        """transformers' tokenizer for this directory (imported and loaded on first use)."""
+        with self._hf_lock:
+            if self._hf is None:
+                from transformers import AutoTokenizer
+
+                logger.info(
+                    "loading transformers' tokenizer for %s (a call the file tokenizer leaves to it)",
+                    self.name_or_path,
+                )
+                self._hf = AutoTokenizer.from_pretrained(self.name_or_path)
+            return self._hf
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("_hf", "_hf_lock"):
+            raise AttributeError(name)
+        return getattr(self.hf, name)
+
+    def __call__(self, text: Any, add_special_tokens: bool = True, **kwargs: Any) -> Any:
+        if kwargs or not isinstance(text, str):
+            return self.hf(text, add_special_tokens=add_special_tokens, **kwargs)
+        return super().__call__(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: Any, skip_special_tokens: bool = False, **kwargs: Any) -> str:
+        if kwargs:
+            return self.hf.decode(ids, skip_special_tokens=skip_special_tokens, **kwargs)
+        return super().decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        conversation: Any,
+        tools: Any = None,
+        documents: Any = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = False,
+        continue_final_message: bool | str = False,
+        tokenize: bool = True,
+        return_dict: bool = True,
+        **kwargs: Any,
+    ) -> Any:
+        own = (
+            self._renderable
+            and chat_template in (None, self.chat_template)
+            and documents is None
+            and not continue_final_message
+            and (not tokenize or not return_dict)
+            and isinstance(conversation, list)
+            and len(conversation) > 0
+            and all(type(m) is dict and _plain(m) for m in conversation)
+            and not any(m.get(k) is not None for m in conversation for k in _REASONING_KEYS)
+            and (tools is None or (isinstance(tools, list) and _plain(tools)))
+            and _plain(kwargs)
+            and not {"sanitize_control_tokens", "return_assistant_tokens_mask", "tokenizer_kwargs"} & set(kwargs)
+            and not {"padding", "truncation", "max_length", "return_tensors"} & set(kwargs)
+        )
+        if not own:
+            return self.hf.apply_chat_template(
+                conversation,
+                tools=tools,
+                documents=documents,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=tokenize,
+                return_dict=return_dict,
+                **kwargs,
+            )
+        if self._compiled is None:
+            self._compiled = _compile_template(self.chat_template)
+        messages = [{k: v for k, v in m.items() if v is not None} for m in conversation]  # as transformers drops None
+        text = self._compiled.render(
+            messages=messages,
+            tools=tools,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **{**self._template_tokens, **kwargs},
+        )
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def load_controller_tokenizer(model_path: str | Path, *, trust_remote_code: bool = False) -> Any:
+    """`ChatFileTokenizer` where the file matches transformers' tokenizer (and no remote code is asked
+    for), else AutoTokenizer."""
+    why = "trust_remote_code" if trust_remote_code else file_tokenizer_refusal(model_path)
+    if why is None:
+        return ChatFileTokenizer(model_path)
+    logger.info("tokenizer of %s through transformers: %s", model_path, why)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_path), trust_remote_code=trust_remote_code)
 
 
 def load_engine_tokenizer(model_path: str | Path) -> Any:

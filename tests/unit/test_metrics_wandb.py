@@ -139,10 +139,23 @@ def test_load_without_a_stored_id_starts_a_new_wandb_run(tmp_path: Path, fake_wa
 def test_without_tensorboard_the_run_says_how_to_get_it_and_keeps_metrics_jsonl(
     tmp_path: Path, monkeypatch, caplog
 ) -> None:
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if not installed
+    monkeypatch.setitem(sys.modules, "tensorboard.compat.proto", None)  # import fails as if not installed
     sink = MetricsSink(str(tmp_path), tensorboard=True)
     sink.log(0, {"rollout/reward_mean": 0.5})
     sink.close()
     assert "pip install 'miles[tensorboard]', or --no-use-tensorboard" in caplog.text
     assert read_metrics(str(tmp_path))[0]["rollout/reward_mean"] == 0.5
     assert not (tmp_path / "tensorboard").exists()
+
+
+def test_tensorboard_scalars_read_back_with_tensorboards_reader(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    sink = MetricsSink(str(tmp_path), tensorboard=True)
+    sink.log(0, {"rollout/reward_mean": 0.25, "perf/step_time": 1.5, "note": "text is not a scalar"})
+    sink.log(1, {"rollout/reward_mean": 0.75, "flag": True})
+    sink.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert sorted(acc.Tags()["scalars"]) == ["perf/step_time", "rollout/reward_mean"]
+    assert [(e.step, e.value) for e in acc.Scalars("rollout/reward_mean")] == [(0, 0.25), (1, 0.75)]

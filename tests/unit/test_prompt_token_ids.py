@@ -15,5 +15,7 @@ def test_chat_messages_become_the_templates_token_ids():
     want = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)
     ids = prompt_token_ids(Sample(prompt=messages), tok)
     assert ids == want["input_ids"] and all(isinstance(i, int) for i in ids)
-    assert prompt_token_ids(Sample(prompt="plain text"), tok) == tok("plain text", add_special_tokens=False)["input_ids"]
+    assert (
+        prompt_token_ids(Sample(prompt="plain text"), tok) == tok("plain text", add_special_tokens=False)["input_ids"]
+    )
     assert prompt_token_ids(Sample(prompt=messages, tokens=[5, 6, 7], response_length=1), tok) == [5, 6]

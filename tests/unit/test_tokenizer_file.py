@@ -93,3 +93,87 @@ def test_directories_transformers_would_treat_differently_go_through_transformer
     assert why in file_tokenizer_refusal(path)
     if "auto_map" not in changes and "eos_token" not in changes:
         assert not isinstance(load_engine_tokenizer(path), FileTokenizer)
+
+
+# ---- the controller's tokenizer: chat templates rendered without transformers -----------------------
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression.",
+            "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}, "required": ["expr"]},
+        },
+    }
+]
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 2 + 3?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi ünïcødé 😀"}],
+    [
+        {"role": "user", "content": "What is 7 * 6?"},
+        {"role": "assistant", "content": "42", "tool_calls": None},
+        {"role": "user", "content": "And 6 * 7?"},
+    ],
+]
+# A template of our own that uses what chat templates use: tojson with options, namespace, loop controls,
+# dict, special tokens, tools, extra variables and raise_exception.
+OWN_TEMPLATE = """{{ bos_token or '' }}{% set ns = namespace(n=0) %}
+{%- if tools %}<tools>{{ tools | tojson(indent=2) }}</tools>
+{% endif %}
+{%- for m in messages %}{% set ns.n = ns.n + 1 %}
+{%- if m.role not in ['system', 'user', 'assistant'] %}{{ raise_exception('bad role ' + m.role) }}{% endif %}
+{%- if loop.index > 5 %}{% break %}{% endif %}
+<|im_start|>{{ m.role }}{{ dict(k=1) | tojson }}
+{{ m.content }}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant{% if think is defined and not think %} no-think{% endif %}
+{% endif %}{{ ns.n }}{{ eos_token }}{{ pad_token }}"""
+
+
+def _own_template_dir(tmp_path: Path) -> str:
+    path = _edited_copy(resolve_spec("tiny:llama"), tmp_path / "own")
+    (Path(path) / "chat_template.jinja").write_text(OWN_TEMPLATE)
+    return path
+
+
+def _render_both(ours, theirs, *args, **kwargs):
+    a, b = ours.apply_chat_template(*args, **kwargs), theirs.apply_chat_template(*args, **kwargs)
+    assert a == b, (args, kwargs)
+    return a
+
+
+def _check_templates(path: str) -> None:
+    from miles.utils.tokenizer_file import ChatFileTokenizer, load_controller_tokenizer
+
+    ours, theirs = load_controller_tokenizer(path), AutoTokenizer.from_pretrained(path)
+    assert isinstance(ours, ChatFileTokenizer) and ours.chat_template == theirs.chat_template
+    for conv in CONVERSATIONS:
+        for gen in (True, False):
+            text = _render_both(ours, theirs, conv, tokenize=False, add_generation_prompt=gen)
+            ids = _render_both(ours, theirs, conv, tokenize=True, return_dict=False, add_generation_prompt=gen)
+            assert ids == theirs(text, add_special_tokens=False)["input_ids"]
+            _render_both(ours, theirs, conv, tools=TOOLS, tokenize=False, add_generation_prompt=gen)
+            _render_both(ours, theirs, conv, tokenize=False, add_generation_prompt=gen, think=False)
+    assert ours._hf is None  # all of the above rendered here, without transformers
+    # calls outside the rendered subset go to transformers and give its answers
+    _render_both(ours, theirs, CONVERSATIONS[2], continue_final_message=True, tokenize=False)
+    assert dict(ours.apply_chat_template(CONVERSATIONS[0])) == dict(theirs.apply_chat_template(CONVERSATIONS[0]))
+    assert ours.convert_ids_to_tokens([1, 2]) == theirs.convert_ids_to_tokens([1, 2])
+
+
+def test_chat_templates_render_as_transformers_renders_them(model_dir: str) -> None:
+    _check_templates(model_dir)
+
+
+def test_a_template_using_the_sandboxs_globals_and_filters_renders_the_same(tmp_path) -> None:
+    from jinja2.exceptions import TemplateError
+
+    path = _own_template_dir(tmp_path)
+    _check_templates(path)
+    from miles.utils.tokenizer_file import load_controller_tokenizer
+
+    ours, theirs = load_controller_tokenizer(path), AutoTokenizer.from_pretrained(path)
+    bad = [{"role": "robot", "content": "x"}]
+    for tok in (ours, theirs):
+        with pytest.raises(TemplateError, match="bad role robot"):
+            tok.apply_chat_template(bad, tokenize=False)
