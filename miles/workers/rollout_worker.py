@@ -16,7 +16,7 @@ from typing import Any
 from miles.engines.doors import DEFAULT_MAX_BODY_MB, is_loopback
 from miles.utils.profiling import WorkerProfiler
 from miles.wire.ports import free_port
-from miles.workers.base import Worker
+from miles.workers.base import Worker, seconds_since_launch
 
 logger = logging.getLogger(__name__)
 
@@ -24,14 +24,6 @@ logger = logging.getLogger(__name__)
 def embedded_options(sglang_args: dict[str, Any]) -> dict[str, Any]:
     """The `--sglang-*` passthrough flags the embedded engine honours as well: `disable_cuda_graph`."""
     return {"cuda_graphs": False} if sglang_args.get("disable_cuda_graph") else {}
-
-
-def _since_launch() -> float:
-    import time
-
-    import psutil
-
-    return time.time() - psutil.Process().create_time()
 
 
 class RolloutWorker(Worker):
@@ -83,7 +75,7 @@ class RolloutWorker(Worker):
         self.profiler = WorkerProfiler(f"{ctx.role}_{ctx.rank}")
 
     async def on_start(self) -> None:
-        logger.info("importing torch, %.1f s after the process started", _since_launch())
+        logger.info("importing torch, %.1f s after the process started", seconds_since_launch())
         import torch
 
         torch.set_num_threads(max(1, int(os.environ.get("MILES_TORCH_THREADS", "1"))))
@@ -129,7 +121,9 @@ class RolloutWorker(Worker):
             max_body_mb=self.max_body_mb,
             weight_dirs=self.weight_dirs,
         )
-        logger.info("embedded engine serving at %s, %.1f s after its process started", self._http.url, _since_launch())
+        logger.info(
+            "embedded engine serving at %s, %.1f s after its process started", self._http.url, seconds_since_launch()
+        )
 
     def url(self) -> str:
         url = self._sglang.url if self._sglang is not None else self._http.url
