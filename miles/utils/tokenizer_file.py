@@ -13,7 +13,10 @@ transformers' AutoTokenizer otherwise:
   the pre-tokenizer's regex);
 - every special token the config names is an added token of the file.
 
-`tests/unit/test_tokenizer_file.py` checks the result against AutoTokenizer token for token.
+The controller's `ChatFileTokenizer` adds the chat template, rendered in the sandbox transformers
+renders in, and hands every other call to transformers' tokenizer, loaded on first use
+(`load_controller_tokenizer`). `tests/unit/test_tokenizer_file.py` checks both against AutoTokenizer,
+token for token and template for template.
 """
 
 from __future__ import annotations
