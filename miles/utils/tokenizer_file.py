@@ -166,8 +166,9 @@ class ChatFileTokenizer(FileTokenizer):
         if (path / "chat_template.jinja").is_file():
             template = (path / "chat_template.jinja").read_text()
         named = (path / "additional_chat_templates").is_dir() or not isinstance(template, (str, type(None)))
-        self.chat_template = template if isinstance(template, str) else None
-        self._renderable = bool(self.chat_template) and not named and not _GENERATION_TAG.search(self.chat_template)
+        if not named:  # named templates: `chat_template` is transformers' own (a dict), through __getattr__
+            self.chat_template = template
+        self._renderable = bool(template) and not named and not _GENERATION_TAG.search(template)
         self._compiled = None
         self._template_tokens = {k: getattr(self, k) for k in SPECIAL_KEYS if getattr(self, k) is not None}
         self._hf = None
@@ -187,6 +188,12 @@ class ChatFileTokenizer(FileTokenizer):
                 self._hf = AutoTokenizer.from_pretrained(self.name_or_path)
             return self._hf
 
+    def __getstate__(self) -> dict:  # picklable and deep-copyable, as transformers' tokenizers are
+        return {**self.__dict__, "_hf_lock": None, "_compiled": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _hf_lock=threading.Lock())
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name in ("_hf", "_hf_lock"):
             raise AttributeError(name)
@@ -197,10 +204,21 @@ class ChatFileTokenizer(FileTokenizer):
             return self.hf(text, add_special_tokens=add_special_tokens, **kwargs)
         return super().__call__(text, add_special_tokens=add_special_tokens)
 
+    def encode(self, text: Any, add_special_tokens: bool = True, **kwargs: Any) -> Any:
+        if kwargs or not isinstance(text, str):
+            return self.hf.encode(text, add_special_tokens=add_special_tokens, **kwargs)
+        return super().encode(text, add_special_tokens=add_special_tokens)
+
     def decode(self, ids: Any, skip_special_tokens: bool = False, **kwargs: Any) -> str:
-        if kwargs:
+        plain = type(ids) is int or (isinstance(ids, (list, tuple)) and all(type(i) is int for i in ids))
+        if kwargs or not plain:  # tensors, arrays, batches, transformers' options
             return self.hf.decode(ids, skip_special_tokens=skip_special_tokens, **kwargs)
         return super().decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def convert_tokens_to_ids(self, tokens: Any) -> Any:
+        return (
+            super().convert_tokens_to_ids(tokens) if isinstance(tokens, str) else self.hf.convert_tokens_to_ids(tokens)
+        )
 
     def apply_chat_template(
         self,

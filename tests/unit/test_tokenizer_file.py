@@ -7,6 +7,7 @@ import random
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
@@ -159,10 +160,29 @@ def _check_templates(path: str) -> None:
     _render_both(ours, theirs, CONVERSATIONS[2], continue_final_message=True, tokenize=False)
     assert dict(ours.apply_chat_template(CONVERSATIONS[0])) == dict(theirs.apply_chat_template(CONVERSATIONS[0]))
     assert ours.convert_ids_to_tokens([1, 2]) == theirs.convert_ids_to_tokens([1, 2])
+    assert ours.convert_tokens_to_ids(["a", "b"]) == theirs.convert_tokens_to_ids(["a", "b"])
+    assert ours.encode("hi there", truncation=True, max_length=2) == theirs.encode(
+        "hi there", truncation=True, max_length=2
+    )
+    ids = np.array(theirs.encode("hi there"))
+    assert ours.decode(ids) == theirs.decode(ids) and ours.decode(ids.tolist()) == theirs.decode(ids.tolist())
 
 
 def test_chat_templates_render_as_transformers_renders_them(model_dir: str) -> None:
     _check_templates(model_dir)
+
+
+def test_the_controller_tokenizer_survives_pickling_and_deep_copies() -> None:
+    import copy
+    import pickle
+
+    from miles.utils.tokenizer_file import load_controller_tokenizer
+
+    tok = load_controller_tokenizer(resolve_spec("tiny:"))
+    want = tok.apply_chat_template(CONVERSATIONS[1], tokenize=False, add_generation_prompt=True)
+    for other in (pickle.loads(pickle.dumps(tok)), copy.deepcopy(tok)):
+        assert other.apply_chat_template(CONVERSATIONS[1], tokenize=False, add_generation_prompt=True) == want
+        assert other.decode(other.encode("hello 42")) == tok.decode(tok.encode("hello 42"))
 
 
 def test_a_template_using_the_sandboxs_globals_and_filters_renders_the_same(tmp_path) -> None:
@@ -177,3 +197,15 @@ def test_a_template_using_the_sandboxs_globals_and_filters_renders_the_same(tmp_
     for tok in (ours, theirs):
         with pytest.raises(TemplateError, match="bad role robot"):
             tok.apply_chat_template(bad, tokenize=False)
+
+
+def test_named_templates_are_transformers_own(tmp_path) -> None:
+    from miles.utils.tokenizer_file import ChatFileTokenizer, load_controller_tokenizer
+
+    path = Path(_own_template_dir(tmp_path))
+    (path / "additional_chat_templates").mkdir()
+    (path / "additional_chat_templates" / "tool_use.jinja").write_text("TOOLS {{ messages[0].content }}")
+    ours, theirs = load_controller_tokenizer(str(path)), AutoTokenizer.from_pretrained(str(path))
+    assert isinstance(ours, ChatFileTokenizer) and ours.chat_template == theirs.chat_template
+    for tools in (None, TOOLS):
+        _render_both(ours, theirs, CONVERSATIONS[0], tools=tools, tokenize=False)
