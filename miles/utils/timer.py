@@ -31,7 +31,36 @@ class StepTimers:
         return out
 
 
-class StartupClock:
+def process_launched() -> float:
+    """Wall-clock time this process started (imports before any clock object count too)."""
+    import psutil
+
+    return psutil.Process().create_time()
+
+
+def seconds_since_launch() -> float:
+    return time.time() - process_launched()
+
+
+class PhaseClock:
+    """Seconds per phase: `mark(name)` closes the phase that ran since the previous mark (or creation)."""
+
+    def __init__(self) -> None:
+        self._start = self._last = time.perf_counter()
+        self._phases: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self._phases[name] = self._phases.get(name, 0.0) + now - self._last
+        self._last = now
+
+    def summary(self) -> str:
+        """E.g. "2.1 s (tokenizer 0.3 s, weights 1.8 s)": the time since creation, then each phase."""
+        parts = ", ".join(f"{k} {v:.1f} s" for k, v in self._phases.items())
+        return f"{time.perf_counter() - self._start:.1f} s ({parts})"
+
+
+class StartupClock(PhaseClock):
     """Where a run's start-up goes: seconds per phase, and from the process's launch to the first step.
 
     `mark(name)` closes the phase that ran since the previous mark; `finish()` returns them as
@@ -39,17 +68,10 @@ class StartupClock:
     """
 
     def __init__(self) -> None:
-        import psutil
-
-        self._launched = psutil.Process().create_time()  # wall clock: imports before this object count too
-        self._last = time.perf_counter()
-        self._phases: dict[str, float] = {"before_run": time.time() - self._launched}
+        super().__init__()
+        self._launched = process_launched()
+        self._phases["before_run"] = time.time() - self._launched
         self.done = False
-
-    def mark(self, name: str) -> None:
-        now = time.perf_counter()
-        self._phases[name] = self._phases.get(name, 0.0) + now - self._last
-        self._last = now
 
     def finish(self) -> dict[str, float]:
         self.done = True

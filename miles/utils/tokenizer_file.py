@@ -50,24 +50,24 @@ def _read_config(path: Path) -> dict:
     return config
 
 
-def file_tokenizer_refusal(model_path: str | Path) -> str | None:
-    """Why this directory's tokenizer must go through transformers; None when `FileTokenizer` matches it."""
-    path = Path(model_path)
+def _examine(path: Path) -> tuple[str | None, Any, dict]:
+    """(why the directory's tokenizer must go through transformers, or None; the file's tokenizer; the
+    config), each file read once."""
     if not (path / "tokenizer.json").is_file() or not (path / "tokenizer_config.json").is_file():
-        return "no tokenizer.json + tokenizer_config.json"
+        return "no tokenizer.json + tokenizer_config.json", None, {}
     config = _read_config(path)
     if config.get("tokenizer_class") not in GENERIC_CLASSES:
-        return f"tokenizer_class {config.get('tokenizer_class')!r}"
+        return f"tokenizer_class {config.get('tokenizer_class')!r}", None, config
     for key in ("auto_map", "add_bos_token", "add_eos_token", "split_special_tokens"):
         if config.get(key):
-            return f"{key} is set"
+            return f"{key} is set", None, config
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
     if tok.get_vocab_size(with_added_tokens=False) > MAX_VOCAB:
-        return f"a vocabulary above {MAX_VOCAB}"
+        return f"a vocabulary above {MAX_VOCAB}", tok, config
     if config.get("clean_up_tokenization_spaces") and type(tok.model).__name__ != "BPE":
-        return "clean_up_tokenization_spaces on a non-BPE model"
+        return "clean_up_tokenization_spaces on a non-BPE model", tok, config
     added = {t.content for t in tok.get_added_tokens_decoder().values()}
     named = [_token_text(config.get(k)) for k in SPECIAL_KEYS]
     named += [
@@ -75,20 +75,25 @@ def file_tokenizer_refusal(model_path: str | Path) -> str | None:
     ]
     missing = [t for t in named if t is not None and t not in added]
     if missing:
-        return f"special tokens {missing[:3]} are not added tokens of tokenizer.json"
-    return None
+        return f"special tokens {missing[:3]} are not added tokens of tokenizer.json", tok, config
+    return None, tok, config
+
+
+def file_tokenizer_refusal(model_path: str | Path) -> str | None:
+    """Why this directory's tokenizer must go through transformers; None when `FileTokenizer` matches it."""
+    return _examine(Path(model_path))[0]
 
 
 class FileTokenizer:
-    """The subset of a transformers tokenizer an engine uses, from `tokenizer.json` and its config."""
+    """The subset of a transformers tokenizer an engine uses, from `tokenizer.json` and its config.
 
-    def __init__(self, model_path: str | Path) -> None:
-        from tokenizers import Tokenizer
+    Built by `load_engine_tokenizer` / `load_controller_tokenizer`, which examine the directory first.
+    """
 
+    def __init__(self, model_path: str | Path, tok: Any, config: dict) -> None:
         path = Path(model_path)
         self.name_or_path = str(path)
-        self._tok = Tokenizer.from_file(str(path / "tokenizer.json"))
-        config = _read_config(path)
+        self._tok = tok
         for key in SPECIAL_KEYS:
             text = _token_text(config.get(key))
             setattr(self, key, text)
@@ -158,10 +163,9 @@ class ChatFileTokenizer(FileTokenizer):
     same directory, loaded on first use. `tests/unit/test_tokenizer_file.py` renders both ways.
     """
 
-    def __init__(self, model_path: str | Path) -> None:
-        super().__init__(model_path)
+    def __init__(self, model_path: str | Path, tok: Any, config: dict) -> None:
+        super().__init__(model_path, tok, config)
         path = Path(model_path)
-        config = _read_config(path)
         template = config.get("chat_template")
         if (path / "chat_template.jinja").is_file():
             template = (path / "chat_template.jinja").read_text()
@@ -272,24 +276,22 @@ class ChatFileTokenizer(FileTokenizer):
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
-def load_controller_tokenizer(model_path: str | Path, *, trust_remote_code: bool = False) -> Any:
-    """`ChatFileTokenizer` where the file matches transformers' tokenizer (and no remote code is asked
-    for), else AutoTokenizer."""
-    why = "trust_remote_code" if trust_remote_code else file_tokenizer_refusal(model_path)
+def _load(model_path: str | Path, cls: type[FileTokenizer], trust_remote_code: bool = False) -> Any:
+    why, tok, config = ("trust_remote_code", None, {}) if trust_remote_code else _examine(Path(model_path))
     if why is None:
-        return ChatFileTokenizer(model_path)
+        return cls(model_path, tok, config)
     logger.info("tokenizer of %s through transformers: %s", model_path, why)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_path), trust_remote_code=trust_remote_code)
 
 
+def load_controller_tokenizer(model_path: str | Path, *, trust_remote_code: bool = False) -> Any:
+    """`ChatFileTokenizer` where the file matches transformers' tokenizer (and no remote code is asked
+    for), else AutoTokenizer."""
+    return _load(model_path, ChatFileTokenizer, trust_remote_code)
+
+
 def load_engine_tokenizer(model_path: str | Path) -> Any:
     """`FileTokenizer` where it matches transformers' tokenizer for this directory, else AutoTokenizer."""
-    why = file_tokenizer_refusal(model_path)
-    if why is None:
-        return FileTokenizer(model_path)
-    logger.info("tokenizer of %s through transformers: %s", model_path, why)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(model_path))
+    return _load(model_path, FileTokenizer)

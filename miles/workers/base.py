@@ -87,15 +87,6 @@ class RpcMethod:
     is_async: bool
 
 
-def seconds_since_launch() -> float:
-    """Seconds since this process started (start-up logs: where a worker's time to ready goes)."""
-    import time
-
-    import psutil
-
-    return time.time() - psutil.Process().create_time()
-
-
 def rpc_methods(worker: Worker) -> dict[str, RpcMethod]:
     """Public callables of ``worker`` by name."""
     methods: dict[str, RpcMethod] = {}

@@ -15,8 +15,9 @@ from typing import Any
 
 from miles.engines.doors import DEFAULT_MAX_BODY_MB, is_loopback
 from miles.utils.profiling import WorkerProfiler
+from miles.utils.timer import seconds_since_launch
 from miles.wire.ports import free_port
-from miles.workers.base import Worker, seconds_since_launch
+from miles.workers.base import Worker
 
 logger = logging.getLogger(__name__)
 

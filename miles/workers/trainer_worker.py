@@ -15,8 +15,9 @@ import torch.distributed as dist
 from miles.config_sections import AlgoConfig, ModelConfig, RolloutConfig, TrainConfig, WeightsConfig
 from miles.rollout.train_data import TrainBatch
 from miles.utils.profiling import WorkerProfiler, nvtx_range
+from miles.utils.timer import PhaseClock, seconds_since_launch
 from miles.wire.ports import free_port
-from miles.workers.base import Worker, seconds_since_launch
+from miles.workers.base import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -74,13 +75,13 @@ class TrainerWorker(Worker):
         return self._setup_result
 
     def _setup(self) -> dict[str, Any]:
-        started, clock = seconds_since_launch(), time.perf_counter()
+        started, clock = seconds_since_launch(), PhaseClock()
         torch.set_num_threads(max(1, int(os.environ.get("MILES_TORCH_THREADS", "1"))))
         if self.device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count()))
         if not dist.is_initialized():
             dist.init_process_group("nccl" if self.device == "cuda" else "gloo")
-        phases = {"process group": time.perf_counter() - clock}
+        clock.mark("process group")
         from miles.trainer.backend import create_backend
 
         self.backend = create_backend(
@@ -90,15 +91,10 @@ class TrainerWorker(Worker):
             algo=self.algo_cfg,
             rollout=self.rollout_cfg,
         )
-        phases["backend import"] = time.perf_counter() - clock - sum(phases.values())
+        clock.mark("backend import")
         self.backend.setup()
-        phases["model and optimizer"] = time.perf_counter() - clock - sum(phases.values())
-        logger.info(
-            "trainer set up in %.1f s (%s), from %.1f s after its process started",
-            time.perf_counter() - clock,
-            ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()),
-            started,
-        )
+        clock.mark("model and optimizer")
+        logger.info("trainer set up in %s, from %.1f s after its process started", clock.summary(), started)
         return {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
 
     # ---- training --------------------------------------------------------------------

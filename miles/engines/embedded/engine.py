@@ -36,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 import uuid
 import zlib
 from collections.abc import Iterable, Iterator
@@ -112,17 +111,19 @@ class EmbeddedEngine:
         lookahead: bool | None = None,
         true_on_policy: bool = False,
     ):
-        clock = time.perf_counter()
+        from miles.utils.timer import PhaseClock
         from miles.utils.tokenizer_file import load_engine_tokenizer
+
+        clock = PhaseClock()
 
         self.model_path = model_path
         self.device = torch.device(device)
         config = read_config(model_path)
         self.dtype = _resolve_dtype(dtype, config, self.device)
         self.tokenizer = load_engine_tokenizer(model_path)  # no transformers import where the file suffices
-        phases = {"tokenizer": time.perf_counter() - clock}
+        clock.mark("tokenizer")
         self.model = CausalLM.from_pretrained(model_path, self.device, self.dtype)
-        phases["weights"] = time.perf_counter() - clock - sum(phases.values())
+        clock.mark("weights")
         max_seq_len = min(self.model.spec.max_position_embeddings, 4096)
         if max_total_tokens is None and self.device.type == "cpu":
             max_seq_len = _cpu_slot_len(self.model.spec, self.dtype, max_running_requests, max_seq_len)
@@ -145,7 +146,7 @@ class EmbeddedEngine:
             use_cuda_graphs=cuda_graphs if cuda_graphs is not None else self._graphs_supported(),
             fused_kernels=fused_kernels,
         )
-        phases["runner"] = time.perf_counter() - clock - sum(phases.values())
+        clock.mark("runner")
         self.seed = seed
         self.deterministic = deterministic
         self.eos_ids = self._eos_ids(config)
@@ -171,11 +172,7 @@ class EmbeddedEngine:
             from miles.engines.embedded.reference import ReferenceModel
 
             self.reference = ReferenceModel(model_path, self.model)
-        logger.info(
-            "engine built in %.1f s (%s)",
-            time.perf_counter() - clock,
-            ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()),
-        )
+        logger.info("engine built in %s", clock.summary())
 
     def _graphs_supported(self) -> bool:
         return self.device.type == "cuda" and not self.model.spec.moe_layers
