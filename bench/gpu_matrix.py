@@ -114,40 +114,28 @@ def _runs() -> list[Run]:
             ],
             "megatron",
         ),  # fmt: skip
-        # disaggregated (one trainer GPU, one engine GPU): each weight transport from the megatron trainer
-        Run(
-            "megatron_broadcast_1p1",
-            2,
-            [*DEMO, "--train-backend", "megatron", "--check-weight-update-equal"],
-            "megatron",
-        ),
-        Run(
-            "megatron_p2p_1p1",
-            2,
-            [
-                *DEMO,
-                "--train-backend",
+        # disaggregated (one trainer GPU, one engine GPU): each weight transport from the megatron trainer,
+        # every engine tensor checked against the trainer's
+        *(
+            Run(
+                f"megatron_{name}_1p1",
+                2,
+                [*DEMO, "--train-backend", "megatron", "--check-weight-update-equal", *flags],
                 "megatron",
-                "--update-weight-transfer-mode",
-                "p2p",
-                "--check-weight-update-equal",
-            ],
-            "megatron",
-        ),
-        Run(
-            "megatron_disk_delta_1p1",
-            2,
-            [
-                *DEMO,
-                "--train-backend",
-                "megatron",
-                "--update-weight-transfer-mode",
-                "disk-delta",
-                "--update-weight-disk-dir",
-                "{work}/disk_delta_megatron",
-                "--check-weight-update-equal",
-            ],
-            "megatron",
+            )
+            for name, flags in (
+                ("broadcast", []),
+                ("p2p", ["--update-weight-transfer-mode", "p2p"]),
+                (
+                    "disk_delta",
+                    [
+                        "--update-weight-transfer-mode",
+                        "disk-delta",
+                        "--update-weight-disk-dir",
+                        "{work}/disk_delta_megatron",
+                    ],
+                ),
+            )
         ),
         Run(
             "smollm2_megatron_colocate",
