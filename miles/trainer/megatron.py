@@ -433,6 +433,7 @@ class MegatronBackend:
                 f"no complete checkpoint under {path!r} (looked for iter_*/{ckpt.COMPLETE_MARKER})"
             )
 
+        @torch.no_grad()  # the optimizer's main parameters are the fp32 model parameters, leaves that need grad
         def read_model(model_dir: str, has_optim: bool) -> None:
             state = dist_checkpointing.load(self._sharded_state(with_optim=has_optim, is_loading=True), model_dir)
             self.actor.module.load_state_dict(state["model"], strict=False)
