@@ -95,6 +95,21 @@ def job_data(args: argparse.Namespace, work: Path) -> Path:
     return out
 
 
+def seed_data(args: argparse.Namespace, data: Path, work: Path, seed: int) -> Path:
+    """The prompts of one seed in the order both sides take them: whole shuffled passes over the job's
+    rows (one permutation a pass, from the seed), read in file order by both sides, so step k of either
+    side trains on the same 32 prompts and the last-five rewards compare like with like."""
+    rows = [line for line in data.read_text().splitlines() if line.strip()]
+    rng, order = random.Random(1000 + seed), []
+    while len(order) < args.steps * args.prompts:
+        epoch = list(rows)
+        rng.shuffle(epoch)
+        order += epoch
+    out = work / f"{data.stem}-seed{seed}.jsonl"
+    out.write_text("\n".join(order) + "\n")
+    return out
+
+
 def max_new_tokens(args: argparse.Namespace) -> int:
     return 16 if args.job == "short" else args.long_tokens
 
@@ -147,8 +162,7 @@ def miles_command(
         "messages",
         "--label-key",
         "label",
-        "--apply-chat-template",
-        "--rollout-shuffle",
+        "--apply-chat-template",  # no --rollout-shuffle: seed_data ordered the prompts for both sides
         "--custom-rm-path",
         REWARD[args.job],
         "--num-rollout",
@@ -297,6 +311,7 @@ def trl_worker(spec_path: str) -> int:
         report_to=[],
         bf16=cuda,
         seed=1234 + spec["seed"],
+        shuffle_dataset=False,  # seed_data ordered the prompts for both sides
         use_cpu=not cuda,
         generation_kwargs=gen_kwargs,
         dataloader_num_workers=0,
@@ -425,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     for seed in range(args.seeds):
         for side in args.sides:
             run, results = runners[side]
-            results.append(run(args, model, data, work, seed, device))
+            results.append(run(args, model, seed_data(args, data, work, seed), work, seed, device))
             print(json.dumps(_seed_line(side, seed, results[-1])), flush=True)
     print(json.dumps(summary(args, device, miles, trl)), flush=True)
     return 0
