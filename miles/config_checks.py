@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from miles.config_fields import FIELDS, ConfigError
 from miles.config_lora_sft import check_lora, check_sft
 from miles.config_refusals import check_mode_support, check_not_implemented
+from miles.config_sections import ENGINE_DTYPES
 
 if TYPE_CHECKING:
     from miles.config_sections import MilesConfig
@@ -268,12 +269,28 @@ SGLANG_RESERVED = {
 }
 
 
+# The SGLang server flags the embedded engine reads as SGLang does; any other --sglang-* flag would be
+# dropped by it, so that engine refuses them.
+EMBEDDED_SGLANG_ARGS = ("disable_cuda_graph", "dtype")
+
+
 def check_sglang_passthrough(cfg: MilesConfig) -> list[str]:
-    return [
+    args = cfg.engine.sglang_args
+    e = [
         f"--sglang-{key.replace('_', '-')} is set by Miles from {owner}; drop the passthrough flag"
         for key, owner in SGLANG_RESERVED.items()
-        if key in cfg.engine.sglang_args
+        if key in args
     ]
+    if "dtype" in args and str(args["dtype"]) not in ENGINE_DTYPES:
+        e.append(f"--sglang-dtype={args['dtype']!r} is not one of SGLang's: {', '.join(ENGINE_DTYPES)}")
+    unread = [key for key in args if key not in EMBEDDED_SGLANG_ARGS and key not in SGLANG_RESERVED]
+    if cfg.engine.engine == "embedded" and unread:
+        flags = ", ".join(f"--sglang-{key.replace('_', '-')}" for key in unread)
+        e.append(
+            f"{flags}: the embedded engine reads no such SGLang flag (it reads --sglang-disable-cuda-graph and "
+            "--sglang-dtype); drop it, or run SGLang with --engine sglang"
+        )
+    return e
 
 
 def check_batching(cfg: MilesConfig) -> list[str]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from miles.config_fields import FIELDS
+from miles.config_sections import ENGINE_DTYPES
 
 if TYPE_CHECKING:
     from miles.config_sections import MilesConfig
@@ -223,6 +224,12 @@ def _true_on_policy(cfg: MilesConfig) -> list[str]:
         e.append(f"{why} aligns the rollout's log-probs with the trainer's; SFT has no rollout: drop the mode")
     if cfg.train.train_backend != "fsdp":
         e.append(f"{why} is implemented by the FSDP backend's trainer; use --train-backend fsdp")
+    given = cfg.engine.sglang_args.get("dtype")
+    if given is not None and ENGINE_DTYPES.get(str(given)) != cfg.model.dtype:
+        e.append(
+            f"{why} runs the engine in the trainer's --dtype={cfg.model.dtype}; drop --sglang-dtype={given} "
+            "(or give --dtype the same value)"
+        )
     if cfg.train.lora_rank:
         e.append(
             f"{why} with --lora-rank: the engine merges the adapter into its weights while the trainer adds it "

@@ -538,3 +538,21 @@ class MilesConfig:
             for name in SECRET_FIELDS.intersection(values):
                 values[name] = None
         return out
+
+
+# SGLang's --dtype values, by the torch dtype each names ("auto": the engine's own choice).
+ENGINE_DTYPES = {
+    "auto": "auto",
+    "half": "float16",
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "float": "float32",
+    "float32": "float32",
+}
+
+
+def engine_dtype(model_dtype: str, sglang_args: dict) -> str:
+    """What the rollout engines compute in, by torch dtype name: --sglang-dtype, else the trainer's --dtype
+    (auto: bf16 on GPU, fp32 on CPU for the embedded engine). Weights travel to the engines in it."""
+    given = sglang_args.get("dtype")
+    return ENGINE_DTYPES[str(given)] if given is not None else model_dtype

@@ -24,7 +24,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 
 from miles.config_lora_sft import is_sft
-from miles.config_sections import MilesConfig
+from miles.config_sections import MilesConfig, engine_dtype
 from miles.true_on_policy import CUBLAS_WORKSPACE_CONFIG
 from miles.wire.ports import free_port
 from miles.wire.specs import WorkerSpec
@@ -244,7 +244,7 @@ def _engine_spec(
     engine = cfg.engine
     env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))} if device == "cuda" else {}
     true_on_policy = cfg.train.true_on_policy_mode and role == "rollout"
-    dtype = cfg.model.dtype
+    dtype = engine_dtype(cfg.model.dtype, engine.sglang_args)
     if true_on_policy:
         env.update(true_on_policy_env(device))
         dtype = true_on_policy_dtype(dtype, device)

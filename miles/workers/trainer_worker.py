@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from miles.config_sections import AlgoConfig, ModelConfig, RolloutConfig, TrainConfig, WeightsConfig
+from miles.config_sections import AlgoConfig, ModelConfig, RolloutConfig, TrainConfig, WeightsConfig, engine_dtype
 from miles.rollout.train_data import TrainBatch
 from miles.utils.profiling import WorkerProfiler, nvtx_range
 from miles.utils.timer import PhaseClock, seconds_since_launch
@@ -22,11 +22,11 @@ from miles.workers.base import Worker
 logger = logging.getLogger(__name__)
 
 
-def push_dtype(model_dtype: str | None, device: str) -> torch.dtype | None:
-    """The dtype weights travel to the engines in: the one they compute in, `--dtype` (auto: bf16 on GPU;
-    on CPU the fp32 master as it is, None)."""
-    if model_dtype not in (None, "auto"):
-        return getattr(torch, model_dtype)
+def push_dtype(dtype: str | None, device: str) -> torch.dtype | None:
+    """The dtype weights travel to the engines in: the one they compute in (`engine_dtype`: --sglang-dtype,
+    else --dtype; auto: bf16 on GPU, and on CPU the fp32 master as it is, None)."""
+    if dtype not in (None, "auto"):
+        return getattr(torch, dtype)
     return None if device == "cpu" else torch.bfloat16
 
 
@@ -45,7 +45,9 @@ class TrainerWorker(Worker):
         self.algo_cfg = AlgoConfig(**sections["algo"])
         self.rollout_cfg = RolloutConfig(**sections["rollout"])
         self.weights_cfg = WeightsConfig(**sections["weights"])
-        self.engine_api_key = sections.get("engine", {}).get("api_key")  # the run's key, for the weight updaters
+        engine = sections.get("engine", {})
+        self.engine_api_key = engine.get("api_key")  # the run's key, for the weight updaters
+        self.engine_dtype = engine_dtype(self.model_cfg.dtype, engine.get("sglang_args") or {})
         self.device = device
         self.backend = None
         self.updater = None
@@ -149,7 +151,7 @@ class TrainerWorker(Worker):
 
     def push_weights(self, version: int) -> dict[str, float]:
         start = time.perf_counter()
-        dtype = push_dtype(self.model_cfg.dtype, self.device)
+        dtype = push_dtype(self.engine_dtype, self.device)
         with nvtx_range(f"push_weights/{version}"):
             metrics = self.updater.update(self.backend.named_hf_tensors(dtype), version) or {}
         self.backend.weight_version = version

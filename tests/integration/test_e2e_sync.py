@@ -158,3 +158,15 @@ def test_every_update_logs_the_bytes_it_moved(broadcast_rows):
     steps = [r for r in broadcast_rows if "rollout/reward_mean" in r]  # not the eval row before training
     assert len(steps) == STEPS
     assert [r.get("perf/update_weights_bytes") for r in steps] == [float(total)] * STEPS
+
+
+def test_engines_compute_in_sglang_dtype_and_weights_travel_in_it(tmp_path):
+    """--sglang-dtype bfloat16 beside fp32 trainers (CPU): the engine samples in bf16, so its log-probs stand
+    apart from the trainer's fp32 ones, and every pushed tensor arrives as the trainer's bf16 copy (the check
+    compares each engine tensor with the trainer's in the push dtype and stops the run on a difference)."""
+    argv = ("--num-rollout", "2", "--rollout-batch-size", "4", "--global-batch-size", "32", "--eval-interval", "0")
+    rows = run_train(tmp_path / "bf16", *argv, "--sglang-dtype", "bfloat16", "--check-weight-update-equal")
+    fp32 = run_train(tmp_path / "fp32", *argv)
+    gap, exact = ([r["train/train_rollout_logprob_abs_diff"] for r in run] for run in (rows, fp32))
+    assert min(gap) > 100 * max(exact), (gap, exact)
+    assert len(rows) == 2 and not leftover_processes(str(tmp_path / "bf16"))

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from miles.config import FIELDS, ConfigError, MilesConfig, derive_num_rollout, load_config
-from miles.config_sections import FIELD_SECTIONS
+from miles.config_sections import FIELD_SECTIONS, engine_dtype
 
 REQUIRED = ["--hf-checkpoint", "/m", "--prompt-data", "/p.jsonl", "--rm-type", "math", "--num-rollout", "3"]
 
@@ -404,6 +404,8 @@ def test_sglang_passthrough_from_cli_and_yaml(tmp_path):
         "--sglang-log-level=info",
         "--sglang-server-concurrency",
         "16",
+        "--engine",
+        "sglang",
     )
     assert cfg.engine.sglang_args == {
         "log_level": "info",  # CLI over YAML
@@ -420,6 +422,30 @@ def test_sglang_flags_miles_sets_itself_are_rejected():
     assert "--sglang-port" in text and "--sglang-tp-size" in text and "--rollout-num-gpus-per-engine" in text
 
 
+def test_the_embedded_engine_refuses_sglang_flags_it_does_not_read():
+    text = errors_of("--rollout-batch-size", "8", "--sglang-mem-fraction-static", "0.7", "--sglang-log-level", "info")
+    assert "--sglang-mem-fraction-static, --sglang-log-level: the embedded engine reads no such SGLang flag" in text
+    assert "--engine sglang" in text
+    cfg = cfg_of("--rollout-batch-size", "8", "--sglang-disable-cuda-graph", "--sglang-dtype", "float32")
+    assert cfg.engine.sglang_args == {"disable_cuda_graph": True, "dtype": "float32"}
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [(None, "auto"), ("float", "float32"), ("half", "float16"), ("bfloat16", "bfloat16"), ("auto", "auto")],
+)
+def test_engine_dtype_is_sglang_dtype_else_the_trainers(given, expected):
+    argv = ["--rollout-batch-size", "8"] + (["--sglang-dtype", given] if given else [])
+    cfg = cfg_of(*argv)
+    assert engine_dtype(cfg.model.dtype, cfg.engine.sglang_args) == expected
+    assert engine_dtype("float32", {}) == "float32"
+
+
+def test_an_unknown_sglang_dtype_is_refused():
+    text = errors_of("--rollout-batch-size", "8", "--sglang-dtype", "fp8")
+    assert "--sglang-dtype='fp8' is not one of SGLang's: auto, half, float16, bfloat16, float, float32" in text
+
+
 def test_flat_namespace_has_every_field():
     cfg = cfg_of("--rollout-batch-size", "8")
     args = cfg.flat()
@@ -428,7 +454,9 @@ def test_flat_namespace_has_every_field():
 
 
 def test_to_dict_round_trips_through_yaml(tmp_path):
-    cfg = cfg_of("--rollout-batch-size", "8", "--n-samples-per-prompt", "2", "--sglang-log-level", "info")
+    cfg = cfg_of(
+        "--rollout-batch-size", "8", "--n-samples-per-prompt", "2", "--engine", "sglang", "--sglang-log-level", "info"
+    )  # fmt: skip
     path = tmp_path / "resolved.yaml"
     path.write_text(yaml.safe_dump(cfg.to_dict()))
     again = load_config(["--config", str(path)])

@@ -10,6 +10,7 @@ import torch
 import yaml
 
 from miles.config import load_config
+from miles.config_sections import engine_dtype
 from miles.workers.rollout_worker import embedded_options
 from miles.workers.trainer_worker import push_dtype
 
@@ -79,6 +80,17 @@ def test_weights_travel_in_the_dtype_the_engines_compute_in():
     assert push_dtype("float32", "cuda") is torch.float32  # --dtype float32 on a GPU: no bf16 rounding on the way
     assert push_dtype("bfloat16", "cpu") is torch.bfloat16
     assert push_dtype("auto", "cpu") is None  # the fp32 master as it is
+    assert push_dtype(engine_dtype("auto", {"dtype": "float"}), "cuda") is torch.float32  # --sglang-dtype float
+
+
+def test_the_engines_get_sglang_dtype_over_the_trainers():
+    from miles.config import load_config
+    from miles.controller.placement import plan_placement
+
+    base = "--hf-checkpoint /m --prompt-data /p.jsonl --rm-type math --num-rollout 2 --rollout-batch-size 4".split()
+    for extra, want in (([], "auto"), (["--sglang-dtype", "float"], "float32"), (["--dtype", "float16"], "float16")):
+        plan = plan_placement(load_config(base + extra), device="cuda", num_nodes=1, gpus_per_node=2, master_port=1)
+        assert plan.rollout_specs[0].init_kwargs["dtype"] == want, extra
 
 
 def test_the_embedded_engine_honours_disable_cuda_graph():

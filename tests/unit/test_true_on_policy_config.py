@@ -33,6 +33,7 @@ def test_the_mode_rescores_every_sample_by_prefill():
         (["--rollout-function-path", "m.f"], "which --rollout-function-path replaces"),
         (["--lora-rank", "4"], "--lora-rank: the engine merges the adapter"),
         (["--loss-type", "sft_loss"], "SFT has no rollout"),
+        (["--sglang-dtype", "float32"], "runs the engine in the trainer's --dtype=auto; drop --sglang-dtype=float32"),
         (
             ["--actor-num-gpus-per-node", "2", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "64"],
             "fixed --micro-batch-size",
