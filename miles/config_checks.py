@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING
 
 from miles.config_fields import FIELDS, ConfigError
-from miles.config_lora_sft import check_lora, check_sft
+from miles.config_lora_sft import check_lora, check_sft, is_sft
 from miles.config_refusals import check_mode_support, check_not_implemented
 from miles.config_sections import ENGINE_DTYPES
 
@@ -284,7 +284,16 @@ def check_sglang_passthrough(cfg: MilesConfig) -> list[str]:
     if "dtype" in args and str(args["dtype"]) not in ENGINE_DTYPES:
         e.append(f"--sglang-dtype={args['dtype']!r} is not one of SGLang's: {', '.join(ENGINE_DTYPES)}")
     unread = [key for key in args if key not in EMBEDDED_SGLANG_ARGS and key not in SGLANG_RESERVED]
-    if cfg.engine.engine == "embedded" and unread:
+    launched = cfg.engine.rollout_num_engines > 0 and not is_sft(cfg) and not cfg.runtime.debug_train_only
+    if not launched:
+        # --sglang-dtype still says what external engines compute in (the weights' dtype on the way)
+        external = bool(cfg.engine.rollout_external_engine_addrs)
+        unused = [key for key in args if key not in SGLANG_RESERVED and not (external and key == "dtype")]
+        if unused:
+            flags = ", ".join(f"--sglang-{key.replace('_', '-')}" for key in unused)
+            where = "every engine is external (--rollout-external-engine-addrs)" if external else "it has no engine"
+            e.append(f"{flags}: this run starts no engine ({where}), so nothing reads them; drop them")
+    elif cfg.engine.engine == "embedded" and unread:
         flags = ", ".join(f"--sglang-{key.replace('_', '-')}" for key in unread)
         e.append(
             f"{flags}: the embedded engine reads no such SGLang flag (it reads --sglang-disable-cuda-graph and "

@@ -430,6 +430,28 @@ def test_the_embedded_engine_refuses_sglang_flags_it_does_not_read():
     assert cfg.engine.sglang_args == {"disable_cuda_graph": True, "dtype": "float32"}
 
 
+def test_sglang_flags_are_refused_when_the_run_starts_no_engine():
+    external = (
+        "--rollout-batch-size",
+        "8",
+        "--rollout-external-engine-addrs",
+        "http://h:1",
+        "--rollout-num-engines",
+        "0",
+    )
+    text = errors_of(*external, "--engine", "sglang", "--sglang-mem-fraction-static", "0.5")
+    assert "--sglang-mem-fraction-static: this run starts no engine (every engine is external" in text
+    # what the external engines compute in still sets the dtype weights travel in
+    assert cfg_of(*external, "--engine", "sglang", "--sglang-dtype", "float32").engine.sglang_args == {
+        "dtype": "float32"
+    }
+    mixed = cfg_of("--rollout-batch-size", "8", "--rollout-external-engine-addrs", "http://h:1", "--engine", "sglang",
+                   "--sglang-mem-fraction-static", "0.5")  # fmt: skip
+    assert mixed.engine.sglang_args == {"mem_fraction_static": 0.5}  # the local engine reads it
+    text = errors_of("--rollout-batch-size", "8", "--debug-train-only", "--sglang-dtype", "float32")
+    assert "--sglang-dtype: this run starts no engine (it has no engine)" in text
+
+
 @pytest.mark.parametrize(
     ("given", "expected"),
     [(None, "auto"), ("float", "float32"), ("half", "float16"), ("bfloat16", "bfloat16"), ("auto", "auto")],
