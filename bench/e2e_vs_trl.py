@@ -18,7 +18,9 @@ The long job forces every response to exactly `--long-tokens` tokens on both sid
 Ends with one JSON line: job, device, miles_step_s, trl_step_s, ratio (miles / TRL, medians of
 the steps after the first, over all seeds), miles_startup_s and trl_startup_s (process launch to
 the start of the first step), miles_reward_last5 and trl_reward_last5 (mean rollout reward of the
-last five steps, averaged over seeds), and both sides' per-phase medians.
+last five steps, averaged over seeds), the per-seed difference of those (miles - TRL: both sides take the
+same prompts in the same order, so seed by seed they compare like with like) with its mean and the
+half-width of its 95% t-interval, and both sides' per-phase medians.
 """
 
 from __future__ import annotations
@@ -388,6 +390,29 @@ def _last5(runs: list[dict]) -> float:
     return round(statistics.fmean(statistics.fmean(r["rewards"][-5:]) for r in runs), 4)
 
 
+# Student's t at 0.975 for 1-10 degrees of freedom; above, z + (z^3 + z) / (4 df) (within 0.01 of it).
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
+
+
+def t975(df: int) -> float:
+    return _T975[df - 1] if df <= len(_T975) else 1.96 + (1.96**3 + 1.96) / (4 * df)
+
+
+def paired_last5(miles: list[dict], trl: list[dict]) -> dict:
+    """miles' minus TRL's last-five reward seed by seed (both sides took the same prompts), their mean
+    and the half-width of its 95% t-interval (None with one seed): whether a gap is more than noise."""
+    diffs = [
+        statistics.fmean(m["rewards"][-5:]) - statistics.fmean(t["rewards"][-5:])
+        for m, t in zip(miles, trl, strict=True)
+    ]
+    half = t975(len(diffs) - 1) * statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else None
+    return {
+        "reward_last5_diff": [round(d, 4) for d in diffs],
+        "reward_last5_diff_mean": round(statistics.fmean(diffs), 4),
+        "reward_last5_diff_ci95": None if half is None else round(half, 4),
+    }
+
+
 def _seed_line(side: str, seed: int, run: dict) -> dict:
     """One side's one seed, printed as it finishes."""
     step_s = round(statistics.median(run["steps"]), 4)
@@ -421,6 +446,7 @@ def summary(args: argparse.Namespace, device: str, miles: list[dict], trl: list[
         }
     if miles and trl:
         line["ratio"] = round(line["miles_step_s"] / line["trl_step_s"], 3)
+        line |= paired_last5(miles, trl)
     return line
 
 

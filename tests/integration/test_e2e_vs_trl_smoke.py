@@ -28,6 +28,9 @@ FIELDS = (
     "trl_reward_last5",
     "miles_phases",
     "trl_phases",
+    "reward_last5_diff",
+    "reward_last5_diff_mean",
+    "reward_last5_diff_ci95",
 )
 
 
