@@ -43,6 +43,7 @@ from miles.trainer.offload import HostOffloader, module_tensors, optimizer_tenso
 from miles.trainer.packing import layout_for, pack_sequences, plan_micro_batches
 from miles.trainer.train_loop import run_rl_step
 from miles.true_on_policy import ATTN_IMPLEMENTATION
+from miles.utils.timer import PhaseClock
 
 logger = logging.getLogger(__name__)
 
@@ -212,13 +213,16 @@ class FSDPBackend:
         return load(path, attn_implementation=self.attn_impl, trust_remote_code=self.model_cfg.trust_remote_code)
 
     def _build_trainable(self, path: str, lr: float, critic: bool = False):
+        clock = PhaseClock()
         model = self._load(path, critic)
+        clock.mark("checkpoint")
         if self.lora is not None and not critic:
             apply_lora(model, self.lora)  # in place: only the adapter trains
         if self.train_cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         shard_model(model, self.mesh, self.mp_policy, compile_blocks=self.train_cfg.compile)
         model.train()
+        clock.mark("shard")
         t = self.train_cfg
         optimizer = torch.optim.AdamW(
             trainable_parameters(model),
@@ -228,6 +232,8 @@ class FSDPBackend:
             weight_decay=t.weight_decay,
             **_adamw_kernels(model, self.device),
         )
+        clock.mark("optimizer")
+        logger.info("%s built in %s", "critic" if critic else "actor", clock.summary())
         schedule = LRSchedule(
             lr=lr,
             min_lr=t.min_lr,
