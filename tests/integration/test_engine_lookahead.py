@@ -3,6 +3,7 @@ no output: on CPU it runs without overlap but through the same bookkeeping, so g
 without it must agree token for token while requests join, finish, are aborted and weights change."""
 
 import asyncio
+import re
 
 import pytest
 import torch
@@ -113,3 +114,26 @@ def test_lookahead_never_serves_tokens_of_old_weights_after_an_update(model_dirs
 
     expected, _ = _run(model_dirs["new"], False, reference)
     assert out["output_ids"][k:] == expected
+
+
+def test_step_counts_say_how_a_burst_was_batched(model_dirs, caplog):
+    """8 requests at once, 5 tokens each, in 8 slots: one prefill step for all of them, then decode steps
+    only; setting the weight version logs those counts and starts new ones."""
+    prompts = _prompts(8)
+
+    async def body(engine):
+        await asyncio.gather(
+            *(engine.generate(input_ids=p, sampling_params={**GREEDY, "max_new_tokens": 5}) for p in prompts)
+        )
+        with caplog.at_level("INFO", logger="miles.engines.embedded.engine"):
+            engine.weight_version = 7
+        return engine.scheduler.counts
+
+    after, sched = _run(model_dirs["old"], False, body, max_running_requests=8)
+    logged = [r.getMessage() for r in caplog.records if "weight_version 7" in r.getMessage()]
+    # the prefill step samples each request's first token, so 4 decode steps follow it
+    assert len(logged) == 1 and re.fullmatch(
+        r"weight_version 7; served before it: 8 requests in 5 steps \(1 with prefill, \d+\.\d{3} s in steps\)",
+        logged[0],
+    ), logged
+    assert (after.steps, after.prefilled) == (0, 0)

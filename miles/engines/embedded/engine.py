@@ -431,7 +431,13 @@ class EmbeddedEngine:
 
     @weight_version.setter
     def weight_version(self, value: int) -> None:
+        """Every weight update ends here: the log says how the requests served under the old weights were
+        batched (many prefill steps for one rollout mean its requests arrived spread out)."""
         self._weight_version = int(value)
+        if self.scheduler is not None:
+            logger.info(
+                "weight_version %d; served before it: %s", self._weight_version, self.scheduler.take_counts().summary()
+            )
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the live parameters; any KV computed before is re-prefilled."""

@@ -120,6 +120,22 @@ class StepResult:
     output_extras: dict[int, Extras] = field(default_factory=dict)  # step index -> this token's extras
 
 
+@dataclass
+class StepCounts:
+    """How the scheduler batched its work since the last `Scheduler.take_counts()`."""
+
+    steps: int = 0
+    prefill_steps: int = 0  # steps that admitted new requests
+    prefilled: int = 0  # requests admitted
+    step_s: float = 0.0  # host seconds inside the steps
+
+    def summary(self) -> str:
+        return (
+            f"{self.prefilled} requests in {self.steps} steps ({self.prefill_steps} with prefill, "
+            f"{self.step_s:.3f} s in steps)"
+        )
+
+
 class Scheduler:
     def __init__(
         self,
@@ -155,6 +171,7 @@ class Scheduler:
         self._sampling_cache: tuple[list[SamplingParams], SamplingBatch] | None = None
         self.lookahead_used = 0  # decode steps served by a lookahead (tests and benches read these)
         self.lookahead_dropped = 0
+        self.counts = StepCounts()
 
     # ---- control (event loop thread) ---------------------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -197,6 +214,11 @@ class Scheduler:
             req.kv_epoch = -1
             self.waiting.appendleft(req)
         self.running.clear()
+
+    def take_counts(self) -> StepCounts:
+        """The counts since the previous call (or the start), and a fresh start."""
+        counts, self.counts = self.counts, StepCounts()
+        return counts
 
     def wake(self) -> None:
         self._wakeup.set()
@@ -250,6 +272,11 @@ class Scheduler:
                 continue
             finally:
                 self._idle.set()
+            counts = self.counts
+            counts.steps += 1
+            counts.prefill_steps += bool(prefill)
+            counts.prefilled += len(prefill)
+            counts.step_s += self._last_compute_s
             self._lookahead = result.lookahead  # runs on the GPU while the host does the bookkeeping
             self._apply(result, n_decode)
 
