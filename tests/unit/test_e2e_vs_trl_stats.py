@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from bench_modules import load_bench  # isort: skip  (same folder, rootdir on sys.path)
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("e2e_vs_trl", ROOT / "bench" / "e2e_vs_trl.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["e2e_vs_trl"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("e2e_vs_trl")
 
 
 def _runs(*last5: float) -> list[dict]:

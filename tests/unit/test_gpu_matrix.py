@@ -1,8 +1,6 @@
 """bench/gpu_matrix.py's CPU side: the commands it runs and how it judges a finished run."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,16 +12,12 @@ from miles.config_sections import engine_dtype
 from miles.workers.rollout_worker import embedded_options
 from miles.workers.trainer_worker import push_dtype
 
-ROOT = Path(__file__).resolve().parents[2]
+from bench_modules import load_bench  # isort: skip  (same folder, rootdir on sys.path)
 
 
 @pytest.fixture(scope="module")
 def matrix():
-    spec = importlib.util.spec_from_file_location("gpu_matrix", ROOT / "bench" / "gpu_matrix.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_matrix"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("gpu_matrix")
 
 
 def test_every_run_is_a_valid_miles_train_command(matrix, tmp_path):
