@@ -78,6 +78,11 @@ def test_extract_answer(response: str, expected: str) -> None:
         ("The answer is 32.", "23", 0.0),
         ("I do not know", "23", 0.0),
         ("", "23", 0.0),
+        # the engines' text keeps the end-of-turn token; the answer alone is graded
+        ("23<|im_end|>", "23", 1.0),
+        ("The answer is 23.<|im_end|>", "23", 1.0),
+        ("14 + 9 = 23<|im_end|>", "23", 1.0),
+        ("The answer is 32.<|im_end|>", "23", 0.0),
     ],
 )
 def test_score(response: str, label: str, reward: float) -> None:

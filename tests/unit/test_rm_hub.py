@@ -10,6 +10,7 @@ import pytest
 from aiohttp import web
 
 from miles.rollout.rm_hub import RewardFailed, assign_rewards, async_rm, batched_async_rm, grade
+from miles.rollout.rm_hub.rules import strip_end_markers
 from miles.rollout.sample import Sample, SampleStatus
 
 # (response, label, equivalent?) -- graded with rm_type="math".
@@ -171,6 +172,45 @@ def test_boxed_prefix_extracts_first() -> None:
     assert grade("boxed_exact", r"reasoning... \boxed{yes}", "yes") == 1.0
     assert grade("boxed_exact", "yes", "yes") == 0.0  # nothing boxed -> 0
     assert grade("boxed_f1", r"\boxed{New York City}", "new york") == pytest.approx(0.8)
+
+
+# What chat templates close a turn with; the engines' text keeps it (no stop trim, special tokens kept).
+END_MARKERS = ["<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "<｜end▁of▁sentence｜>", "</s>", "<end_of_turn>\n<eos>"]
+
+
+@pytest.mark.parametrize("marker", END_MARKERS)
+@pytest.mark.parametrize(
+    ("rm_type", "response", "label"),
+    [
+        ("math", "The answer is 23.", "23"),
+        ("math", "23", "23"),
+        ("math", r"\boxed{23}", "23"),
+        ("gsm8k", "so 23", "23"),
+        ("exact", "yes", "yes"),
+        ("f1", "Paris", "Paris"),
+        ("boxed_exact", r"\boxed{yes}", "yes"),
+        ("deepscaler", "<think>hm</think> 23", "23"),
+    ],
+)
+def test_a_closed_turn_scores_as_the_answer_alone(rm_type: str, response: str, label: str, marker: str) -> None:
+    assert grade(rm_type, response, label) == 1.0
+    assert grade(rm_type, response + marker, label) == 1.0
+    assert grade(rm_type, response + " " + marker + "\n", label) == 1.0
+
+
+def test_only_trailing_end_markers_are_stripped() -> None:
+    assert strip_end_markers("a<|im_end|>b") == "a<|im_end|>b"  # a marker inside the text stays
+    assert strip_end_markers("x = 1 <|eot_id|><|endoftext|>") == "x = 1"  # a run of them goes
+    assert strip_end_markers("  23  ") == "  23  "  # nothing to strip: the text is untouched
+    assert strip_end_markers("<|im_end|>") == ""
+    assert strip_end_markers("a <b>") == "a <b>"  # HTML is not a special token
+    assert grade("exact", "no<|im_end|>", "yes") == 0.0
+
+
+def test_async_rm_grades_an_engine_response_without_its_end_token() -> None:
+    args = SimpleNamespace(custom_rm_path=None, rm_type="exact", reward_key=None)
+    sample = Sample(index=0, prompt="p", response="yes<|im_end|>", label="yes")
+    assert asyncio.run(async_rm(args, sample)) == 1.0
 
 
 def test_unknown_type_is_an_error() -> None:

@@ -2,6 +2,11 @@
 
 Every rule is a pure function `(response, label) -> float` so that evaluation scripts and the
 rollout path score identically; `grade()` in the package front dispatches on the type name.
+
+A response keeps the token its turn ended with (the engines decode with special tokens and no stop
+trim, token-in token-out), so "The answer is 23." arrives as "The answer is 23.<|im_end|>". Every rule
+grades the text without that trailing end-of-turn markup (`strip_end_markers`): a correct answer scores
+the same whether the model closed its turn or ran out of tokens.
 """
 
 from __future__ import annotations
@@ -23,6 +28,23 @@ from miles.rollout.rm_hub.math_utils import (
 
 RuleFn = Callable[[str, str], float]
 BOXED_PREFIX = "boxed_"
+
+# The markup chat templates close a turn with: ChatML, Qwen and SmolLM `<|im_end|>` and `<|endoftext|>`,
+# Llama 3 `<|eot_id|>`, Phi `<|end|>`, DeepSeek `<｜end▁of▁sentence｜>`, Llama 2 and Mistral `</s>`,
+# Gemma `<end_of_turn>` and `<eos>`. Matched only at the very end of a response.
+_END_MARKER_RE = re.compile(r"(?:<\|[^<>|\s]{1,40}\|>|<｜[^<>｜\s]{1,40}｜>|</s>|<eos>|<end_of_turn>)\Z")
+_END_MARKER_MAX_CHARS = 44
+
+
+def strip_end_markers(response: str) -> str:
+    """`response` without the end-of-turn tokens (and the whitespace around them) it ends with, if any."""
+    text = response
+    while True:
+        trimmed = text.rstrip()
+        found = _END_MARKER_RE.search(trimmed, max(0, len(trimmed) - _END_MARKER_MAX_CHARS))
+        if found is None:
+            return text if text is response else trimmed
+        text = trimmed[: found.start()]
 
 
 def _reference(label: str) -> str:
@@ -89,16 +111,22 @@ RULES: dict[str, RuleFn] = {
 
 
 def resolve_rule(rm_type: str) -> Callable[[str, str], float]:
-    """The grading function for `rm_type`, honouring the `boxed_` prefix (score the boxed content)."""
+    """The grading function for `rm_type`, honouring the `boxed_` prefix (score the boxed content), applied
+    to the response without its trailing end-of-turn markup."""
     if rm_type.startswith(BOXED_PREFIX):
         inner = _rule_or_raise(rm_type[len(BOXED_PREFIX) :], rm_type)
 
         def boxed_rule(response: str, label: str) -> float:
-            boxed = extract_boxed(response)
+            boxed = extract_boxed(strip_end_markers(response))
             return 0.0 if boxed is None else inner(boxed, label)
 
         return boxed_rule
-    return _rule_or_raise(rm_type, rm_type)
+    rule = _rule_or_raise(rm_type, rm_type)
+
+    def graded(response: str, label: str) -> float:
+        return rule(strip_end_markers(response), label)
+
+    return graded
 
 
 def _rule_or_raise(name: str, full: str) -> RuleFn:
