@@ -175,7 +175,15 @@ def test_boxed_prefix_extracts_first() -> None:
 
 
 # What chat templates close a turn with; the engines' text keeps it (no stop trim, special tokens kept).
-END_MARKERS = ["<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "<｜end▁of▁sentence｜>", "</s>", "<end_of_turn>\n<eos>"]
+END_MARKERS = [
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|eot_id|>",
+    "<|end|>",
+    "<｜end▁of▁sentence｜>",
+    "</s>",
+    "<end_of_turn>\n<eos>",
+]
 
 
 @pytest.mark.parametrize("marker", END_MARKERS)
