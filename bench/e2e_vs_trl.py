@@ -54,7 +54,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--job", choices=["short", "long"], default="short")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when available")
-    p.add_argument("--seeds", type=int, default=1, help="runs of each side, seeds 0..N-1")
+    p.add_argument("--seeds", type=int, default=1, help="runs of each side, seeds F..F+N-1 (F: --first-seed)")
+    p.add_argument(
+        "--first-seed", type=int, default=0, help="the first seed, to add seeds to an earlier call's (default 0)"
+    )
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--prompts", type=int, default=32, help="prompts a step")
     p.add_argument("--samples", type=int, default=8, help="samples a prompt (the group size)")
@@ -424,7 +427,7 @@ def summary(args: argparse.Namespace, device: str, miles: list[dict], trl: list[
         "job": args.job,
         "device": device,
         "steps": args.steps,
-        "seeds": args.seeds,
+        "seeds": list(range(args.first_seed, args.first_seed + args.seeds)),
         "batch": f"{args.prompts}x{args.samples}",
         "max_new_tokens": max_new_tokens(args),
     }
@@ -463,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     data = job_data(args, work)
     miles, trl = [], []
     runners = {"miles": (run_miles, miles), "trl": (run_trl, trl)}
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         for side in args.sides:
             run, results = runners[side]
             results.append(run(args, model, seed_data(args, data, work, seed), work, seed, device))

@@ -137,6 +137,25 @@ def test_without_sympy_expressions_match_only_as_text(monkeypatch: pytest.Monkey
     assert grade("math", r"\boxed{2\frac{1}{2}}", "2.5") == 1.0  # numbers need no sympy
 
 
+def test_prose_is_not_handed_to_sympy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small model's early answers are prose; graded against a number, or read as a product of a dozen
+    letters, they cost sympy ~10 ms each (256 a step) and can never match."""
+    pytest.importorskip("sympy")
+    from miles.rollout.rm_hub import math_symbolic, math_utils
+
+    prose = "This classic problem involves understanding the sum of 16 and 11 when"
+    calls = []
+    real = math_symbolic.symbolically_equal
+    monkeypatch.setattr(math_utils, "symbolically_equal", lambda a, b: calls.append((a, b)) or real(a, b))
+    assert grade("math", prose, "27") == 0.0 and grade("math", "x + 1", "3") == 0.0
+    assert calls == []  # a number against anything else is not symbolic work
+    assert grade("math", prose, "x+1") == 0.0 and calls  # asked, but refused before parsing:
+    sp = math_symbolic._sympy()
+    assert math_symbolic._parse(math_utils.normalize_answer(prose), sp) is None
+    assert math_symbolic._parse("2ab+3cd-efg", sp) is not None  # seven variables are still an expression
+    assert grade("math", r"\boxed{2\sqrt{x}+\pi}", r"\pi+2\sqrt{x}") == 1.0  # known words do not count
+
+
 @pytest.mark.parametrize(
     ("response", "label", "expected"),
     [

@@ -24,6 +24,10 @@ _MAX_EXPONENT = 32  # (x+1)^32 expands quickly; 9^9^9 is refused, not computed
 _ALLOWED_RE = re.compile(r"[\d.+\-*/^(){}a-zA-Z]+")
 _WORD_RE = re.compile(r"[a-zA-Z]{2,}")
 _KNOWN_WORDS = {"sqrt", "pi"}
+_KNOWN_WORD_RE = re.compile("|".join(sorted(_KNOWN_WORDS, key=len, reverse=True)))
+# More distinct letters than this is prose read as a product of one-letter variables ("the sum of 16 and
+# 11" -> t*h*e*s*u*m*...), not an answer; expanding it costs sympy a third of a second.
+_MAX_SYMBOLS = 8
 
 
 @functools.cache
@@ -102,6 +106,8 @@ def parse_quietly(expr: str) -> ast.Expression:
 
 def _parse(normalized: str, sp: ModuleType) -> Any | None:
     if len(normalized) > _MAX_CHARS or not _ALLOWED_RE.fullmatch(normalized):
+        return None
+    if len({c for c in _KNOWN_WORD_RE.sub("", normalized) if c.isalpha()}) > _MAX_SYMBOLS:
         return None
     expr = _to_python_syntax(normalized)
     if expr is None:

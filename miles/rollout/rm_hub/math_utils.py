@@ -322,6 +322,10 @@ def _equal_normalized(a: str, b: str) -> bool:
     value_a, value_b = evaluate_number(a), evaluate_number(b)
     if value_a is not None and value_b is not None:
         return _numbers_equal(value_a, value_b)
+    if value_a is not None or value_b is not None:
+        # A number against something that is not one (text, or an expression in variables): sympy could only
+        # tell them equal when the variables cancel, and parsing prose as a product of letters costs ~10 ms.
+        return False
     return symbolically_equal(a, b)
 
 
@@ -330,4 +334,7 @@ def is_equiv(answer: str, reference: str) -> bool:
     a, b = normalize_answer(answer), normalize_answer(reference)
     if not a or not b:
         return False
-    return _equal_normalized(a, b) or _equal_normalized(a.lower(), b.lower())
+    if _equal_normalized(a, b):
+        return True
+    lower_a, lower_b = a.lower(), b.lower()
+    return (lower_a != a or lower_b != b) and _equal_normalized(lower_a, lower_b)

@@ -1,0 +1,23 @@
+"""bench/sampling_fidelity.py on CPU with a tiny model: every side samples and scores, the summary has each.
+
+The rewards of a random tiny model mean nothing; GPU figures: bench/results/e2e_vs_trl.md.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from e2e_helpers import REPO  # isort: skip
+
+
+def test_every_side_reports(tmp_path):
+    cmd = [sys.executable, "bench/sampling_fidelity.py", "--device", "cpu", "--prompts", "3", "--samples", "2"]
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = json.loads(out.stdout.strip().splitlines()[-1])
+    assert line["prompts"] == 3 and line["samples"] == 2
+    for side in ("engine-bf16", "engine-fp32", "hf-autocast", "hf-bf16", "hf-fp32"):
+        assert 0.0 <= line[side]["reward"] <= 1.0 and line[side]["tokens"] > 0, side
+    assert "minus_hf_autocast" in line["engine-bf16"] and "minus_hf_autocast" not in line["hf-autocast"]
