@@ -67,7 +67,7 @@ def _per_token_tensors(batch: TrainBatch, **cols: np.ndarray | None) -> dict[str
     out = {"loss_mask": torch.from_numpy(batch.loss_masks.astype(np.float32))}
     for key, value in cols.items():
         if value is not None:
-            out[key] = torch.as_tensor(np.asarray(value, dtype=np.float32))
+            out[key] = torch.from_numpy(np.array(value, dtype=np.float32))  # a copy: wire arrays are read-only
     return out
 
 
@@ -107,11 +107,11 @@ def run_rl_step(be: TrainBackend, batch: TrainBatch, rollout_id: int) -> dict[st
     values = be.compute_values(batch) if be.has_critic else None
 
     def t(x: np.ndarray | None) -> torch.Tensor | None:
-        return None if x is None else torch.as_tensor(np.asarray(x, dtype=np.float32))
+        return None if x is None else torch.from_numpy(np.array(x, dtype=np.float32))  # writable copies
 
     advantages, returns = compute_advantages_and_returns(
         algo,
-        rewards=torch.as_tensor(batch.rewards, dtype=torch.float32),
+        rewards=t(batch.rewards),
         response_lengths=[int(x) for x in batch.response_lengths],
         loss_mask=t(mask),
         log_probs=t(old_lp),

@@ -210,7 +210,7 @@ def test_opd_advantages_follow_the_reverse_kl_gradient():
     actions = torch.multinomial(p, 200_000, replacement=True, generator=gen)
     score = torch.nn.functional.one_hot(actions, 5).float() - p  # grad of log p(a) w.r.t. theta
     zeros = torch.zeros(len(actions))
-    exact_kl = torch.full_like(zeros, float(kl))
+    exact_kl = torch.full_like(zeros, float(kl.detach()))
     with_baseline = apply_opd(
         zeros, student_log_probs=logp.detach()[actions], teacher_log_probs=teacher[actions],
         opd_reverse_kl=exact_kl, coef=1.0,
