@@ -14,7 +14,7 @@ what the samplers compute, not in learning. Sides:
 
 Ends with one JSON line: per side the mean reward, its 95% t-interval half-width over prompts (the samples
 of one prompt are not independent), the share of responses that ended on the end-of-turn token and their
-mean length; and each side's difference from hf-autocast with that difference's paired interval.
+mean length, the microseconds `score` took per response; and each side's difference from hf-autocast with that difference's paired interval.
 """
 
 from __future__ import annotations
@@ -153,12 +153,15 @@ def hf_side(
 def summarise(groups: list[list[tuple[str, bool, int]]], labels: list[str]) -> tuple[dict, list[float]]:
     from miles.recipes.arith import score
 
+    start = time.perf_counter()
     per_prompt = [
         statistics.fmean(score(text, label) for text, _, _ in g) for g, label in zip(groups, labels, strict=True)
     ]
+    graded_s = time.perf_counter() - start
     flat = [r for g in groups for r in g]
     return {
         "reward": round(statistics.fmean(per_prompt), 4),
+        "grade_us_per_response": round(1e6 * graded_s / len(flat), 1),
         "reward_ci95": None if half_width(per_prompt) is None else round(half_width(per_prompt), 4),
         "ended": round(sum(e for _, e, _ in flat) / len(flat), 4),
         "tokens": round(statistics.fmean(n for _, _, n in flat), 2),

@@ -1,4 +1,5 @@
-"""bench/sampling_fidelity.py on CPU with a tiny model: every side samples and scores, the summary has each.
+"""bench/sampling_fidelity.py and bench/import_cost.py on CPU with a tiny model: every side samples and scores,
+every phase is timed.
 
 The rewards of a random tiny model mean nothing; GPU figures: bench/results/e2e_vs_trl.md.
 """
@@ -21,3 +22,12 @@ def test_every_side_reports(tmp_path):
     for side in ("engine-bf16", "engine-fp32", "hf-autocast", "hf-bf16", "hf-fp32"):
         assert 0.0 <= line[side]["reward"] <= 1.0 and line[side]["tokens"] > 0, side
     assert "minus_hf_autocast" in line["engine-bf16"] and "minus_hf_autocast" not in line["hf-autocast"]
+
+
+def test_import_cost_reports_each_phase():
+    cmd = [sys.executable, "bench/import_cost.py", "--runs", "1"]
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    median = json.loads(out.stdout.strip().splitlines()[-1])["median"]
+    assert median["import_torch"] > 0 and median["import_transformers_model"] > 0
+    assert median["from_pretrained_first"] >= 0
