@@ -52,6 +52,18 @@ def normalize_sglang_args(sglang_args: dict[str, Any] | None) -> dict[str, Any]:
     return out
 
 
+def with_engine_dtype(sglang_args: dict[str, Any] | None, dtype: str | None) -> dict[str, Any]:
+    """`sglang_args` with SGLang's --dtype set to what the trainers push weights in, unless the user gave one.
+
+    `dtype` is the run's engine dtype (`engine_dtype`: --sglang-dtype, else --dtype). SGLang's own `auto`
+    computes an fp32 checkpoint in float16, while the trainers send bf16 on GPU when the dtype is `auto`
+    (`push_dtype`): the engine would run in another precision than the one documented and pushed."""
+    args = normalize_sglang_args(sglang_args)
+    if args.get("dtype") is None:
+        args["dtype"] = "bfloat16" if dtype in (None, "auto") else dtype
+    return args
+
+
 def sglang_flags(args: dict[str, Any]) -> list[str]:
     """ServerArgs dict -> CLI tokens: True is a bare flag, False/None is omitted, lists repeat values."""
     flags: list[str] = []

@@ -81,14 +81,14 @@ class RolloutWorker(Worker):
 
         torch.set_num_threads(max(1, int(os.environ.get("MILES_TORCH_THREADS", "1"))))
         if self.kind == "sglang":
-            from miles.engines.sglang_engine import SGLangServer
+            from miles.engines.sglang_engine import SGLangServer, with_engine_dtype
 
             port = free_port(self.host)
             self._sglang = SGLangServer(
                 self.model_path,
                 port=port,
                 host=self.host,
-                sglang_args=self.sglang_args,
+                sglang_args=with_engine_dtype(self.sglang_args, self.dtype),  # computes in what is pushed
                 tp_size=self.tp_size,
                 api_key=self.api_key,
             )

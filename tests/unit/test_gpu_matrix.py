@@ -87,6 +87,27 @@ def test_the_engines_get_sglang_dtype_over_the_trainers():
         assert plan.rollout_specs[0].init_kwargs["dtype"] == want, extra
 
 
+def test_an_sglang_engine_is_told_the_dtype_weights_are_pushed_in():
+    """SGLang's own `auto` runs an fp32 checkpoint in float16, while the trainers push bf16 on GPU: the launcher
+    passes --dtype, so the engine computes in what it receives (and what the docs say), unless the user chose."""
+    from miles.config import load_config
+    from miles.controller.placement import plan_placement
+    from miles.engines.sglang_engine import build_sglang_command, with_engine_dtype
+
+    base = "--hf-checkpoint /m --prompt-data /p.jsonl --rm-type math --num-rollout 2 --rollout-batch-size 4".split()
+    base += ["--engine", "sglang"]
+    for extra, want, pushed in (
+        ([], "bfloat16", torch.bfloat16),
+        (["--dtype", "float32"], "float32", torch.float32),
+        (["--sglang-dtype", "half"], "half", torch.float16),  # the user's spelling goes to SGLang as given
+    ):
+        plan = plan_placement(load_config(base + extra), device="cuda", num_nodes=1, gpus_per_node=2, master_port=1)
+        kwargs = plan.rollout_specs[0].init_kwargs
+        cmd = build_sglang_command("/m", 1, sglang_args=with_engine_dtype(kwargs["sglang_args"], kwargs["dtype"]))
+        assert cmd[cmd.index("--dtype") + 1] == want, extra
+        assert push_dtype(kwargs["dtype"], "cuda") is pushed, extra
+
+
 def test_the_embedded_engine_honours_disable_cuda_graph():
     assert embedded_options({"disable_cuda_graph": True}) == {"cuda_graphs": False}
     assert embedded_options({"mem_fraction_static": 0.8}) == {}
