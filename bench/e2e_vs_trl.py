@@ -21,6 +21,10 @@ the start of the first step), miles_reward_last5 and trl_reward_last5 (mean roll
 last five steps, averaged over seeds), the per-seed difference of those (miles - TRL: both sides take the
 same prompts in the same order, so seed by seed they compare like with like) with its mean and the
 half-width of its 95% t-interval, and both sides' per-phase medians.
+
+TRL's rewards repeat bit for bit across calls, so a miles-only call can be paired with TRL's stored
+per-seed lines (`--sides miles --trl-rewards bench/results/e2e_vs_trl_short_trl_seeds.jsonl`, seeds 0-5 of
+the short job on one H200): the learning fields then come from that file, and no step ratio is given.
 """
 
 from __future__ import annotations
@@ -65,6 +69,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="model spec or directory (default: smollm2: on cuda, tiny on cpu)")
     p.add_argument("--sides", nargs="+", choices=["miles", "trl"], default=["miles", "trl"])
     p.add_argument("--miles-extra", default="", help="extra `miles train` flags, as one shell string")
+    p.add_argument(
+        "--trl-rewards",
+        default=None,
+        help="with --sides miles: pair miles' rewards with TRL's per-seed lines from an earlier call's output (a "
+        "JSONL file, e.g. bench/results/e2e_vs_trl_short_trl_seeds.jsonl; TRL's rewards repeat bit for bit), "
+        "for the learning fields; no step ratio is taken across calls",
+    )
     p.add_argument("--work-dir", default=None)
     p.add_argument("--timeout-s", type=float, default=900.0, help="per side and seed")
     p.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)  # internal: run TRL from a spec file
@@ -460,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    stored = load_trl_rewards(args, device) if args.trl_rewards else None
     work = Path(args.work_dir or tempfile.mkdtemp(prefix=f"e2e-{args.job}-"))
     work.mkdir(parents=True, exist_ok=True)
     model = resolve_model(args, device)
@@ -471,8 +483,36 @@ def main(argv: list[str] | None = None) -> int:
             run, results = runners[side]
             results.append(run(args, model, seed_data(args, data, work, seed), work, seed, device))
             print(json.dumps(_seed_line(side, seed, results[-1])), flush=True)
-    print(json.dumps(summary(args, device, miles, trl)), flush=True)
+    line = summary(args, device, miles, trl)
+    if stored is not None:
+        line |= {"trl_rewards_from": args.trl_rewards, "trl_reward_last5": _last5(stored)} | paired_last5(
+            miles, stored
+        )
+    print(json.dumps(line), flush=True)
     return 0
+
+
+def load_trl_rewards(args: argparse.Namespace, device: str) -> list[dict]:
+    """TRL's per-seed lines for this call's seeds, from --trl-rewards (refused unless miles runs alone, and
+    for lines of another job or device)."""
+    if args.sides != ["miles"]:
+        raise SystemExit("--trl-rewards pairs a miles-only call with stored TRL runs: add --sides miles")
+    path = Path(args.trl_rewards)
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    by_seed = {
+        d["seed"]: d
+        for d in lines
+        if d.get("side") == "trl" and d.get("job", args.job) == args.job and d.get("device", device) == device
+    }
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
+    missing = [k for k in seeds if k not in by_seed or len(by_seed[k]["rewards"]) != args.steps]
+    if missing:
+        raise SystemExit(
+            f"--trl-rewards {path}: no TRL line of the {args.job} job on {device} with {args.steps} rewards for "
+            f"seed(s) {missing}; "
+            "run those seeds with --sides trl first, or pick --first-seed/--seeds within the file"
+        )
+    return [by_seed[k] for k in seeds]
 
 
 if __name__ == "__main__":
