@@ -30,8 +30,10 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-DATA = REPO / "launch/data/arith_train.jsonl"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from e2e_vs_trl import SHORT_DATA as DATA  # noqa: E402 - the e2e bench's prompts and interval, shared
+from e2e_vs_trl import t975  # noqa: E402
+
 SIDES = ("engine-bf16", "engine-fp32", "hf-autocast", "hf-bf16", "hf-fp32")
 BASELINE = "hf-autocast"
 
@@ -48,11 +50,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
-
-
-def t975(df: int) -> float:
-    table = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
-    return table[df - 1] if df <= len(table) else 1.96 + (1.96**3 + 1.96) / (4 * df)
 
 
 def half_width(values: list[float]) -> float | None:

@@ -541,6 +541,7 @@ class MilesConfig:
 
 
 # SGLang's --dtype values, by the torch dtype each names ("auto": the engine's own choice).
+GPU_AUTO_DTYPE = "bfloat16"  # what `auto` computes in and pushes in on a GPU (trainer and launched engines)
 ENGINE_DTYPES = {
     "auto": "auto",
     "half": "float16",

@@ -23,6 +23,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+from miles.config_sections import GPU_AUTO_DTYPE
 from miles.engines.client import EngineClient
 from miles.engines.doors import auth_headers, redact
 
@@ -60,7 +61,7 @@ def with_engine_dtype(sglang_args: dict[str, Any] | None, dtype: str | None) -> 
     (`push_dtype`): the engine would run in another precision than the one documented and pushed."""
     args = normalize_sglang_args(sglang_args)
     if args.get("dtype") is None:
-        args["dtype"] = "bfloat16" if dtype in (None, "auto") else dtype
+        args["dtype"] = GPU_AUTO_DTYPE if dtype in (None, "auto") else dtype
     return args
 
 

@@ -63,11 +63,14 @@ def steps_per_rollout(num_local: int, global_batch_size: int | None, dp_size: in
     return n
 
 
+def _f32(x: np.ndarray | None) -> torch.Tensor | None:
+    """A float32 tensor over a writable copy of `x` (arrays off the wire are read-only); None stays None."""
+    return None if x is None else torch.from_numpy(np.array(x, dtype=np.float32))
+
+
 def _per_token_tensors(batch: TrainBatch, **cols: np.ndarray | None) -> dict[str, torch.Tensor]:
-    out = {"loss_mask": torch.from_numpy(batch.loss_masks.astype(np.float32))}
-    for key, value in cols.items():
-        if value is not None:
-            out[key] = torch.from_numpy(np.array(value, dtype=np.float32))  # a copy: wire arrays are read-only
+    out = {"loss_mask": _f32(batch.loss_masks)}
+    out.update((key, _f32(value)) for key, value in cols.items() if value is not None)
     return out
 
 
@@ -106,19 +109,16 @@ def run_rl_step(be: TrainBackend, batch: TrainBatch, rollout_id: int) -> dict[st
         metrics["train/ref_kl"] = _token_mean(old_lp - ref_lp, mask, be)
     values = be.compute_values(batch) if be.has_critic else None
 
-    def t(x: np.ndarray | None) -> torch.Tensor | None:
-        return None if x is None else torch.from_numpy(np.array(x, dtype=np.float32))  # writable copies
-
     advantages, returns = compute_advantages_and_returns(
         algo,
-        rewards=t(batch.rewards),
+        rewards=_f32(batch.rewards),
         response_lengths=[int(x) for x in batch.response_lengths],
-        loss_mask=t(mask),
-        log_probs=t(old_lp),
-        ref_log_probs=t(ref_lp),
-        values=t(values),
-        teacher_log_probs=t(batch.teacher_log_probs),
-        opd_reverse_kl=t(batch.opd_reverse_kl),
+        loss_mask=_f32(mask),
+        log_probs=_f32(old_lp),
+        ref_log_probs=_f32(ref_lp),
+        values=_f32(values),
+        teacher_log_probs=_f32(batch.teacher_log_probs),
+        opd_reverse_kl=_f32(batch.opd_reverse_kl),
         dp_group=be.dp_group,
     )
     per_token = _per_token_tensors(

@@ -12,7 +12,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from miles.config_sections import AlgoConfig, ModelConfig, RolloutConfig, TrainConfig, WeightsConfig, engine_dtype
+from miles.config_sections import (
+    GPU_AUTO_DTYPE,
+    AlgoConfig,
+    ModelConfig,
+    RolloutConfig,
+    TrainConfig,
+    WeightsConfig,
+    engine_dtype,
+)
 from miles.rollout.train_data import TrainBatch
 from miles.utils.profiling import WorkerProfiler, nvtx_range
 from miles.utils.timer import PhaseClock, seconds_since_launch
@@ -27,7 +35,7 @@ def push_dtype(dtype: str | None, device: str) -> torch.dtype | None:
     else --dtype; auto: bf16 on GPU, and on CPU the fp32 master as it is, None)."""
     if dtype not in (None, "auto"):
         return getattr(torch, dtype)
-    return None if device == "cpu" else torch.bfloat16
+    return None if device == "cpu" else getattr(torch, GPU_AUTO_DTYPE)
 
 
 def _all_gather_object(obj: Any) -> list[Any]:

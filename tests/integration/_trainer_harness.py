@@ -118,3 +118,16 @@ def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         g = p.grad
         out[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
     return out
+
+
+def capture_grads_at_step(be) -> dict[str, torch.Tensor]:
+    """A dict that `be`'s next optimizer steps fill with the unsharded gradients they apply (by HF name)."""
+    captured: dict[str, torch.Tensor] = {}
+    step = be.optimizer.step
+
+    def capture_then_step(*a, **kw):
+        captured.update(full_grads(be.actor))
+        return step(*a, **kw)
+
+    be.optimizer.step = capture_then_step
+    return captured

@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from _trainer_harness import configs, full_grads, make_batch, make_tiny_model, run_ranks  # isort: skip
+from _trainer_harness import capture_grads_at_step, configs, make_batch, make_tiny_model, run_ranks  # isort: skip
 
 NUM_SAMPLES = 8
 ALGO = dict(advantage_estimator="grpo")
@@ -27,14 +27,7 @@ def _step(model_dir: str, fused: bool) -> dict:
     be.compute_log_probs = lambda *a, **k: calls.append(a) or real(*a, **k)
     if not fused:
         train_loop.old_log_probs_in_update = lambda *a: False
-    captured = {}
-    step = be.optimizer.step
-
-    def capture_then_step(*a, **kw):
-        captured.update(full_grads(be.actor))
-        return step(*a, **kw)
-
-    be.optimizer.step = capture_then_step
+    captured = capture_grads_at_step(be)
     metrics = be.train(make_batch(NUM_SAMPLES, seed=3), rollout_id=0)
     return {"metrics": metrics, "grads": captured, "separate_passes": len(calls)}
 

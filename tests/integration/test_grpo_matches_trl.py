@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from _trainer_harness import configs, full_grads, run_ranks  # isort: skip
+from _trainer_harness import capture_grads_at_step, configs, run_ranks  # isort: skip
 
 pytest.importorskip("trl")
 
@@ -82,14 +82,7 @@ def _miles_grads(model_dir: str, batch: dict) -> tuple[dict, np.ndarray]:
         ),
     )
     be.setup()
-    captured = {}
-    step = be.optimizer.step
-
-    def capture_then_step(*a, **kw):
-        captured.update(full_grads(be.actor))
-        return step(*a, **kw)
-
-    be.optimizer.step = capture_then_step
+    captured = capture_grads_at_step(be)
     be.train(train_batch, rollout_id=0)
     return captured, advantages
 
