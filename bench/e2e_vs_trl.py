@@ -25,6 +25,9 @@ half-width of its 95% t-interval, and both sides' per-phase medians.
 TRL's rewards repeat bit for bit across calls, so a miles-only call can be paired with TRL's stored
 per-seed lines (`--sides miles --trl-rewards bench/results/e2e_vs_trl_short_trl_seeds.jsonl`, seeds 0-5 of
 the short job on one H200): the learning fields then come from that file, and no step ratio is given.
+`--stream K` reruns a seed with independent samples on the same prompts (both sides' random seeds shift),
+and `--pool FILE...` runs nothing: it pairs every stored per-seed line of both sides, each side averaged
+over its streams of a seed, and prints miles' minus TRL's last-five reward with its 95% t-interval.
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SHORT_DATA = REPO / "launch/data/arith_train.jsonl"
 REWARD = {"short": "miles.recipes.arith.reward", "long": "miles.recipes.arith.reward_steps"}
+# what only a run reads: refused beside --pool, which runs nothing
+POOL_IGNORES = ("seeds", "first_seed", "stream", "steps", "prompts", "samples", "sides", "miles_extra", "trl_rewards")
+STREAM_STRIDE = 7919  # --stream K adds STREAM_STRIDE * K to every random seed of both sides
 MILES_PHASES = {
     "generate": "perf/rollout/generate_time",
     "train": "perf/train_time",
@@ -62,6 +68,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--first-seed", type=int, default=0, help="the first seed, to add seeds to an earlier call's (default 0)"
     )
+    p.add_argument(
+        "--stream",
+        type=int,
+        default=0,
+        help="the sampling stream: K > 0 shifts both sides' random seeds by 7919 x K and keeps the prompts, so "
+        "a seed can be run again with independent samples (default 0, the seeds of earlier calls)",
+    )
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--prompts", type=int, default=32, help="prompts a step")
     p.add_argument("--samples", type=int, default=8, help="samples a prompt (the group size)")
@@ -75,6 +88,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --sides miles: pair miles' rewards with TRL's per-seed lines from an earlier call's output (a "
         "JSONL file, e.g. bench/results/e2e_vs_trl_short_trl_seeds.jsonl; TRL's rewards repeat bit for bit), "
         "for the learning fields; no step ratio is taken across calls",
+    )
+    p.add_argument(
+        "--pool",
+        nargs="+",
+        default=None,
+        metavar="JSONL",
+        help="run nothing: pool stored per-seed lines of --job (e.g. bench/results/e2e_vs_trl_short_*_seeds.jsonl) "
+        "into miles' minus TRL's last-five reward seed by seed, each side averaged over its streams, with the "
+        "mean and its 95%% t-interval",
     )
     p.add_argument("--work-dir", default=None)
     p.add_argument("--timeout-s", type=float, default=900.0, help="per side and seed")
@@ -214,9 +236,9 @@ def miles_command(
         str(n),
         "--colocate",
         "--seed",
-        str(1234 + seed),
+        str(1234 + seed + STREAM_STRIDE * args.stream),
         "--rollout-seed",
-        str(42 + seed),
+        str(42 + seed + STREAM_STRIDE * args.stream),
         "--output-dir",
         str(out_dir),
         "--no-progress-bar",
@@ -261,6 +283,7 @@ def run_trl(args: argparse.Namespace, model: str, data: Path, work: Path, seed: 
         "model": model,
         "data": str(data),
         "seed": seed,
+        "stream": args.stream,
         "steps": args.steps,
         "prompts": args.prompts,
         "samples": args.samples,
@@ -326,7 +349,7 @@ def trl_worker(spec_path: str) -> int:
         save_strategy="no",
         report_to=[],
         bf16=cuda,
-        seed=1234 + spec["seed"],
+        seed=1234 + spec["seed"] + STREAM_STRIDE * spec.get("stream", 0),
         shuffle_dataset=False,  # seed_data ordered the prompts for both sides
         use_cpu=not cuda,
         generation_kwargs=gen_kwargs,
@@ -427,10 +450,34 @@ def paired_last5(miles: list[dict], trl: list[dict]) -> dict:
     }
 
 
-def _seed_line(side: str, seed: int, run: dict) -> dict:
+def pooled_last5(lines: list[dict]) -> dict:
+    """Per-seed lines of both sides (any streams) -> miles' minus TRL's last-five reward for every seed that
+    both sides ran, each side's value the mean over its streams of that seed; their mean and 95% t-interval."""
+    by: dict[tuple[str, int], list[float]] = {}
+    for d in lines:
+        if d.get("side") in ("miles", "trl"):
+            by.setdefault((d["side"], d["seed"]), []).append(statistics.fmean(d["rewards"][-5:]))
+    seeds = sorted(k for side, k in by if side == "miles" and ("trl", k) in by)
+    if not seeds:
+        raise SystemExit("--pool: no seed has lines of both sides")
+    diffs = [statistics.fmean(by["miles", k]) - statistics.fmean(by["trl", k]) for k in seeds]
+    half = t975(len(diffs) - 1) * statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else None
+    return {
+        "seeds": seeds,
+        "streams": {side: sum(len(by[side, k]) for k in seeds) for side in ("miles", "trl")},
+        "miles_reward_last5": round(statistics.fmean(statistics.fmean(by["miles", k]) for k in seeds), 4),
+        "trl_reward_last5": round(statistics.fmean(statistics.fmean(by["trl", k]) for k in seeds), 4),
+        "reward_last5_diff": [round(d, 4) for d in diffs],
+        "reward_last5_diff_mean": round(statistics.fmean(diffs), 4),
+        "reward_last5_diff_ci95": None if half is None else round(half, 4),
+    }
+
+
+def _seed_line(side: str, seed: int, stream: int, run: dict) -> dict:
     """One side's one seed, printed as it finishes."""
     step_s = round(statistics.median(run["steps"]), 4)
-    return {"side": side, "seed": seed, "step_s": step_s, "startup_s": run["startup_s"], "rewards": run["rewards"]}
+    line = {"side": side, "seed": seed, "step_s": step_s, "startup_s": run["startup_s"], "rewards": run["rewards"]}
+    return line | ({"stream": stream} if stream else {})
 
 
 def summary(args: argparse.Namespace, device: str, miles: list[dict], trl: list[dict]) -> dict:
@@ -439,6 +486,7 @@ def summary(args: argparse.Namespace, device: str, miles: list[dict], trl: list[
         "device": device,
         "steps": args.steps,
         "seeds": list(range(args.first_seed, args.first_seed + args.seeds)),
+        "stream": args.stream,
         "batch": f"{args.prompts}x{args.samples}",
         "max_new_tokens": max_new_tokens(args),
     }
@@ -468,6 +516,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.trl_worker:
         return trl_worker(args.trl_worker)
+    if args.pool:
+        ran = [f"--{k.replace('_', '-')}" for k in POOL_IGNORES if getattr(args, k) != parse_args([]).__dict__[k]]
+        if ran:
+            raise SystemExit(f"--pool runs nothing, so {' '.join(ran)} would be ignored: drop them")
+        lines = [json.loads(x) for path in args.pool for x in Path(path).read_text().splitlines() if x.strip()]
+        print(json.dumps(pooled_last5([d for d in lines if d.get("job", args.job) == args.job])), flush=True)
+        return 0
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -482,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
         for side in args.sides:
             run, results = runners[side]
             results.append(run(args, model, seed_data(args, data, work, seed), work, seed, device))
-            print(json.dumps(_seed_line(side, seed, results[-1])), flush=True)
+            print(json.dumps(_seed_line(side, seed, args.stream, results[-1])), flush=True)
     line = summary(args, device, miles, trl)
     if stored is not None:
         line |= {"trl_rewards_from": args.trl_rewards, "trl_reward_last5": _last5(stored)} | paired_last5(
@@ -502,14 +557,17 @@ def load_trl_rewards(args: argparse.Namespace, device: str) -> list[dict]:
     by_seed = {
         d["seed"]: d
         for d in lines
-        if d.get("side") == "trl" and d.get("job", args.job) == args.job and d.get("device", device) == device
+        if d.get("side") == "trl"
+        and d.get("job", args.job) == args.job
+        and d.get("device", device) == device
+        and d.get("stream", 0) == args.stream
     }
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     missing = [k for k in seeds if k not in by_seed or len(by_seed[k]["rewards"]) != args.steps]
     if missing:
         raise SystemExit(
-            f"--trl-rewards {path}: no TRL line of the {args.job} job on {device} with {args.steps} rewards for "
-            f"seed(s) {missing}; "
+            f"--trl-rewards {path}: no TRL line of the {args.job} job on {device}, stream {args.stream}, with "
+            f"{args.steps} rewards for seed(s) {missing}; "
             "run those seeds with --sides trl first, or pick --first-seed/--seeds within the file"
         )
     return [by_seed[k] for k in seeds]

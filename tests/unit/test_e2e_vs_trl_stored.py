@@ -47,3 +47,47 @@ def test_the_stored_h200_runs_cover_seeds_0_to_5():
     assert [d["seed"] for d in stored] == list(range(6)) and all(len(d["rewards"]) == 30 for d in stored)
     with pytest.raises(SystemExit, match="on cpu"):  # GPU runs are not paired with a CPU call
         bench.load_trl_rewards(bench.parse_args(["--sides", "miles", "--trl-rewards", str(STORED)]), "cpu")
+
+
+def test_a_stream_shifts_both_sides_seeds_and_pairs_with_its_own_trl_lines(tmp_path):
+    lines = [
+        {"side": "trl", "seed": 0, "rewards": [0.1] * 3},
+        {"side": "trl", "seed": 0, "stream": 1, "rewards": [0.4] * 3},
+    ]
+    assert bench.load_trl_rewards(_args(tmp_path, lines), "cpu")[0]["rewards"] == [0.1] * 3
+    assert bench.load_trl_rewards(_args(tmp_path, lines, stream=1), "cpu")[0]["rewards"] == [0.4] * 3
+    with pytest.raises(SystemExit, match="stream 2"):
+        bench.load_trl_rewards(_args(tmp_path, lines, stream=2), "cpu")
+    args = bench.parse_args(["--stream", "1"])
+    cmd = bench.miles_command(args, "m", tmp_path / "d.jsonl", tmp_path / "o", 3, "cpu")
+    seeds = {cmd[i]: int(cmd[i + 1]) for i, a in enumerate(cmd) if a in ("--seed", "--rollout-seed")}
+    assert seeds == {"--seed": 1234 + 3 + bench.STREAM_STRIDE, "--rollout-seed": 42 + 3 + bench.STREAM_STRIDE}
+
+
+def test_pooling_averages_each_side_over_its_streams_and_pairs_seeds_both_sides_ran():
+    lines = [
+        {"side": "trl", "seed": 0, "rewards": [0.5] * 5},
+        {"side": "trl", "seed": 0, "stream": 1, "rewards": [0.7] * 5},  # TRL's seed 0: 0.6
+        {"side": "miles", "seed": 0, "rewards": [0.55] * 5},
+        {"side": "trl", "seed": 1, "rewards": [0.4] * 5},
+        {"side": "miles", "seed": 1, "rewards": [0.5] * 5},
+        {"side": "miles", "seed": 2, "rewards": [0.9] * 5},  # no TRL line: left out
+        {"variant": "x", "seed": 0, "rewards": [0.0] * 5},  # not a side's line
+    ]
+    pooled = bench.pooled_last5(lines)
+    assert pooled["seeds"] == [0, 1] and pooled["streams"] == {"miles": 2, "trl": 3}
+    assert pooled["reward_last5_diff"] == pytest.approx([-0.05, 0.1])
+    assert pooled["reward_last5_diff_mean"] == pytest.approx(0.025)
+    assert pooled["reward_last5_diff_ci95"] == pytest.approx(12.706 * 0.15 / 2**0.5 / 2**0.5, rel=1e-3)
+    with pytest.raises(SystemExit, match="both sides"):
+        bench.pooled_last5(lines[:3][:2])
+
+
+def test_pool_refuses_the_flags_of_a_run(tmp_path, capsys):
+    path = tmp_path / "lines.jsonl"
+    path.write_text(json.dumps({"side": "trl", "seed": 0, "rewards": [0.5] * 5}) + "\n")
+    path.write_text(path.read_text() + json.dumps({"side": "miles", "seed": 0, "rewards": [0.4] * 5}) + "\n")
+    assert bench.main(["--pool", str(path)]) == 0
+    assert json.loads(capsys.readouterr().out)["reward_last5_diff_mean"] == pytest.approx(-0.1)
+    with pytest.raises(SystemExit, match="--seeds --stream would be ignored"):
+        bench.main(["--pool", str(path), "--seeds", "3", "--stream", "1"])
