@@ -48,7 +48,10 @@ REPO = Path(__file__).resolve().parents[1]
 SHORT_DATA = REPO / "launch/data/arith_train.jsonl"
 REWARD = {"short": "miles.recipes.arith.reward", "long": "miles.recipes.arith.reward_steps"}
 # what only a run reads: refused beside --pool, which runs nothing
-POOL_IGNORES = ("seeds", "first_seed", "stream", "steps", "prompts", "samples", "sides", "miles_extra", "trl_rewards")
+POOL_IGNORES = (
+    *("seeds", "first_seed", "stream", "steps", "prompts", "samples", "sides", "miles_extra", "trl_rewards"),
+    *("long_tokens", "model", "work_dir", "timeout_s"),
+)
 STREAM_STRIDE = 7919  # --stream K adds STREAM_STRIDE * K to every random seed of both sides
 MILES_PHASES = {
     "generate": "perf/rollout/generate_time",
@@ -94,9 +97,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="+",
         default=None,
         metavar="JSONL",
-        help="run nothing: pool stored per-seed lines of --job (e.g. bench/results/e2e_vs_trl_short_*_seeds.jsonl) "
-        "into miles' minus TRL's last-five reward seed by seed, each side averaged over its streams, with the "
-        "mean and its 95%% t-interval",
+        help="run nothing: pool stored per-seed lines of --job (and --device, when given) (e.g. "
+        "bench/results/e2e_vs_trl_short_*_seeds.jsonl) into miles' minus TRL's last-five reward seed by seed, "
+        "each side averaged over its streams, with the mean and its 95%% t-interval",
     )
     p.add_argument("--work-dir", default=None)
     p.add_argument("--timeout-s", type=float, default=900.0, help="per side and seed")
@@ -438,10 +441,16 @@ def t975(df: int) -> float:
 def paired_last5(miles: list[dict], trl: list[dict]) -> dict:
     """miles' minus TRL's last-five reward seed by seed (both sides took the same prompts), their mean
     and the half-width of its 95% t-interval (None with one seed): whether a gap is more than noise."""
-    diffs = [
-        statistics.fmean(m["rewards"][-5:]) - statistics.fmean(t["rewards"][-5:])
-        for m, t in zip(miles, trl, strict=True)
-    ]
+    return _diff_fields(
+        [
+            statistics.fmean(m["rewards"][-5:]) - statistics.fmean(t["rewards"][-5:])
+            for m, t in zip(miles, trl, strict=True)
+        ]
+    )
+
+
+def _diff_fields(diffs: list[float]) -> dict:
+    """Per-seed differences, their mean and the half-width of its 95% t-interval (None with one seed)."""
     half = t975(len(diffs) - 1) * statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else None
     return {
         "reward_last5_diff": [round(d, 4) for d in diffs],
@@ -460,17 +469,30 @@ def pooled_last5(lines: list[dict]) -> dict:
     seeds = sorted(k for side, k in by if side == "miles" and ("trl", k) in by)
     if not seeds:
         raise SystemExit("--pool: no seed has lines of both sides")
-    diffs = [statistics.fmean(by["miles", k]) - statistics.fmean(by["trl", k]) for k in seeds]
-    half = t975(len(diffs) - 1) * statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else None
+    per_seed = {side: [statistics.fmean(by[side, k]) for k in seeds] for side in ("miles", "trl")}
     return {
         "seeds": seeds,
-        "streams": {side: sum(len(by[side, k]) for k in seeds) for side in ("miles", "trl")},
-        "miles_reward_last5": round(statistics.fmean(statistics.fmean(by["miles", k]) for k in seeds), 4),
-        "trl_reward_last5": round(statistics.fmean(statistics.fmean(by["trl", k]) for k in seeds), 4),
-        "reward_last5_diff": [round(d, 4) for d in diffs],
-        "reward_last5_diff_mean": round(statistics.fmean(diffs), 4),
-        "reward_last5_diff_ci95": None if half is None else round(half, 4),
-    }
+        "streams": {side: sum(len(by[side, k]) for k in seeds) for side in per_seed},
+        "miles_reward_last5": round(statistics.fmean(per_seed["miles"]), 4),
+        "trl_reward_last5": round(statistics.fmean(per_seed["trl"]), 4),
+    } | _diff_fields([m - t for m, t in zip(per_seed["miles"], per_seed["trl"], strict=True)])
+
+
+def pool_lines(args: argparse.Namespace) -> list[dict]:
+    """The stored lines --pool reads: those of --job and, where --device is given, of that device (lines of
+    several devices without it are refused); the flags of a run are refused beside it."""
+    defaults = vars(parse_args([]))
+    ran = [f"--{k.replace('_', '-')}" for k in POOL_IGNORES if getattr(args, k) != defaults[k]]
+    if ran:
+        raise SystemExit(f"--pool runs nothing, so {' '.join(ran)} would be ignored: drop them")
+    lines = [json.loads(x) for path in args.pool for x in Path(path).read_text().splitlines() if x.strip()]
+    lines = [d for d in lines if d.get("job", args.job) == args.job]
+    if args.device:
+        return [d for d in lines if d.get("device", args.device) == args.device]
+    devices = sorted({d["device"] for d in lines if "device" in d})
+    if len(devices) > 1:
+        raise SystemExit(f"--pool: the lines come from devices {devices}; pick one with --device")
+    return lines
 
 
 def _seed_line(side: str, seed: int, stream: int, run: dict) -> dict:
@@ -517,11 +539,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.trl_worker:
         return trl_worker(args.trl_worker)
     if args.pool:
-        ran = [f"--{k.replace('_', '-')}" for k in POOL_IGNORES if getattr(args, k) != parse_args([]).__dict__[k]]
-        if ran:
-            raise SystemExit(f"--pool runs nothing, so {' '.join(ran)} would be ignored: drop them")
-        lines = [json.loads(x) for path in args.pool for x in Path(path).read_text().splitlines() if x.strip()]
-        print(json.dumps(pooled_last5([d for d in lines if d.get("job", args.job) == args.job])), flush=True)
+        print(json.dumps(pooled_last5(pool_lines(args))), flush=True)
         return 0
     import torch
 

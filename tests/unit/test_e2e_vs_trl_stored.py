@@ -91,3 +91,21 @@ def test_pool_refuses_the_flags_of_a_run(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["reward_last5_diff_mean"] == pytest.approx(-0.1)
     with pytest.raises(SystemExit, match="--seeds --stream would be ignored"):
         bench.main(["--pool", str(path), "--seeds", "3", "--stream", "1"])
+
+
+def test_pool_keeps_one_device(tmp_path):
+    path = tmp_path / "lines.jsonl"
+    lines = [
+        {"side": side, "seed": 0, "device": device, "rewards": [r] * 5}
+        for side, device, r in [
+            ("trl", "cuda", 0.5),
+            ("miles", "cuda", 0.4),
+            ("trl", "cpu", 0.1),
+            ("miles", "cpu", 0.3),
+        ]
+    ]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    with pytest.raises(SystemExit, match=r"devices \['cpu', 'cuda'\]; pick one with --device"):
+        bench.pool_lines(bench.parse_args(["--pool", str(path)]))
+    kept = bench.pool_lines(bench.parse_args(["--pool", str(path), "--device", "cpu"]))
+    assert bench.pooled_last5(kept)["reward_last5_diff_mean"] == pytest.approx(0.2)
