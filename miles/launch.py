@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=os.environ.get("MILES_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    le = _with_train_flags(launch_env(), rest)
+    le, heartbeat = _with_train_flags(launch_env(), rest, selftest=args.selftest)
     if le.local_rank != 0:
         logger.warning("local rank %d exits: start one launch process per node (--nproc-per-node 1)", le.local_rank)
         return 0
@@ -62,24 +62,33 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # Slurm's pre-timeout signal: the controller acts on it
 
         key = codec.derive_key(os.environ["MILES_RUN_SECRET"])
-        return run_agent(le.node_rank, f"tcp://{le.master_addr}:{le.controller_port}", key, **heartbeat_settings())
+        return run_agent(le.node_rank, f"tcp://{le.master_addr}:{le.controller_port}", key, **heartbeat)
     if args.selftest:
         return _run_selftest(le, args.workers_per_node, args.run_dir)
     return _run_train(le, rest)
 
 
-def _with_train_flags(le: LaunchEnv, train_args: list[str]) -> LaunchEnv:
-    """The controller address node 0 will use: the `miles train` args every node was given decide it."""
+def _with_train_flags(le: LaunchEnv, train_args: list[str], *, selftest: bool) -> tuple[LaunchEnv, dict[str, float]]:
+    """The controller address node 0 will use and the heartbeat every node keeps: the `miles train` args
+    every node was given decide both (`--controller-host/-port`, `--heartbeat-interval-s/-timeout-s`), so
+    a node agent declares the controller lost after the same silence the controller allows a node. The
+    self-test has no train args: MILES_HEARTBEAT_INTERVAL_S / MILES_HEARTBEAT_TIMEOUT_S set its heartbeat."""
     from miles.config import load_config
     from miles.config_fields import ConfigError
 
+    if selftest:
+        return le, heartbeat_settings()
     try:
         runtime = load_config(train_args, for_train=False).runtime
     except (ConfigError, OSError) as e:
         if le.node_rank == 0:  # `miles train` on this node reports it in one line
-            return le
+            return le, heartbeat_settings()
         raise SystemExit(f"miles.launch node {le.node_rank}: cannot read the miles train args: {e}") from None
-    return with_controller_flags(le, runtime.controller_host, runtime.controller_port)
+    heartbeat = {
+        "heartbeat_interval_s": runtime.heartbeat_interval_s,
+        "heartbeat_timeout_s": runtime.heartbeat_timeout_s,
+    }
+    return with_controller_flags(le, runtime.controller_host, runtime.controller_port), heartbeat
 
 
 def _run_selftest(le: LaunchEnv, workers_per_node: int, run_dir: str) -> int:

@@ -33,6 +33,7 @@ from miles.controller.runtime import Runtime
 from miles.controller.trainers import TrainerGroup
 from miles.engines.client import EngineClient
 from miles.engines.doors import new_api_key
+from miles.errors import as_run_failure
 from miles.rollout.opd_teacher import TeacherScorer
 from miles.rollout.sample import Sample
 from miles.rollout.train_data import TrainBatch, samples_to_train_batch, split_by_dp
@@ -41,6 +42,8 @@ from miles.utils.profiling import ProfileSchedule
 from miles.utils.sysmon import SystemMonitor
 from miles.utils.timer import StartupClock, StepTimers
 from miles.wire.launch_env import runtime_options
+from miles.wire.rpc import RemoteError
+from miles.wire.specs import WorkerDied
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -246,8 +249,26 @@ class MilesRun:
     async def __aenter__(self) -> MilesRun:
         return self
 
-    async def __aexit__(self, *exc) -> None:
-        await self.close()
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        try:
+            lost = await self._lost_peer_behind(exc)
+        finally:
+            await self.close()
+        if lost is not None:
+            raise lost from exc
+
+    async def _lost_peer_behind(self, exc: BaseException | None) -> WorkerDied | None:
+        """On several nodes a worker's error is often the echo of a peer lost on another node (a gloo or
+        NCCL collective whose other end vanished: "Connection reset by peer"). Wait up to the heartbeat
+        time-out for the runtime's verdict on every peer and return that death, the cause to report."""
+        if not isinstance(exc, RemoteError) or self.runtime.num_nodes < 2 or as_run_failure(exc) is not None:
+            return None
+        wait_s = self.cfg.runtime.heartbeat_timeout_s + 2 * self.cfg.runtime.heartbeat_interval_s
+        try:
+            failure = await asyncio.wait_for(self.runtime.wait_failure(), wait_s)
+        except TimeoutError:
+            return None  # every peer still answers: the worker's own error is the cause
+        return failure if isinstance(failure, WorkerDied) else None
 
     # ---- waiting on workers ------------------------------------------------------------
     async def _wait(self, name: str, aw):

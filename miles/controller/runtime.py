@@ -426,6 +426,11 @@ class Runtime:
 
     async def _wait_children_exit(self, grace_s: float) -> None:
         agents = [p for p in self._peers.values() if p.role == AGENT_ROLE and p.registered]
+        now = time.monotonic()
+        for agent in [a for a in agents if now - a.last_seen > self.opts.heartbeat_timeout_s]:
+            # a lost or cut-off node cannot answer; its agent ends its workers once the controller falls silent
+            logger.warning("node %d agent silent for %.1f s: not waiting for it", agent.node, now - agent.last_seen)
+            agents.remove(agent)
         remote = [self._stop_remote(agent, grace_s) for agent in agents]
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and any(c.popen.poll() is None for c in self._children()):
