@@ -2,6 +2,7 @@
 # A one-node Slurm cluster on this machine for tests/integration/test_slurm.py (Debian 12, Slurm 22.05).
 #   sudo .ci/slurm_setup.sh            # install (apt), write slurm.conf, start munge, slurmctld, slurmd
 #   .ci/slurm_setup.sh --check         # exit 0 when the cluster answers and the node is idle
+#   sudo .ci/slurm_setup.sh --munge    # install and start munge only (tests/multihost runs its own cluster)
 # Runs as root. No cgroups: proctrack/linuxproc + task/none, and no cgroup.conf (22.05 has no
 # "disabled" cgroup plugin). CPUs=2 so the tests fit on small CI machines; RealMemory from /proc/meminfo.
 set -euo pipefail
@@ -47,6 +48,10 @@ chmod 0755 /run/munge
 chmod 0400 /etc/munge/munge.key
 if ! pgrep -x munged >/dev/null; then
     runuser -u munge -- /usr/sbin/munged
+fi
+if [[ "${1:-}" == "--munge" ]]; then
+    munge -n | unmunge >/dev/null
+    exit $?
 fi
 
 mkdir -p /etc/slurm /var/spool/slurmctld /var/spool/slurmd /var/log/slurm

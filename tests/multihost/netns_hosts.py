@@ -5,10 +5,11 @@
 holding the bridge every host's veth cable plugs into. Nothing is added to the machine's own network
 namespace, and no host has a route beyond the /24, so no packet can leave the group.
 
-Each host also gets an ``/etc/netns/<ns>/hosts`` file (``ip netns exec`` mounts it over /etc/hosts)
-naming every host and the machine's own hostname as the host's address, as on a real cluster node.
-Processes start inside a host with ``Host.popen`` (``ip netns exec``); the namespace is the host,
-so ``Host.pids()`` (``ip netns pids``) lists every process on it.
+Each host also gets an ``/etc/netns/<ns>/hosts`` file naming every host and the machine's own hostname
+as the host's address, as on a real cluster node. Processes start inside a host with ``Host.popen``:
+in its network namespace, with that file mounted over /etc/hosts and the host's name as hostname (as
+Slurm's daemons expect); the network namespace is the host, so ``Host.pids()`` (``ip netns pids``)
+lists every process on it.
 
 ``HostGroup.destroy()`` kills every process in every namespace, deletes the namespaces and the hosts
 files; it is idempotent and also runs at interpreter exit. Namespaces left by a test process that
@@ -51,10 +52,18 @@ class Host:
     switch_port: str  # this host's cable end on the bridge
 
     def command(self, argv: list[str]) -> list[str]:
-        return ["ip", "netns", "exec", self.netns, *argv]
+        """``argv`` on this host: in its network namespace, with a UTS namespace named after the host and
+        a mount namespace where its hosts file is /etc/hosts. (Not `ip netns exec`: that also mounts a
+        fresh /sys without /sys/fs/cgroup, where slurmd cannot start.)"""
+        setup = 'mount --bind "$1" /etc/hosts && hostname "$0" && shift && exec "$@"'
+        hosts_file = str(ETC_NETNS / self.netns / "hosts")
+        return [
+            *("nsenter", f"--net=/run/netns/{self.netns}", "unshare", "--mount", "--uts", "--"),
+            *("sh", "-c", setup, self.name, hosts_file, *argv),
+        ]
 
     def popen(self, argv: list[str], **kwargs: Any) -> subprocess.Popen:
-        """Start ``argv`` on this host, in its own session (``ip netns exec`` execs into it: same pid)."""
+        """Start ``argv`` on this host, in its own session (nsenter, unshare and sh exec into it: same pid)."""
         kwargs.setdefault("start_new_session", True)
         return subprocess.Popen(self.command(argv), **kwargs)
 
@@ -153,7 +162,7 @@ class HostGroup:
             self._write_hosts_file(host)
 
     def _write_hosts_file(self, host: Host) -> None:
-        lines = ["127.0.0.1 localhost", f"{host.addr} {socket.gethostname()}"]
+        lines = ["127.0.0.1 localhost", f"{host.addr} {socket.gethostname()}"]  # the machine's name: this host
         lines += [f"{h.addr} {h.name}" for h in self.hosts]
         path = ETC_NETNS / host.netns / "hosts"
         path.parent.mkdir(parents=True, exist_ok=True)

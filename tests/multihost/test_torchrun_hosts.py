@@ -48,8 +48,9 @@ def test_hosts_reach_each_other_and_nothing_else(hosts) -> None:
     assert "default" not in routes and f"{SUBNET}.0/24 dev eth0" in routes
     # the hosts file names every host, and the node's own hostname is its address
     assert h1.run(["getent", "hosts", "h0"]).stdout.split()[0] == h0.addr
+    assert h1.run(["hostname"]).stdout.strip() == "h1"
     sleeper = h1.popen(["sleep", "600"])
-    deadline = time.monotonic() + 10  # `ip netns exec` enters the namespace, then execs `sleep`
+    deadline = time.monotonic() + 10  # nsenter enters the namespace, then execs `sleep`
     while sleeper.pid not in h1.pids() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert sleeper.pid in h1.pids() and sleeper.pid not in h0.pids()
@@ -75,7 +76,7 @@ def test_demo_learns_across_two_hosts(hosts, tmp_path) -> None:
     # the controller listened on host 0's address and node 1 dialled that address, not a loopback one
     port = re.search(r"runtime \w+ listening on tcp://([\d.]+):(\d+)", node0)
     assert port is not None and port.group(1) == h0.addr, text
-    assert f"node 1 of 2, controller {h0.addr}:{port.group(2)}" in node1, text
+    assert f"launch on h1: node 1 of 2, controller {h0.addr}:{port.group(2)}" in node1, text
     assert "127.0.0.1" not in "\n".join(line for line in node1.splitlines() if "controller" in line)
 
     # node 1's agent spawned trainer rank 1, which trained in a 2-rank gloo world; the engine is node 0's
