@@ -88,3 +88,23 @@ def test_other_nodes_connect_to_the_port_in_the_train_args(monkeypatch, tmp_path
 def test_a_node_that_cannot_read_the_train_args_says_so(monkeypatch, tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="miles.launch node 1: cannot read the miles train args"):
         _agent_url(monkeypatch, [*TRAIN, "--config", str(tmp_path / "missing.yaml")])
+
+
+def test_node_agents_take_the_heartbeat_of_the_train_args(monkeypatch) -> None:
+    """The agent declares the controller lost after the same silence the controller allows a node."""
+    for key, value in {
+        **TORCHRUN,
+        "GROUP_RANK": "1",
+        "MILES_RUN_SECRET": "s",
+        "MILES_HEARTBEAT_TIMEOUT_S": "99",
+    }.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(launch.signal, "signal", lambda *args: None)
+    seen: list[dict] = []
+    monkeypatch.setattr("miles.workers.node_agent.run_agent", lambda rank, url, key, **kw: seen.append(kw) or 0)
+    assert launch.main(["--", *TRAIN, "--heartbeat-timeout-s", "12", "--heartbeat-interval-s", "0.5"]) == 0
+    assert launch.main(["--", *TRAIN]) == 0
+    assert seen == [
+        {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 12.0},
+        {"heartbeat_interval_s": 1.0, "heartbeat_timeout_s": 30.0},  # the defaults of `miles train`
+    ]
