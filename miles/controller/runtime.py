@@ -259,6 +259,8 @@ class Runtime:
             )
         if method == "register":
             peer.registered, peer.pid = True, kwargs.get("pid", peer.pid)
+            if self.num_nodes > 1:  # where each process of a multi-node run really is
+                logger.info("%s registered from host %s (node %d)", ident.decode(), kwargs.get("hostname"), peer.node)
             self._progress.set()
             return {"init_kwargs": peer.spec.init_kwargs if peer.spec else {}, "run_id": self.run_id}
         if method == "ready":

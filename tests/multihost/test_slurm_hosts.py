@@ -81,6 +81,7 @@ def test_sbatch_two_nodes_trains_across_both_hosts(cluster, tmp_path) -> None:
     assert "launch on h1: node 1 of 2, controller h0:" in node1, logs
     assert "node 1: spawned ['trainer:1']" in node1, logs
     assert "listening on tcp://h0:" in node0, logs
+    assert "trainer:1 registered from host h1 (node 1)" in node0, logs
     assert "dp=2" in (run_dir / "logs" / "trainer_1.log").read_text()
     assert [r["step"] for r in train_rows(run_dir)] == [0, 1], logs
 

@@ -82,6 +82,8 @@ def test_demo_learns_across_two_hosts(hosts, tmp_path) -> None:
     # node 1's agent spawned trainer rank 1, which trained in a 2-rank gloo world; the engine is node 0's
     assert "node 1: spawned ['trainer:1']" in node1, text
     assert "spawned trainer:0" in node0 and "spawned rollout:0" in node0, text
+    for peer, host in (("trainer:0", "h0"), ("rollout:0", "h0"), ("agent:1", "h1"), ("trainer:1", "h1")):
+        assert f"{peer} registered from host {host} (node {host[1]})" in node0, text
     assert sorted(os.listdir(out_dir / "logs")) == ["rollout_0.log", "trainer_0.log", "trainer_1.log"]
     assert "dp=2" in (out_dir / "logs" / "trainer_1.log").read_text()
 
