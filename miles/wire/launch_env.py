@@ -138,7 +138,8 @@ def runtime_options(le: LaunchEnv | None = None) -> dict[str, Any]:
 
 
 def heartbeat_settings() -> dict[str, float]:
-    """Heartbeat interval and timeout from MILES_HEARTBEAT_INTERVAL_S / MILES_HEARTBEAT_TIMEOUT_S."""
+    """Heartbeat interval and timeout from MILES_HEARTBEAT_INTERVAL_S / MILES_HEARTBEAT_TIMEOUT_S: the
+    launch self-test's. In a `miles train` run every node takes them from its `--heartbeat-*` flags."""
     return {
         "heartbeat_interval_s": float(os.environ.get("MILES_HEARTBEAT_INTERVAL_S", "1.0")),
         "heartbeat_timeout_s": float(os.environ.get("MILES_HEARTBEAT_TIMEOUT_S", "30.0")),
