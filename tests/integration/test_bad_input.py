@@ -14,6 +14,7 @@ the checkpoint, and leaves no directory that could pass for a checkpoint.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import errno
 import json
 import os
@@ -234,6 +235,17 @@ def _inject(mode: str, rank: int) -> None:
 
         torch.save = torch_save
         shutil.disk_usage = lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 4096, 4096)
+    elif mode == "dcp_enospc" and rank == 1:  # DCP's own shard writer: its failure is a BaseException
+        from torch.distributed.checkpoint import filesystem
+
+        create_stream = filesystem.FileSystem.create_stream
+
+        @contextlib.contextmanager
+        def full_stream(self, path, mode):
+            with create_stream(self, path, mode) as stream:
+                yield _FullFile(stream) if "w" in mode else stream
+
+        filesystem.FileSystem.create_stream = full_stream
     elif mode == "marker" and rank == 0:  # the last few bytes: the marker file is created, its text never lands
         real_open = builtins.open
 
@@ -275,7 +287,7 @@ def _save_on_a_full_disk(rank: int, world: int, root: str, mode: str) -> None:
     Path(root, f"error_{rank}.txt").write_text(message)
 
 
-@pytest.mark.parametrize("mode", ["enospc", "short_write", "marker"])
+@pytest.mark.parametrize("mode", ["enospc", "short_write", "marker", "dcp_enospc"])
 def test_full_disk_during_save_names_the_checkpoint_and_leaves_no_checkpoint(tmp_path: Path, mode: str) -> None:
     root = tmp_path / "ckpt"
     run_ranks(_save_on_a_full_disk, 2, str(root), mode)
@@ -289,3 +301,19 @@ def test_full_disk_during_save_names_the_checkpoint_and_leaves_no_checkpoint(tmp
     assert "unexpected pos" not in message
     assert not os.path.exists(failed)
     assert ckpt.latest_complete_checkpoint(str(root)) == ckpt.checkpoint_dir(str(root), 0)
+
+
+def _save_into_a_linked_step(rank: int, world: int, root: str) -> None:
+    ckpt.save_checkpoint(ckpt.checkpoint_dir(root, 1), _models(), {"step": 1})
+
+
+def test_a_save_replaces_a_linked_step_without_touching_what_it_points_at(tmp_path: Path) -> None:
+    root, elsewhere = tmp_path / "ckpt", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "weights.bin").write_bytes(b"someone else's")
+    root.mkdir()
+    os.symlink(elsewhere, root / "iter_0000001")  # a link inside --save, to a directory outside it
+    run_ranks(_save_into_a_linked_step, 1, str(root))
+    assert (elsewhere / "weights.bin").read_bytes() == b"someone else's" and len(list(elsewhere.iterdir())) == 1
+    saved = Path(ckpt.checkpoint_dir(str(root), 1))
+    assert not saved.is_symlink() and ckpt.is_complete(str(saved))
