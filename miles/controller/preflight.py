@@ -128,7 +128,9 @@ def check_resume_checkpoint(train: Any, *, scan_weights: bool = True) -> None:
     try:
         verify_checkpoint(path, scan_weights=scan_weights)
     except CheckpointInvalid as e:
-        fix = "point --load at another checkpoint or drop it" if flag == "--load" else "remove it or drop --auto-resume"
+        fix = (
+            "point --load at another checkpoint or drop it" if flag == "--load" else "remove it or drop --auto-resume"
+        )
         raise PreflightError(f"{flag}: {e}; {fix}") from None
 
 

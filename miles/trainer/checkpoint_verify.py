@@ -90,7 +90,9 @@ def _check_dcp(path: str, model_dir: str, scan_weights: bool) -> None:
     params = {fqn for fqn, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
     bad = _non_finite(model_dir, storage, {fqn for fqn in params if _is_model_param(fqn)})
     if bad:
-        shown = ", ".join(bad[:_NAMES_SHOWN]) + (f" and {len(bad) - _NAMES_SHOWN} more" if len(bad) > _NAMES_SHOWN else "")
+        shown = ", ".join(bad[:_NAMES_SHOWN]) + (
+            f" and {len(bad) - _NAMES_SHOWN} more" if len(bad) > _NAMES_SHOWN else ""
+        )
         raise CheckpointInvalid(
             f"checkpoint {path!r} holds NaN or inf in {len(bad)} parameter(s) ({shown}); "
             "resume from an earlier checkpoint"
