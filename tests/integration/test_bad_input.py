@@ -317,3 +317,35 @@ def test_a_save_replaces_a_linked_step_without_touching_what_it_points_at(tmp_pa
     assert (elsewhere / "weights.bin").read_bytes() == b"someone else's" and len(list(elsewhere.iterdir())) == 1
     saved = Path(ckpt.checkpoint_dir(str(root), 1))
     assert not saved.is_symlink() and ckpt.is_complete(str(saved))
+
+
+def _save_onto(rank: int, world: int, root: str) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)  # 16 KiB of weights, twice that of Adam state: more than the device holds
+    optim = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 64)).sum().backward()
+    optim.step()
+    try:
+        ckpt.save_checkpoint(ckpt.checkpoint_dir(root, 0), {"actor": (model, optim)}, {"step": 0})
+        message = "no error"
+    except ckpt.CheckpointWriteError as e:
+        message = str(e)
+    Path(root).parent.parent.joinpath("error.txt").write_text(message)  # beside the full device
+
+
+def test_a_save_onto_a_really_full_device_ends_in_one_line_and_leaves_nothing(tmp_path: Path) -> None:
+    """A real full device (a 16 KiB tmpfs; root only): torch's own short-write error inside DCP's writer."""
+    mount = tmp_path / "fs"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(mount)], check=False).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        run_ranks(_save_onto, 1, str(mount / "ck"))
+        message = (tmp_path / "error.txt").read_text()
+        assert message == (
+            f"disk full (ENOSPC) while saving checkpoint {mount / 'ck' / 'iter_0000000'}; free space or point "
+            "--save elsewhere (the partial checkpoint was removed)"
+        )
+        assert os.listdir(mount / "ck") == []
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
