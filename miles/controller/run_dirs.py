@@ -6,8 +6,9 @@
   that died, so a lock file left by a dead run is taken over. A directory that cannot be created or
   written (read-only, full) is refused in one line.
 - `check_save_reuse`: a `--save` that already holds complete checkpoints belongs to another run unless
-  this one resumes from it (`--load`, `--auto-resume`) or says `--overwrite-save`; otherwise refused,
-  so a fresh run never skips its saves or leaves `--auto-resume` to pick another run's weights.
+  this one continues them (`--auto-resume`, or a `--load` inside `--save`) or says `--overwrite-save`;
+  otherwise refused, so a run never mixes its checkpoints with another's and `--auto-resume` never
+  picks another run's weights.
 - `clear_save_dir`: `--overwrite-save` removes the old `iter_*` entries at start-up (links unlinked,
   never followed).
 """
@@ -141,14 +142,16 @@ def check_save_reuse(train: TrainConfig) -> None:
                 "drop one of the two"
             )
         return
-    if train.load or train.auto_resume:
-        return
+    if train.auto_resume or (train.load and _inside(os.path.realpath(train.load), save)):
+        return  # this run continues the checkpoints under --save
     steps = complete_checkpoint_steps(train.save)
     if steps:
         held = f"iter_{steps[0]:07d}" + (f" .. iter_{steps[-1]:07d}" if len(steps) > 1 else "")
+        loads = f" (--load {train.load!r} is outside it)" if train.load else ""
         raise RunDirError(
-            f"--save {train.save!r} already holds {len(steps)} checkpoint(s) of another run ({held}); resume them "
-            "with --auto-resume, start fresh and delete them with --overwrite-save, or point --save at a new directory"
+            f"--save {train.save!r} already holds {len(steps)} checkpoint(s) of another run ({held}){loads}; resume "
+            "them with --auto-resume, start fresh and delete them with --overwrite-save, or point --save at a new "
+            "directory"
         )
 
 

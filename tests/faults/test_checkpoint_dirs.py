@@ -64,6 +64,9 @@ def test_a_fresh_run_into_another_runs_save_is_refused_in_one_line(tmp_path: Pat
     message = _refusal(_cfg(tmp_path, "--save", str(save)))
     assert f"--save {str(save)!r} already holds 1 checkpoint(s) of another run (iter_0000002)" in message
     assert "--auto-resume" in message and "--overwrite-save" in message
+    elsewhere = _write_checkpoint(tmp_path / "other", 7)  # loading another lineage does not continue this one
+    message = _refusal(_cfg(tmp_path, "--save", str(save), "--load", str(elsewhere)))
+    assert f"(--load {str(elsewhere)!r} is outside it)" in message
 
 
 def test_resume_or_overwrite_may_use_a_save_with_checkpoints(tmp_path: Path) -> None:
