@@ -244,7 +244,12 @@ def load_checkpoint(
     if read_model is not None:
         read_model(model_dir, meta.get("has_optim", True))
     else:
-        _load_dcp(model_dir, models, meta.get("has_optim", True), trainable_only)
+        try:
+            _load_dcp(model_dir, models, meta.get("has_optim", True), trainable_only)
+        except CheckpointException as e:  # a BaseException: made an error the worker reports, not one it dies of
+            cause = _unwrapped(next(iter(e.failures.values()))) if e.failures else e
+            reason = " ".join(str(cause).split())
+            raise RuntimeError(f"reading checkpoint {path} failed: {type(cause).__name__}: {reason}") from None
     rng_file = os.path.join(path, "rng", f"rank_{dist.get_rank()}.pt")
     if os.path.isfile(rng_file):
         _set_rng_state(torch.load(rng_file, weights_only=True))

@@ -304,10 +304,19 @@ def test_full_disk_during_save_names_the_checkpoint_and_leaves_no_checkpoint(tmp
 
 
 def _save_into_a_linked_step(rank: int, world: int, root: str) -> None:
-    ckpt.save_checkpoint(ckpt.checkpoint_dir(root, 1), _models(), {"step": 1})
+    path = ckpt.checkpoint_dir(root, 1)
+    ckpt.save_checkpoint(path, _models(), {"step": 1})
+    shard = next(p for p in Path(path, "model").iterdir() if p.suffix == ".distcp")
+    shard.write_bytes(shard.read_bytes()[:40])  # then cut short: DCP's failure to read it is a BaseException
+    try:
+        ckpt.load_checkpoint(path, _models())
+        message = "loaded"
+    except RuntimeError as e:  # an error the worker reports to the controller, not one it dies of
+        message = str(e)
+    Path(root, "load_error.txt").write_text(message)
 
 
-def test_a_save_replaces_a_linked_step_without_touching_what_it_points_at(tmp_path: Path) -> None:
+def test_a_save_replaces_a_linked_step_and_a_cut_short_one_fails_to_load_in_one_line(tmp_path: Path) -> None:
     root, elsewhere = tmp_path / "ckpt", tmp_path / "elsewhere"
     elsewhere.mkdir()
     (elsewhere / "weights.bin").write_bytes(b"someone else's")
@@ -317,6 +326,8 @@ def test_a_save_replaces_a_linked_step_without_touching_what_it_points_at(tmp_pa
     assert (elsewhere / "weights.bin").read_bytes() == b"someone else's" and len(list(elsewhere.iterdir())) == 1
     saved = Path(ckpt.checkpoint_dir(str(root), 1))
     assert not saved.is_symlink() and ckpt.is_complete(str(saved))
+    message = (root / "load_error.txt").read_text()
+    assert message.startswith(f"reading checkpoint {saved} failed: ") and "\n" not in message, message
 
 
 def _save_onto(rank: int, world: int, root: str) -> None:
