@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import importlib
 import inspect
 import json
@@ -71,6 +72,7 @@ def cmd_train(argv: list[str], base: dict[str, Any] | None = None) -> int:
     from miles.config import load_config, save_config
     from miles.controller.placement import PlacementError
     from miles.controller.preflight import PreflightError, check_start
+    from miles.controller.run_dirs import RunDirError, lock_output_dir, output_dir_error
     from miles.models.resolve import resolve_model_paths
     from miles.utils.hf_cache import ModelNotFound
 
@@ -83,15 +85,18 @@ def cmd_train(argv: list[str], base: dict[str, Any] | None = None) -> int:
             return 0
         loop = "miles.controller.loop_async" if cfg.async_.fully_async else "miles.controller.loop_sync"
         run = _import_entry(loop, "run", "miles train: the training loop is not available yet")
-        # The resolved config (derived knobs included) next to the run's metrics: `--config` reruns it.
-        save_config(cfg, Path(cfg.runtime.output_dir) / "config.yaml")
-        check_start(cfg)  # a layout the machine cannot hold, or a bad path, is refused before any model is built
-        resolve_model_paths(cfg.model, seed=cfg.train.seed)  # the controller takes model directories only
-        logger.info("starting %s with output_dir=%s", loop, cfg.runtime.output_dir)
-        return _result_code(run(cfg))
+        with lock_output_dir(cfg.runtime.output_dir):  # one run per --output-dir, from its first write to exit
+            try:  # the resolved config (derived knobs included) next to the run's metrics: `--config` reruns it
+                save_config(cfg, Path(cfg.runtime.output_dir) / "config.yaml")
+            except OSError as e:
+                raise output_dir_error(cfg.runtime.output_dir, e) from None
+            check_start(cfg, scan_load_weights=False)  # a bad layout or path is refused before any model is built
+            resolve_model_paths(cfg.model, seed=cfg.train.seed)  # the controller takes model directories only
+            logger.info("starting %s with output_dir=%s", loop, cfg.runtime.output_dir)
+            return _result_code(run(cfg))
     except PlacementError as e:  # raised before any worker starts
         raise UsageError(f"placement error: {e}") from None
-    except (PreflightError, ModelNotFound) as e:  # bad paths, models (before any worker starts) or data
+    except (PreflightError, ModelNotFound, RunDirError) as e:  # bad paths, models (before any worker starts) or data
         raise UsageError(f"miles train: {e}") from None
     except Exception as e:  # a known cause (every group dropped, NaN loss, a dead worker or engine): one line
         line = one_line(e)
@@ -125,6 +130,12 @@ def one_line(exc: BaseException) -> str | None:
         return f"worker {exc.role}:{exc.rank} (pid {exc.pid}, node {exc.node}) {exc.reason} ({how}){where}"
     if isinstance(exc, EngineConnectionError):
         return str(exc).splitlines()[0]
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+        where = f" writing {exc.filename}" if exc.filename else ""
+        return (
+            f"{exc.strerror}{where}; free space or make it writable, then run again "
+            "(--auto-resume continues from the last checkpoint)"
+        )
     return None
 
 

@@ -285,6 +285,12 @@ class TrainConfig:
         "keep the newest N complete checkpoints under --save, deleting older ones after each save (default: keep all)",
     )
     auto_resume: bool = _f(False, "CKPT", "resume from the latest complete checkpoint under --save")
+    overwrite_save: bool = _f(
+        False,
+        "CKPT",
+        "start a fresh run into a --save that holds another run's checkpoints: its iter_* entries are deleted at "
+        "start-up (without it such a --save is refused unless --load or --auto-resume resumes from it)",
+    )
     no_save_optim: bool = _f(False, "CKPT", "do not save optimizer state")
     offload_train: bool | None = _f(
         None,

@@ -23,6 +23,7 @@ from miles.config_lora_sft import is_sft
 from miles.config_sections import MilesConfig, ModelConfig
 from miles.controller.machine import Machine, plan_run, resolve_machine
 from miles.controller.placement import Placement
+from miles.controller.run_dirs import RunDirError, check_save_reuse
 from miles.rollout.data_source import DataError, DataSource, JsonlDataSource, PromptLimit, load_data_source
 from miles.rollout.sft_data import SupervisedDataSource
 from miles.utils.misc import PluginError, load_function
@@ -35,15 +36,21 @@ class PreflightError(ValueError):
     """A start-up check failed; the message is one line with what was wrong and the fix."""
 
 
-def check_start(cfg: MilesConfig) -> tuple[LaunchEnv, Machine]:
+def check_start(cfg: MilesConfig, *, scan_load_weights: bool = True) -> tuple[LaunchEnv, Machine]:
     """Every start-up check that needs no model and starts nothing: the controller address, the machine
     and a layout it can hold, checkpoint and plug-in paths, the train backend. `miles train` runs it before
     it resolves the model (a bad layout costs no model build); `MilesRun.start` runs it again, cheaply, for
-    callers that come straight."""
+    callers that come straight. `scan_load_weights`: read the resumed checkpoint's weights for NaN/inf
+    (`miles train` leaves that to the second call, so the weights are read once)."""
     le = controller_address(cfg.runtime, launch_env())  # --controller-host/-port over the environment
     machine = resolve_machine(cfg.runtime, le)
     placement = plan_run(cfg, machine, le)  # a layout the cluster cannot hold is refused here, before any work
     check_checkpoint_paths(cfg.train.load, cfg.train.save, cfg.train.save_hf)
+    try:
+        check_save_reuse(cfg.train)  # a fresh run never shares --save with another run's checkpoints
+    except RunDirError as e:
+        raise PreflightError(str(e)) from None
+    check_resume_checkpoint(cfg.train, scan_weights=scan_load_weights)
     check_plugin_paths(cfg)  # every plug-in imports once here: a bad path costs no worker start-up
     check_train_backend(cfg, placement)
     return le, machine
@@ -53,12 +60,19 @@ def check_start(cfg: MilesConfig) -> tuple[LaunchEnv, Machine]:
 
 
 def check_model_path(model: ModelConfig) -> None:
-    """`--hf-checkpoint` is a model directory by now (`miles.models.resolve` turns specs into directories)."""
+    """`--hf-checkpoint` is a model directory by now (`miles.models.resolve` turns specs into directories),
+    with the config.json every Hugging Face model directory has."""
     path = model.hf_checkpoint
     if not path or not os.path.isdir(os.path.expanduser(path)):
         raise PreflightError(
             f"--hf-checkpoint {path!r} is not a model directory; resolve it first with "
             "miles.models.resolve.resolve_model_paths (miles train does) or pass a directory"
+        )
+    if not os.path.isfile(os.path.join(os.path.expanduser(path), "config.json")):
+        what = "is an empty directory" if not os.listdir(os.path.expanduser(path)) else "has no config.json"
+        raise PreflightError(
+            f"--hf-checkpoint {path!r} {what}; point it at a Hugging Face model directory (config.json, tokenizer "
+            "files, *.safetensors), a Hub id (org/name) or a tiny:ARCH spec"
         )
 
 
@@ -97,6 +111,27 @@ def _check_load(load: str, *, resumes_save: bool) -> None:
         f"--load {load!r} holds no complete checkpoint (no iter_*/{COMPLETE_MARKER}); "
         f"point it at the --save root of a finished save, {fix}"
     )
+
+
+def check_resume_checkpoint(train: Any, *, scan_weights: bool = True) -> None:
+    """The checkpoint the run will resume from (`--load`, or the newest under `--save` with `--auto-resume`)
+    is whole: marker, meta.json, model metadata and shard files, and with `scan_weights` finite weights."""
+    from miles.trainer.checkpoint_layout import latest_complete_checkpoint, resolve_load_path
+    from miles.trainer.checkpoint_verify import CheckpointInvalid, verify_checkpoint
+
+    if train.load:
+        path, flag = (resolve_load_path(train.load) if os.path.isdir(train.load) else None), "--load"
+    else:
+        path, flag = (latest_complete_checkpoint(train.save) if train.auto_resume and train.save else None), "--save"
+    if path is None:
+        return
+    try:
+        verify_checkpoint(path, scan_weights=scan_weights)
+    except CheckpointInvalid as e:
+        fix = (
+            "point --load at another checkpoint or drop it" if flag == "--load" else "remove it or drop --auto-resume"
+        )
+        raise PreflightError(f"{flag}: {e}; {fix}") from None
 
 
 def _check_writable(directory: str, flag: str) -> None:

@@ -29,6 +29,7 @@ from miles.controller.preflight import (
     prompt_limit,
 )
 from miles.controller.router import EngineFleet, Router, engine_clients
+from miles.controller.run_dirs import clear_save_dir
 from miles.controller.runtime import Runtime
 from miles.controller.trainers import TrainerGroup
 from miles.engines.client import EngineClient
@@ -125,6 +126,10 @@ class MilesRun:
         self.data_source = data.prompts
         self.eval_sets = data.eval_sets  # name -> source, read and checked at start-up
         self.weight_version = 0
+        # the version of the trainer's weights: weight_version until a step trains, then the version its push
+        # gives them (one above the newest pushed or trained); what a checkpoint records and a resume restores
+        self.trained_version = 0
+        self._saved_steps: set[int] = set()  # steps this run saved: a repeated save of one is skipped
         self.start_rollout_id = 0
         self.engine_versions: list[int] = [0] * len(engines)
         self._last_push_metrics: dict[str, float] | None = None  # the newest weight push, logged with its step
@@ -146,8 +151,9 @@ class MilesRun:
     @classmethod
     async def start(cls, cfg: MilesConfig) -> MilesRun:
         clock = StartupClock()  # before_run: imports, the config and model resolution in `miles train`
-        le, machine = check_start(cfg)
+        le, machine = check_start(cfg)  # --load (or --auto-resume) checkpoint read whole here, NaN refused
         check_model_path(cfg.model)  # a directory: `miles train` resolved tiny:, smollm2: and Hub ids before
+        clear_save_dir(cfg.train)  # --overwrite-save: the old run's checkpoints go before this run saves
         cfg.engine.api_key = cfg.engine.api_key or new_api_key()  # one key per run: every engine and client
         placement = plan_run(cfg, machine, le)  # the workers' settings carry the model path and the key
         run_dir = cfg.runtime.output_dir
@@ -334,7 +340,9 @@ class MilesRun:
     async def train(self, rollout_id: int, shards: list[TrainBatch]) -> dict[str, float]:
         if not self.has_trainer:  # --debug-rollout-only
             return {}
-        return await self._wait("train_time", self.trainers.train(rollout_id, shards))
+        metrics = await self._wait("train_time", self.trainers.train(rollout_id, shards))
+        self.trained_version = max(self.trained_version, self.weight_version) + 1
+        return metrics
 
     async def offload_trainer(self) -> None:
         if self.placement.colocated and self.cfg.train.offload_train and self.has_trainer:
@@ -376,19 +384,20 @@ class MilesRun:
             await self._wait("save_time", self.trainers.export_hf(path))
 
     async def _save_checkpoint(self, rollout_id: int) -> None:
-        from miles.trainer.checkpoint_layout import COMPLETE_MARKER, prune_checkpoints
+        from miles.trainer.checkpoint_layout import prune_checkpoints
 
         t = self.cfg.train
-        if os.path.exists(os.path.join(self._ckpt_dir(rollout_id), COMPLETE_MARKER)):
-            return  # this step is already saved (a stop signal right after a scheduled save)
+        if rollout_id in self._saved_steps:
+            return  # this run saved this step already (a stop signal right after a scheduled save)
         extra = {
             "rollout_id": rollout_id,
-            "weight_version": self.weight_version,
+            "weight_version": max(self.trained_version, self.weight_version),
             "data_source": self.data_source.state_dict(),
             "pending_groups": self.pending_state_fn() if self.pending_state_fn else [],
         }
         # a full disk, say, is raised as the trainers' one-line reason, not their traceback
         await self._wait("save_time", self.trainers.save(self._ckpt_dir(rollout_id), extra))
+        self._saved_steps.add(rollout_id)
         if t.max_checkpoints:  # after the new one is complete: the newest complete checkpoint is never deleted
             await asyncio.to_thread(prune_checkpoints, t.save, t.max_checkpoints)
 
@@ -409,7 +418,7 @@ class MilesRun:
         pending = extra.get("pending_groups") or []
         if pending:  # prompts that were generating or buffered at save time: regenerate, never lose
             self.data_source.add_samples([[Sample.from_dict(d) for d in g] for g in pending])
-        self.weight_version = int(extra.get("weight_version", 0))
+        self.weight_version = self.trained_version = int(extra.get("weight_version", 0))
         self.start_rollout_id = int(extra["rollout_id"]) + 1
         logger.info("resumed from %s at rollout %d", path, self.start_rollout_id)
 

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from miles.trainer.checkpoint_layout import (  # noqa: F401 - the layout's names, re-exported
@@ -41,6 +42,7 @@ from miles.trainer.checkpoint_layout import (  # noqa: F401 - the layout's names
     is_complete,
     latest_complete_checkpoint,
     prune_checkpoints,
+    remove_checkpoint_dir,
     resolve_load_path,
 )
 from miles.trainer.safe_load import SafeLoadPlanner, SafeReader
@@ -50,6 +52,8 @@ logger = logging.getLogger(__name__)
 # torch.save reports a short write without its errno ("unexpected pos 704 vs 598"): with less free
 # space than this left on the device, a failed write is taken to be a full disk.
 _DISK_FULL_FREE_BYTES = 64 * 1024**2
+# DCP raises CheckpointException, a BaseException: caught beside Exception, so every save failure is shared
+_SAVE_ERRORS = (Exception, CheckpointException)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -111,10 +115,9 @@ def save_checkpoint(
     error = None
     try:
         if rank == 0:
-            if os.path.exists(path):  # a stale or partial save of the same step: start clean
-                shutil.rmtree(path)
+            remove_checkpoint_dir(path)  # a stale or partial save of the same step (a link: only the link)
             os.makedirs(os.path.join(path, "rng"), exist_ok=True)
-    except Exception as e:  # noqa: BLE001 - shared with every rank below
+    except _SAVE_ERRORS as e:  # shared with every rank below
         error = _write_error(path, e)
     _raise_first(path, error)  # nothing to write into: every rank stops here
     try:
@@ -128,13 +131,13 @@ def save_checkpoint(
             _write_json(
                 os.path.join(path, "meta.json"), {**meta, "has_optim": save_optim, "trainable_only": trainable_only}
             )
-    except Exception as e:  # noqa: BLE001 - shared with every rank below
+    except _SAVE_ERRORS as e:  # shared with every rank below
         error = _write_error(path, e)
     _raise_first(path, error)  # every rank's shards and RNG file exist before the marker
     try:
         if rank == 0:
             _write_marker(path)
-    except Exception as e:  # noqa: BLE001 - shared with every rank below
+    except _SAVE_ERRORS as e:  # shared with every rank below
         error = _write_error(path, e)
     _raise_first(path, error)
     logger.info("saved checkpoint %s", path)
@@ -174,7 +177,11 @@ def _write_error(path: str, exc: BaseException) -> str:
             f"disk full (ENOSPC) while saving checkpoint {path}; free space or point --save elsewhere "
             f"(the partial checkpoint was removed)"
         )
-    return f"writing checkpoint {path} failed: {type(exc).__name__}: {exc} (the partial checkpoint was removed)"
+    failures = getattr(exc, "failures", None)  # DCP's CheckpointException: name the first rank's cause
+    if isinstance(failures, dict) and failures:
+        exc = _unwrapped(next(iter(failures.values())))
+    reason = " ".join(str(exc).split())  # one line, whatever the layer below printed
+    return f"writing checkpoint {path} failed: {type(exc).__name__}: {reason} (the partial checkpoint was removed)"
 
 
 def _is_disk_full(exc: BaseException, path: str) -> bool:
@@ -184,15 +191,20 @@ def _is_disk_full(exc: BaseException, path: str) -> bool:
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        failures = getattr(e, "failures", None)  # DCP's CheckpointException: {rank: exception}
+        failures = getattr(e, "failures", None)  # DCP's CheckpointException: {rank: (exception, traceback)}
         if isinstance(failures, dict) and any(
-            isinstance(f, BaseException) and _is_disk_full(f, path) for f in failures.values()
+            isinstance(f, BaseException) and _is_disk_full(f, path) for f in map(_unwrapped, failures.values())
         ):
             return True
         if "No space left on device" in str(e):
             return True
         e = e.__cause__ or e.__context__
     return _free_bytes(path) < _DISK_FULL_FREE_BYTES
+
+
+def _unwrapped(failure: Any) -> Any:
+    """DCP wraps each rank's exception with its traceback summary: the exception itself."""
+    return failure[0] if isinstance(failure, tuple) and failure else failure
 
 
 def _free_bytes(path: str) -> int:
@@ -232,7 +244,12 @@ def load_checkpoint(
     if read_model is not None:
         read_model(model_dir, meta.get("has_optim", True))
     else:
-        _load_dcp(model_dir, models, meta.get("has_optim", True), trainable_only)
+        try:
+            _load_dcp(model_dir, models, meta.get("has_optim", True), trainable_only)
+        except CheckpointException as e:  # a BaseException: made an error the worker reports, not one it dies of
+            cause = _unwrapped(next(iter(e.failures.values()))) if e.failures else e
+            reason = " ".join(str(cause).split())
+            raise RuntimeError(f"reading checkpoint {path} failed: {type(cause).__name__}: {reason}") from None
     rng_file = os.path.join(path, "rng", f"rank_{dist.get_rank()}.pt")
     if os.path.isfile(rng_file):
         _set_rng_state(torch.load(rng_file, weights_only=True))

@@ -31,6 +31,21 @@ def is_complete(path: str) -> bool:
     return os.path.isfile(os.path.join(path, COMPLETE_MARKER))
 
 
+def is_link(save_dir: str, name: str) -> bool:
+    """`save_dir/name` or its marker is a symbolic link: a save never writes or deletes through one."""
+    path = os.path.join(save_dir, name)
+    return os.path.islink(path) or os.path.islink(os.path.join(path, COMPLETE_MARKER))
+
+
+def remove_checkpoint_dir(path: str) -> None:
+    """Remove `path` (a stale or partial `iter_*` directory) without following links: a link is unlinked,
+    never the directory it points at."""
+    if os.path.islink(path) or os.path.isfile(path):
+        os.unlink(path)
+    elif os.path.isdir(path):
+        shutil.rmtree(path)  # rmtree unlinks the links inside a directory; it never descends into them
+
+
 def latest_complete_checkpoint(save_dir: str) -> str | None:
     """The `iter_*` directory under `save_dir` with the highest step and a COMPLETE marker."""
     if not save_dir or not os.path.isdir(save_dir):
@@ -56,12 +71,16 @@ def complete_checkpoint_steps(save_dir: str) -> list[int]:
 
 
 def prune_checkpoints(save_dir: str, keep: int) -> list[str]:
-    """Delete all but the newest `keep` (>= 1) complete checkpoints under `save_dir`; the deleted paths."""
+    """Delete all but the newest `keep` (>= 1) complete checkpoints under `save_dir`; the deleted paths.
+    A checkpoint that is (or whose marker is) a symbolic link is never deleted: it may point outside `save_dir`."""
     if keep < 1:
         raise ValueError(f"keep={keep}: at least the newest complete checkpoint is kept; pass keep >= 1")
     removed = []
     for step in complete_checkpoint_steps(save_dir)[:-keep]:
         path = checkpoint_dir(save_dir, step)
+        if is_link(save_dir, os.path.basename(path)):  # what a link points at lies outside --save: left alone
+            logger.warning("not pruning %s: it is a symbolic link (--max-checkpoints never deletes through one)", path)
+            continue
         os.remove(os.path.join(path, COMPLETE_MARKER))  # no longer a checkpoint, even if rmtree stops halfway
         shutil.rmtree(path)
         removed.append(path)

@@ -46,6 +46,15 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
+def read_safe_metadata(path: str) -> Metadata:
+    """A DCP `.metadata` file read with the restricted unpickler; UnsafeCheckpointError if it is anything else."""
+    with open(path, "rb") as f:
+        metadata = _MetadataUnpickler(f).load()
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpointError(f"{path}: not checkpoint metadata ({type(metadata).__name__})")
+    return metadata
+
+
 class SafeReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))

@@ -14,6 +14,7 @@ the checkpoint, and leaves no directory that could pass for a checkpoint.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import errno
 import json
 import os
@@ -234,6 +235,17 @@ def _inject(mode: str, rank: int) -> None:
 
         torch.save = torch_save
         shutil.disk_usage = lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 4096, 4096)
+    elif mode == "dcp_enospc" and rank == 1:  # DCP's own shard writer: its failure is a BaseException
+        from torch.distributed.checkpoint import filesystem
+
+        create_stream = filesystem.FileSystem.create_stream
+
+        @contextlib.contextmanager
+        def full_stream(self, path, mode):
+            with create_stream(self, path, mode) as stream:
+                yield _FullFile(stream) if "w" in mode else stream
+
+        filesystem.FileSystem.create_stream = full_stream
     elif mode == "marker" and rank == 0:  # the last few bytes: the marker file is created, its text never lands
         real_open = builtins.open
 
@@ -275,7 +287,7 @@ def _save_on_a_full_disk(rank: int, world: int, root: str, mode: str) -> None:
     Path(root, f"error_{rank}.txt").write_text(message)
 
 
-@pytest.mark.parametrize("mode", ["enospc", "short_write", "marker"])
+@pytest.mark.parametrize("mode", ["enospc", "short_write", "marker", "dcp_enospc"])
 def test_full_disk_during_save_names_the_checkpoint_and_leaves_no_checkpoint(tmp_path: Path, mode: str) -> None:
     root = tmp_path / "ckpt"
     run_ranks(_save_on_a_full_disk, 2, str(root), mode)
@@ -289,3 +301,62 @@ def test_full_disk_during_save_names_the_checkpoint_and_leaves_no_checkpoint(tmp
     assert "unexpected pos" not in message
     assert not os.path.exists(failed)
     assert ckpt.latest_complete_checkpoint(str(root)) == ckpt.checkpoint_dir(str(root), 0)
+
+
+def _save_into_a_linked_step(rank: int, world: int, root: str) -> None:
+    path = ckpt.checkpoint_dir(root, 1)
+    ckpt.save_checkpoint(path, _models(), {"step": 1})
+    shard = next(p for p in Path(path, "model").iterdir() if p.suffix == ".distcp")
+    shard.write_bytes(shard.read_bytes()[:40])  # then cut short: DCP's failure to read it is a BaseException
+    try:
+        ckpt.load_checkpoint(path, _models())
+        message = "loaded"
+    except RuntimeError as e:  # an error the worker reports to the controller, not one it dies of
+        message = str(e)
+    Path(root, "load_error.txt").write_text(message)
+
+
+def test_a_save_replaces_a_linked_step_and_a_cut_short_one_fails_to_load_in_one_line(tmp_path: Path) -> None:
+    root, elsewhere = tmp_path / "ckpt", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "weights.bin").write_bytes(b"someone else's")
+    root.mkdir()
+    os.symlink(elsewhere, root / "iter_0000001")  # a link inside --save, to a directory outside it
+    run_ranks(_save_into_a_linked_step, 1, str(root))
+    assert (elsewhere / "weights.bin").read_bytes() == b"someone else's" and len(list(elsewhere.iterdir())) == 1
+    saved = Path(ckpt.checkpoint_dir(str(root), 1))
+    assert not saved.is_symlink() and ckpt.is_complete(str(saved))
+    message = (root / "load_error.txt").read_text()
+    assert message.startswith(f"reading checkpoint {saved} failed: ") and "\n" not in message, message
+
+
+def _save_onto(rank: int, world: int, root: str) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)  # 16 KiB of weights, twice that of Adam state: more than the device holds
+    optim = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 64)).sum().backward()
+    optim.step()
+    try:
+        ckpt.save_checkpoint(ckpt.checkpoint_dir(root, 0), {"actor": (model, optim)}, {"step": 0})
+        message = "no error"
+    except ckpt.CheckpointWriteError as e:
+        message = str(e)
+    Path(root).parent.parent.joinpath("error.txt").write_text(message)  # beside the full device
+
+
+def test_a_save_onto_a_really_full_device_ends_in_one_line_and_leaves_nothing(tmp_path: Path) -> None:
+    """A real full device (a 16 KiB tmpfs; root only): torch's own short-write error inside DCP's writer."""
+    mount = tmp_path / "fs"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(mount)], check=False).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        run_ranks(_save_onto, 1, str(mount / "ck"))
+        message = (tmp_path / "error.txt").read_text()
+        assert message == (
+            f"disk full (ENOSPC) while saving checkpoint {mount / 'ck' / 'iter_0000000'}; free space or point "
+            "--save elsewhere (the partial checkpoint was removed)"
+        )
+        assert os.listdir(mount / "ck") == []
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)

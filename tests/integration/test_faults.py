@@ -9,6 +9,7 @@ step, no worker outlives the run, and no checkpoint holds a step that was not tr
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -269,3 +270,15 @@ def test_a_killed_engine_ends_the_run_with_one_line_naming_it(tmp_path) -> None:
     assert "Traceback" not in stderr
     assert stderr.count("WARNING") <= 3, stderr[-3000:]
     assert not leftover_processes(str(out)), "processes of the run are still alive"
+
+
+def test_a_checkpoint_records_the_version_of_the_weights_it_holds(tmp_path) -> None:
+    """The weights saved after step k are the ones pushed to the engines as version k + 1: a resume starts the
+    engines at that version, as the run that never stopped would have had them."""
+    save = tmp_path / "ck"
+    proc = _train(tmp_path / "run", "--num-rollout", "2", "--save", str(save), "--save-interval", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pushed = {row["step"]: row["rollout/weight_version"] for row in read_rows(tmp_path / "run") if row["step"] >= 0}
+    for step in (0, 1):
+        meta = json.loads((Path(checkpoint_dir(str(save), step)) / "meta.json").read_text())["extra_state"]
+        assert meta["weight_version"] == pushed[step] == step + 1, (step, meta, pushed)

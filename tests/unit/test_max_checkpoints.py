@@ -96,6 +96,8 @@ def _fake_run(save: Path, max_checkpoints: int | None) -> SimpleNamespace:
         trainers=SimpleNamespace(save=save_on_trainers),
         _wait=wait,
         weight_version=0,
+        trained_version=0,
+        _saved_steps=set(),
         data_source=SimpleNamespace(state_dict=dict),
         pending_state_fn=None,
     )

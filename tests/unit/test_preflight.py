@@ -267,6 +267,7 @@ def _run_saving_into(tmp_path: Path, error: Exception):
     run.trainers = TrainerGroup(_FailingSaveRuntime(error))
     run.data_source = type("Source", (), {"state_dict": lambda self: {}})()
     run.pending_state_fn, run.weight_version, run.timers, run._worker_wait_s = None, 0, StepTimers(), 0.0
+    run.trained_version, run._saved_steps = 0, set()
     return run
 
 
