@@ -43,6 +43,7 @@ from miles.trainer.offload import HostOffloader, module_tensors, optimizer_tenso
 from miles.trainer.packing import layout_for, pack_sequences, plan_micro_batches
 from miles.trainer.train_loop import run_rl_step
 from miles.true_on_policy import ATTN_IMPLEMENTATION
+from miles.utils.moe_names import per_expert_tensors
 from miles.utils.timer import PhaseClock
 
 logger = logging.getLogger(__name__)
@@ -385,7 +386,8 @@ class FSDPBackend:
             return
         for name, p in self.actor.named_parameters():
             full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
-            yield name, (full.to(dtype) if dtype is not None else full).detach()
+            # fused 3-D MoE experts travel under their per-expert checkpoint names (what engines load)
+            yield from per_expert_tensors(name, (full.to(dtype) if dtype is not None else full).detach())
 
     def export_hf(self, path: str) -> None:
         cfg = self.actor.config

@@ -441,23 +441,21 @@ class EmbeddedEngine:
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the live parameters; any KV computed before is re-prefilled."""
-        params = self.model.params
         with self.runner.lock:
             self._require_full_weights("load_weights")
             count = 0
             for name, tensor in named:
-                key = self.model.canonical_name(name)
-                if key not in params:
+                target = self.model.weight_target(name)
+                if target is None:
                     raise ValueError(
                         f"unknown weight {name!r}: not a tensor of this {self.model.spec.model_type} "
                         f"model (expected HF checkpoint names like 'model.layers.0.mlp.up_proj.weight')"
                     )
-                if tuple(tensor.shape) != tuple(params[key].shape):
+                if tuple(tensor.shape) != tuple(target.shape):
                     raise ValueError(
-                        f"shape mismatch for {name!r}: got {tuple(tensor.shape)}, "
-                        f"engine has {tuple(params[key].shape)}"
+                        f"shape mismatch for {name!r}: got {tuple(tensor.shape)}, engine has {tuple(target.shape)}"
                     )
-                params[key].copy_(tensor)
+                target.copy_(tensor)
                 count += 1
             self.runner.invalidate_kv()
         logger.info("loaded %d tensors (weight_version still %d until set)", count, self.weight_version)
