@@ -40,6 +40,7 @@ import uuid
 import zlib
 from collections.abc import Iterable, Iterator
 
+import numpy as np
 import torch
 
 from miles.engines.embedded.logprob_extras import Extras, ExtrasRequest, check_request, extras_of
@@ -48,6 +49,7 @@ from miles.engines.embedded.model import CausalLM, iter_safetensors, read_config
 from miles.engines.embedded.runner import ModelRunner
 from miles.engines.embedded.sampler import SamplingParams
 from miles.engines.embedded.scheduler import Request, Scheduler, input_extras
+from miles.utils.routing import encode_sglang, routing_dtype
 from miles.weights.colocated_direct import SharedWeights, wait_for_writer
 
 logger = logging.getLogger(__name__)
@@ -233,10 +235,13 @@ class EmbeddedEngine:
         logprob_start_len: int = -1,
         top_logprobs_num: int | None = None,
         token_ids_logprob: list[int] | None = None,
+        return_routed_experts: bool = False,
+        routed_experts_start_len: int = 0,
     ) -> dict | list[dict]:
         """One SGLang /generate prompt. `top_logprobs_num` / `token_ids_logprob` (with `return_logprob`) add each
         position's top-k tokens / the listed ids' log-probs, for the output and for the input from
-        `logprob_start_len` on."""
+        `logprob_start_len` on. `return_routed_experts` (MoE models) adds `meta_info["routed_experts"]`, SGLang's
+        base64 int32 [seq_len - 1 - routed_experts_start_len, moe_layers, k] (miles/utils/routing.py)."""
         scheduler = self._require_started()
         params = SamplingParams.from_dict(sampling_params)
         if (input_ids is None) == (text is None):
@@ -247,9 +252,10 @@ class EmbeddedEngine:
         extras = check_request(top_logprobs_num, token_ids_logprob, self.model.spec.vocab_size)
         if not return_logprob:
             extras = ExtrasRequest()  # SGLang computes them only alongside the log-probs
+        routed_dtype = self._check_routed_request(return_routed_experts, routed_experts_start_len, len(prompt))
         rid = rid or uuid.uuid4().hex
         scoring = return_logprob and logprob_start_len >= 0 and params.max_new_tokens == 0 and params.n == 1
-        if scoring and self.reference is not None:
+        if scoring and self.reference is not None and not return_routed_experts:
             return await self._reference_score(scheduler, rid, prompt, params, logprob_start_len, extras)
         rids = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
         if params.n > 1:
@@ -266,6 +272,8 @@ class EmbeddedEngine:
                 generator=self._request_generator(params, r, i),
                 stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids),
                 extras=extras,
+                routed=self._routed_buffer(routed_dtype, len(prompt) + params.max_new_tokens),
+                routed_start=routed_experts_start_len,
             )
             for i, r in enumerate(rids)
         ]
@@ -350,7 +358,32 @@ class EmbeddedEngine:
                     [lp, t, None] for lp, t in zip(req.input_logprobs or [], tokens, strict=False)
                 ]
                 _put_extras(meta, "input", req.extras, req.input_extras or Extras())
+        if req.routed is not None:  # the last token was never fed: seq_len - 1 rows
+            meta["routed_experts"] = encode_sglang(req.routed[req.routed_start : req.seq_len - 1])
         return {"text": text, "output_ids": list(ids), "meta_info": meta}
+
+    def _check_routed_request(self, wanted: bool, start_len: int, prompt_len: int) -> np.dtype | None:
+        """The dtype routing is recorded in (None: not asked); ValueError (HTTP 400) for a dense model or a
+        start outside [0, prompt tokens], as SGLang checks it."""
+        if not wanted:
+            return None
+        spec = self.model.spec
+        if not spec.moe_layers:
+            raise ValueError(
+                f"return_routed_experts: this {spec.model_type} model has no MoE layers; drop the field "
+                "(--use-rollout-routing-replay is for mixture-of-experts models)"
+            )
+        if not 0 <= start_len <= prompt_len:
+            raise ValueError(
+                f"routed_experts_start_len={start_len} must be in [0, {prompt_len}] (the prompt's tokens)"
+            )
+        return routing_dtype(spec.num_experts)
+
+    def _routed_buffer(self, dtype: np.dtype | None, capacity: int) -> np.ndarray | None:
+        if dtype is None:
+            return None
+        spec = self.model.spec
+        return np.zeros((capacity, len(spec.moe_layers), spec.num_experts_per_tok), dtype=dtype)
 
     # ---- true-on-policy scoring ---------------------------------------------------------------------------
     async def _reference_score(

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from miles.utils.moe_names import FUSED_EXPERTS
 
-__all__ = ["FUSED_EXPERTS", "Routing", "experts_loop", "fuse_experts", "moe_block", "route"]
+__all__ = ["FUSED_EXPERTS", "Routing", "experts_loop", "fuse_experts", "moe_block", "route", "routed_rows"]
 
 
 @dataclass(slots=True)
@@ -145,3 +146,25 @@ def _experts_sorted_torch(
     pairs = torch.empty_like(out_sorted)
     pairs[order] = out_sorted * weights.reshape(-1)[order, None]
     return pairs.view(n, k, -1).sum(dim=1)
+
+
+def routed_rows(
+    decode: list, prefill: list, decode_routing: Routing | None, prefill_routing: Routing | None
+) -> dict[int, tuple[int, np.ndarray]]:
+    """Step index -> (first position, rows [n, moe_layers, k] in the request's dtype) for every scheduler request of
+    the step that records its routing: a decode row covers the token fed at position seq_len - 1, a
+    prefill covers positions 0..seq_len - 1 (a re-prefill rewrites them with the current weights' choice)."""
+    out: dict[int, tuple[int, np.ndarray]] = {}
+    if decode_routing is not None:
+        rows = decode_routing.stacked().cpu().numpy()  # [B, layers, k]
+        for i, req in enumerate(decode):
+            if req.routed is not None:
+                out[i] = (req.seq_len - 1, rows[i].astype(req.routed.dtype))
+    if prefill_routing is not None:
+        width = max(r.seq_len for r in prefill)
+        flat = prefill_routing.stacked().cpu().numpy()  # [B * width, layers, k]
+        rows = flat.reshape(len(prefill), width, *flat.shape[1:])
+        for j, req in enumerate(prefill):
+            if req.routed is not None:
+                out[len(decode) + j] = (0, rows[j, : req.seq_len].astype(req.routed.dtype))
+    return out
