@@ -196,7 +196,7 @@ class FSDPBackend:
             self.model_cfg.hf_checkpoint, self.train_cfg.lr
         )
         self.replay = (  # --use-(rollout-)routing-replay: the actor's MoE routers replay (routing_replay.py)
-            RoutingReplay(self.actor, from_rollout=self.train_cfg.use_rollout_routing_replay)
+            RoutingReplay(self.actor, mode="rollout" if self.train_cfg.use_rollout_routing_replay else "self")
             if self.train_cfg.use_routing_replay
             else None
         )

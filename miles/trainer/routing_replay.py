@@ -46,11 +46,15 @@ def moe_routers(model: nn.Module) -> list[nn.Module]:
 class RoutingReplay:
     """Installed once on the actor; `scope(...)` sets what one micro-batch forward replays and measures."""
 
-    def __init__(self, model: nn.Module, *, from_rollout: bool) -> None:
+    MODES = ("rollout", "self", "measure")  # R3 | --use-routing-replay | no replay, mismatch measured only
+
+    def __init__(self, model: nn.Module, *, mode: str) -> None:
+        if mode not in self.MODES:
+            raise ValueError(f"routing replay mode {mode!r} is not one of {self.MODES}")
         self.routers = moe_routers(model)
         if not self.routers:
             raise ValueError("routing replay: the model has no MoE routers (a dense model); drop the flag")
-        self.from_rollout = from_rollout
+        self.mode = mode
         self.dtype = routing_dtype(int(self.routers[0].num_experts))
         self.forced: torch.Tensor | None = None  # [flat tokens, layers, k] int64, -1 = the router's own choice
         self.observed: list[torch.Tensor | None] = [None] * len(self.routers)  # (own top-k, used) per layer
@@ -74,7 +78,8 @@ class RoutingReplay:
         total, positions = flat_token_positions(sub, layout) if sub is not None else (0, None)
         if source is not None:
             self.forced = _layout_tensor(source, positions, total, self.routers[0].weight.device)
-        observe = measure or (sub is not None and not self.from_rollout and source is None)
+        record = sub is not None and self.mode == "self" and source is None
+        observe = measure or record
         self.observed = [None] * len(self.routers) if observe else [False] * len(self.routers)
         try:
             yield
@@ -82,7 +87,7 @@ class RoutingReplay:
             self.forced = None
         if measure and sub.routed_experts is not None:
             self._measure(sub, positions)
-        if sub is not None and not self.from_rollout and source is None:
+        if record:
             self._record(sub, positions)
         self.observed = [False] * len(self.routers)
 
@@ -90,7 +95,9 @@ class RoutingReplay:
         self.measured = self.measured or first_pass
 
     def _source(self, sub: TrainBatch) -> list[np.ndarray] | None:
-        if self.from_rollout:
+        if self.mode == "measure":
+            return None
+        if self.mode == "rollout":
             if sub.routed_experts is None:
                 raise ValueError(
                     "--use-rollout-routing-replay: the train batch carries no routed experts; every sample needs the "

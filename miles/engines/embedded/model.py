@@ -220,6 +220,7 @@ class CausalLM:
         self._mask_fill: tuple[torch.Tensor, torch.Tensor] | None = None
         # decode attention as baddbmm/softmax/bmm (CPU fp32) instead of SDPA (see _decode_attention)
         self._bmm_attention = device.type == "cpu" and dtype == torch.float32
+        self.moe_impl = "grouped"  # "loop": the per-expert reference loop (benchmarks compare the two)
 
     @classmethod
     def from_pretrained(cls, model_path: str, device: torch.device, dtype: torch.dtype) -> CausalLM:
@@ -549,6 +550,5 @@ class CausalLM:
     def _moe(self, names: dict[str, str], x: torch.Tensor, routing: moe.Routing | None) -> torch.Tensor:
         """The MoE block of x [N, D]; `routing` records (or replays) the experts each token went to."""
         st = self.storage
-        return moe.moe_block(
-            x, st[names["router"]], st[names["experts_gate_up"]], st[names["experts_down"]], self.spec, routing
-        )
+        gate_up, down = st[names["experts_gate_up"]], st[names["experts_down"]]
+        return moe.moe_block(x, st[names["router"]], gate_up, down, self.spec, routing, self.moe_impl)

@@ -88,15 +88,23 @@ def route(x: torch.Tensor, router: torch.Tensor, k: int, norm_topk_prob: bool) -
 
 
 def moe_block(
-    x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, spec, routing: Routing | None
+    x: torch.Tensor,
+    router: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    spec,
+    routing: Routing | None,
+    impl: str = "grouped",
 ) -> torch.Tensor:
-    """The MoE MLP of x [..., D]: route, record the ids in `routing` (if given), run the chosen experts."""
+    """The MoE MLP of x [..., D]: route, record the ids in `routing` (if given), run the chosen experts
+    (`impl`: "grouped", or "loop", the per-expert reference loop)."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     weights, experts = route(flat, router, spec.num_experts_per_tok, spec.norm_topk_prob)
     if routing is not None:
         routing.layers.append(experts)
-    return experts_grouped(flat, weights, experts, gate_up, down).reshape(shape)
+    run = experts_loop if impl == "loop" else experts_grouped
+    return run(flat, weights, experts, gate_up, down).reshape(shape)
 
 
 def experts_loop(
