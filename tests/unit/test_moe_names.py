@@ -8,7 +8,7 @@ from miles.engines.embedded.moe import fuse_experts
 from miles.utils.moe_names import per_expert_tensors, split_fused_experts
 
 P = "model.layers.3.mlp.experts"
-E, I, D = 3, 4, 5
+E, INTER, D = 3, 4, 5
 
 
 def _spec() -> ModelSpec:
@@ -20,8 +20,8 @@ def _spec() -> ModelSpec:
 
 
 def _fused() -> tuple[torch.Tensor, torch.Tensor]:
-    gate_up = torch.arange(E * 2 * I * D, dtype=torch.float32).view(E, 2 * I, D)
-    down = -torch.arange(E * D * I, dtype=torch.float32).view(E, D, I)
+    gate_up = torch.arange(E * 2 * INTER * D, dtype=torch.float32).view(E, 2 * INTER, D)
+    down = -torch.arange(E * D * INTER, dtype=torch.float32).view(E, D, INTER)
     return gate_up, down
 
 
@@ -30,8 +30,8 @@ def test_split_gives_gate_rows_first_then_up_and_each_experts_down():
     out = dict(split_fused_experts([(f"{P}.gate_up_proj", gate_up), (f"{P}.down_proj", down), ("other", down[0])]))
     assert len(out) == 3 * E + 1 and torch.equal(out["other"], down[0])
     for e in range(E):
-        assert torch.equal(out[f"{P}.{e}.gate_proj.weight"], gate_up[e, :I])
-        assert torch.equal(out[f"{P}.{e}.up_proj.weight"], gate_up[e, I:])
+        assert torch.equal(out[f"{P}.{e}.gate_proj.weight"], gate_up[e, :INTER])
+        assert torch.equal(out[f"{P}.{e}.up_proj.weight"], gate_up[e, INTER:])
         assert torch.equal(out[f"{P}.{e}.down_proj.weight"], down[e])
         assert out[f"{P}.{e}.up_proj.weight"].is_contiguous()
 
