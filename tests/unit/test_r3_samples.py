@@ -35,7 +35,9 @@ def test_routing_survives_a_debug_dump_and_lands_in_the_train_batch(tmp_path):
         samples.append(s)
     torch.save({"samples": [s.to_dict() for s in samples]}, tmp_path / "d.pt")
     back = [Sample.from_dict(d) for d in torch.load(tmp_path / "d.pt", weights_only=True)["samples"]]
-    assert all(np.array_equal(a.rollout_routed_experts, b.rollout_routed_experts) for a, b in zip(samples, back, strict=True))
+    assert all(
+        np.array_equal(a.rollout_routed_experts, b.rollout_routed_experts) for a, b in zip(samples, back, strict=True)
+    )
     batch = samples_to_train_batch(
         back, reward_key=None, estimator="grpo", std_normalization=False, disable_rewards_normalization=True
     )

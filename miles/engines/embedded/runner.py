@@ -128,7 +128,9 @@ class ModelRunner:
             dtype=model.dtype,
             device=model.device,
         )
-        graphs_ok = model.device.type == "cuda" and not spec.moe_layers  # MoE routing syncs with the host
+        # MoE: the grouped experts are capturable (tests/gpu/test_moe_gpu.py); whole-step graphs stay off for MoE
+        # until that capture is verified on the GPU host
+        graphs_ok = model.device.type == "cuda" and not spec.moe_layers
         if use_cuda_graphs and not graphs_ok:
             logger.warning(
                 "CUDA graphs requested but unavailable here (device=%s, moe=%s); running eager",
