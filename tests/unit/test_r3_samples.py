@@ -45,3 +45,14 @@ def test_routing_survives_a_debug_dump_and_lands_in_the_train_batch(tmp_path):
     picked = batch.select([1])
     assert picked.routed_experts.shape == (4, 2, 2) and (picked.routed_experts == 2).all()
     assert [r.shape[0] for r in batch.routed_per_sample()] == [2, 4]
+
+
+def test_the_generate_body_passes_routed_experts_to_every_prompt():
+    from miles.engines.sglang_protocol import parse_generate_body
+
+    calls, batch = parse_generate_body(
+        {"input_ids": [[1, 2], [3, 4, 5]], "return_routed_experts": True, "routed_experts_start_len": 1}
+    )
+    assert batch and [(c["return_routed_experts"], c["routed_experts_start_len"]) for c in calls] == [(True, 1)] * 2
+    (plain,), _ = parse_generate_body({"input_ids": [1, 2]})
+    assert "return_routed_experts" not in plain
