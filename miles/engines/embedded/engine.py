@@ -40,16 +40,16 @@ import uuid
 import zlib
 from collections.abc import Iterable, Iterator
 
-import numpy as np
 import torch
 
 from miles.engines.embedded.logprob_extras import Extras, ExtrasRequest, check_request, extras_of
 from miles.engines.embedded.lora import AdapterMerger
 from miles.engines.embedded.model import CausalLM, iter_safetensors, read_config
+from miles.engines.embedded.moe import check_routed_request, routed_buffer
 from miles.engines.embedded.runner import ModelRunner
 from miles.engines.embedded.sampler import SamplingParams
 from miles.engines.embedded.scheduler import Request, Scheduler, input_extras
-from miles.utils.routing import encode_sglang, routing_dtype
+from miles.utils.routing import encode_sglang
 from miles.weights.colocated_direct import SharedWeights, wait_for_writer
 
 logger = logging.getLogger(__name__)
@@ -252,7 +252,9 @@ class EmbeddedEngine:
         extras = check_request(top_logprobs_num, token_ids_logprob, self.model.spec.vocab_size)
         if not return_logprob:
             extras = ExtrasRequest()  # SGLang computes them only alongside the log-probs
-        routed_dtype = self._check_routed_request(return_routed_experts, routed_experts_start_len, len(prompt))
+        routed_capacity = len(prompt) + params.max_new_tokens if return_routed_experts else 0
+        if return_routed_experts:
+            check_routed_request(self.model.spec, routed_experts_start_len, len(prompt))
         rid = rid or uuid.uuid4().hex
         scoring = return_logprob and logprob_start_len >= 0 and params.max_new_tokens == 0 and params.n == 1
         if scoring and self.reference is not None and not return_routed_experts:
@@ -272,7 +274,7 @@ class EmbeddedEngine:
                 generator=self._request_generator(params, r, i),
                 stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids),
                 extras=extras,
-                routed=self._routed_buffer(routed_dtype, len(prompt) + params.max_new_tokens),
+                routed=routed_buffer(self.model.spec, routed_capacity),
                 routed_start=routed_experts_start_len,
             )
             for i, r in enumerate(rids)
@@ -361,29 +363,6 @@ class EmbeddedEngine:
         if req.routed is not None:  # the last token was never fed: seq_len - 1 rows
             meta["routed_experts"] = encode_sglang(req.routed[req.routed_start : req.seq_len - 1])
         return {"text": text, "output_ids": list(ids), "meta_info": meta}
-
-    def _check_routed_request(self, wanted: bool, start_len: int, prompt_len: int) -> np.dtype | None:
-        """The dtype routing is recorded in (None: not asked); ValueError (HTTP 400) for a dense model or a
-        start outside [0, prompt tokens], as SGLang checks it."""
-        if not wanted:
-            return None
-        spec = self.model.spec
-        if not spec.moe_layers:
-            raise ValueError(
-                f"return_routed_experts: this {spec.model_type} model has no MoE layers; drop the field "
-                "(--use-rollout-routing-replay is for mixture-of-experts models)"
-            )
-        if not 0 <= start_len <= prompt_len:
-            raise ValueError(
-                f"routed_experts_start_len={start_len} must be in [0, {prompt_len}] (the prompt's tokens)"
-            )
-        return routing_dtype(spec.num_experts)
-
-    def _routed_buffer(self, dtype: np.dtype | None, capacity: int) -> np.ndarray | None:
-        if dtype is None:
-            return None
-        spec = self.model.spec
-        return np.zeros((capacity, len(spec.moe_layers), spec.num_experts_per_tok), dtype=dtype)
 
     # ---- true-on-policy scoring ---------------------------------------------------------------------------
     async def _reference_score(

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from miles.utils.moe_names import FUSED_EXPERTS
+from miles.utils.routing import routing_dtype
 
 __all__ = ["FUSED_EXPERTS", "Routing", "experts_loop", "fuse_experts", "moe_block", "route", "routed_rows"]
 
@@ -176,3 +177,22 @@ def routed_rows(
             if req.routed is not None:
                 out[len(decode) + j] = (0, rows[j, : req.seq_len].astype(req.routed.dtype))
     return out
+
+
+def check_routed_request(spec, start_len: int, prompt_len: int) -> None:
+    """ValueError (HTTP 400) for `return_routed_experts` on a dense model, or a start outside [0, prompt tokens]
+    (as SGLang checks it)."""
+    if not spec.moe_layers:
+        raise ValueError(
+            f"return_routed_experts: this {spec.model_type} model has no MoE layers; drop the field "
+            "(--use-rollout-routing-replay is for mixture-of-experts models)"
+        )
+    if not 0 <= start_len <= prompt_len:
+        raise ValueError(f"routed_experts_start_len={start_len} must be in [0, {prompt_len}] (the prompt's tokens)")
+
+
+def routed_buffer(spec, capacity: int) -> np.ndarray | None:
+    """A request's routing record, [capacity, moe_layers, k] in the narrowest type (None: capacity 0, not asked)."""
+    if not capacity:
+        return None
+    return np.zeros((capacity, len(spec.moe_layers), spec.num_experts_per_tok), dtype=routing_dtype(spec.num_experts))
