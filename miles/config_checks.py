@@ -151,6 +151,8 @@ def apply_derivations(cfg: MilesConfig, explicit: set[str]) -> None:
         r.over_sampling_batch_size = r.rollout_batch_size
     if cfg.train.true_on_policy_mode and a.loss_type != "sft_loss" and not r.rollout_function_path:
         r.recompute_logprobs_via_prefill = True  # the rollout's log-probs come from the reference forward
+    if cfg.train.use_rollout_routing_replay:
+        cfg.train.use_routing_replay = True  # as Miles: the rollout's routing replaces the first pass's record
     if r.n_samples_per_prompt == 1 and not a.disable_grpo_std_normalization:
         a.disable_grpo_std_normalization = True  # the std of a single sample is 0
     if r.rollout_submission_granularity is None:

@@ -259,6 +259,19 @@ class TrainConfig:
         "forward (HF, eager attention, one sequence at a time, deterministic kernels); the engine re-scores each "
         "sample by prefill; costs throughput",
     )
+    # ---- mixture-of-experts routing replay (docs/moe.md) ----
+    use_routing_replay: bool = _f(
+        False,
+        "GRPO",
+        "MoE: the training passes replay the experts the trainer's own router chose in its first (old log-prob) "
+        "forward of the step, so the policy ratio compares the same experts (FSDP)",
+    )
+    use_rollout_routing_replay: bool = _f(
+        False,
+        "GRPO",
+        "MoE (R3): the engines return the experts they routed every token to, and the trainer's forward uses "
+        "them in place of its router's top-k (weights still from its router); implies --use-routing-replay (FSDP)",
+    )
     actor_num_nodes: int = _f(1, "PERF", "trainer nodes")
     actor_num_gpus_per_node: int = _f(1, "PERF", "trainer ranks per node (processes on CPU)")
     tensor_model_parallel_size: int = _f(

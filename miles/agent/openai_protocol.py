@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from miles.agent.tito import normalize_message
+from miles.utils.routing import RoutingShape
 
 _PASSED_THROUGH = ("top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
 
@@ -33,6 +34,7 @@ class ChatDefaults:
     max_context_len: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    routing: RoutingShape | None = None  # R3: every turn asks the engine for its routed experts
 
 
 @dataclass(slots=True)

@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from aiohttp import web
 
 from miles.agent.matchers import Matcher, strict
@@ -48,7 +49,8 @@ from miles.agent.tito import TitoTokenizer
 from miles.engines.client import ROUTING_KEY_HEADER, EngineConnectionError, EngineHTTPError, EngineTimeoutError
 from miles.engines.doors import AUTH_HEADER, loads_strict
 from miles.engines.http_front import listen
-from miles.rollout.generate import parse_output
+from miles.rollout.generate import parse_output, record_routing
+from miles.rollout.sample import Sample
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +171,7 @@ class Gateway:
         )
 
     async def _generate_and_store(self, session: Session, request: ChatRequest, p: _Prepared) -> dict[str, Any]:
-        ids, lps, versions, finish = await self._engine_turn(session, request, p)
+        ids, lps, versions, finish, routed = await self._engine_turn(session, request, p)
         message = (
             self.tito.parse_reply(ids)
             if request.parse_tools
@@ -195,6 +197,7 @@ class Gateway:
             input_len=len(p.input_ids),
             turns=(p.parent.turns if p.parent else 0) + 1,
             tools=request.tools,
+            routed=routed,
         )
         async with _maybe_locked(session):
             session.add(checkpoint)
@@ -213,9 +216,10 @@ class Gateway:
 
     async def _engine_turn(
         self, session: Session, request: ChatRequest, p: _Prepared
-    ) -> tuple[list[int], list[float], list[int], str]:
+    ) -> tuple[list[int], list[float], list[int], str, np.ndarray | None]:
+        """(ids, log-probs, versions, finish type, R3's routed experts of input + ids but the last, or None)."""
         if p.max_new_tokens == 0:  # the context is full: a turn of nothing, stopped at the length limit
-            return [], [], [], "length"
+            return [], [], [], "length", None
         params = dict(request.sampling_params, max_new_tokens=p.max_new_tokens)
         params["stop_token_ids"] = sorted({*params.get("stop_token_ids", ()), self.tito.end_of_turn_id})
         payload = {
@@ -224,6 +228,8 @@ class Gateway:
             "return_logprob": True,
             "rid": f"{session.id}-{uuid.uuid4().hex[:8]}",
         }
+        if self.defaults.routing is not None:
+            payload["return_routed_experts"] = True
         out = await self.router.generate(payload, routing_key=session.id)
         ids, lps, versions, finish = parse_output(out)
         if len(lps) != len(ids) or len(versions) != len(ids):
@@ -231,7 +237,12 @@ class Gateway:
                 f"the engine returned {len(ids)} tokens with {len(lps)} log-probs and "
                 f"{len(versions)} versions; the turn cannot be recorded"
             )
-        return ids, lps, versions, finish
+        routed = None
+        if self.defaults.routing is not None:
+            holder = Sample(tokens=p.input_ids + ids)
+            record_routing(holder, out, self.defaults.routing)
+            routed = holder.rollout_routed_experts
+        return ids, lps, versions, finish, routed
 
 
 class _maybe_locked:

@@ -23,6 +23,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from miles.agent.matchers import Matcher
 from miles.rollout.sample import Sample, SampleStatus
 
@@ -50,6 +52,7 @@ class Checkpoint:
     input_len: int  # tokens the engine was given for this turn
     turns: int  # model turns from the root to here
     tools: list[dict] | None = None  # the request's tools (they are part of the rendered prompt)
+    routed: np.ndarray | None = None  # R3: the engine's experts of token_ids[:-1] (this turn's request covers all)
 
     @property
     def extendable(self) -> bool:
@@ -205,6 +208,7 @@ def checkpoint_to_sample(leaf: Checkpoint, tokenizer: Any, *, max_seq_len: int |
         loss_mask=list(leaf.loss_mask[prompt_len:end]),
         rollout_log_probs=list(leaf.log_probs[prompt_len:end]),
         weight_versions=list(leaf.weight_versions[prompt_len:end]),
+        rollout_routed_experts=None if leaf.routed is None else leaf.routed[: end - 1],
         status=status,
         metadata={"messages": leaf.messages, "num_turns": leaf.turns},
     )

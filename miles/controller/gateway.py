@@ -20,6 +20,7 @@ from miles.agent.server import Gateway, GatewayHandle, start_gateway
 from miles.agent.sessions import RULES
 from miles.agent.tito import TitoTokenizer, check_append_only
 from miles.config_sections import MilesConfig
+from miles.utils.routing import routing_shape
 
 logger = logging.getLogger(__name__)
 HOST = "127.0.0.1"
@@ -91,6 +92,7 @@ def chat_defaults(cfg: MilesConfig, context_len: int | None) -> ChatDefaults:
         max_context_len=min(limits) if limits else None,
         stop=list(r.rollout_stop or []),
         stop_token_ids=list(r.rollout_stop_token_ids or []),
+        routing=routing_shape(cfg.model.hf_checkpoint) if cfg.train.use_rollout_routing_replay else None,
     )
 
 

@@ -263,7 +263,9 @@ def _engine_spec(
             "max_total_tokens": engine.max_total_tokens or _kv_tokens(cfg),
             "seed": seed,
             "deterministic": engine.deterministic,
-            "sglang_args": copy.deepcopy(engine.sglang_args),
+            "sglang_args": _with_routed_experts(
+                engine.sglang_args, cfg.train.use_rollout_routing_replay and engine.engine == "sglang"
+            ),
             "tp_size": engine.rollout_num_gpus_per_engine,
             "api_key": engine.api_key,
             "weight_dirs": engine_weight_dirs(cfg),
@@ -349,3 +351,12 @@ def plan_placement(
         for spec in placement.specs:
             spec.env["MILES_NUM_NODES"] = str(num_nodes)
     return placement
+
+
+def _with_routed_experts(sglang_args: dict, r3: bool) -> dict:
+    """A copy of `sglang_args`; for SGLang engines under R3, with the server flag that lets /generate return
+    routed experts (the embedded engine always can)."""
+    args = copy.deepcopy(sglang_args)
+    if r3:
+        args.setdefault("enable_return_routed_experts", True)
+    return args

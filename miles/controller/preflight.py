@@ -15,6 +15,7 @@ import logging
 import os
 import tempfile
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from miles.agent.plugins import PLUGIN_CHECKS, PluginShapeError
@@ -73,6 +74,22 @@ def check_model_path(model: ModelConfig) -> None:
         raise PreflightError(
             f"--hf-checkpoint {path!r} {what}; point it at a Hugging Face model directory (config.json, tokenizer "
             "files, *.safetensors), a Hub id (org/name) or a tiny:ARCH spec"
+        )
+
+
+def check_routing_replay_model(cfg: MilesConfig) -> None:
+    """--use-(rollout-)routing-replay needs a mixture-of-experts model: refused, in one line, for a dense one."""
+    t = cfg.train
+    if not t.use_routing_replay or not cfg.model.hf_checkpoint:
+        return
+    path = os.path.join(cfg.model.hf_checkpoint, "config.json")
+    model_cfg = json.loads(Path(path).read_text()) if os.path.isfile(path) else {}
+    experts = model_cfg.get("num_experts") or model_cfg.get("num_local_experts") or model_cfg.get("n_routed_experts")
+    if not experts:
+        flag = "--use-rollout-routing-replay" if t.use_rollout_routing_replay else "--use-routing-replay"
+        raise PreflightError(
+            f"{flag}: {cfg.model.hf_checkpoint} is a dense {model_cfg.get('model_type', '?')} model with no experts "
+            "to route; drop the flag (it is for mixture-of-experts models such as qwen3_moe)"
         )
 
 

@@ -42,6 +42,7 @@ from miles.rollout.rm_hub import RewardFailed, async_rm, batched_async_rm, check
 from miles.rollout.sample import Sample, SampleStatus
 from miles.rollout.train_data import reward_value
 from miles.utils.misc import load_function
+from miles.utils.routing import routing_shape
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -103,6 +104,8 @@ class GroupRunner:
         self.teacher = teacher  # on-policy distillation: scores every finished sample
         if teacher is not None and teacher.student_top_k:
             sampling = dataclasses.replace(sampling, top_logprobs_num=teacher.student_top_k)
+        if getattr(args, "use_rollout_routing_replay", False) and not evaluation:  # R3: every token's experts
+            sampling = dataclasses.replace(sampling, routing=routing_shape(args.hf_checkpoint))
         self.sampling = sampling
         self.reward_inline = reward_inline
         self.deterministic_seed = deterministic_seed

@@ -24,6 +24,7 @@ from miles.controller.preflight import (
     PreflightError,
     RunData,
     check_model_path,
+    check_routing_replay_model,
     check_start,
     load_run_data,
     prompt_limit,
@@ -153,6 +154,7 @@ class MilesRun:
         clock = StartupClock()  # before_run: imports, the config and model resolution in `miles train`
         le, machine = check_start(cfg)  # --load (or --auto-resume) checkpoint read whole here, NaN refused
         check_model_path(cfg.model)  # a directory: `miles train` resolved tiny:, smollm2: and Hub ids before
+        check_routing_replay_model(cfg)
         clear_save_dir(cfg.train)  # --overwrite-save: the old run's checkpoints go before this run saves
         cfg.engine.api_key = cfg.engine.api_key or new_api_key()  # one key per run: every engine and client
         placement = plan_run(cfg, machine, le)  # the workers' settings carry the model path and the key

@@ -21,7 +21,6 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 # GenerateReqInput fields we cannot honour; refusing them beats silently returning less than asked.
 UNSUPPORTED_GENERATE_FIELDS = (
     "stream",
-    "return_routed_experts",
     "return_indexer_topk",
     "return_hidden_states",
     "lora_path",
@@ -145,6 +144,9 @@ def parse_generate_body(body: dict) -> tuple[list[dict], bool]:
         # the extra log-prob outputs are passed only when asked for
         if item["top_logprobs_num"]:
             call["top_logprobs_num"] = int(item["top_logprobs_num"])
+        if body.get("return_routed_experts"):  # one value for the whole body, as in SGLang
+            call["return_routed_experts"] = True
+            call["routed_experts_start_len"] = int(body.get("routed_experts_start_len") or 0)
         token_ids = _token_ids(body.get("token_ids_logprob"), i, len(prompts), is_batch)
         if token_ids:
             call["token_ids_logprob"] = token_ids

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles.rollout.sample import Sample, SampleStatus
+from miles.utils.routing import RoutingShape
 
 STUDENT_TOP_KEY = "opd_student_top_logprobs"  # Sample.metadata: per response token, [[log-prob, id], ...]
 
@@ -23,6 +24,7 @@ class SamplingDefaults:
     stop_token_ids: tuple[int, ...] = ()
     skip_special_tokens: bool = False
     top_logprobs_num: int = 0  # top-K log-probs recorded with every sampled token (top-K OPD); 0: none
+    routing: RoutingShape | None = None  # R3: ask for the routed experts of every token (the model's MoE shape)
 
     def to_payload(self, prompt_len: int, *, seed: int | None = None) -> dict[str, Any]:
         max_new = self.max_new_tokens
@@ -93,7 +95,39 @@ def _record_top_logprobs(sample: Sample, out: dict[str, Any], *, extend: bool) -
     sample.metadata[STUDENT_TOP_KEY] = old + new
 
 
-def apply_generate_output(sample: Sample, prompt_ids: list[int], out: dict[str, Any]) -> Sample:
+def request_extras(sampling: SamplingDefaults) -> dict[str, Any]:
+    """/generate body fields beyond the prompt and sampling parameters that the run asks every request for."""
+    extras: dict[str, Any] = {}
+    if sampling.top_logprobs_num:
+        extras["top_logprobs_num"] = sampling.top_logprobs_num
+    if sampling.routing is not None:
+        extras["return_routed_experts"] = True
+    return extras
+
+
+def record_routing(sample: Sample, out: dict[str, Any], routing: RoutingShape | None) -> None:
+    """R3: the reply's routed experts (asked from position 0, so they cover every token of `sample.tokens`
+    but the last, a resumed request's earlier tokens included) as the sample's narrow-typed array."""
+    if routing is None:
+        return
+    encoded = out["meta_info"].get("routed_experts")
+    if encoded is None:
+        raise RuntimeError(
+            "--use-rollout-routing-replay: the engine's reply has no meta_info.routed_experts; an SGLang engine "
+            "needs --enable-return-routed-experts (miles sets it for the engines it launches)"
+        )
+    routed = routing.decode(encoded)
+    if len(routed) != len(sample.tokens) - 1:
+        raise RuntimeError(
+            f"routed_experts has {len(routed)} rows for a {len(sample.tokens)}-token sequence (expected "
+            f"{len(sample.tokens) - 1}); the engine and the trainer disagree on the model"
+        )
+    sample.rollout_routed_experts = routed
+
+
+def apply_generate_output(
+    sample: Sample, prompt_ids: list[int], out: dict[str, Any], routing: RoutingShape | None = None
+) -> Sample:
     """Fill a sample from one SGLang-shaped /generate response (the engine's exact token ids)."""
     ids, logprobs, versions, finish = parse_output(out)
     _record_top_logprobs(sample, out, extend=False)
@@ -104,10 +138,11 @@ def apply_generate_output(sample: Sample, prompt_ids: list[int], out: dict[str, 
     sample.weight_versions = versions
     sample.loss_mask = [1] * len(ids)
     sample.status_from_finish_reason(finish)
+    record_routing(sample, out, routing)
     return sample
 
 
-def extend_with_output(sample: Sample, out: dict[str, Any]) -> Sample:
+def extend_with_output(sample: Sample, out: dict[str, Any], routing: RoutingShape | None = None) -> Sample:
     """Append a resumed request's output to a partial response: earlier tokens keep their log-probs
     and weight versions, so `weight_versions` records which version produced each token."""
     ids, logprobs, versions, finish = parse_output(out)
@@ -119,6 +154,7 @@ def extend_with_output(sample: Sample, out: dict[str, Any]) -> Sample:
     sample.weight_versions = list(sample.weight_versions) + versions
     sample.loss_mask = list(sample.loss_mask or []) + [1] * len(ids)
     sample.status_from_finish_reason(finish)
+    record_routing(sample, out, routing)
     return sample
 
 
@@ -148,15 +184,17 @@ async def generate_group(
         sample.metadata["rid"] = rid
         params.append({**sampling.to_payload(len(ids), seed=seed), **(sample.metadata.get("sampling_params") or {})})
     payload = {"input_ids": prompt_ids, "sampling_params": params, "return_logprob": True, "rid": rids}
-    if sampling.top_logprobs_num:
-        payload["top_logprobs_num"] = sampling.top_logprobs_num
+    payload.update(request_extras(sampling))
     outs = await router.generate(payload)
     if not isinstance(outs, list) or len(outs) != len(samples):
         raise RuntimeError(
             f"a batched /generate of {len(samples)} prompts returned {type(outs).__name__} "
             f"of {len(outs) if isinstance(outs, list) else 1}"
         )
-    return [apply_generate_output(s, ids, out) for s, ids, out in zip(samples, prompt_ids, outs, strict=True)]
+    return [
+        apply_generate_output(s, ids, out, sampling.routing)
+        for s, ids, out in zip(samples, prompt_ids, outs, strict=True)
+    ]
 
 
 async def generate_sample(
@@ -187,9 +225,10 @@ async def generate_sample(
         "sampling_params": params,
         "return_logprob": True,
         "rid": rid,
+        **request_extras(sampling),
     }
-    if sampling.top_logprobs_num:
-        payload["top_logprobs_num"] = sampling.top_logprobs_num
     keyed = {"routing_key": sample.routing_key} if sample.routing_key else {}  # session mode: one engine per key
     out = await router.generate(payload, **keyed)
-    return extend_with_output(sample, out) if resumed else apply_generate_output(sample, prompt_ids, out)
+    if resumed:
+        return extend_with_output(sample, out, sampling.routing)
+    return apply_generate_output(sample, prompt_ids, out, sampling.routing)

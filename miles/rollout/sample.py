@@ -12,6 +12,10 @@ import enum
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
+
+from miles.utils.routing import pack_routing, unpack_routing
+
 
 class SampleStatus(str, enum.Enum):
     PENDING = "pending"
@@ -48,6 +52,9 @@ class Sample:
     remove_sample: bool = False
     routing_key: str | None = None  # sent as X-SMG-Routing-Key: every turn of a trajectory on one engine
     non_generation_time: float = 0.0  # tool / environment seconds, reported apart from generation
+    # R3: the engine's experts for every token but the last, [len(tokens) - 1, moe_layers, k] (uint8 for <= 256
+    # experts; miles/utils/routing.py)
+    rollout_routed_experts: np.ndarray | None = None
 
     Status = SampleStatus
 
@@ -69,6 +76,12 @@ class Sample:
             raise ValueError(
                 f"sample {self.index}: len(weight_versions)={len(self.weight_versions)} != response_length={n}"
             )
+        routed = self.rollout_routed_experts
+        if routed is not None and len(routed) != len(self.tokens) - 1:
+            raise ValueError(
+                f"sample {self.index}: rollout_routed_experts has {len(routed)} rows, len(tokens) - 1 = "
+                f"{len(self.tokens) - 1}"
+            )
 
     @property
     def oldest_weight_version(self) -> int | None:
@@ -88,19 +101,26 @@ class Sample:
         self.teacher_log_probs = None
         self.opd_reverse_kl = None
         self.weight_versions = []
+        self.rollout_routed_experts = None
         self.non_generation_time = 0.0
         self.status = SampleStatus.ABORTED
 
     # ---- (de)serialisation ------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        routed, self.rollout_routed_experts = self.rollout_routed_experts, None
+        try:
+            d = asdict(self)
+        finally:
+            self.rollout_routed_experts = routed
         d["status"] = self.status.value
+        d["rollout_routed_experts"] = None if routed is None else pack_routing(routed)
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Sample:
         d = dict(d)
         d["status"] = SampleStatus(d.get("status", "pending"))
+        d["rollout_routed_experts"] = unpack_routing(d.get("rollout_routed_experts"))
         known = {f for f in cls.__dataclass_fields__}
         extra = {k: d.pop(k) for k in list(d) if k not in known}
         s = cls(**d)

@@ -46,6 +46,8 @@ class TrainBatch:
     weight_versions: np.ndarray | None = None  # int64 [sum(response_lengths)]
     teacher_log_probs: np.ndarray | None = None  # float32 [sum(response_lengths)]
     opd_reverse_kl: np.ndarray | None = None  # float32 [sum(response_lengths)], top-K OPD
+    # R3: uint8/uint16 [sum(seq_lens - 1), moe_layers, k], each sample's rows for its tokens but the last
+    routed_experts: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.seq_lens.shape[0])
@@ -65,6 +67,12 @@ class TrainBatch:
         """Full token sequences, one array per sample."""
         return np.split(self.tokens, np.cumsum(self.seq_lens)[:-1]) if len(self) else []
 
+    def routed_per_sample(self) -> list[np.ndarray]:
+        """`routed_experts` split into one [seq_len - 1, layers, k] array per sample."""
+        if self.routed_experts is None or not len(self):
+            return []
+        return np.split(self.routed_experts, np.cumsum(np.maximum(self.seq_lens - 1, 0))[:-1])
+
     def per_token(self, name: str) -> list[np.ndarray]:
         """Split a per-token column into one array per sample."""
         col = getattr(self, name)
@@ -74,6 +82,8 @@ class TrainBatch:
         """A new batch with samples `idx`, in that order."""
         idx = np.asarray(idx, dtype=np.int64)
         tok_sel = _ranges(np.concatenate([[0], np.cumsum(self.seq_lens)])[idx], self.seq_lens[idx])
+        routed_rows = np.maximum(self.seq_lens - 1, 0)
+        routed_sel = _ranges(np.concatenate([[0], np.cumsum(routed_rows)])[idx], routed_rows[idx])
         rsp_sel = _ranges(np.concatenate([[0], np.cumsum(self.response_lengths)])[idx], self.response_lengths[idx])
         out = {}
         for f in fields(self):
@@ -82,6 +92,8 @@ class TrainBatch:
                 out[f.name] = None
             elif f.name == "tokens":
                 out[f.name] = v[tok_sel]
+            elif f.name == "routed_experts":
+                out[f.name] = v[routed_sel]
             elif f.name in _PER_TOKEN:
                 out[f.name] = v[rsp_sel]
             else:
@@ -175,7 +187,16 @@ def samples_to_train_batch(
         weight_versions=_per_token_column(samples, "weight_versions", np.int64),
         teacher_log_probs=_per_token_column(samples, "teacher_log_probs", np.float32),
         opd_reverse_kl=_per_token_column(samples, "opd_reverse_kl", np.float32),
+        routed_experts=_routed_column(samples),
     )
+
+
+def _routed_column(samples: list[Sample]) -> np.ndarray | None:
+    """The samples' routed experts back to back; None when any sample has none (the trainer then refuses R3)."""
+    routed = [s.rollout_routed_experts for s in samples]
+    if not samples or any(r is None for r in routed):
+        return None
+    return np.concatenate(routed)
 
 
 # ---- data-parallel split ---------------------------------------------------------------------

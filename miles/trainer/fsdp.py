@@ -41,8 +41,10 @@ from miles.trainer.lora import adapter_tensors, apply_lora, export_lora_hf, lora
 from miles.trainer.lr_schedule import LRSchedule, LRScheduler
 from miles.trainer.offload import HostOffloader, module_tensors, optimizer_tensors
 from miles.trainer.packing import layout_for, pack_sequences, plan_micro_batches
+from miles.trainer.routing_replay import RoutingReplay, replay_scope
 from miles.trainer.train_loop import run_rl_step
 from miles.true_on_policy import ATTN_IMPLEMENTATION
+from miles.utils.moe_names import per_expert_tensors
 from miles.utils.timer import PhaseClock
 
 logger = logging.getLogger(__name__)
@@ -149,6 +151,7 @@ class FSDPBackend:
         self.critic_scheduler: LRScheduler | None = None
         self._offloaders: dict[str, HostOffloader] = {}
         self.lora = lora_settings(train)  # None: every policy parameter trains
+        self.replay: RoutingReplay | None = None
 
     # ---- setup ------------------------------------------------------------------------------------
     @property
@@ -191,6 +194,11 @@ class FSDPBackend:
         self.attn_impl = ATTN_IMPLEMENTATION if self.true_on_policy else pick_attn_implementation(self.device.type)
         self.actor, self.optimizer, self.scheduler = self._build_trainable(
             self.model_cfg.hf_checkpoint, self.train_cfg.lr
+        )
+        self.replay = (  # --use-(rollout-)routing-replay: the actor's MoE routers replay (routing_replay.py)
+            RoutingReplay(self.actor, mode="rollout" if self.train_cfg.use_rollout_routing_replay else "self")
+            if self.train_cfg.use_routing_replay
+            else None
         )
         if self.needs_ref:
             self.ref = self._build_frozen(self.model_cfg.ref_load or self.model_cfg.hf_checkpoint)
@@ -276,21 +284,25 @@ class FSDPBackend:
         model.eval()
         n_tok = int(batch.response_lengths.sum())
         log_probs, entropy = np.zeros(n_tok, np.float32), np.zeros(n_tok, np.float32)
+        replay = self.replay if which == "actor" else None
         with self._onloaded(which):
             for idx in self._schedule(batch):
                 sub = batch.select(idx) if idx is not None else dummy_batch()
-                lp, ent, _ = forward_micro_batch(
-                    model,
-                    sub,
-                    self.device,
-                    self.rollout.rollout_temperature,
-                    compiled=self.train_cfg.compile,
-                    true_on_policy=self.true_on_policy,
-                )
+                with replay_scope(replay, sub if idx is not None else None, model_layout(model), first_pass=True):
+                    lp, ent, _ = forward_micro_batch(
+                        model,
+                        sub,
+                        self.device,
+                        self.rollout.rollout_temperature,
+                        compiled=self.train_cfg.compile,
+                        true_on_policy=self.true_on_policy,
+                    )
                 if idx is not None:
                     pos = token_index(batch.response_lengths, idx)
                     log_probs[pos], entropy[pos] = lp.cpu().numpy(), ent.cpu().numpy()
         model.train(was_training)
+        if replay is not None:
+            replay.end_pass(first_pass=True)
         return log_probs, entropy
 
     @torch.no_grad()
@@ -327,7 +339,11 @@ class FSDPBackend:
 
     # ---- training ---------------------------------------------------------------------------------
     def train(self, batch: TrainBatch, rollout_id: int) -> dict[str, float]:
-        return run_rl_step(self, batch, rollout_id)
+        if self.replay is None:
+            return run_rl_step(self, batch, rollout_id)
+        self.replay.begin_step()
+        metrics = run_rl_step(self, batch, rollout_id)
+        return {**metrics, **self.replay.metrics(self.device, self.dp_group)}
 
     def _trainable(self, critic: bool) -> tuple[nn.Module, torch.optim.Optimizer, LRScheduler]:
         if critic:
@@ -344,15 +360,17 @@ class FSDPBackend:
             if critic:
                 out, ent = response_values(model, pack_sequences(sub, model_layout(model)).to(self.device)), None
             else:
-                out, ent, _ = forward_micro_batch(
-                    model,
-                    sub,
-                    self.device,
-                    self.rollout.rollout_temperature,
-                    entropy=entropy,
-                    compiled=self.train_cfg.compile,
-                    true_on_policy=self.true_on_policy,
-                )
+                real = sub if idx is not None else None
+                with replay_scope(self.replay, real, model_layout(model), first_pass=False):
+                    out, ent, _ = forward_micro_batch(
+                        model,
+                        sub,
+                        self.device,
+                        self.rollout.rollout_temperature,
+                        entropy=entropy,
+                        compiled=self.train_cfg.compile,
+                        true_on_policy=self.true_on_policy,
+                    )
             if idx is None:
                 # Matches the other ranks' collectives; contributes exactly zero to loss and gradients.
                 (out.sum() * 0.0).backward()
@@ -361,6 +379,8 @@ class FSDPBackend:
             loss.backward()
             for k, v in parts.items():
                 sums[k] = sums.get(k, 0.0) + v.detach().double()
+        if self.replay is not None and not critic:
+            self.replay.end_pass(first_pass=True)  # a fused old-log-prob step measured here
         return sums
 
     def clip_grad_norm(self, *, critic: bool) -> float:
@@ -385,7 +405,8 @@ class FSDPBackend:
             return
         for name, p in self.actor.named_parameters():
             full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
-            yield name, (full.to(dtype) if dtype is not None else full).detach()
+            # fused 3-D MoE experts travel under their per-expert checkpoint names (what engines load)
+            yield from per_expert_tensors(name, (full.to(dtype) if dtype is not None else full).detach())
 
     def export_hf(self, path: str) -> None:
         cfg = self.actor.config

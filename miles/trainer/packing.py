@@ -216,3 +216,14 @@ def _pack_row(seqs: list[np.ndarray], seq_lens: list[int], resp_lens: list[int])
         int(sum(seq_lens)),
         gather_is_identity=True,
     )
+
+
+def flat_token_positions(batch: TrainBatch, layout: str = "row") -> tuple[int, list[np.ndarray]]:
+    """(tokens in the model input of `pack_sequences(batch, layout)`, flattened, and for every sample the flat
+    index of each of its tokens): what lines per-token data up with the model's [rows x cols] token order."""
+    seq_lens = [int(x) for x in batch.seq_lens]
+    if layout == "padded" or len(set(seq_lens)) == 1:
+        width = max(seq_lens)
+        return len(seq_lens) * width, [i * width + np.arange(s) for i, s in enumerate(seq_lens)]
+    starts = np.concatenate([[0], np.cumsum(seq_lens)[:-1]])
+    return int(sum(seq_lens)), [st + np.arange(s) for st, s in zip(starts, seq_lens, strict=True)]

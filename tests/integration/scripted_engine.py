@@ -9,9 +9,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from aiohttp import web
 
 from miles.engines.client import ROUTING_KEY_HEADER
+from miles.utils.routing import encode_sglang
+
+# R3: the routed experts the script returns, 2 MoE layers x top-2 of 8 experts; token at position p -> scripted_route(p)
+ROUTING = (2, 2, 8)
+
+
+def scripted_route(position: int, token: int) -> list[list[int]]:
+    return [[(position + token) % 8, (position + token + 1) % 8], [token % 8, (token + 3) % 8]]
 
 
 @dataclass
@@ -57,6 +66,9 @@ class ScriptedEngine:
             "completion_tokens": len(ids),
             "cached_tokens": 0,
         }
+        if body.get("return_routed_experts"):  # SGLang's base64 int32 rows of every token fed (all but the last)
+            seq = list(body["input_ids"]) + ids
+            meta["routed_experts"] = encode_sglang(np.array([scripted_route(p, t) for p, t in enumerate(seq[:-1])]))
         return web.json_response({"text": "", "output_ids": ids, "meta_info": meta})
 
 

@@ -21,8 +21,10 @@ from miles.agent.tito import TitoTokenizer, normalize_message
 from miles.controller.router import Router
 from miles.engines.client import EngineClient
 from miles.models.tiny import build_tokenizer
+from miles.rollout.sample import Sample
+from miles.utils.routing import RoutingShape
 
-from scripted_engine import Reply, ScriptedEngine, serve  # isort: skip  (same folder, rootdir on sys.path)
+from scripted_engine import ROUTING, Reply, ScriptedEngine, scripted_route, serve  # isort: skip  (same folder)
 
 openai = pytest.importorskip("openai")
 
@@ -51,10 +53,17 @@ def canonical(text: str) -> list[int]:
 
 
 @asynccontextmanager
-async def gateway(engines: list[ScriptedEngine], *, rule: str = "linear", matcher: str = "strict"):
+async def gateway(
+    engines: list[ScriptedEngine],
+    *,
+    rule: str = "linear",
+    matcher: str = "strict",
+    routing: RoutingShape | None = None,
+):
     servers = [await serve(e.app()) for e in engines]
     router = Router([EngineClient(url) for _, url in servers], session_mode=True)
-    gw = Gateway(router, TITO, rule=rule, matcher=MATCHERS[matcher], defaults=ChatDefaults(max_tokens=256))
+    defaults = ChatDefaults(max_tokens=256, routing=routing)
+    gw = Gateway(router, TITO, rule=rule, matcher=MATCHERS[matcher], defaults=defaults)
     handle = await start_gateway(gw)
     try:
         yield gw, handle.url
@@ -132,6 +141,25 @@ def test_tool_chat_stores_the_engines_own_tokens_turn_by_turn():
     )
     assert all(lp == 0.0 for lp, m in zip(lps, mask, strict=True) if not m)
     assert all(r["routing_key"] == engine.requests[0]["routing_key"] for r in engine.requests)
+
+
+def test_r3_sessions_keep_the_engines_routing_of_every_token_but_the_last():
+    """Each turn's request returns the routing of its whole sequence; the sample takes the last turn's rows."""
+    engine = ScriptedEngine([Reply(char_ids(CALL_TEXT) + [EOT]), Reply(canonical("Answer: 84") + [EOT])])
+
+    async def main():
+        async with gateway([engine], routing=RoutingShape(*ROUTING)) as (gw, url):
+            sid = await new_session(url)
+            await tool_episode(url, sid)
+            return (await get_json(f"{url}/sessions/{sid}/samples", "POST", {}))["samples"]
+
+    (raw,) = asyncio.run(main())
+    sample = Sample.from_dict(raw)
+    sample.validate()
+    tokens = sample.tokens
+    want = [scripted_route(p, t) for p, t in enumerate(tokens[:-1])]
+    assert sample.rollout_routed_experts.dtype.name == "uint8"
+    assert sample.rollout_routed_experts.tolist() == want
 
 
 def _reserialised(history: list[dict], second) -> list[dict]:

@@ -91,6 +91,9 @@ def test_each_unimplemented_flag_is_refused_by_name(name: str) -> None:
         (["--train-backend", "megatron", "--sequence-parallel"], ["--sequence-parallel", "> 1"]),
         (["--train-backend", "megatron", "--advantage-estimator", "ppo"], ["ppo", "--train-backend fsdp"]),
         (["--use-wandb"], ["--use-wandb", "--wandb-project"]),
+        (["--train-backend", "megatron", "--use-rollout-routing-replay"], ["--use-rollout-routing-replay", "fsdp"]),
+        (["--use-routing-replay", "--use-rollout-logprobs"], ["--use-routing-replay", "--use-rollout-logprobs"]),
+        (["--use-rollout-routing-replay", "--true-on-policy-mode"], ["--true-on-policy-mode"]),
         (["--update-weights-interval", "0"], ["--update-weights-interval=0"]),
         (
             ["--colocate", "--update-weights-interval", "2"],
@@ -112,6 +115,9 @@ def test_flags_accepted_in_the_modes_where_they_work() -> None:
     load_config(["--fully-async", "--eval-mode", "dedicated", "--eval-num-engines", "1"], base=BASE)
     load_config(["--colocate", "--update-weights-interval", "2", "--offload-rollout-level", "kv_cache"], base=BASE)
     load_config(["--use-wandb", "--wandb-project", "p"], base=BASE)
+    cfg = load_config(["--use-rollout-routing-replay", "--use-rollout-logprobs"], base=BASE)
+    assert cfg.train.use_routing_replay  # implied, as in Miles
+    load_config(["--use-rollout-routing-replay", "--fully-async"], base=BASE)
     load_config(["--engine", "sglang", "--rollout-num-gpus-per-engine", "2"], base=BASE)
     load_config(
         ["--train-backend", "megatron", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",

@@ -45,9 +45,11 @@ import torch
 from miles.engines.embedded.logprob_extras import Extras, ExtrasRequest, check_request, extras_of
 from miles.engines.embedded.lora import AdapterMerger
 from miles.engines.embedded.model import CausalLM, iter_safetensors, read_config
+from miles.engines.embedded.moe import check_routed_request, routed_buffer
 from miles.engines.embedded.runner import ModelRunner
 from miles.engines.embedded.sampler import SamplingParams
 from miles.engines.embedded.scheduler import Request, Scheduler, input_extras
+from miles.utils.routing import encode_sglang
 from miles.weights.colocated_direct import SharedWeights, wait_for_writer
 
 logger = logging.getLogger(__name__)
@@ -233,10 +235,13 @@ class EmbeddedEngine:
         logprob_start_len: int = -1,
         top_logprobs_num: int | None = None,
         token_ids_logprob: list[int] | None = None,
+        return_routed_experts: bool = False,
+        routed_experts_start_len: int = 0,
     ) -> dict | list[dict]:
         """One SGLang /generate prompt. `top_logprobs_num` / `token_ids_logprob` (with `return_logprob`) add each
         position's top-k tokens / the listed ids' log-probs, for the output and for the input from
-        `logprob_start_len` on."""
+        `logprob_start_len` on. `return_routed_experts` (MoE models) adds `meta_info["routed_experts"]`, SGLang's
+        base64 int32 [seq_len - 1 - routed_experts_start_len, moe_layers, k] (miles/utils/routing.py)."""
         scheduler = self._require_started()
         params = SamplingParams.from_dict(sampling_params)
         if (input_ids is None) == (text is None):
@@ -247,9 +252,12 @@ class EmbeddedEngine:
         extras = check_request(top_logprobs_num, token_ids_logprob, self.model.spec.vocab_size)
         if not return_logprob:
             extras = ExtrasRequest()  # SGLang computes them only alongside the log-probs
+        routed_capacity = len(prompt) + params.max_new_tokens if return_routed_experts else 0
+        if return_routed_experts:
+            check_routed_request(self.model.spec, routed_experts_start_len, len(prompt))
         rid = rid or uuid.uuid4().hex
         scoring = return_logprob and logprob_start_len >= 0 and params.max_new_tokens == 0 and params.n == 1
-        if scoring and self.reference is not None:
+        if scoring and self.reference is not None and not return_routed_experts:
             return await self._reference_score(scheduler, rid, prompt, params, logprob_start_len, extras)
         rids = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
         if params.n > 1:
@@ -266,6 +274,8 @@ class EmbeddedEngine:
                 generator=self._request_generator(params, r, i),
                 stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids),
                 extras=extras,
+                routed=routed_buffer(self.model.spec, routed_capacity),
+                routed_start=routed_experts_start_len,
             )
             for i, r in enumerate(rids)
         ]
@@ -350,6 +360,8 @@ class EmbeddedEngine:
                     [lp, t, None] for lp, t in zip(req.input_logprobs or [], tokens, strict=False)
                 ]
                 _put_extras(meta, "input", req.extras, req.input_extras or Extras())
+        if req.routed is not None:  # the last token was never fed: seq_len - 1 rows
+            meta["routed_experts"] = encode_sglang(req.routed[req.routed_start : req.seq_len - 1])
         return {"text": text, "output_ids": list(ids), "meta_info": meta}
 
     # ---- true-on-policy scoring ---------------------------------------------------------------------------
@@ -441,23 +453,21 @@ class EmbeddedEngine:
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the live parameters; any KV computed before is re-prefilled."""
-        params = self.model.params
         with self.runner.lock:
             self._require_full_weights("load_weights")
             count = 0
             for name, tensor in named:
-                key = self.model.canonical_name(name)
-                if key not in params:
+                target = self.model.weight_target(name)
+                if target is None:
                     raise ValueError(
                         f"unknown weight {name!r}: not a tensor of this {self.model.spec.model_type} "
                         f"model (expected HF checkpoint names like 'model.layers.0.mlp.up_proj.weight')"
                     )
-                if tuple(tensor.shape) != tuple(params[key].shape):
+                if tuple(tensor.shape) != tuple(target.shape):
                     raise ValueError(
-                        f"shape mismatch for {name!r}: got {tuple(tensor.shape)}, "
-                        f"engine has {tuple(params[key].shape)}"
+                        f"shape mismatch for {name!r}: got {tuple(tensor.shape)}, engine has {tuple(target.shape)}"
                     )
-                params[key].copy_(tensor)
+                target.copy_(tensor)
                 count += 1
             self.runner.invalidate_kv()
         logger.info("loaded %d tensors (weight_version still %d until set)", count, self.weight_version)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from miles.engines.embedded import triton_ops
+from miles.engines.embedded import moe, triton_ops
 from miles.engines.embedded.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
@@ -133,7 +133,8 @@ def _names_for_layer(i: int) -> dict[str, str]:
             "up": "mlp.up_proj.weight",
             "down": "mlp.down_proj.weight",
             "router": "mlp.gate.weight",
-            "experts": "mlp.experts.",
+            "experts_gate_up": "mlp.experts.gate_up_proj",
+            "experts_down": "mlp.experts.down_proj",
             "qkv": "self_attn.[qkv].weight",
             "qkv_b": "self_attn.[qkv].bias",
             "gate_up": "mlp.[gate_up].weight",
@@ -148,9 +149,7 @@ def _check_params(spec: ModelSpec, params: dict[str, torch.Tensor]) -> None:
     for i in range(spec.num_layers):
         names = _names_for_layer(i)
         required += [names[k] for k in ("ln1", "ln2", "q", "k", "v", "o")]
-        required += (
-            [names[k] for k in ("router",)] if i in spec.moe_layers else [names["gate"], names["up"], names["down"]]
-        )
+        required += [names["router"]] if i in spec.moe_layers else [names["gate"], names["up"], names["down"]]
     missing = [n for n in required if n not in params]
     if missing:
         raise ValueError(
@@ -190,8 +189,11 @@ def _linear_residual(
 class CausalLM:
     """Weights + forward. Not an nn.Module: parameters are plain tensors keyed by HF name.
 
-    q/k/v (and their biases) and gate/up are stored fused, one matmul each; `params` maps every HF
-    name to a view into that storage, so copying into `params[name]` updates the fused tensor.
+    q/k/v (and their biases) and gate/up are stored fused, one matmul each; a MoE layer's experts are
+    stored as transformers 5 holds them, `mlp.experts.gate_up_proj` [E, 2I, D] and `down_proj` [E, D, I]
+    (loaded from either naming, see miles/utils/moe_names.py). `params` maps every HF checkpoint name
+    (per-expert names for experts) to a view into that storage, so copying into `params[name]` updates
+    the fused tensor; `weight_target` also resolves the fused expert names.
     """
 
     def __init__(self, spec: ModelSpec, params: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype):
@@ -201,7 +203,7 @@ class CausalLM:
         _check_params(spec, params)
         self._layer_names = [_names_for_layer(i) for i in range(spec.num_layers)]
         self.storage: dict[str, torch.Tensor] = {}
-        self._views: dict[str, tuple[str, int, int] | None] = {}  # HF name -> (storage key, row range) or whole
+        self._views: dict[str, tuple[str, tuple] | None] = {}  # HF name -> (storage key, index) or whole
         self._fuse(params)
         self.params: dict[str, torch.Tensor] = {}
         self._rebuild_views()
@@ -218,6 +220,7 @@ class CausalLM:
         self._mask_fill: tuple[torch.Tensor, torch.Tensor] | None = None
         # decode attention as baddbmm/softmax/bmm (CPU fp32) instead of SDPA (see _decode_attention)
         self._bmm_attention = device.type == "cpu" and dtype == torch.float32
+        self.moe_impl = "grouped"  # "loop": the per-expert reference loop (benchmarks compare the two)
 
     @classmethod
     def from_pretrained(cls, model_path: str, device: torch.device, dtype: torch.dtype) -> CausalLM:
@@ -241,15 +244,20 @@ class CausalLM:
                 self.storage[names[fused]] = torch.cat(tensors, dim=0)
                 row = 0
                 for n, t in zip(hf_names, tensors, strict=True):
-                    self._views[n] = (names[fused], row, row + t.shape[0])
+                    self._views[n] = (names[fused], (slice(row, row + t.shape[0]),))
                     row += t.shape[0]
+        for i in self.spec.moe_layers:
+            names = self._layer_names[i]
+            storage, views = moe.fuse_experts(params, names["experts_gate_up"], names["experts_down"], self.spec)
+            self.storage.update(storage)
+            self._views.update(views)
         for name, t in params.items():
             self.storage[name] = t
             self._views[name] = None
 
     def _rebuild_views(self) -> None:
         for name, view in self._views.items():
-            self.params[name] = self.storage[name] if view is None else self.storage[view[0]][view[1] : view[2]]
+            self.params[name] = self.storage[name] if view is None else self.storage[view[0]][view[1]]
 
     def move_to(self, device: torch.device | str) -> None:
         """Move all weights (e.g. to host memory and back); `params` views are rebuilt on the new storage."""
@@ -265,6 +273,16 @@ class CausalLM:
         if name == "lm_head.weight" and self.spec.tie_word_embeddings:
             return "model.embed_tokens.weight"
         return name
+
+    def weight_target(self, name: str) -> torch.Tensor | None:
+        """The live tensor an HF-named weight is copied into (None: this model has no such weight): any
+        checkpoint name, a tied `lm_head.weight`, or a fused expert name (`mlp.experts.gate_up_proj`)."""
+        key = self.canonical_name(name)
+        if key in self.params:
+            return self.params[key]
+        if moe.FUSED_EXPERTS.match(name):
+            return self.storage.get(name)
+        return None
 
     # ---- forward -------------------------------------------------------------------------------
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -305,6 +323,7 @@ class CausalLM:
         write_pos: torch.Tensor,
         kv_len: int | None,
         out_index: torch.Tensor | None = None,
+        routing: moe.Routing | None = None,
     ) -> torch.Tensor:
         """Run the decoder over tokens [B, T] of the slots [slot_start, slot_start+B); return hidden [B, T, D].
 
@@ -319,9 +338,14 @@ class CausalLM:
         The residual stream is kept flat, [B * T, D], so that each residual add rides on the GEMM before
         it (`addmm` accumulates into it): at decode sizes on CPU every op's dispatch costs about as much
         as its arithmetic.
+
+        routing: collects the top-k experts of all B * T tokens at every MoE layer (not with out_index,
+        whose last layer runs for the selected tokens only).
         """
         s, st = self.spec, self.storage
         B, T = tokens.shape
+        if routing is not None and out_index is not None:
+            raise ValueError("forward: routing is recorded for every token; call it without out_index")
         h = F.embedding(tokens.reshape(-1), st["model.embed_tokens.weight"])
         cos, sin = self._rope_lookup(positions.reshape(-1), T if kv_len is None else kv_len)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B * T, 1, hd]: the same for every head
@@ -335,7 +359,7 @@ class CausalLM:
             x = rms_norm(h, st[names["ln1"]], s.rms_norm_eps)
             h = self._attention(i, names, x, h, (B, T), cos, sin, kv, rows, slot_start, keep, kv_len, select)
             x = rms_norm(h, st[names["ln2"]], s.rms_norm_eps)
-            h = (h + self._moe(names, x)) if i in s.moe_layers else self._mlp(names, x, h)
+            h = (h + self._moe(names, x, routing)) if i in s.moe_layers else self._mlp(names, x, h)
         h = rms_norm(h, st["model.norm.weight"], s.rms_norm_eps)
         return h if out_index is not None else h.view(B, T, -1)
 
@@ -523,26 +547,8 @@ class CausalLM:
         act = F.silu(gate_up[:, :half], inplace=True).mul_(gate_up[:, half:])
         return _linear_residual(h, act, self.storage[names["down"]], None)
 
-    def _moe(self, names: dict[str, str], x: torch.Tensor) -> torch.Tensor:
-        s = self.spec
-        shape = x.shape
-        flat = x.reshape(-1, shape[-1])
-        router_logits = F.linear(flat, self.storage[names["router"]])
-        probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)
-        weights, experts = torch.topk(probs, s.num_experts_per_tok, dim=-1)
-        if s.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(router_logits.dtype)
-        out = torch.zeros_like(flat)
-        prefix = names["experts"]
-        for e in torch.unique(experts).tolist():
-            token_idx, k_pos = torch.where(experts == e)
-            xe = flat[token_idx]
-            p = self.params
-            ye = F.linear(
-                F.silu(F.linear(xe, p[f"{prefix}{e}.gate_proj.weight"]))
-                * F.linear(xe, p[f"{prefix}{e}.up_proj.weight"]),
-                p[f"{prefix}{e}.down_proj.weight"],
-            )
-            out.index_add_(0, token_idx, ye * weights[token_idx, k_pos, None])
-        return out.reshape(shape)
+    def _moe(self, names: dict[str, str], x: torch.Tensor, routing: moe.Routing | None) -> torch.Tensor:
+        """The MoE block of x [N, D]; `routing` records (or replays) the experts each token went to."""
+        st = self.storage
+        gate_up, down = st[names["experts_gate_up"]], st[names["experts_down"]]
+        return moe.moe_block(x, st[names["router"]], gate_up, down, self.spec, routing, self.moe_impl)

@@ -7,14 +7,13 @@ of its own on the engine's device: a fresh allocation, as the trainer's paramete
 each into its own buffer; a plain module clones them), so a GEMM never sees an operand whose alignment
 differs from the trainer's. Their values are copied from the engine's live weights whenever those
 changed (`sync`, keyed by the runner's KV epoch, which every weight load bumps). Names follow the HF
-module; fused MoE experts (`mlp.experts.gate_up_proj` [E, 2I, D], `down_proj` [E, D, I]) are stacked
-from the engine's per-expert checkpoint tensors. Costs one more copy of the weights on the engine.
+module (fused MoE experts, `mlp.experts.gate_up_proj` [E, 2I, D] and `down_proj` [E, D, I], are held
+so by the engine too). Costs one more copy of the weights on the engine.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable
 
 import torch
@@ -25,8 +24,6 @@ from miles.true_on_policy import ATTN_IMPLEMENTATION
 from miles.true_on_policy.scoring import scaled_log_softmax, sequence_logits
 
 logger = logging.getLogger(__name__)
-
-_FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
 def coverage_error(model_path: str) -> str | None:
@@ -40,15 +37,6 @@ def coverage_error(model_path: str) -> str | None:
             f"default RoPE) and {model_path} is not one: {e}; drop the mode for this model"
         )
     return None
-
-
-def _expert_source(model: CausalLM, prefix: str, which: str) -> Callable[[], torch.Tensor]:
-    p, n = model.params, model.spec.num_experts
-    if which == "gate_up_proj":
-        return lambda: torch.stack(
-            [torch.cat([p[f"{prefix}.{e}.gate_proj.weight"], p[f"{prefix}.{e}.up_proj.weight"]]) for e in range(n)]
-        )
-    return lambda: torch.stack([p[f"{prefix}.{e}.down_proj.weight"] for e in range(n)])
 
 
 class ReferenceModel:
@@ -72,11 +60,8 @@ class ReferenceModel:
         """(key, fn returning the engine tensor the HF parameter `name` holds); the key dedups tied weights."""
         model = self.model
         key = model.canonical_name(name)
-        if key in model.params:
-            return key, lambda: model.params[key]
-        fused = _FUSED_EXPERTS.match(name)
-        if fused and model.spec.num_experts:
-            return name, _expert_source(model, fused.group(1), fused.group(2))
+        if model.weight_target(name) is not None:  # fused MoE experts included (the engine stores them so)
+            return key, lambda: model.weight_target(key)
         raise ValueError(
             f"true-on-policy scoring: the transformers {model.spec.model_type} model has a parameter {name!r} "
             "that none of the engine's weights holds; this model cannot be scored exactly"

@@ -18,6 +18,7 @@ import torch
 from miles.engines.embedded import triton_ops
 from miles.engines.embedded.kv_cache import KVCache
 from miles.engines.embedded.model import CausalLM
+from miles.engines.embedded.moe import Routing
 from miles.engines.embedded.triton_ops import DecodeAttention
 
 logger = logging.getLogger(__name__)
@@ -127,7 +128,9 @@ class ModelRunner:
             dtype=model.dtype,
             device=model.device,
         )
-        graphs_ok = model.device.type == "cuda" and not spec.moe_layers  # MoE routing syncs with the host
+        # MoE: the grouped experts are capturable (tests/gpu/test_moe_gpu.py); whole-step graphs stay off for MoE
+        # until that capture is verified on the GPU host
+        graphs_ok = model.device.type == "cuda" and not spec.moe_layers
         if use_cuda_graphs and not graphs_ok:
             logger.warning(
                 "CUDA graphs requested but unavailable here (device=%s, moe=%s); running eager",
@@ -163,8 +166,11 @@ class ModelRunner:
             self.kv_epoch += 1
 
     @torch.inference_mode()
-    def prefill(self, seqs: list[list[int]], slot_start: int, want_all: list[bool]) -> PrefillResult:
-        """Prefill sequences (from position 0) into slots [slot_start, slot_start + len(seqs))."""
+    def prefill(
+        self, seqs: list[list[int]], slot_start: int, want_all: list[bool], routing: Routing | None = None
+    ) -> PrefillResult:
+        """Prefill sequences (from position 0) into slots [slot_start, slot_start + len(seqs)); `routing`
+        collects every MoE layer's experts of all [B x width] tokens (padding included, see forward)."""
         device = self.model.device
         lens = [len(s) for s in seqs]
         width = max(lens)
@@ -174,7 +180,7 @@ class ModelRunner:
         write_pos = torch.where(valid, positions, torch.full_like(positions, self.kv.scratch_pos))
         last_idx = torch.tensor(lens, device=device) - 1
         with self.lock:
-            if not any(want_all):  # only the last tokens' hidden states are needed
+            if not any(want_all) and routing is None:  # only the last tokens' hidden states are needed
                 if self.attention is not None:  # the Triton kernels
                     last_hidden = self.model.prefill_fused(
                         tokens, positions, write_pos, last_idx, self.kv, slot_start, self.attention
@@ -184,7 +190,9 @@ class ModelRunner:
                         tokens, positions, self.kv, slot_start, write_pos, kv_len=None, out_index=last_idx
                     )
                 return PrefillResult(self.model.logits(last_hidden), [None] * len(seqs))
-            hidden = self.model.forward(tokens, positions, self.kv, slot_start, write_pos, kv_len=None)
+            hidden = self.model.forward(
+                tokens, positions, self.kv, slot_start, write_pos, kv_len=None, routing=routing
+            )
             last_hidden = hidden[torch.arange(len(seqs), device=device), last_idx]
             last_logits = self.model.logits(last_hidden)
             all_logits = [
@@ -194,10 +202,17 @@ class ModelRunner:
         return PrefillResult(last_logits, all_logits)
 
     @torch.inference_mode()
-    def decode(self, tokens: list[int] | torch.Tensor, positions: list[int]) -> torch.Tensor:
+    def decode(
+        self, tokens: list[int] | torch.Tensor, positions: list[int], routing: Routing | None = None
+    ) -> torch.Tensor:
         """One decode step for slots [0, len(tokens)); return logits [B, V] (fp32; the model dtype with
-        fused kernels, whose sampler converts on load)."""
+        fused kernels, whose sampler converts on load). `routing` collects the MoE layers' experts (eager)."""
         with self.lock:
+            if routing is not None:
+                device = self.model.device
+                tok, pos = _long_tensor(tokens, device)[:, None], _long_tensor(positions, device)[:, None]
+                hidden = self.model.forward(tok, pos, self.kv, 0, pos, kv_len=max(positions) + 1, routing=routing)
+                return self.model.logits(hidden[:, -1])
             if self.use_cuda_graphs:
                 if self.graphs is None:
                     self.graphs = DecodeGraphs(self.model, self.kv, self.max_running_requests, self.attention)

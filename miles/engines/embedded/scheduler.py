@@ -34,9 +34,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from miles.engines.embedded.logprob_extras import Extras, ExtrasRequest, extras_of
+from miles.engines.embedded.moe import Routing, routed_rows
 from miles.engines.embedded.runner import ModelRunner
 from miles.engines.embedded.sampler import SamplingBatch, SamplingParams, sample, token_logprobs
 from miles.true_on_policy.scoring import scaled_log_softmax
@@ -68,6 +70,8 @@ class Request:
     extras: ExtrasRequest = field(default_factory=ExtrasRequest)  # top-k / token-id log-probs asked for
     output_extras: Extras = field(default_factory=Extras)
     input_extras: Extras | None = None
+    routed: np.ndarray | None = None  # return_routed_experts: [capacity, moe_layers, k], row p = token p's forward
+    routed_start: int = 0  # routed_experts_start_len: the first row returned
 
     @property
     def all_ids(self) -> list[int]:
@@ -118,6 +122,7 @@ class StepResult:
     weight_version: int
     lookahead: Lookahead | None = None
     output_extras: dict[int, Extras] = field(default_factory=dict)  # step index -> this token's extras
+    routed: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict)  # step index -> (first position, rows)
 
 
 @dataclass
@@ -354,16 +359,21 @@ class Scheduler:
                 ahead = None
                 self.lookahead_dropped += 1
             logits, input_lps = [], {}
+            prefill_routing = Routing() if any(r.routed is not None for r in prefill) else None
+            decode_routing = Routing() if ahead is None and any(r.routed is not None for r in decode) else None
             if prefill:
                 seqs = [r.all_ids for r in prefill]
-                res = self.runner.prefill(seqs, len(decode), [r.wants_input_logprobs for r in prefill])
+                res = self.runner.prefill(
+                    seqs, len(decode), [r.wants_input_logprobs for r in prefill], prefill_routing
+                )
                 for j, (req, full) in enumerate(zip(prefill, res.all_logits, strict=True)):
                     if full is not None:
                         input_lps[len(decode) + j] = self._input_logprobs(req, full)
                     req.kv_epoch = epoch
                     req.prefill_count += 1
             if decode and ahead is None:
-                logits.append(self.runner.decode([r.last_token for r in decode], [r.seq_len - 1 for r in decode]))
+                positions = [r.seq_len - 1 for r in decode]
+                logits.append(self.runner.decode([r.last_token for r in decode], positions, decode_routing))
             if prefill:
                 logits.append(res.last_logits)
             reqs = decode + prefill
@@ -405,7 +415,8 @@ class Scheduler:
                 lookahead = self._launch_lookahead(reqs, tokens_dev, epoch, version)
                 copied.synchronize()
                 tokens, lps = host_tokens.tolist(), host_lps.tolist()
-            return StepResult(tokens, lps, input_lps, version, lookahead, output_extras)
+            routed = routed_rows(decode, prefill, decode_routing, prefill_routing)
+            return StepResult(tokens, lps, input_lps, version, lookahead, output_extras, routed)
 
     @staticmethod
     def _output_extras(sampled: list[Request], logits: torch.Tensor, offset: int) -> dict[int, Extras]:
@@ -432,7 +443,11 @@ class Scheduler:
             return False
         max_len = self.runner.max_seq_len
         if any(
-            r.generator is not None or r.seq_len + 1 >= max_len or r.params.max_new_tokens == 0 or r.extras.wanted
+            r.generator is not None
+            or r.seq_len + 1 >= max_len
+            or r.params.max_new_tokens == 0
+            or r.extras.wanted
+            or r.routed is not None  # the lookahead's forward records no routing
             for r in reqs
         ):
             return False
@@ -469,10 +484,13 @@ class Scheduler:
         finished: list[tuple[int, dict]] = []
         input_lps, check_strings, max_len = result.input_logprobs, self.check_stop_strings, self.runner.max_seq_len
         version = result.weight_version
-        extras = result.output_extras
+        extras, routed = result.output_extras, result.routed
         for i, (req, token, logprob) in enumerate(zip(self.running, result.tokens, result.logprobs, strict=True)):
             if input_lps and i in input_lps:
                 req.input_logprobs, req.input_extras = input_lps[i]
+            if routed and i in routed:
+                start, rows = routed[i]
+                req.routed[start : start + len(rows)] = rows
             params = req.params
             if params.max_new_tokens == 0:  # prefill-only scoring: nothing is sampled
                 finished.append((i, {"type": "length", "length": 0}))

@@ -1,0 +1,228 @@
+"""MoE on one device: the engine's grouped-expert decode against the per-expert loop, and R3's effect on the
+train/rollout mismatch, on a random qwen3_moe of real proportions (built in memory, no checkpoint).
+
+Decode: one engine decode step (all layers, batch B, KV of `--context` tokens) with the grouped expert path
+against the same step with the per-expert loop (`CausalLM.moe_impl = "loop"`, the HF experts' loop);
+medians of `--reps` timed steps each, side by side. Prints the ratio.
+
+Mismatch: the engine (in `--engine-dtype`) prefills random prompts and samples `--new-tokens` tokens each,
+recording the experts of every token (what `return_routed_experts` returns) and each sampled token's
+log-prob. The trainer's model (transformers' Qwen3MoeForCausalLM in `--trainer-dtype`, the same weights)
+scores the sequences through the FSDP trainer's own forward (`forward_micro_batch`) with routing replay off,
+then with R3 (`RoutingReplay`, the engine's routing). Reported per mode: the share of routed tokens whose
+experts in the trainer's forward differ from the engine's (any MoE layer), and mean / max |Δ log-prob| over
+the sampled tokens. `--router-noise` adds relative noise to the trainer's router weights only (a stand-in for
+kernels that disagree more than dtype alone).
+
+    python bench/moe.py                                    # H200: 24 layers, 128 experts, top-8, bf16 engine
+    python bench/moe.py --device cpu --layers 2 --hidden 64 --experts 8 --topk 2 --moe-intermediate 32 \\
+        --heads 4 --kv-heads 2 --batch 8 --skip-decode         # the CPU smoke the tests run
+
+Ends with one JSON line of the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from miles.engines.embedded.model import CausalLM, ModelSpec
+from miles.engines.embedded.moe import Routing
+from miles.engines.embedded.runner import ModelRunner
+from miles.rollout.train_data import TrainBatch
+from miles.trainer.forward import forward_micro_batch, model_layout
+from miles.trainer.routing_replay import RoutingReplay
+from miles.utils.routing import routing_bytes_per_token
+
+
+def hf_config(a: argparse.Namespace):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=a.vocab, hidden_size=a.hidden, num_hidden_layers=a.layers, num_attention_heads=a.heads,
+        num_key_value_heads=a.kv_heads, head_dim=a.hidden // a.heads, intermediate_size=4 * a.moe_intermediate,
+        moe_intermediate_size=a.moe_intermediate, num_experts=a.experts, num_experts_per_tok=a.topk,
+        norm_topk_prob=True, max_position_embeddings=4096, tie_word_embeddings=False, rope_theta=1e6,
+    )  # fmt: skip
+
+
+def random_weights(cfg, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
+    """fp32 weights under transformers 5's names (fused experts), std 0.02 as HF initialises; norms at 1."""
+    from transformers import Qwen3MoeForCausalLM
+
+    with torch.device("meta"):
+        shapes = {n: p.shape for n, p in Qwen3MoeForCausalLM(cfg).named_parameters()}
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = {}
+    for name, shape in shapes.items():
+        if name.endswith("norm.weight"):
+            out[name] = torch.ones(shape, device=device)
+        else:
+            out[name] = torch.randn(shape, generator=gen, device=device) * 0.02
+    return out
+
+
+def engine_model(cfg, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> CausalLM:
+    spec = ModelSpec.from_config(cfg.to_dict())
+    return CausalLM(spec, {n: t.to(dtype) for n, t in weights.items()}, device, dtype)
+
+
+def trainer_model(cfg, weights: dict[str, torch.Tensor], dtype: torch.dtype, router_noise: float, seed: int):
+    from transformers import Qwen3MoeForCausalLM
+
+    with torch.device("meta"):
+        hf = Qwen3MoeForCausalLM._from_config(cfg, attn_implementation="sdpa")
+    gen = torch.Generator(device=next(iter(weights.values())).device).manual_seed(seed + 1)
+    state = {}
+    for name, t in weights.items():
+        if router_noise and name.endswith("mlp.gate.weight"):
+            t = t + router_noise * t.abs().mean() * torch.randn(t.shape, generator=gen, device=t.device)
+        state[name] = t.to(dtype).clone()
+    hf.load_state_dict(state, assign=True, strict=True)
+    hf.model.rotary_emb = type(hf.model.rotary_emb)(config=cfg).to(next(iter(weights.values())).device)
+    return hf.eval()
+
+
+@torch.no_grad()
+def rollout(model: CausalLM, a: argparse.Namespace, seed: int) -> tuple[list[list[int]], np.ndarray, list]:
+    """Sampled sequences [B][prompt + new], the engine's log-prob of each new token [B, new], routing per seq."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, a.vocab, (a.batch, a.prompt_len), generator=gen).tolist()
+    runner = ModelRunner(
+        model, max_running_requests=a.batch, max_seq_len=a.prompt_len + a.new_tokens + 1, use_cuda_graphs=False
+    )
+    runner.kv.allocate()
+    prefill_routing = Routing()
+    res = runner.prefill(prompts, 0, [False] * a.batch, prefill_routing)
+    stacked = prefill_routing.stacked()  # [B * prompt_len, layers, k]
+    rows = [stacked.view(a.batch, a.prompt_len, *stacked.shape[1:]).cpu()]
+    logits, seqs, lps = res.last_logits, [list(p) for p in prompts], []
+    sample_gen = torch.Generator(device=model.device).manual_seed(seed + 7)
+    for step in range(a.new_tokens):
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        tok = torch.multinomial(logp.exp(), 1, generator=sample_gen).squeeze(1)
+        lps.append(logp.gather(1, tok[:, None]).squeeze(1).cpu())
+        for s, t in zip(seqs, tok.tolist(), strict=True):
+            s.append(t)
+        if step + 1 == a.new_tokens:
+            break
+        routing = Routing()
+        logits = runner.decode(tok, [a.prompt_len + step] * a.batch, routing)
+        rows.append(routing.stacked().unsqueeze(1).cpu())
+    routed = torch.cat(rows, dim=1).numpy()  # [B, len - 1, layers, k]
+    return seqs, torch.stack(lps, dim=1).numpy(), routed
+
+
+def train_batch(seqs, routed: np.ndarray, new_tokens: int, num_experts: int) -> TrainBatch:
+    from miles.utils.routing import routing_dtype
+
+    b = len(seqs)
+    return TrainBatch(
+        tokens=np.concatenate([np.asarray(s, np.int64) for s in seqs]),
+        seq_lens=np.array([len(s) for s in seqs]), response_lengths=np.full(b, new_tokens),
+        loss_masks=np.ones(b * new_tokens, np.float32), rewards=np.zeros(b, np.float32),
+        raw_rewards=np.zeros(b, np.float32), group_index=np.arange(b), sample_index=np.arange(b),
+        truncated=np.zeros(b, np.int8),
+        routed_experts=routed.reshape(-1, *routed.shape[2:]).astype(routing_dtype(num_experts)),
+    )  # fmt: skip
+
+
+def mismatch(hf, batch: TrainBatch, engine_lps: np.ndarray, device: torch.device) -> dict[str, dict[str, float]]:
+    """R3 off and on: routing mismatch share and |Δ log-prob| of the trainer's forward against the engine's."""
+    replay = RoutingReplay(hf, mode="measure")
+    out = {}
+    for mode in ("off", "on"):
+        replay.begin_step()
+        replay.mode = "rollout" if mode == "on" else "measure"
+        with torch.no_grad(), replay.scope(batch, model_layout(hf), first_pass=True):
+            lp, _, _ = forward_micro_batch(hf, batch, device, 1.0, entropy="none")
+        diff = np.abs(lp.float().cpu().numpy() - engine_lps.reshape(-1))
+        n, used, own = replay.counts
+        out[mode] = {
+            "routing_mismatch": used / n,
+            "router_rollout_mismatch": own / n,
+            "logprob_abs_diff_mean": float(diff.mean()),
+            "logprob_abs_diff_max": float(diff.max()),
+        }
+    return out
+
+
+def decode_speed(model: CausalLM, a: argparse.Namespace) -> dict[str, float]:
+    """Median seconds of one decode step at batch a.batch with the grouped path and with the loop."""
+    runner = ModelRunner(model, max_running_requests=a.batch, max_seq_len=a.context + 2, use_cuda_graphs=False)
+    runner.kv.allocate()
+    tokens = torch.randint(0, a.vocab, (a.batch,), device=model.device)
+    positions = [a.context] * a.batch
+    times: dict[str, list[float]] = {"grouped": [], "loop": []}
+    for rep in range(a.reps + 1):
+        for impl in ("grouped", "loop"):
+            model.moe_impl = impl
+            _sync(model.device)
+            t0 = time.perf_counter()
+            runner.decode(tokens, positions)
+            _sync(model.device)
+            if rep:  # the first round warms up
+                times[impl].append(time.perf_counter() - t0)
+    model.moe_impl = "grouped"
+    grouped, loop = statistics.median(times["grouped"]), statistics.median(times["loop"])
+    return {"decode_grouped_s": grouped, "decode_loop_s": loop, "decode_speedup": loop / grouped}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    for name, default in (("layers", 24), ("hidden", 2048), ("heads", 32), ("kv-heads", 4), ("experts", 128),
+                          ("topk", 8), ("moe-intermediate", 768), ("vocab", 32768), ("batch", 256),
+                          ("context", 512), ("reps", 5), ("prompt-len", 64), ("new-tokens", 32), ("seed", 0)):  # fmt: skip
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--engine-dtype", default="bfloat16")
+    p.add_argument("--trainer-dtype", default="float32")
+    p.add_argument("--router-noise", type=float, default=0.0)
+    p.add_argument("--skip-decode", action="store_true")
+    p.add_argument("--skip-mismatch", action="store_true")
+    return p.parse_args(argv)
+
+
+def run(a: argparse.Namespace) -> dict:
+    device = torch.device(a.device)
+    cfg = hf_config(a)
+    weights = random_weights(cfg, device, a.seed)
+    engine = engine_model(cfg, weights, device, getattr(torch, a.engine_dtype))
+    figures: dict = {"config": {k: v for k, v in vars(a).items() if k != "device"}, "device": a.device}
+    carried, miles_int32 = routing_bytes_per_token(a.layers, a.topk, a.experts)
+    figures.update(routing_bytes_per_token=carried, int32_bytes_per_token=miles_int32)
+    if not a.skip_decode:
+        figures.update(decode_speed(engine, a))
+    if not a.skip_mismatch:
+        seqs, lps, routed = rollout(engine, a, a.seed)
+        hf = trainer_model(cfg, weights, getattr(torch, a.trainer_dtype), a.router_noise, a.seed)
+        figures["mismatch"] = mismatch(hf, train_batch(seqs, routed, a.new_tokens, a.experts), lps, device)
+    return figures
+
+
+def main(argv: list[str] | None = None) -> None:
+    figures = run(parse(argv))
+    if "decode_speedup" in figures:
+        print(f"decode step, batch {figures['config']['batch']}: grouped {figures['decode_grouped_s'] * 1e3:.2f} ms, "
+              f"per-expert loop {figures['decode_loop_s'] * 1e3:.2f} ms, ratio {figures['decode_speedup']:.2f}x")  # fmt: skip
+    for mode, m in figures.get("mismatch", {}).items():
+        print(f"R3 {mode}: routing mismatch {m['routing_mismatch']:.4%}, |dlogp| mean {m['logprob_abs_diff_mean']:.3e} "
+              f"max {m['logprob_abs_diff_max']:.3e}")  # fmt: skip
+    print(
+        f"routing bytes/token: {figures['routing_bytes_per_token']} (int32 layout: {figures['int32_bytes_per_token']})"
+    )
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
