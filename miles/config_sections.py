@@ -354,7 +354,7 @@ class EngineConfig:
         "key every engine wants as 'Authorization: Bearer KEY' (as SGLang's --api-key); default: a fresh random key per run, given to the engines it starts; external engines need this one. Never written to the run's config.yaml",
         metadata={"secret": True},
     )
-    http_max_body_mb: float = _f(64.0, "SGLANG", "embedded engine: largest HTTP request body in MiB (413 above)")
+    http_max_body_mb: float = _f(64.0, "SGLANG", "embedded engine and session server: largest HTTP request body in MiB (413 above)")
     sglang_args: dict = _f(
         {}, "SGLANG", "--sglang-* passthrough flags for sglang.launch_server", metadata={"cli": False}
     )

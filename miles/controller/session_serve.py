@@ -21,7 +21,7 @@ import signal
 from miles.agent.families import FAMILIES, resolve_family
 from miles.agent.matchers import MATCHERS, resolve_matcher
 from miles.agent.openai_protocol import ChatDefaults
-from miles.agent.server import Gateway, start_gateway
+from miles.agent.server import DEFAULT_MAX_BODY_MB, Gateway, start_gateway
 from miles.agent.sessions import RULES
 from miles.agent.tito import TitoTokenizer, check_append_only
 from miles.controller.router import Router
@@ -65,6 +65,9 @@ def parse_serve_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-running-requests", type=int, default=64)
     p.add_argument("--max-total-tokens", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--max-body-mb", type=float, default=DEFAULT_MAX_BODY_MB, help="largest request body in MiB (413 above)"
+    )
     return p.parse_args(argv)
 
 
@@ -104,7 +107,14 @@ async def _serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        handle = await start_gateway(gateway, args.host, args.port, api_key=args.api_key)
+        handle = await start_gateway(
+            gateway,
+            args.host,
+            args.port,
+            api_key=args.api_key,
+            max_body_mb=args.max_body_mb,
+            max_body_flag="--max-body-mb",
+        )
         # One parseable line on stdout: launchers and tests read the bound port from it.
         print(
             f"miles session server for {args.model_path} on {handle.url} (OpenAI base_url {handle.url}/v1)", flush=True

@@ -43,6 +43,7 @@ from miles.weights.verify import CHECKER_ACTIONS
 logger = logging.getLogger(__name__)
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
+INLINE_PARSE_BYTES = 64 * 1024
 EMBEDDED_VERSION = "miles-embedded"  # /server_info "version" (SGLang reports its release there)
 # Memory tags SGLang knows that the embedded engine has no use for (it captures no CUDA graphs).
 IGNORED_MEMORY_TAGS = frozenset({"cuda_graph"})
@@ -84,7 +85,8 @@ async def _read_json(request: web.Request) -> dict:
     raw = await request.read()
     if not raw.strip():
         return {}
-    body = loads_strict(raw)
+    # a large body parses on the default (bounded) pool: the loop keeps serving other requests meanwhile
+    body = loads_strict(raw) if len(raw) <= INLINE_PARSE_BYTES else await asyncio.to_thread(loads_strict, raw)
     if body is None:
         return {}
     if not isinstance(body, dict):
@@ -335,16 +337,17 @@ def build_app(
     api_key: str | None = None,
     max_body_mb: float = DEFAULT_MAX_BODY_MB,
     weight_dirs: Iterable[str] = (),
+    max_body_flag: str = "--http-max-body-mb",
 ) -> web.Application:
     """The aiohttp application serving `engine` with SGLang's endpoints.
 
     `api_key`: required as `Authorization: Bearer <key>` on every endpoint but GET /health (None:
-    open). `max_body_mb`: larger bodies get 413. `weight_dirs`: the directories `/pull_weights` and
+    open). `max_body_mb`: larger bodies get 413 naming `max_body_flag`. `weight_dirs`: the directories `/pull_weights` and
     `/update_weights_from_disk` may name (besides the engine's own model path, readable).
     """
     front = EngineFront(engine, receiver, WeightDirs.of(weight_dirs, getattr(engine, "model_path", None)))
     max_bytes = int(max_body_mb * 2**20)
-    middlewares = [body_limit_middleware(max_bytes), _error_middleware]
+    middlewares = [body_limit_middleware(max_bytes, max_body_flag), _error_middleware]
     if api_key:
         middlewares.insert(0, api_key_middleware(api_key))
     app = web.Application(middlewares=middlewares, client_max_size=max_bytes)
@@ -402,10 +405,18 @@ async def start_http_server(
     api_key: str | None = None,
     max_body_mb: float = DEFAULT_MAX_BODY_MB,
     weight_dirs: Iterable[str] = (),
+    max_body_flag: str = "--http-max-body-mb",
 ) -> HttpServerHandle:
     """Serve `engine` on host:port (port 0 picks a free one) on the running loop (doors: see build_app)."""
     warn_if_open(host, api_key)
-    app = build_app(engine, receiver, api_key=api_key, max_body_mb=max_body_mb, weight_dirs=weight_dirs)
+    app = build_app(
+        engine,
+        receiver,
+        api_key=api_key,
+        max_body_mb=max_body_mb,
+        weight_dirs=weight_dirs,
+        max_body_flag=max_body_flag,
+    )
     runner, bound_port = await listen(
         app, host, port, fix="pick another --port (0 picks a free one)", shutdown_timeout=5.0
     )
@@ -493,6 +504,7 @@ async def _serve(args: argparse.Namespace) -> None:
             api_key=args.api_key,
             max_body_mb=args.max_body_mb,
             weight_dirs=[os.path.abspath(d) for d in args.weight_dir],
+            max_body_flag="--max-body-mb",
         )
         # One parseable line on stdout: launchers read the bound port from it.
         print(f"miles engine serving {args.model_path} on {handle.url}", flush=True)

@@ -251,6 +251,11 @@ class EmbeddedEngine:
         scoring = return_logprob and logprob_start_len >= 0 and params.max_new_tokens == 0 and params.n == 1
         if scoring and self.reference is not None:
             return await self._reference_score(scheduler, rid, prompt, params, logprob_start_len, extras)
+        if params.n > self.runner.max_running_requests:
+            raise ValueError(
+                f"n={params.n} is over the engine's {self.runner.max_running_requests} running requests "
+                "(max_running_requests); ask for fewer samples per request"
+            )
         rids = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
         if params.n > 1:
             self._children[rid] = rids
