@@ -68,7 +68,7 @@ def test_captured_frame_replayed_from_any_identity_is_refused() -> None:
         worker = DealerEndpoint(ctx, tap_address, "w:0", secret=KEY, run_id="run-a")
         worker.notify_controller("stop_everything")
         captured = await asyncio.to_thread(tap.recv_multipart)
-        assert captured[0] == b"w:0" and len(captured[1]) == codec.SEAL_BYTES
+        assert captured[0].split(b"#")[0] == b"w:0" and len(captured[1]) == codec.SEAL_BYTES  # name#connection
         forward = raw_dealer(ctx, router.address, b"w:0")
         forward.send_multipart(captured[1:])
         await wait_for_condition(lambda: served == ["w:0 stop_everything"])
