@@ -59,3 +59,8 @@ def test_the_413_names_the_flag_of_the_command_in_use(model_dir):
     ((status, reply),) = _answers(model_dir, [big], max_body_mb=0.01, max_body_flag="--max-body-mb")
     assert status == 413
     assert "--max-body-mb" in reply["error"] and "--http-max-body-mb" not in reply["error"]
+
+
+def test_a_kv_cache_larger_than_the_machine_is_refused_naming_the_limit(model_dir):
+    with pytest.raises(ValueError, match=r"max_total_tokens=\d+ needs a .* GiB KV cache .* at most \d+ tokens fit"):
+        EmbeddedEngine(model_dir, max_running_requests=4, max_total_tokens=2**50)
