@@ -168,3 +168,19 @@ def machine_errors(values: dict[str, float | None], flag: Callable[[str], str]) 
                 f"{total / 2**30:.1f} GiB of memory; give a smaller size"
             )
     return errors
+
+
+def ranged(kind: type, spec: str) -> Callable[[str], float]:
+    """An argparse `type` for the serving commands' numeric flags: `kind` within `spec`, else a usage error."""
+    import argparse
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if not in_range(value, spec):
+            raise argparse.ArgumentTypeError(f"{text} is outside {spec}")
+        return value
+
+    return parse

@@ -27,6 +27,8 @@ from typing import Any
 
 from aiohttp import web
 
+from miles.config_ranges import NUMBER_RANGES as R
+from miles.config_ranges import ranged
 from miles.engines.doors import (
     DEFAULT_MAX_BODY_MB,
     PathRefused,
@@ -447,12 +449,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="miles engine serve", description="Serve the embedded engine over HTTP.")
     parser.add_argument("--model-path", required=True, help="HF model directory (weights + tokenizer)")
     parser.add_argument("--host", default="127.0.0.1", help="listen address (default loopback only)")
-    parser.add_argument("--port", type=int, default=30000, help="0 picks a free port")
+    parser.add_argument("--port", type=ranged(int, R["controller_port"][0]), default=30000, help="0 picks a free port")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--max-running-requests", type=int, default=64)
-    parser.add_argument("--max-total-tokens", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-running-requests", type=ranged(int, R["max_running_requests"][0]), default=64)
+    parser.add_argument("--max-total-tokens", type=ranged(int, R["max_total_tokens"][0]), default=None)
+    parser.add_argument("--seed", type=ranged(int, R["seed"][0]), default=0)
     parser.add_argument("--deterministic", action="store_true")
     parser.add_argument(
         "--api-key",
@@ -461,7 +463,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "then keep the default loopback --host)",
     )
     parser.add_argument(
-        "--max-body-mb", type=float, default=DEFAULT_MAX_BODY_MB, help="largest request body in MiB (413 above)"
+        "--max-body-mb",
+        type=ranged(float, R["http_max_body_mb"][0]),
+        default=DEFAULT_MAX_BODY_MB,
+        help="largest request body in MiB (413 above)",
     )
     parser.add_argument(
         "--weight-dir",

@@ -64,3 +64,14 @@ def test_the_413_names_the_flag_of_the_command_in_use(model_dir):
 def test_a_kv_cache_larger_than_the_machine_is_refused_naming_the_limit(model_dir):
     with pytest.raises(ValueError, match=r"max_total_tokens=\d+ needs a .* GiB KV cache .* at most \d+ tokens fit"):
         EmbeddedEngine(model_dir, max_running_requests=4, max_total_tokens=2**50)
+
+
+@pytest.mark.parametrize("flag", ["--max-body-mb=0", "--max-running-requests=0", "--port=70000", "--seed=-1"])
+def test_the_serving_commands_refuse_numbers_outside_their_range(flag, capsys):
+    from miles.controller.session_serve import parse_serve_args
+    from miles.engines.http_front import _parse_args
+
+    for parse in (_parse_args, parse_serve_args):
+        with pytest.raises(SystemExit):
+            parse(["--model-path", "m", flag])
+        assert "is outside" in capsys.readouterr().err
