@@ -112,7 +112,7 @@ NUMBER_RANGES: dict[str, tuple[str, str]] = {
     "update_weight_buffer_size": ("[1, inf)", "bytes; also bounded by host memory"),
     "update_weights_interval": ("[1, inf)", "rollout steps"),
     "weight_sync_timeout_s": ("(0, inf)", "seconds"),
-    "eval_interval": ("[1, inf)", "rollout steps"),
+    "eval_interval": ("[0, inf)", "rollout steps; 0 is off"),
     "eval_max_in_flight": ("[1, 1024]", "outstanding evaluations"),
     # ---- runtime
     "heartbeat_interval_s": ("(0, 3600]", "seconds"),
