@@ -122,8 +122,8 @@ NUMBER_RANGES: dict[str, tuple[str, str]] = {
 }
 
 
-# ranges stated here but checked, with a fuller message, by their section's own check (config_checks)
-CHECKED_ELSEWHERE = frozenset({"eps_clip_c"})
+# ranges stated here but checked, with a fuller message, where the value is used
+CHECKED_ELSEWHERE = frozenset({"eps_clip_c", "num_nodes"})  # check_algo; placement (resolve_machine)
 
 
 def in_range(value: float, spec: str) -> bool:
