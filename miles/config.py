@@ -31,6 +31,7 @@ from miles.config_fields import (  # noqa: F401 - re-exported: `from miles.confi
     render_markdown,
     unknown_flag_message,
 )
+from miles.config_ranges import NUMBER_RANGES
 from miles.config_sections import SECTIONS, MilesConfig
 
 logger = logging.getLogger(__name__)
@@ -50,13 +51,20 @@ def build_parser(prog: str = "miles train") -> argparse.ArgumentParser:
         allow_abbrev=False,
         exit_on_error=False,
     )
-    parser.add_argument("--config", metavar="FILE", help="YAML file of flags (flat or nested by section)")
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        action="append",
+        help="YAML file of flags (flat or nested by section); one file: a second --config is refused",
+    )
     for group, specs in groups().items():
         arg_group = parser.add_argument_group(group, GROUP_DESCRIPTIONS.get(group))
         for spec in specs:
             if not spec.cli:
                 continue
             text = spec.help if "default" in spec.help else f"{spec.help} (default: {spec.default!r})"
+            if spec.name in NUMBER_RANGES:
+                text += f" [range {NUMBER_RANGES[spec.name][0]}]"
             text = text.replace("%", "%%")  # argparse %-formats help
             if spec.base is bool:
                 arg_group.add_argument(
@@ -122,8 +130,13 @@ def parse_cli(argv: list[str], prog: str = "miles train") -> tuple[str | None, d
     if errors:
         raise ConfigError(errors)
     given = vars(namespace)
-    config_path = given.pop("config", None)
-    return config_path, given, passthrough
+    config_paths = given.pop("config", None) or []
+    if len(config_paths) > 1:
+        raise ConfigError(
+            f"--config given {len(config_paths)} times ({', '.join(config_paths)}); give one file (merge the others "
+            "into it) and override single settings with flags on the command line"
+        )
+    return (config_paths[0] if config_paths else None), given, passthrough
 
 
 # ---------------------------------------------------------------- YAML
@@ -140,8 +153,15 @@ def flatten_yaml(data: dict[str, Any], source: str) -> tuple[dict[str, Any], dic
     errors: list[str] = []
     section_names = {s.rstrip("_"): s for s in SECTIONS} | {s: s for s in SECTIONS}
 
+    set_by: dict[str, str] = {}
+
     def take(key: str, value: Any, section: str | None) -> None:
         name = _key_to_field(key)
+        where = f"{section.rstrip('_')}.{key}" if section else str(key)
+        if name in set_by:  # `lr` and `optim: {lr}`, or `rollout-batch-size` and `rollout_batch_size`
+            errors.append(f"{source}: key {where!r} sets {name} again (already set by {set_by[name]!r}); keep one")
+            return
+        set_by[name] = where
         if name == "sglang_args" and isinstance(value, dict):
             passthrough.update({_key_to_field(k): v for k, v in value.items()})
         elif name in FIELDS:
@@ -171,12 +191,32 @@ def flatten_yaml(data: dict[str, Any], source: str) -> tuple[dict[str, Any], dic
     return values, passthrough
 
 
+class DuplicateKey(yaml.YAMLError):
+    """A mapping that names one key twice (YAML would keep the last one silently)."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load, refusing a key given twice in one mapping."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise DuplicateKey(f"key {key!r} appears twice (lines {seen[key]} and {line}); keep one")
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"--config {path}: file not found")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
+    except DuplicateKey as e:
+        raise ConfigError(f"--config {path}: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"--config {path}: not valid YAML: {e}") from None
     if not isinstance(data, dict):

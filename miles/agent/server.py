@@ -15,6 +15,12 @@ caller's header for /generate. A session's first turn goes to the least-loaded e
 later turn to the same one. A turn's token ids are built by `TitoTokenizer` (server-owned
 tokenisation), its reply tokens are the engine's own, and the checkpoint stores both.
 
+Work off the event loop: parsing a body and tokenising run on a pool of `cpu_threads` threads
+(bounded), so one large request holds one thread while other sessions go on. Limits, checked before
+parsing or tokenising: a body over `max_body_mb` is refused with 413 from its Content-Length before
+it is read; roles, sampling ranges and the text one request may hold are checked after parsing and
+before tokenising (400; miles.agent.request_checks states them).
+
 Access: with an API key, every route but GET /health wants `Authorization: Bearer <key>`, except
 the routes of an existing session, where the unguessable session id in the path is the
 credential (the base URL an agent function is given).
@@ -25,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +43,7 @@ from aiohttp import web
 
 from miles.agent.matchers import Matcher, strict
 from miles.agent.openai_protocol import (
+    DEFAULT_MAX_CHARS,
     ChatDefaults,
     ChatRequest,
     chat_completion,
@@ -44,15 +52,19 @@ from miles.agent.openai_protocol import (
     stream_events,
     token_logprobs,
 )
+from miles.agent.request_checks import max_text_chars
 from miles.agent.sessions import RULES, Checkpoint, Session, SessionConflict, checkpoint_to_sample
 from miles.agent.tito import TitoTokenizer
 from miles.engines.client import ROUTING_KEY_HEADER, EngineConnectionError, EngineHTTPError, EngineTimeoutError
-from miles.engines.doors import AUTH_HEADER, loads_strict
+from miles.engines.doors import AUTH_HEADER, body_limit_middleware, loads_strict
 from miles.engines.http_front import listen
 from miles.rollout.generate import parse_output, record_routing
 from miles.rollout.sample import Sample
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_THREADS = min(4, os.cpu_count() or 1)
+DEFAULT_MAX_BODY_MB = 64.0
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -88,6 +100,7 @@ class Gateway:
         defaults: ChatDefaults | None = None,
         max_turns: int = 16,
         model_name: str = "miles",
+        cpu_threads: int = DEFAULT_CPU_THREADS,
     ) -> None:
         if rule not in RULES.values():
             raise ValueError(f"session rule {rule!r} is not one of {sorted(RULES.values())}")
@@ -99,11 +112,21 @@ class Gateway:
         self.max_turns = max_turns
         self.model_name = model_name
         self.sessions: dict[str, Session] = {}
-        # Tokenising is CPU work: off the event loop, on one thread (a fast tokenizer is not shared across threads)
-        self._tokenize_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-tito")
+        # the text one request may hold: more cannot fit the context, however it tokenises
+        self.max_chars = (
+            max_text_chars(tito.tokenizer, self.defaults.max_context_len, DEFAULT_MAX_CHARS)
+            if tito
+            else DEFAULT_MAX_CHARS
+        )
+        if cpu_threads < 1:
+            raise ValueError(f"cpu_threads={cpu_threads} must be >= 1")
+        # Parsing and tokenising are CPU work: off the event loop, on a bounded pool, so one large request
+        # holds one thread, not every session. The threads share the tokenizer: every call encodes with the
+        # same (no) truncation and padding, so the fast tokenizer's state is only read, never changed.
+        self._cpu = ThreadPoolExecutor(max_workers=cpu_threads, thread_name_prefix="miles-tito")
 
     def shutdown(self) -> None:
-        self._tokenize_thread.shutdown(wait=False, cancel_futures=True)
+        self._cpu.shutdown(wait=False, cancel_futures=True)
 
     # ---- sessions -------------------------------------------------------------------------------
     def new_session(self, metadata: dict[str, Any] | None = None, max_turns: int | None = None) -> Session:
@@ -142,7 +165,11 @@ class Gateway:
         return await self._generate_and_store(session, request, prepared)
 
     async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize_thread, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
+
+    async def parse_chat(self, body: dict[str, Any]) -> ChatRequest:
+        """The checked request (roles, sampling ranges, size), on the pool: normalising copies the text."""
+        return await self._in_thread(parse_chat_request, body, self.defaults, self.max_chars)
 
     def _prepare(self, session: Session, request: ChatRequest) -> _Prepared:
         parent = session.attach(request.messages, request.tools)
@@ -312,11 +339,14 @@ def _auth(api_key: str, gateway: Gateway) -> Callable[[web.Request, Handler], Aw
     return check
 
 
-async def _body(request: web.Request) -> dict[str, Any]:
+INLINE_PARSE_BYTES = 64 * 1024  # smaller bodies parse on the loop: a thread hop costs more than they do
+
+
+async def _body(request: web.Request, gateway: Gateway) -> dict[str, Any]:
     raw = await request.read()
     if not raw.strip():
         return {}
-    body = loads_strict(raw)
+    body = loads_strict(raw) if len(raw) <= INLINE_PARSE_BYTES else await gateway._in_thread(loads_strict, raw)
     if not isinstance(body, dict):
         raise ValueError(f"{request.path} expects a JSON object body")
     return body
@@ -335,11 +365,13 @@ class _Routes:
         )
 
     async def generate(self, request: web.Request) -> web.Response:
-        out = await self.g.router.generate(await _body(request), routing_key=request.headers.get(ROUTING_KEY_HEADER))
+        out = await self.g.router.generate(
+            await _body(request, self.g), routing_key=request.headers.get(ROUTING_KEY_HEADER)
+        )
         return web.json_response(out)
 
     async def create(self, request: web.Request) -> web.Response:
-        body = await _body(request)
+        body = await _body(request, self.g)
         session = self.g.new_session(body.get("metadata"), body.get("max_turns"))
         return web.json_response({"session_id": session.id})
 
@@ -363,7 +395,7 @@ class _Routes:
             self.g.close(session.id)
 
     async def _answer(self, request: web.Request, session: Session) -> web.StreamResponse:
-        chat = parse_chat_request(await _body(request), self.g.defaults)
+        chat = await self.g.parse_chat(await _body(request, self.g))
         completion = await self.g.turn(session, chat)
         if not chat.stream:
             return web.json_response(completion)
@@ -371,7 +403,7 @@ class _Routes:
 
     async def samples(self, request: web.Request) -> web.Response:
         session = self.g.get(request.match_info["session_id"])
-        body = await _body(request)
+        body = await _body(request, self.g)
         max_seq_len = body.get("max_seq_len")
         samples = self.g.samples(session, max_seq_len=int(max_seq_len) if max_seq_len else None)
         for s in samples:
@@ -379,9 +411,19 @@ class _Routes:
         return web.json_response({"samples": [s.to_dict() for s in samples]})
 
 
-def build_gateway_app(gateway: Gateway, *, api_key: str | None = None, max_body_mb: float = 64) -> web.Application:
-    middlewares = [_errors] if not api_key else [_auth(api_key, gateway), _errors]
-    app = web.Application(middlewares=middlewares, client_max_size=int(max_body_mb * 2**20))
+def build_gateway_app(
+    gateway: Gateway,
+    *,
+    api_key: str | None = None,
+    max_body_mb: float = DEFAULT_MAX_BODY_MB,
+    max_body_flag: str = "--http-max-body-mb",
+) -> web.Application:
+    """`max_body_mb`: larger bodies get 413 naming `max_body_flag`, the flag that raises the limit."""
+    max_bytes = int(max_body_mb * 2**20)
+    middlewares = [body_limit_middleware(max_bytes, max_body_flag, "session server"), _errors]
+    if api_key:
+        middlewares.insert(0, _auth(api_key, gateway))
+    app = web.Application(middlewares=middlewares, client_max_size=max_bytes)
     r = _Routes(gateway)
     add = app.router.add_route
     add("GET", "/health", r.health)
@@ -415,10 +457,16 @@ class GatewayHandle:
 
 
 async def start_gateway(
-    gateway: Gateway, host: str = "127.0.0.1", port: int = 0, *, api_key: str | None = None
+    gateway: Gateway,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    api_key: str | None = None,
+    max_body_mb: float = DEFAULT_MAX_BODY_MB,
+    max_body_flag: str = "--http-max-body-mb",
 ) -> GatewayHandle:
-    """Serve `gateway` on host:port (0: a free port) on the running loop."""
-    app = build_gateway_app(gateway, api_key=api_key)
+    """Serve `gateway` on host:port (0: a free port) on the running loop (limits: see build_gateway_app)."""
+    app = build_gateway_app(gateway, api_key=api_key, max_body_mb=max_body_mb, max_body_flag=max_body_flag)
     runner, bound = await listen(app, host, port, fix="pick another port for the session server")
     logger.info("session server listening on http://%s:%d (%s sessions)", host, bound, gateway.rule)
     return GatewayHandle(runner, host, bound, gateway)

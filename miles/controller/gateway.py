@@ -2,7 +2,7 @@
 
 It starts when `--use-session-server` or any plug-in layer (rollout, generate, agent function) is
 set, listens on 127.0.0.1 (`--session-server-port`, default a free port) and wants the run's API
-key except on a session's own routes. Plug-ins find it where Miles' plug-ins find the router:
+key except on a session's own routes; bodies over `--http-max-body-mb` get 413. Plug-ins find it where Miles' plug-ins find the router:
 `args.sglang_router_ip` / `args.sglang_router_port`; `args.engine_context_len` is the most tokens
 one request (prompt + new tokens) may hold on the engines.
 """
@@ -112,7 +112,9 @@ async def start_rollout_gateway(
         max_turns=r.generate_max_turns,
         model_name=os.path.basename(os.path.normpath(cfg.model.hf_checkpoint or "miles")),
     )
-    handle = await start_gateway(gateway, HOST, r.session_server_port, api_key=cfg.engine.api_key)
+    handle = await start_gateway(
+        gateway, HOST, r.session_server_port, api_key=cfg.engine.api_key, max_body_mb=cfg.engine.http_max_body_mb
+    )
     args.sglang_router_ip, args.sglang_router_port = HOST, handle.port
     args.engine_context_len = context_len
     return handle

@@ -21,9 +21,11 @@ import signal
 from miles.agent.families import FAMILIES, resolve_family
 from miles.agent.matchers import MATCHERS, resolve_matcher
 from miles.agent.openai_protocol import ChatDefaults
-from miles.agent.server import Gateway, start_gateway
+from miles.agent.server import DEFAULT_MAX_BODY_MB, Gateway, start_gateway
 from miles.agent.sessions import RULES
 from miles.agent.tito import TitoTokenizer, check_append_only
+from miles.config_ranges import NUMBER_RANGES as R
+from miles.config_ranges import ranged
 from miles.controller.router import Router
 from miles.engines.client import EngineClient
 from miles.engines.doors import warn_if_open
@@ -48,7 +50,7 @@ def parse_serve_args(argv: list[str] | None) -> argparse.Namespace:
     )
     _family_args(p)
     p.add_argument("--host", default="127.0.0.1", help="listen address (default loopback only)")
-    p.add_argument("--port", type=int, default=30000, help="0 picks a free port")
+    p.add_argument("--port", type=ranged(int, R["controller_port"][0]), default=30000, help="0 picks a free port")
     p.add_argument(
         "--use-session-server", default="v1", choices=sorted(RULES), help="session rule: v1 linear, v2 branching"
     )
@@ -57,14 +59,30 @@ def parse_serve_args(argv: list[str] | None) -> argparse.Namespace:
         default="strict",
         help=f"{', '.join(MATCHERS)} or an import path of fn(stored, replayed) -> bool",
     )
-    p.add_argument("--max-tokens", type=int, default=256, help="new tokens per turn when a request gives none")
-    p.add_argument("--generate-max-turns", type=int, default=16, help="most model turns per session")
+    p.add_argument(
+        "--max-tokens",
+        type=ranged(int, R["rollout_max_response_len"][0]),
+        default=256,
+        help="new tokens per turn when a request gives none",
+    )
+    p.add_argument(
+        "--generate-max-turns",
+        type=ranged(int, R["generate_max_turns"][0]),
+        default=16,
+        help="most model turns per session",
+    )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (sessions: their id)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-running-requests", type=int, default=64)
-    p.add_argument("--max-total-tokens", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-running-requests", type=ranged(int, R["max_running_requests"][0]), default=64)
+    p.add_argument("--max-total-tokens", type=ranged(int, R["max_total_tokens"][0]), default=None)
+    p.add_argument("--seed", type=ranged(int, R["seed"][0]), default=0)
+    p.add_argument(
+        "--max-body-mb",
+        type=ranged(float, R["http_max_body_mb"][0]),
+        default=DEFAULT_MAX_BODY_MB,
+        help="largest request body in MiB (413 above)",
+    )
     return p.parse_args(argv)
 
 
@@ -104,7 +122,14 @@ async def _serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        handle = await start_gateway(gateway, args.host, args.port, api_key=args.api_key)
+        handle = await start_gateway(
+            gateway,
+            args.host,
+            args.port,
+            api_key=args.api_key,
+            max_body_mb=args.max_body_mb,
+            max_body_flag="--max-body-mb",
+        )
         # One parseable line on stdout: launchers and tests read the bound port from it.
         print(
             f"miles session server for {args.model_path} on {handle.url} (OpenAI base_url {handle.url}/v1)", flush=True

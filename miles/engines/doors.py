@@ -108,25 +108,29 @@ def api_key_middleware(api_key: str) -> Callable[[web.Request, Handler], Awaitab
     return check_key
 
 
-def body_limit_middleware(max_bytes: int) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+def body_limit_middleware(
+    max_bytes: int, flag: str = "--http-max-body-mb", server: str = "engine"
+) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    """413 for a body over `max_bytes`, naming `flag`: the flag of the command in use that raises the limit."""
+
     @web.middleware
     async def check_size(request: web.Request, handler: Handler) -> web.StreamResponse:
         declared = request.content_length
         if declared is not None and declared > max_bytes:
-            return json_error(413, _too_large(request, declared, max_bytes))
+            return json_error(413, _too_large(request, declared, max_bytes, flag, server))
         try:
             return await handler(request)
         except web.HTTPRequestEntityTooLarge:  # a chunked body that ran past client_max_size
-            return json_error(413, _too_large(request, None, max_bytes))
+            return json_error(413, _too_large(request, None, max_bytes, flag, server))
 
     return check_size
 
 
-def _too_large(request: web.Request, declared: int | None, max_bytes: int) -> str:
+def _too_large(request: web.Request, declared: int | None, max_bytes: int, flag: str, server: str) -> str:
     size = f"{declared} bytes" if declared is not None else f"more than {max_bytes} bytes"
     return (
-        f"{request.method} {request.path}: body of {size} is over the engine's limit of {max_bytes} bytes "
-        f"({max_bytes / 2**20:g} MiB); send less per request, or raise --http-max-body-mb"
+        f"{request.method} {request.path}: body of {size} is over the {server}'s limit of {max_bytes} bytes "
+        f"({max_bytes / 2**20:g} MiB); send less per request, or raise {flag}"
     )
 
 

@@ -27,6 +27,8 @@ from typing import Any
 
 from aiohttp import web
 
+from miles.config_ranges import NUMBER_RANGES as R
+from miles.config_ranges import ranged
 from miles.engines.doors import (
     DEFAULT_MAX_BODY_MB,
     PathRefused,
@@ -43,6 +45,7 @@ from miles.weights.verify import CHECKER_ACTIONS
 logger = logging.getLogger(__name__)
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
+INLINE_PARSE_BYTES = 64 * 1024
 EMBEDDED_VERSION = "miles-embedded"  # /server_info "version" (SGLang reports its release there)
 # Memory tags SGLang knows that the embedded engine has no use for (it captures no CUDA graphs).
 IGNORED_MEMORY_TAGS = frozenset({"cuda_graph"})
@@ -84,7 +87,8 @@ async def _read_json(request: web.Request) -> dict:
     raw = await request.read()
     if not raw.strip():
         return {}
-    body = loads_strict(raw)
+    # a large body parses on the default (bounded) pool: the loop keeps serving other requests meanwhile
+    body = loads_strict(raw) if len(raw) <= INLINE_PARSE_BYTES else await asyncio.to_thread(loads_strict, raw)
     if body is None:
         return {}
     if not isinstance(body, dict):
@@ -335,16 +339,17 @@ def build_app(
     api_key: str | None = None,
     max_body_mb: float = DEFAULT_MAX_BODY_MB,
     weight_dirs: Iterable[str] = (),
+    max_body_flag: str = "--http-max-body-mb",
 ) -> web.Application:
     """The aiohttp application serving `engine` with SGLang's endpoints.
 
     `api_key`: required as `Authorization: Bearer <key>` on every endpoint but GET /health (None:
-    open). `max_body_mb`: larger bodies get 413. `weight_dirs`: the directories `/pull_weights` and
+    open). `max_body_mb`: larger bodies get 413 naming `max_body_flag`. `weight_dirs`: the directories `/pull_weights` and
     `/update_weights_from_disk` may name (besides the engine's own model path, readable).
     """
     front = EngineFront(engine, receiver, WeightDirs.of(weight_dirs, getattr(engine, "model_path", None)))
     max_bytes = int(max_body_mb * 2**20)
-    middlewares = [body_limit_middleware(max_bytes), _error_middleware]
+    middlewares = [body_limit_middleware(max_bytes, max_body_flag), _error_middleware]
     if api_key:
         middlewares.insert(0, api_key_middleware(api_key))
     app = web.Application(middlewares=middlewares, client_max_size=max_bytes)
@@ -402,10 +407,18 @@ async def start_http_server(
     api_key: str | None = None,
     max_body_mb: float = DEFAULT_MAX_BODY_MB,
     weight_dirs: Iterable[str] = (),
+    max_body_flag: str = "--http-max-body-mb",
 ) -> HttpServerHandle:
     """Serve `engine` on host:port (port 0 picks a free one) on the running loop (doors: see build_app)."""
     warn_if_open(host, api_key)
-    app = build_app(engine, receiver, api_key=api_key, max_body_mb=max_body_mb, weight_dirs=weight_dirs)
+    app = build_app(
+        engine,
+        receiver,
+        api_key=api_key,
+        max_body_mb=max_body_mb,
+        weight_dirs=weight_dirs,
+        max_body_flag=max_body_flag,
+    )
     runner, bound_port = await listen(
         app, host, port, fix="pick another --port (0 picks a free one)", shutdown_timeout=5.0
     )
@@ -436,12 +449,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="miles engine serve", description="Serve the embedded engine over HTTP.")
     parser.add_argument("--model-path", required=True, help="HF model directory (weights + tokenizer)")
     parser.add_argument("--host", default="127.0.0.1", help="listen address (default loopback only)")
-    parser.add_argument("--port", type=int, default=30000, help="0 picks a free port")
+    parser.add_argument("--port", type=ranged(int, R["controller_port"][0]), default=30000, help="0 picks a free port")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--max-running-requests", type=int, default=64)
-    parser.add_argument("--max-total-tokens", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-running-requests", type=ranged(int, R["max_running_requests"][0]), default=64)
+    parser.add_argument("--max-total-tokens", type=ranged(int, R["max_total_tokens"][0]), default=None)
+    parser.add_argument("--seed", type=ranged(int, R["seed"][0]), default=0)
     parser.add_argument("--deterministic", action="store_true")
     parser.add_argument(
         "--api-key",
@@ -450,7 +463,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "then keep the default loopback --host)",
     )
     parser.add_argument(
-        "--max-body-mb", type=float, default=DEFAULT_MAX_BODY_MB, help="largest request body in MiB (413 above)"
+        "--max-body-mb",
+        type=ranged(float, R["http_max_body_mb"][0]),
+        default=DEFAULT_MAX_BODY_MB,
+        help="largest request body in MiB (413 above)",
     )
     parser.add_argument(
         "--weight-dir",
@@ -493,6 +509,7 @@ async def _serve(args: argparse.Namespace) -> None:
             api_key=args.api_key,
             max_body_mb=args.max_body_mb,
             weight_dirs=[os.path.abspath(d) for d in args.weight_dir],
+            max_body_flag="--max-body-mb",
         )
         # One parseable line on stdout: launchers read the bound port from it.
         print(f"miles engine serving {args.model_path} on {handle.url}", flush=True)

@@ -104,6 +104,10 @@ def _check_messages(value: list, key: str) -> None:
     for i, msg in enumerate(value):
         if not isinstance(msg, dict) or "role" not in msg or "content" not in msg:
             raise ValueError(f"{key!r}[{i}] must be a message dict with 'role' and 'content', got {msg!r:.120}")
+        if not isinstance(msg["role"], str):
+            raise ValueError(f"{key!r}[{i}].role is {msg['role']!r}; give the role as text (user, assistant, ...)")
+        if msg["content"] is None and not msg.get("tool_calls"):
+            raise ValueError(f"{key!r}[{i}].content is null; give the message's text ('' for none)")
 
 
 def _label_text(value: Any) -> str | None:
@@ -122,7 +126,7 @@ def _metadata_of(row: dict[str, Any], data: DataConfig) -> dict[str, Any]:
         except json.JSONDecodeError as e:
             raise ValueError(f"{data.metadata_key!r} is a string but not JSON ({e.msg})") from e
     if metadata is None:
-        metadata = {}
+        raise ValueError(f"{data.metadata_key!r} is null; give an object, or leave the key out")
     if not isinstance(metadata, dict):
         raise ValueError(f"{data.metadata_key!r} must be an object, got {type(metadata).__name__}")
     metadata = dict(metadata)
@@ -187,6 +191,8 @@ def row_from_dict(row: dict[str, Any], data: DataConfig) -> PromptRow:
     if data.label_key:
         if data.label_key not in row:
             raise ValueError(f"missing label key {data.label_key!r} (keys: {sorted(row)}); set --label-key")
+        if row[data.label_key] is None:
+            raise ValueError(f"label {data.label_key!r} is null; give every row a label, or drop --label-key")
         label = _label_text(row[data.label_key])
     return PromptRow(prompt=prompt, label=label, metadata=_metadata_of(row, data))
 

@@ -11,6 +11,12 @@ and bound to the hello's nonce; nothing else goes out before. Every frame is cap
 ``max_frame_bytes`` (``MILES_RPC_MAX_FRAME_MB``, default 256) by ZMQ's MAXMSGSIZE, which reads the
 size from the frame header and drops the connection before allocating.
 
+Identity: with a key, a worker's ZMQ routing id is its name plus a random per-connection suffix
+(``name#suffix``), and the router binds the name to a connection only when a message from it opens
+with a valid seal. A process without the key cannot hold a worker's name: whatever routing id it
+takes, the real worker's connection still gets through, and nothing is sent to a name before a
+signed message bound it.
+
 Both ends can call and serve: the controller calls worker methods; workers call the controller to
 register. Replies resolve asyncio futures keyed by request id, so thousands of calls can be in
 flight; a reply whose id is unknown (timed out, or forged) is logged and dropped.
@@ -149,8 +155,11 @@ class _Endpoint:
         self.max_frame_bytes = max_frame_bytes
         # the router takes messages only from these routing ids (None: from anyone)
         self.known_peers = set(known_peers) if known_peers is not None else None
+        # the router's name -> routing id of the connection that last proved the key under that name
+        self._routes: dict[bytes, bytes] = {}
         self._backlog: list[tuple[bytes, list]] | None = None  # messages held until the run id is known
         self._hello_nonce: bytes | None = None
+        self.welcomed = asyncio.Event()  # set once the run id is known (at once when it was given)
         self.stats = RpcStats()
         self._loop = asyncio.get_running_loop()
         self._pending: dict[int, _Pending] = {}
@@ -185,7 +194,10 @@ class _Endpoint:
         if self._auth is not None:
             frames.insert(0, self._auth.seal(peer, frames))
         if self._is_router:
-            frames.insert(0, peer)
+            route = self._routes.get(peer) if self._auth is not None else peer
+            if route is None:  # no signed message from that name yet: never send to whoever took its id
+                raise RpcClosed(f"{self.name}: peer {peer!r} is not connected (no signed message from it yet)")
+            frames.insert(0, route)
         try:
             send = self._sock.send
             last = len(frames) - 1
@@ -286,7 +298,7 @@ class _Endpoint:
         sock = self._sock
         frames: list = [sock.recv(_NOBLOCK)]
         n_small = self._n_small_frames
-        if self._is_router and self.known_peers is not None and frames[0] not in self.known_peers:
+        if self._is_router and self.known_peers is not None and self._name_of(frames[0]) not in self.known_peers:
             n_small = 1  # a stranger's frames are dropped unread: copy nothing
         while sock.getsockopt(_RCVMORE):
             frames.append(sock.recv(copy=len(frames) < n_small))
@@ -299,8 +311,13 @@ class _Endpoint:
         if n <= 10 or n % 1000 == 0:  # a flood must not flood the log
             logger.warning("%s: dropped a message from %r: %s (%d %s so far)", self.name, peer, detail, n, reason)
 
+    def _name_of(self, route: bytes) -> bytes:
+        """The worker name a routing id claims (signed dealers add ``#suffix``); proven only by a seal."""
+        return route.split(b"#", 1)[0] if self._auth is not None else route
+
     def _dispatch(self, frames: list) -> None:
-        peer = frames[0] if self._is_router else b""
+        route = frames[0] if self._is_router else b""
+        peer = self._name_of(route)
         body = frames[1:] if self._is_router else frames
         if self.known_peers is not None and peer not in self.known_peers:
             self._drop("unknown_sender", peer, "not a worker or node agent of this run")
@@ -317,6 +334,8 @@ class _Endpoint:
                 self._drop(e.reason, peer, str(e))
                 return
             body = body[1:]
+            if self._is_router:  # this connection proved the key under this name: replies go to it
+                self._routes[peer] = route
         kind, req_id, method, deadline, payload = codec.decode(body)
         if self._auth is not None:
             if run_id != self._auth.run_id:
@@ -349,6 +368,7 @@ class _Endpoint:
         elif not self._is_router and kind == _WELCOME and payload == self._hello_nonce:
             auth.accept(peer, counter)
             auth.adopt_run_id(run_id)
+            self.welcomed.set()
             backlog, self._backlog = self._backlog or [], None
             for to, frames in backlog:
                 self._send_frames(to, frames)
@@ -533,7 +553,11 @@ class DealerEndpoint(_Endpoint):
         every other message until the answer."""
         max_frame_bytes = max_frame_bytes or max_frame_bytes_from_env()
         sock = _new_socket(ctx, zmq.DEALER, max_frame_bytes)
-        sock.setsockopt(zmq.ROUTING_ID, identity.encode())
+        if "#" in identity:
+            raise ValueError(f"worker identity {identity!r} must not contain '#'")
+        # signed: a fresh suffix, so a process without the key that took our name first cannot lock us out
+        route = f"{identity}#{secrets.token_hex(8)}" if secret is not None else identity
+        sock.setsockopt(zmq.ROUTING_ID, route.encode())
         sock.connect(address)
         super().__init__(
             sock,
@@ -547,6 +571,8 @@ class DealerEndpoint(_Endpoint):
             self._backlog = []
             self._hello_nonce = secrets.token_bytes(16)
             self._send(b"", [_HELLO, 0, "", 0.0, self._hello_nonce])
+        else:
+            self.welcomed.set()
 
     async def call_controller(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
         return await self.call(b"", method, args, kwargs, timeout_s)

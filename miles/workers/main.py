@@ -150,7 +150,23 @@ class WorkerHost:
                 self.request_stop(EXIT_CONTROLLER_LOST, f"parent process {self.cfg.parent_pid} died")
             await asyncio.sleep(interval)
 
+    async def _welcome(self) -> bool:
+        """Wait for the controller's welcome (node agents learn the run id from it); False: none came in time."""
+        try:
+            await asyncio.wait_for(self.rpc.welcomed.wait(), timeout=self.cfg.register_timeout_s)
+        except TimeoutError:
+            self.request_stop(
+                EXIT_ERROR,
+                f"{self.identity}: no welcome from the controller at {self.cfg.controller_addr} within "
+                f"{self.cfg.register_timeout_s:g} s; check that node 0 runs the same launch command, that the "
+                "address and port are reachable from this node, and that MILES_RUN_SECRET is the same on every node",
+            )
+            return False
+        return True
+
     async def _start_worker(self) -> None:
+        if not await self._welcome():
+            return
         reply = await self.rpc.call_controller(
             "register",
             role=self.cfg.role,

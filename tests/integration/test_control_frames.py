@@ -68,7 +68,7 @@ def test_captured_frame_replayed_from_any_identity_is_refused() -> None:
         worker = DealerEndpoint(ctx, tap_address, "w:0", secret=KEY, run_id="run-a")
         worker.notify_controller("stop_everything")
         captured = await asyncio.to_thread(tap.recv_multipart)
-        assert captured[0] == b"w:0" and len(captured[1]) == codec.SEAL_BYTES
+        assert captured[0].split(b"#")[0] == b"w:0" and len(captured[1]) == codec.SEAL_BYTES  # name#connection
         forward = raw_dealer(ctx, router.address, b"w:0")
         forward.send_multipart(captured[1:])
         await wait_for_condition(lambda: served == ["w:0 stop_everything"])
@@ -122,15 +122,15 @@ def test_node_agent_learns_the_run_id_and_a_welcome_cannot_be_replayed() -> None
         hello = await asyncio.to_thread(tap.recv_multipart)
         upstream.send_multipart(hello[1:])
         welcome = await asyncio.to_thread(upstream.recv_multipart)
-        tap.send_multipart([b"agent:1", *welcome])
+        tap.send_multipart([hello[0], *welcome])  # hello[0]: the agent's routing id, agent:1#<connection>
         register = await asyncio.to_thread(tap.recv_multipart)  # held until the welcome, now sealed for run-a
         upstream.send_multipart(register[1:])
-        tap.send_multipart([b"agent:1", *await asyncio.to_thread(upstream.recv_multipart)])
+        tap.send_multipart([hello[0], *await asyncio.to_thread(upstream.recv_multipart)])
         assert await call == "register from agent:1"
 
         second = DealerEndpoint(ctx, tap_address, "agent:2", secret=KEY)
-        await asyncio.to_thread(tap.recv_multipart)  # its hello, with its own nonce
-        tap.send_multipart([b"agent:2", *welcome])  # the first agent's welcome replayed
+        second_hello = await asyncio.to_thread(tap.recv_multipart)  # its hello, with its own nonce
+        tap.send_multipart([second_hello[0], *welcome])  # the first agent's welcome replayed
         await wait_for_condition(lambda: second.stats.dropped_bad_signature == 1)  # sealed for agent:1
         assert second.stats.received == 0
 

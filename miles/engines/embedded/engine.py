@@ -95,6 +95,26 @@ def _cpu_slot_len(spec, dtype: torch.dtype, slots: int, wanted: int) -> int:
     return fit
 
 
+def check_kv_fits(spec, dtype: torch.dtype, device: torch.device, slots: int, slot_len: int) -> None:
+    """Refuse (ValueError) a KV cache of `slots` x `slot_len` tokens larger than the device's memory, naming
+    the most tokens that would fit: allocating it would die in the allocator (or the OOM killer) instead."""
+    per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * dtype.itemsize
+    if device.type == "cuda":
+        total = torch.cuda.mem_get_info(device)[1]
+        where = f"{device}'s"
+    else:
+        import psutil
+
+        total, where = psutil.virtual_memory().total, "this host's"
+    need = slots * slot_len * per_token
+    if need > total:
+        raise ValueError(
+            f"max_total_tokens={slots * slot_len} needs a {need / 2**30:.1f} GiB KV cache ({per_token} bytes a token), "
+            f"more than {where} {total / 2**30:.1f} GiB; at most {total // per_token} tokens fit (fewer with the "
+            "weights): lower --max-total-tokens"
+        )
+
+
 class EmbeddedEngine:
     def __init__(
         self,
@@ -136,6 +156,7 @@ class EmbeddedEngine:
                     f"max_total_tokens={max_total_tokens} gives {max_seq_len} tokens per slot for "
                     f"max_running_requests={max_running_requests}; raise max_total_tokens"
                 )
+            check_kv_fits(self.model.spec, self.dtype, self.device, max_running_requests, max_seq_len)
         self.max_seq_len = max_seq_len
         # No token spans more characters than the longest vocabulary entry, so a longer text cannot fit
         # the context and is refused before tokenising (x2: normalizers may fold characters).
@@ -259,6 +280,11 @@ class EmbeddedEngine:
         scoring = return_logprob and logprob_start_len >= 0 and params.max_new_tokens == 0 and params.n == 1
         if scoring and self.reference is not None and not return_routed_experts:
             return await self._reference_score(scheduler, rid, prompt, params, logprob_start_len, extras)
+        if params.n > self.runner.max_running_requests:
+            raise ValueError(
+                f"n={params.n} is over the engine's {self.runner.max_running_requests} running requests "
+                "(max_running_requests); ask for fewer samples per request"
+            )
         rids = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
         if params.n > 1:
             self._children[rid] = rids

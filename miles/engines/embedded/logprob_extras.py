@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+MAX_TOP_LOGPROBS = 1024  # per scored position; SGLang sets no limit (docs/engines.md)
+
 Entries = list[list]  # one position: [[logprob, token_id, None], ...]
 
 
@@ -44,8 +46,10 @@ class Extras:
 def check_request(top_k: int | None, token_ids: list[int] | None, vocab_size: int) -> ExtrasRequest:
     """Validate SGLang's `top_logprobs_num` / `token_ids_logprob` for one prompt."""
     k = int(top_k or 0)
-    if k < 0:
-        raise ValueError(f"top_logprobs_num={k} must be >= 0")
+    if not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise ValueError(
+            f"top_logprobs_num={k} must be in [0, {MAX_TOP_LOGPROBS}]: each scored position returns k entries"
+        )
     ids = None
     if token_ids:
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
@@ -53,6 +57,8 @@ def check_request(top_k: int | None, token_ids: list[int] | None, vocab_size: in
         bad = [t for t in token_ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"token_ids_logprob has ids outside [0, {vocab_size}): {bad[:5]}")
+        if len(token_ids) > vocab_size:
+            raise ValueError(f"token_ids_logprob lists {len(token_ids)} ids; at most the vocabulary's {vocab_size}")
         ids = list(token_ids)
     return ExtrasRequest(min(k, vocab_size), ids)
 

@@ -39,6 +39,12 @@ _IGNORED_FIELDS = frozenset(
 )
 
 
+# Request limits, stated in docs/engines.md: stop strings are searched in each step's output tail.
+MAX_STOP = 32
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+
+
 @dataclass(slots=True)
 class SamplingParams:
     temperature: float = 1.0
@@ -92,6 +98,13 @@ class SamplingParams:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 0 (0 = prefill-only scoring)")
         if self.n < 1:
             raise ValueError(f"n={self.n} must be >= 1")
+        if len(self.stop) > MAX_STOP or any(not isinstance(t, str) or len(t) > MAX_STOP_CHARS for t in self.stop):
+            raise ValueError(f"stop: at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters each")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids holds {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}")
+        seed = self.sampling_seed
+        if seed is not None and not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**63):
+            raise ValueError(f"sampling_seed={seed!r} must be an integer in [0, 2**63)")
 
     @property
     def greedy(self) -> bool:
