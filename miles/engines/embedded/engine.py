@@ -9,9 +9,12 @@ Determinism: with `deterministic=True` every request samples from its own torch.
 requests in the batch (on CPU fp32; GPU kernels are not made batch-invariant). Without it, requests
 that pass `sampling_seed` still get their own generator; the rest share the engine's generator.
 
-There is no cross-request prefix cache: KV lives in per-request slots (`cached_tokens` is 0), and
-`flush_cache` has nothing to drop. KV validity across weight updates is handled by the runner's
-KV epoch (see runner.py), which covers every pause mode.
+Prefix sharing (prefix_cache.py; on unless `prefix_cache=False`, the embedded form of SGLang's
+`--disable-radix-cache`): full pages of K/V are shared by requests whose tokens start alike (a group's
+samples, a session's turns), so a prefill computes only what the cache lacks; `cached_tokens` in the
+response says how many prompt tokens came from it. `flush_cache` and every weight update drop all
+pages. KV validity across weight updates is handled by the runner's KV epoch (see runner.py), which
+covers every pause mode.
 
 Memory (colocated offload, CUDA only; a no-op on CPU): releasing `weights` moves them to host memory,
 releasing `kv_cache` frees the cache; running requests keep their tokens and are re-prefilled after
@@ -45,6 +48,7 @@ import torch
 from miles.engines.embedded.logprob_extras import Extras, ExtrasRequest, check_request, extras_of
 from miles.engines.embedded.lora import AdapterMerger
 from miles.engines.embedded.model import CausalLM, iter_safetensors, read_config
+from miles.engines.embedded.prefix_cache import DEFAULT_PAGE_SIZE
 from miles.engines.embedded.runner import ModelRunner
 from miles.engines.embedded.sampler import SamplingParams
 from miles.engines.embedded.scheduler import Request, Scheduler, input_extras
@@ -110,7 +114,11 @@ class EmbeddedEngine:
         inline_step_s: float | None = None,
         lookahead: bool | None = None,
         true_on_policy: bool = False,
+        prefix_cache: bool = True,
+        prefix_cache_tokens: int | None = None,
     ):
+        """prefix_cache_tokens: the shared pages' pool size in tokens (default: a quarter of the slots'
+        capacity, max_running_requests x max_seq_len / 4)."""
         from miles.utils.timer import PhaseClock
         from miles.utils.tokenizer_file import load_engine_tokenizer
 
@@ -145,6 +153,7 @@ class EmbeddedEngine:
             # None = on where they work (CUDA, dense models): about 3x faster decode than eager
             use_cuda_graphs=cuda_graphs if cuda_graphs is not None else self._graphs_supported(),
             fused_kernels=fused_kernels,
+            prefix_cache_pages=self._prefix_pages(prefix_cache, prefix_cache_tokens, max_running_requests),
         )
         clock.mark("runner")
         self.seed = seed
@@ -173,6 +182,30 @@ class EmbeddedEngine:
 
             self.reference = ReferenceModel(model_path, self.model)
         logger.info("engine built in %s", clock.summary())
+
+    def _prefix_pages(self, enabled: bool, tokens: int | None, slots: int) -> int:
+        if not enabled:
+            return 0
+        tokens = slots * self.max_seq_len // 4 if tokens is None else tokens
+        if tokens < DEFAULT_PAGE_SIZE:
+            raise ValueError(
+                f"prefix_cache_tokens={tokens} holds no {DEFAULT_PAGE_SIZE}-token page; raise it or disable prefix sharing"
+            )
+        return tokens // DEFAULT_PAGE_SIZE
+
+    def prefix_cache_stats(self) -> dict:
+        """Prefill tokens requested and computed since the start, and the pool's pages (cached, referenced)."""
+        sched, cache = self.scheduler, self.runner.prefix_cache
+        requested = sched.prefill_tokens_requested if sched else 0
+        computed = sched.prefill_tokens_computed if sched else 0
+        return {
+            "enabled": cache is not None,
+            "prefill_tokens_requested": requested,
+            "prefill_tokens_computed": computed,
+            "prefix_hit_rate": (requested - computed) / requested if requested else 0.0,
+            "cached_pages": cache.cached_pages if cache else 0,
+            "referenced_pages": cache.referenced_pages if cache else 0,
+        }
 
     def _graphs_supported(self) -> bool:
         return self.device.type == "cuda" and not self.model.spec.moe_layers
@@ -337,7 +370,7 @@ class EmbeddedEngine:
             "finish_reason": reason,
             "prompt_tokens": len(req.prompt_ids),
             "completion_tokens": len(ids),
-            "cached_tokens": 0,
+            "cached_tokens": req.cached_tokens or 0,
             "weight_version": str(self.weight_version),
             "output_token_weight_versions": list(req.output_versions),
         }
@@ -417,7 +450,10 @@ class EmbeddedEngine:
         self._require_started().resume()
 
     def flush_cache(self) -> bool:
-        """No cross-request prefix cache exists, so there is nothing to drop; stale KV is handled by epochs."""
+        """Drop every shared prefix page (running requests keep their slots); stale KV is handled by epochs."""
+        if self.runner.prefix_cache is not None:
+            with self.runner.lock:
+                self.runner.prefix_cache.clear()
         return True
 
     @property

@@ -305,6 +305,7 @@ class CausalLM:
         write_pos: torch.Tensor,
         kv_len: int | None,
         out_index: torch.Tensor | None = None,
+        extend_len: int | None = None,
     ) -> torch.Tensor:
         """Run the decoder over tokens [B, T] of the slots [slot_start, slot_start+B); return hidden [B, T, D].
 
@@ -319,21 +320,31 @@ class CausalLM:
         The residual stream is kept flat, [B * T, D], so that each residual add rides on the GEMM before
         it (`addmm` accumulates into it): at decode sizes on CPU every op's dispatch costs about as much
         as its arithmetic.
+
+        extend_len L (prefill with kv_len None and out_index): the slots already hold K/V before each row's
+        first position (a prefix cache hit); tokens attend over cache positions < L masked by position.
         """
         s, st = self.spec, self.storage
         B, T = tokens.shape
         h = F.embedding(tokens.reshape(-1), st["model.embed_tokens.weight"])
-        cos, sin = self._rope_lookup(positions.reshape(-1), T if kv_len is None else kv_len)
+        cos, sin = self._rope_lookup(positions.reshape(-1), extend_len or (T if kv_len is None else kv_len))
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B * T, 1, hd]: the same for every head
         rows = kv.cache_rows(slot_start, write_pos)  # [B * T, kv_heads]: where this step's K/V go
         keep = None if kv_len is None else self._decode_mask(positions[:, -1], kv_len)
+        if extend_len is not None:  # [B, 1, T, L]: each token sees the cache up to its own position
+            keep = torch.where(self._arange(extend_len)[None, None, :] <= positions[:, :, None], *self._mask_values())
+            keep, kv_len = keep[:, None], extend_len
         select = None
         for i, names in enumerate(self._layer_names):
             if out_index is not None and i + 1 == s.num_layers:
                 select = self._arange(B) * T + out_index  # flat rows of the tokens that go on
-                keep, kv_len = self._decode_mask(out_index, T), T
+                if extend_len is None:
+                    keep, kv_len = self._decode_mask(out_index, T), T
+                else:
+                    keep = self._decode_mask(positions[self._arange(B), out_index], extend_len)
             x = rms_norm(h, st[names["ln1"]], s.rms_norm_eps)
-            h = self._attention(i, names, x, h, (B, T), cos, sin, kv, rows, slot_start, keep, kv_len, select)
+            extend = extend_len is not None and select is None
+            h = self._attention(i, names, x, h, (B, T), cos, sin, kv, rows, slot_start, keep, kv_len, select, extend)
             x = rms_norm(h, st[names["ln2"]], s.rms_norm_eps)
             h = (h + self._moe(names, x)) if i in s.moe_layers else self._mlp(names, x, h)
         h = rms_norm(h, st["model.norm.weight"], s.rms_norm_eps)
@@ -450,9 +461,11 @@ class CausalLM:
         keep: torch.Tensor | None,
         kv_len: int | None,
         select: torch.Tensor | None = None,
+        extend: bool = False,
     ) -> torch.Tensor:
         """h + the attention block's output, for the normed tokens x [B * T, D] (shape = (B, T)). select
-        [B]: flat rows of one token per sequence, the only ones attended from and returned (see forward)."""
+        [B]: flat rows of one token per sequence, the only ones attended from and returned (see forward).
+        extend: every token attends over its slot's cache positions < kv_len, masked by `keep` [B, 1, T, L]."""
         s, st = self.spec, self.storage
         B, T = shape
         H, KVH = s.num_heads, s.num_kv_heads
@@ -476,6 +489,12 @@ class CausalLM:
             q, k, v = (t.view(B, T, -1, s.head_dim).transpose(1, 2) for t in (q, k, v))
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != KVH)
             out = out.transpose(1, 2).reshape(B * T, H * s.head_dim)
+        elif extend:
+            k_cache, v_cache = kv.layers[layer]
+            keys, values = (c[slot_start : slot_start + B, :, :kv_len] for c in (k_cache, v_cache))
+            qb = q.reshape(B, T, H, s.head_dim).transpose(1, 2)
+            out = F.scaled_dot_product_attention(qb, keys, values, attn_mask=keep, enable_gqa=H != KVH)
+            out = out.transpose(1, 2).reshape(B * T, H * s.head_dim)
         else:
             out = self._decode_attention(q, kv, layer, slot_start, keep, kv_len).reshape(-1, H * s.head_dim)
         return _linear_residual(h, out, st[names["o"]], st.get(names["ob"]))
@@ -483,17 +502,21 @@ class CausalLM:
     def _decode_mask(self, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
         """The additive mask (0 / -inf) of the cache positions < kv_len each row attends to (those at or
         before its token's position [B]), built once per step in the layout `_decode_attention` takes."""
-        if self._mask_fill is None:
-            self._mask_fill = (
-                torch.zeros((), dtype=self.dtype, device=self.device),
-                torch.full((), float("-inf"), dtype=self.dtype, device=self.device),
-            )
-        keep = torch.where(self._arange(kv_len)[None, :] <= positions[:, None], *self._mask_fill)[:, None, None, :]
+        keep = torch.where(self._arange(kv_len)[None, :] <= positions[:, None], *self._mask_values())[:, None, None, :]
         if not self._bmm_attention:
             return keep  # [B, 1, 1, L]: SDPA broadcasts it over the heads (the float form it would build itself)
         s = self.spec
         group = s.num_heads // s.num_kv_heads
         return keep.expand(-1, s.num_kv_heads, group, -1).reshape(-1, group, kv_len)  # [B * kvh, group, L]
+
+    def _mask_values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """0 and -inf as scalar tensors of the model dtype (the additive mask's two values)."""
+        if self._mask_fill is None:
+            self._mask_fill = (
+                torch.zeros((), dtype=self.dtype, device=self.device),
+                torch.full((), float("-inf"), dtype=self.dtype, device=self.device),
+            )
+        return self._mask_fill
 
     def _decode_attention(
         self, q: torch.Tensor, kv: KVCache, layer: int, start: int, keep: torch.Tensor, kv_len: int
