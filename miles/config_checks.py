@@ -271,7 +271,7 @@ SGLANG_RESERVED = {
 
 # The SGLang server flags the embedded engine reads as SGLang does; any other --sglang-* flag would be
 # dropped by it, so that engine refuses them.
-EMBEDDED_SGLANG_ARGS = ("disable_cuda_graph", "dtype")
+EMBEDDED_SGLANG_ARGS = ("disable_cuda_graph", "disable_radix_cache", "dtype")
 
 
 def check_sglang_passthrough(cfg: MilesConfig) -> list[str]:

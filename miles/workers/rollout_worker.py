@@ -23,8 +23,14 @@ logger = logging.getLogger(__name__)
 
 
 def embedded_options(sglang_args: dict[str, Any]) -> dict[str, Any]:
-    """The `--sglang-*` passthrough flags the embedded engine honours as well: `disable_cuda_graph`."""
-    return {"cuda_graphs": False} if sglang_args.get("disable_cuda_graph") else {}
+    """The `--sglang-*` passthrough flags the embedded engine honours as well: `disable_cuda_graph`, and
+    `disable_radix_cache` (its prefix sharing off)."""
+    options: dict[str, Any] = {}
+    if sglang_args.get("disable_cuda_graph"):
+        options["cuda_graphs"] = False
+    if sglang_args.get("disable_radix_cache"):
+        options["prefix_cache"] = False
+    return options
 
 
 class RolloutWorker(Worker):

@@ -196,8 +196,8 @@ class EmbeddedEngine:
     def prefix_cache_stats(self) -> dict:
         """Prefill tokens requested and computed since the start, and the pool's pages (cached, referenced)."""
         sched, cache = self.scheduler, self.runner.prefix_cache
-        requested = sched.prefill_tokens_requested if sched else 0
-        computed = sched.prefill_tokens_computed if sched else 0
+        requested = sched.sharing.prefill_tokens_requested if sched else 0
+        computed = sched.sharing.prefill_tokens_computed if sched else 0
         return {
             "enabled": cache is not None,
             "prefill_tokens_requested": requested,

@@ -38,6 +38,7 @@ import torch
 
 from miles.engines.embedded.logprob_extras import Extras, ExtrasRequest, extras_of
 from miles.engines.embedded.prefix_cache import Lease
+from miles.engines.embedded.prefix_sharing import PrefixSharing
 from miles.engines.embedded.runner import ModelRunner
 from miles.engines.embedded.sampler import SamplingBatch, SamplingParams, sample, token_logprobs
 from miles.true_on_policy.scoring import scaled_log_softmax
@@ -175,9 +176,7 @@ class Scheduler:
         self.lookahead_used = 0  # decode steps served by a lookahead (tests and benches read these)
         self.lookahead_dropped = 0
         self.counts = StepCounts()
-        self.prefix_cache = runner.prefix_cache  # None: prefix sharing off
-        self.prefill_tokens_requested = 0  # tokens whose K/V prefills needed, since the start
-        self.prefill_tokens_computed = 0  # of those, the ones computed (the rest came from the prefix cache)
+        self.sharing = PrefixSharing(runner)  # prefix sharing and the prefill token counters
 
     # ---- control (event loop thread) ---------------------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -218,7 +217,7 @@ class Scheduler:
         """Move running requests back to the head of the queue; their KV is dropped, tokens kept."""
         for req in reversed(self.running):
             req.kv_epoch = -1
-            self._drop_lease(req)
+            self.sharing.drop(req)
             self.waiting.appendleft(req)
         self.running.clear()
 
@@ -253,7 +252,7 @@ class Scheduler:
     def abort_pending(self) -> None:
         """Finish every request still queued or running with finish_reason abort (engine shutdown)."""
         for req in [*self.running, *self.waiting]:
-            self._drop_lease(req)
+            self.sharing.drop(req)
             self._finish(req, {"type": "abort", "message": "engine shut down"})
         self.running.clear()
         self.waiting.clear()
@@ -329,7 +328,7 @@ class Scheduler:
             req = self.running[i]
             if req.kv_epoch != epoch:
                 logger.debug("re-prefilling %s: KV epoch %d != %d", req.rid, req.kv_epoch, epoch)
-                self._drop_lease(self._remove_slot(i))
+                self.sharing.drop(self._remove_slot(i))
                 req.kv_epoch = -1
                 self.waiting.appendleft(req)
 
@@ -339,51 +338,23 @@ class Scheduler:
         to compute waits for the next step (then its prefix is cached: a group's prompt is prefilled once)."""
         width = 0
         count = 0
-        cache = self.prefix_cache
+        sharing = self.sharing
         deferred: list[Request] = []
         admitted: dict[tuple, list[Request]] = {}  # first page of tokens -> requests admitted now
         while self.waiting and len(self.running) < self.runner.max_running_requests:
             req = self.waiting[0]
-            lease = cache.match(req.all_ids[:-1]) if cache is not None and not req.wants_input_logprobs else None
-            cached = len(lease.pages) * cache.page_size if lease is not None else 0
-            if lease is not None and self._computed_now(req, cached, admitted):
-                cache.release_lease(lease)
+            lease = sharing.take(req)
+            if sharing.waits(req, lease, admitted):
                 deferred.append(self.waiting.popleft())
                 continue
-            new_width = max(width, req.seq_len - cached)
+            new_width = max(width, req.seq_len - sharing.cached_tokens(lease))
             if count and new_width * (count + 1) > self.max_prefill_tokens:
-                if lease is not None:
-                    cache.release_lease(lease)
+                sharing.release(lease)
                 break
             width, count = new_width, count + 1
-            req.lease = lease
+            sharing.admit(req, lease, admitted)
             self.running.append(self.waiting.popleft())
-            if cache is not None:
-                admitted.setdefault(tuple(req.all_ids[: cache.page_size]), []).append(req)
         self.waiting.extendleft(reversed(deferred))
-
-    def _computed_now(self, req: Request, cached: int, admitted: dict[tuple, list[Request]]) -> bool:
-        """Whether a request admitted in this step shares more full pages with `req` than the cache holds."""
-        P = self.prefix_cache.page_size
-        ids = req.all_ids[:-1]
-        for other in admitted.get(tuple(ids[:P]), ()):
-            theirs = other.all_ids
-            shared = 0
-            while shared + P <= min(len(ids), len(theirs)) and ids[shared : shared + P] == theirs[shared : shared + P]:
-                shared += P
-            if shared > cached:
-                return True
-        return False
-
-    def _drop_lease(self, req: Request, kv_tokens: int = 0, slot: int = -1) -> None:
-        """Release the request's prefix pages; first share the full pages of its first `kv_tokens` tokens,
-        whose K/V its `slot` holds (a finished turn: the session's next prompt starts with them)."""
-        if req.lease is None:
-            return
-        if kv_tokens > 0 and req.kv_epoch == self.runner.kv_epoch and self.runner.kv.allocated:
-            self.prefix_cache.extend(req.lease, req.all_ids[:kv_tokens], self.runner.kv, slot)
-        self.prefix_cache.release_lease(req.lease)
-        req.lease = None
 
     # ---- step (worker thread) ------------------------------------------------------------------------
     def _compute(self, decode: list[Request], prefill: list[Request]) -> StepResult:
@@ -404,9 +375,9 @@ class Scheduler:
                 self.lookahead_dropped += 1
             logits, input_lps = [], {}
             if prefill:
-                seqs, starts = self._load_prefixes(prefill, len(decode))
+                seqs, starts = self.sharing.load(prefill, len(decode))
                 res = self.runner.prefill(seqs, len(decode), [r.wants_input_logprobs for r in prefill], starts)
-                self._share_prefixes(prefill, len(decode))
+                self.sharing.share(prefill, len(decode))
                 for j, (req, full) in enumerate(zip(prefill, res.all_logits, strict=True)):
                     if full is not None:
                         input_lps[len(decode) + j] = self._input_logprobs(req, full)
@@ -456,31 +427,6 @@ class Scheduler:
                 copied.synchronize()
                 tokens, lps = host_tokens.tolist(), host_lps.tolist()
             return StepResult(tokens, lps, input_lps, version, lookahead, output_extras)
-
-    def _load_prefixes(self, prefill: list[Request], slot_start: int) -> tuple[list[list[int]], list[int]]:
-        """Copy each request's cached pages into its slot; the tokens left to compute and where they start."""
-        seqs, starts = [], []
-        for j, req in enumerate(prefill):
-            start = 0
-            if req.lease is not None:
-                start = self.prefix_cache.load(req.lease, self.runner.kv, slot_start + j)
-                if start == 0:  # a void lease (the cache was dropped since): start over with an empty one
-                    self.prefix_cache.release_lease(req.lease)
-                    req.lease = self.prefix_cache.match([])
-            ids = req.all_ids
-            seqs.append(ids[start:])
-            starts.append(start)
-            self.prefill_tokens_requested += len(ids)
-            self.prefill_tokens_computed += len(ids) - start
-            if req.cached_tokens is None:
-                req.cached_tokens = min(start, len(req.prompt_ids))
-        return seqs, starts
-
-    def _share_prefixes(self, prefill: list[Request], slot_start: int) -> None:
-        """Put the full pages the prefill just computed into the prefix cache (held by their requests)."""
-        for j, req in enumerate(prefill):
-            if req.lease is not None:
-                self.prefix_cache.extend(req.lease, req.all_ids, self.runner.kv, slot_start + j)
 
     @staticmethod
     def _output_extras(sampled: list[Request], logits: torch.Tensor, offset: int) -> dict[int, Extras]:
@@ -580,7 +526,7 @@ class Scheduler:
 
     def _remove_running(self, i: int, reason: dict) -> None:
         req = self.running[i]
-        self._drop_lease(req, req.seq_len - 1, i)  # the last sampled token has no K/V yet
+        self.sharing.drop(req, req.seq_len - 1, i)  # the last sampled token has no K/V yet
         self._finish(self._remove_slot(i), reason)
 
     def _finish(self, req: Request, reason: dict) -> None:
@@ -590,7 +536,7 @@ class Scheduler:
 
     def _fail_all(self, error: Exception) -> None:
         for req in [*self.running, *self.waiting]:
-            self._drop_lease(req)
+            self.sharing.drop(req)
             if not req.future.done():
                 req.future.set_exception(error)
         self.running.clear()
