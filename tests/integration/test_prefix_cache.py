@@ -80,9 +80,8 @@ def test_a_10_turn_session_prefills_no_earlier_turn(model_dir):
     _, plain_outputs = run(model_dir, body, prefix_cache=False)
     assert outputs == plain_outputs
     assert computed[0] == len(turns[0])
-    for t in range(
-        1, 10
-    ):  # this turn's tokens and at most one page of the history before it (its last token has no K/V)
+    # this turn's tokens and at most one page of the history before it (its last token has no K/V)
+    for t in range(1, 10):
         assert len(turns[t]) <= computed[t] <= len(turns[t]) + P, (t, computed)
 
 
