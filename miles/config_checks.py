@@ -8,6 +8,7 @@ each naming the flags involved, the values seen and what to change.
 from __future__ import annotations
 
 import difflib
+import json
 import logging
 import math
 import os
@@ -170,6 +171,21 @@ def apply_derivations(cfg: MilesConfig, explicit: set[str]) -> None:
         cfg.data.rollout_max_prompt_len = r.rollout_max_context_len - 1
     if cfg.runtime.output_dir is None:
         cfg.runtime.output_dir = f"runs/{cfg.runtime.run_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if "use_tis" not in explicit and not a.use_rollout_logprobs and serves_fp8(cfg.model.hf_checkpoint):
+        a.use_tis = True  # FP8 rollouts of a bf16 policy: TIS absorbs the mismatch (set use-tis false to opt out)
+
+
+def serves_fp8(checkpoint: str | None) -> bool:
+    """Whether the engines' checkpoint is an FP8 rollout checkpoint (its config.json's quantization_config)."""
+    path = os.path.join(checkpoint, "config.json") if checkpoint else ""
+    if not path or not os.path.isfile(path):
+        return False
+    try:
+        with open(path) as f:
+            quant = json.load(f).get("quantization_config") or {}
+    except (OSError, ValueError):
+        return False
+    return quant.get("quant_method") == "fp8"
 
 
 def resolve_rollout_engines(cfg: MilesConfig, explicit: set[str]) -> list[str]:
@@ -254,6 +270,10 @@ def check_modes(cfg: MilesConfig) -> list[str]:
         e.append("--update-weight-transfer-mode=disk-delta is for separate devices; with --colocate use broadcast")
     if transfer == "disk-delta" and _lora_rank(cfg) > 0:
         e.append("--update-weight-transfer-mode=disk-delta does not support LoRA (--lora-rank > 0); use broadcast")
+    if cfg.weights.check_weight_update_allow_quant_error and not cfg.weights.check_weight_update_equal:
+        e.append(
+            "--check-weight-update-allow-quant-error sets how --check-weight-update-equal compares; add that flag or drop it"
+        )
     if transfer == "p2p" and colocate:
         e.append("--update-weight-transfer-mode=p2p is for separate devices; with --colocate use broadcast")
     return e

@@ -45,9 +45,10 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from miles.engines.embedded import fp8
 from miles.engines.embedded.logprob_extras import Extras, ExtrasRequest, check_request, extras_of
 from miles.engines.embedded.lora import AdapterMerger
-from miles.engines.embedded.model import CausalLM, iter_safetensors, read_config
+from miles.engines.embedded.model import CausalLM, ModelSpec, iter_safetensors, read_config
 from miles.engines.embedded.prefix_cache import DEFAULT_PAGE_SIZE
 from miles.engines.embedded.runner import ModelRunner
 from miles.engines.embedded.sampler import SamplingParams
@@ -130,7 +131,16 @@ class EmbeddedEngine:
         self.dtype = _resolve_dtype(dtype, config, self.device)
         self.tokenizer = load_engine_tokenizer(model_path)  # no transformers import where the file suffices
         clock.mark("tokenizer")
-        self.model = CausalLM.from_pretrained(model_path, self.device, self.dtype)
+        self.fp8 = fp8.is_fp8_config(config)  # an FP8 rollout checkpoint (fp8.py): e4m3 weights, W8A8 GEMMs
+        if self.fp8 and true_on_policy:
+            raise ValueError(
+                "--true-on-policy-mode needs the trainer's exact weights; serve a bf16 checkpoint, not FP8"
+            )
+        self.model = (
+            _load_fp8(model_path, self.device, self.dtype)
+            if self.fp8
+            else CausalLM.from_pretrained(model_path, self.device, self.dtype)
+        )
         clock.mark("weights")
         max_seq_len = min(self.model.spec.max_position_embeddings, 4096)
         if max_total_tokens is None and self.device.type == "cpu":
@@ -510,6 +520,8 @@ class EmbeddedEngine:
     # ---- LoRA adapters (miles/engines/embedded/lora.py) --------------------------------------------------------
     def load_lora_adapter(self, named: Iterable[tuple[str, torch.Tensor]], config: dict, lora_name: str) -> None:
         """Serve this adapter from now on: its weights merged into the resident base; stale KV is re-prefilled."""
+        if self.fp8:
+            raise ValueError("LoRA adapters are merged into bf16 weights; this engine serves an FP8 checkpoint")
         with self.runner.lock:
             if not self.runner.weights_on_device:
                 raise RuntimeError("weights are released; call resume_memory_occupation(['weights']) first")
@@ -534,7 +546,19 @@ class EmbeddedEngine:
         self.load_weights(iter_safetensors(path))
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from self.model.params.items()
+        """HF name -> the live tensor (an FP8 weight's e4m3 rows: what a noise fill overwrites)."""
+        for name, t in self.model.params.items():
+            yield name, t.q if isinstance(t, fp8.Fp8Weight) else t
+
+    def dequantized_weights(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
+        """HF name -> (the value the engine computes with, fp32 on its device; the largest elementwise
+        distance from the value it was given, None where it is stored exactly)."""
+        for name, t in self.model.params.items():
+            if isinstance(t, fp8.Fp8Weight):
+                dq = t.dequantize()
+                yield name, dq, fp8.error_bound(dq, t.scale_inv)
+            else:
+                yield name, t.float(), None
 
     # ---- direct colocated updates (miles-only) ---------------------------------------------------------------
     def export_weight_buffer(self, generation: int | None = None) -> dict:
@@ -542,6 +566,10 @@ class EmbeddedEngine:
         colocated_direct.py. A caller that maps `generation` already gets `{generation, unchanged}` if
         it is current. Refused while generating: the trainer writes without any engine lock."""
         self._require_quiet("export_weight_buffer")
+        if self.fp8:
+            raise ValueError(
+                "direct colocated updates write bf16 weights in place; this engine serves FP8 (push instead)"
+            )
         with self.runner.lock:
             self._require_full_weights("export_weight_buffer")
             if self._shared.arena is None:
@@ -619,7 +647,21 @@ class EmbeddedEngine:
             "max_running_requests": self.runner.max_running_requests,
             "max_seq_len": self.max_seq_len,
             "deterministic": self.deterministic,
+            "quantization": "fp8" if self.fp8 else None,
         }
+
+
+def _load_fp8(model_path: str, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    """An FP8 checkpoint: dequantized per block to `dtype`, fused, then requantized per block on `device`."""
+    spec = ModelSpec.from_config(read_config(model_path))
+    params = {
+        name: t.to(device)
+        for name, t in fp8.read_checkpoint(iter_safetensors(model_path), dtype).items()
+        if name != "lm_head.weight" or not spec.tie_word_embeddings
+    }
+    model = CausalLM(spec, params, device, dtype)
+    model.quantize_fp8()
+    return model
 
 
 def _put_extras(meta: dict, side: str, asked: ExtrasRequest, got: Extras) -> None:

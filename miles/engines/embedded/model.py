@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from miles.engines.embedded import triton_ops
+from miles.engines.embedded import fp8, triton_ops
 from miles.engines.embedded.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
@@ -178,10 +178,19 @@ def _norm_constants(eps: float, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(eps, dtype=torch.float32), torch.tensor(float(dim), dtype=torch.float32)
 
 
+def _linear(x: torch.Tensor, weight: torch.Tensor | fp8.Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, or the W8A8 GEMM of an FP8 weight (fp8.py)."""
+    if isinstance(weight, fp8.Fp8Weight):
+        return fp8.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 def _linear_residual(
-    h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | fp8.Fp8Weight, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """h + F.linear(x, weight, bias), the residual add done by the GEMM's accumulate when there is no bias."""
+    if isinstance(weight, fp8.Fp8Weight):
+        return h + fp8.linear(x, weight, bias)
     if bias is not None:
         return h + F.linear(x, weight, bias)
     return torch.addmm(h, x, weight.t())
@@ -246,6 +255,34 @@ class CausalLM:
         for name, t in params.items():
             self.storage[name] = t
             self._views[name] = None
+
+    def quantize_fp8(self) -> None:
+        """Keep the decoder's linear weights as e4m3 with 128x128 block scales (fp8.py); dense models only,
+        and every fused projection's parts a whole number of 128-row blocks (so each part owns its blocks)."""
+        if self.spec.moe_layers:
+            raise ValueError("FP8 serving covers dense models; this checkpoint has MoE layers")
+        for key, t in list(self.storage.items()):
+            if not isinstance(t, torch.Tensor) or not key.startswith("model.layers.") or t.dim() != 2:
+                continue
+            if (
+                not key.endswith((".weight", "[qkv].weight", "[gate_up].weight"))
+                or "norm" in key
+                or "mlp.gate." in key
+            ):
+                continue
+            parts = [(n, v) for n, v in self._views.items() if v is not None and v[0] == key]
+            odd = [n for n, (_, a, b) in parts if a % fp8.BLOCK or b % fp8.BLOCK and b != t.shape[0]]
+            if odd:
+                raise ValueError(
+                    f"FP8 serving needs every fused projection's rows in whole 128-row blocks; {odd[0]} is not "
+                    "(serve this model in bf16)"
+                )
+            self.storage[key] = fp8.Fp8Weight(*fp8.quantize_weight(t))
+        self._rebuild_views()
+
+    @property
+    def fp8(self) -> bool:
+        return any(isinstance(t, fp8.Fp8Weight) for t in self.storage.values())
 
     def _rebuild_views(self) -> None:
         for name, view in self._views.items():
@@ -370,12 +407,12 @@ class CausalLM:
         h = F.embedding(tokens, st["model.embed_tokens.weight"])  # the residual stream, updated in place
         x = triton_ops.add_rms_norm(h, None, st[self._layer_names[0]["ln1"]], eps)
         for i, names in enumerate(self._layer_names):
-            qkv = F.linear(x, st[names["qkv"]], st.get(names["qkv_b"]))
+            qkv = _linear(x, st[names["qkv"]], st.get(names["qkv_b"]))
             attn = attention.rope_attend(
                 qkv, positions, lens, table, kv.k[i], kv.v[i], st.get(names["qn"]), st.get(names["kn"]), eps
             ).view(B, H * s.head_dim)
-            x = triton_ops.add_rms_norm(F.linear(attn, st[names["o"]], st.get(names["ob"])), h, st[names["ln2"]], eps)
-            mlp = F.linear(triton_ops.silu_mul(F.linear(x, st[names["gate_up"]])), st[names["down"]])
+            x = triton_ops.add_rms_norm(_linear(attn, st[names["o"]], st.get(names["ob"])), h, st[names["ln2"]], eps)
+            mlp = _linear(triton_ops.silu_mul(_linear(x, st[names["gate_up"]])), st[names["down"]])
             last = i + 1 == s.num_layers
             next_norm = st["model.norm.weight"] if last else st[self._layer_names[i + 1]["ln1"]]
             x = triton_ops.add_rms_norm(mlp, h, next_norm, eps)
@@ -416,7 +453,7 @@ class CausalLM:
         x = triton_ops.add_rms_norm(h, None, st[self._layer_names[0]["ln1"]], eps)
         for i, names in enumerate(self._layer_names):
             last = i + 1 == s.num_layers
-            qkv = F.linear(x, st[names["qkv"]], st.get(names["qkv_b"]))
+            qkv = _linear(x, st[names["qkv"]], st.get(names["qkv_b"]))
             q = triton_ops.rope_kv_write(
                 qkv, pos, slots, table, kv.k[i], kv.v[i], H, KVH, st.get(names["qn"]), st.get(names["kn"]), eps,
                 write_positions=wpos, k_out=None if last else keys,
@@ -435,8 +472,8 @@ class CausalLM:
                     enable_gqa=H != KVH,
                 )
                 attn = attn.transpose(1, 2).reshape(n, H * hd)
-            x = triton_ops.add_rms_norm(F.linear(attn, st[names["o"]], st.get(names["ob"])), h, st[names["ln2"]], eps)
-            mlp = F.linear(triton_ops.silu_mul(F.linear(x, st[names["gate_up"]])), st[names["down"]])
+            x = triton_ops.add_rms_norm(_linear(attn, st[names["o"]], st.get(names["ob"])), h, st[names["ln2"]], eps)
+            mlp = _linear(triton_ops.silu_mul(_linear(x, st[names["gate_up"]])), st[names["down"]])
             next_norm = st["model.norm.weight"] if last else st[self._layer_names[i + 1]["ln1"]]
             x = triton_ops.add_rms_norm(mlp, h, next_norm, eps)
         return x
@@ -469,7 +506,7 @@ class CausalLM:
         s, st = self.spec, self.storage
         B, T = shape
         H, KVH = s.num_heads, s.num_kv_heads
-        qkv = F.linear(x, st[names["qkv"]], st.get(names["qkv_b"])).view(B * T, H + 2 * KVH, s.head_dim)
+        qkv = _linear(x, st[names["qkv"]], st.get(names["qkv_b"])).view(B * T, H + 2 * KVH, s.head_dim)
         qk = qkv[:, : H + KVH]
         if s.qk_norm:
             qk = torch.cat(
@@ -541,7 +578,7 @@ class CausalLM:
 
     def _mlp(self, names: dict[str, str], x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """h + the SwiGLU MLP of x (SiLU(gate) * up computed in place, in the gate half of the GEMM output)."""
-        gate_up = F.linear(x, self.storage[names["gate_up"]])
+        gate_up = _linear(x, self.storage[names["gate_up"]])
         half = gate_up.shape[-1] // 2
         act = F.silu(gate_up[:, :half], inplace=True).mul_(gate_up[:, half:])
         return _linear_residual(h, act, self.storage[names["down"]], None)
