@@ -171,7 +171,8 @@ def apply_derivations(cfg: MilesConfig, explicit: set[str]) -> None:
         cfg.data.rollout_max_prompt_len = r.rollout_max_context_len - 1
     if cfg.runtime.output_dir is None:
         cfg.runtime.output_dir = f"runs/{cfg.runtime.run_name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if "use_tis" not in explicit and not a.use_rollout_logprobs and serves_fp8(cfg.model.hf_checkpoint):
+    fp8_rollouts = serves_fp8(cfg.model.hf_checkpoint) or cfg.engine.sglang_args.get("quantization") == "fp8"
+    if "use_tis" not in explicit and not a.use_rollout_logprobs and fp8_rollouts:
         a.use_tis = True  # FP8 rollouts of a bf16 policy: TIS absorbs the mismatch (set use-tis false to opt out)
 
 
@@ -291,7 +292,7 @@ SGLANG_RESERVED = {
 
 # The SGLang server flags the embedded engine reads as SGLang does; any other --sglang-* flag would be
 # dropped by it, so that engine refuses them.
-EMBEDDED_SGLANG_ARGS = ("disable_cuda_graph", "disable_radix_cache", "dtype")
+EMBEDDED_SGLANG_ARGS = ("disable_cuda_graph", "disable_radix_cache", "dtype", "quantization")
 
 
 def check_sglang_passthrough(cfg: MilesConfig) -> list[str]:
@@ -301,6 +302,10 @@ def check_sglang_passthrough(cfg: MilesConfig) -> list[str]:
         for key, owner in SGLANG_RESERVED.items()
         if key in args
     ]
+    if cfg.engine.engine == "embedded" and args.get("quantization") not in (None, "fp8"):
+        e.append(
+            f"--sglang-quantization={args['quantization']!r}: the embedded engine serves fp8 only; use fp8 or --engine sglang"
+        )
     if "dtype" in args and str(args["dtype"]) not in ENGINE_DTYPES:
         e.append(f"--sglang-dtype={args['dtype']!r} is not one of SGLang's: {', '.join(ENGINE_DTYPES)}")
     unread = [key for key in args if key not in EMBEDDED_SGLANG_ARGS and key not in SGLANG_RESERVED]

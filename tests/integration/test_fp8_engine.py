@@ -16,6 +16,7 @@ from miles.engines.embedded.model import iter_safetensors
 from miles.models.tiny import make_tiny_model
 from miles.weights import verify
 from miles.weights.receiver import WeightReceiver
+from miles.workers.rollout_worker import embedded_options
 
 torch.set_num_threads(1)
 # every projection a whole number of 128-row blocks (k/v: 2 heads x 64), as in real checkpoints
@@ -31,9 +32,9 @@ def dirs(tmp_path_factory):
     return {"bf16": bf16, "other": other, "fp8": str(root / "fp8")}
 
 
-def _run(path: str, body):
+def _run(path: str, body, **kwargs):
     async def main():
-        engine = EmbeddedEngine(path, max_running_requests=4, max_total_tokens=4 * 256)
+        engine = EmbeddedEngine(path, max_running_requests=4, max_total_tokens=4 * 256, **kwargs)
         await engine.start()
         try:
             return await body(engine)
@@ -78,12 +79,14 @@ def test_the_fp8_engine_scores_and_decodes_close_to_bf16(dirs):
     lp8, top8, greedy8, is_fp8, storage = _run(dirs["fp8"], body)
     lp16, top16, greedy16, _, _ = _run(dirs["bf16"], body)
     lp_other, _, _, _, _ = _run(dirs["other"], body)
+    lp_online, _, _, online, _ = _run(dirs["bf16"], body, quantization="fp8")  # SGLang's --quantization fp8
     assert is_fp8 and isinstance(storage["model.layers.0.self_attn.[qkv].weight"], fp8.Fp8Weight)
     fp8_gap, model_gap = (lp8 - lp16).abs().mean(), (lp_other - lp16).abs().mean()
     assert 0 < fp8_gap < model_gap / 10, (fp8_gap, model_gap)  # quantized, yet far closer than another model
     agree = sum(a == b for a, b in zip(top8, top16, strict=True)) / len(top16)
     assert agree >= 0.85, agree  # the greedy pick after 39 prefixes
     assert greedy8 == greedy16
+    assert online and (lp_online - lp8).abs().max() < fp8_gap / 10  # the same blocks as the converted checkpoint
 
 
 def test_a_push_into_the_fp8_engine_passes_the_check_within_quant_error_and_a_wrong_tensor_fails(dirs):
@@ -134,3 +137,7 @@ def test_fp8_serving_turns_tis_on_unless_set_and_the_quant_error_flag_needs_the_
     assert off.algo.use_tis is False
     with pytest.raises(ConfigError, match="--check-weight-update-allow-quant-error"):
         load_config(["--hf-checkpoint", dirs["bf16"], "--check-weight-update-allow-quant-error", *base])
+    online = load_config(["--hf-checkpoint", dirs["bf16"], "--sglang-quantization", "fp8", *base], for_train=False)
+    assert online.algo.use_tis is True and embedded_options(online.engine.sglang_args) == {"quantization": "fp8"}
+    with pytest.raises(ConfigError, match="serves fp8 only"):
+        load_config(["--hf-checkpoint", dirs["bf16"], "--sglang-quantization", "awq", *base], for_train=False)

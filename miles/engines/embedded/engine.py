@@ -117,9 +117,12 @@ class EmbeddedEngine:
         true_on_policy: bool = False,
         prefix_cache: bool = True,
         prefix_cache_tokens: int | None = None,
+        quantization: str | None = None,
     ):
         """prefix_cache_tokens: the shared pages' pool size in tokens (default: a quarter of the slots'
-        capacity, max_running_requests x max_seq_len / 4)."""
+        capacity, max_running_requests x max_seq_len / 4). quantization "fp8" (SGLang's --quantization):
+        serve a bf16 checkpoint in FP8, quantized per block at load; an FP8 checkpoint is served in FP8
+        without it."""
         from miles.utils.timer import PhaseClock
         from miles.utils.tokenizer_file import load_engine_tokenizer
 
@@ -131,16 +134,20 @@ class EmbeddedEngine:
         self.dtype = _resolve_dtype(dtype, config, self.device)
         self.tokenizer = load_engine_tokenizer(model_path)  # no transformers import where the file suffices
         clock.mark("tokenizer")
-        self.fp8 = fp8.is_fp8_config(config)  # an FP8 rollout checkpoint (fp8.py): e4m3 weights, W8A8 GEMMs
+        if quantization not in (None, "fp8"):
+            raise ValueError(f"quantization={quantization!r}: the embedded engine serves fp8 (or none)")
+        fp8_checkpoint = fp8.is_fp8_config(config)  # an FP8 rollout checkpoint (fp8.py): e4m3 weights, W8A8 GEMMs
+        self.fp8 = fp8_checkpoint or quantization == "fp8"
         if self.fp8 and true_on_policy:
             raise ValueError(
                 "--true-on-policy-mode needs the trainer's exact weights; serve a bf16 checkpoint, not FP8"
             )
-        self.model = (
-            _load_fp8(model_path, self.device, self.dtype)
-            if self.fp8
-            else CausalLM.from_pretrained(model_path, self.device, self.dtype)
-        )
+        if fp8_checkpoint:
+            self.model = _load_fp8(model_path, self.device, self.dtype)
+        else:
+            self.model = CausalLM.from_pretrained(model_path, self.device, self.dtype)
+            if self.fp8:
+                self.model.quantize_fp8()
         clock.mark("weights")
         max_seq_len = min(self.model.spec.max_position_embeddings, 4096)
         if max_total_tokens is None and self.device.type == "cpu":
