@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from miles.engines.embedded import fp8_triton
+
 logger = logging.getLogger(__name__)
 
 BLOCK = 128
@@ -67,7 +69,10 @@ def is_quantized_name(name: str) -> bool:
 
 # ---- quantization ---------------------------------------------------------------------------------
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q [N, K] e4m3, scale_inv [ceil(N/128), ceil(K/128)] fp32) with w ~= q * scale_inv blockwise, on w's device."""
+    """(q [N, K] e4m3, scale_inv [ceil(N/128), ceil(K/128)] fp32) with w ~= q * scale_inv blockwise, on w's device
+    (on CUDA one Triton pass, fp8_triton.py)."""
+    if w.is_cuda and fp8_triton.runs_on(w.device):
+        return fp8_triton.quantize_weight(w)
     N, K = w.shape
     nb, kb = math.ceil(N / BLOCK), math.ceil(K / BLOCK)
     padded = F.pad(w.float(), (0, kb * BLOCK - K, 0, nb * BLOCK - N)).view(nb, BLOCK, kb, BLOCK)
@@ -161,9 +166,13 @@ def _block_scaled_mm(x: torch.Tensor, w: Fp8Weight, dtype: torch.dtype) -> torch
     """cuBLASLt's block-scaled FP8 GEMM; None (and the emulation from then on) where torch refuses it."""
     M = x.shape[0]
     pad = (-M) % 4  # cuBLASLt wants M a multiple of 4 on this path
-    xq, xs = quantize_activation(F.pad(x, (0, 0, 0, pad)) if pad else x)
+    if fp8_triton.runs_on(x.device):  # one kernel; scales already outer-dim-major
+        xq, xs = fp8_triton.quantize_activation(x, pad_to=4)
+    else:
+        xq, xs = quantize_activation(F.pad(x, (0, 0, 0, pad)) if pad else x)
+        xs = xs.t().contiguous().t()
     try:
-        out = torch._scaled_mm(xq, w.q.t(), scale_a=xs.t().contiguous().t(), scale_b=w.scale_inv.t(), out_dtype=dtype)
+        out = torch._scaled_mm(xq, w.q.t(), scale_a=xs, scale_b=w.scale_inv.t(), out_dtype=dtype)
     except (RuntimeError, ValueError, NotImplementedError) as e:
         _scaled_mm_ok[x.device] = False
         logger.warning("torch._scaled_mm refused 128-block FP8 scaling (%s); dequantizing for every GEMM", e)
