@@ -173,7 +173,7 @@ def apply_derivations(cfg: MilesConfig, explicit: set[str]) -> None:
         cfg.runtime.output_dir = f"runs/{cfg.runtime.run_name}-{time.strftime('%Y%m%d-%H%M%S')}"
     fp8_rollouts = serves_fp8(cfg.model.hf_checkpoint) or cfg.engine.sglang_args.get("quantization") == "fp8"
     if "use_tis" not in explicit and not a.use_rollout_logprobs and fp8_rollouts:
-        a.use_tis = True  # FP8 rollouts of a bf16 policy: TIS absorbs the mismatch (set use-tis false to opt out)
+        a.use_tis = True  # FP8 rollouts of a bf16 policy: TIS absorbs the mismatch (--no-use-tis opts out)
 
 
 def serves_fp8(checkpoint: str | None) -> bool:
@@ -321,8 +321,9 @@ def check_sglang_passthrough(cfg: MilesConfig) -> list[str]:
     elif cfg.engine.engine == "embedded" and unread:
         flags = ", ".join(f"--sglang-{key.replace('_', '-')}" for key in unread)
         e.append(
-            f"{flags}: the embedded engine reads no such SGLang flag (it reads --sglang-disable-cuda-graph and "
-            "--sglang-dtype); drop it, or run SGLang with --engine sglang"
+            f"{flags}: the embedded engine reads no such SGLang flag (it reads --sglang-disable-cuda-graph, "
+            "--sglang-disable-radix-cache, --sglang-quantization fp8 and --sglang-dtype); drop it, or run SGLang "
+            "with --engine sglang"
         )
     return e
 

@@ -135,6 +135,7 @@ def test_fp8_serving_turns_tis_on_unless_set_and_the_quant_error_flag_needs_the_
         ["--config", str(tmp_path / "no_tis.yaml"), "--hf-checkpoint", dirs["fp8"], *base], for_train=False
     )
     assert off.algo.use_tis is False
+    assert load_config(["--hf-checkpoint", dirs["fp8"], "--no-use-tis", *base], for_train=False).algo.use_tis is False
     with pytest.raises(ConfigError, match="--check-weight-update-allow-quant-error"):
         load_config(["--hf-checkpoint", dirs["bf16"], "--check-weight-update-allow-quant-error", *base])
     online = load_config(["--hf-checkpoint", dirs["bf16"], "--sglang-quantization", "fp8", *base], for_train=False)

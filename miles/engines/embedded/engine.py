@@ -46,9 +46,10 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from miles.engines.embedded import fp8
+from miles.engines.embedded.fp8_checkpoint import load_fp8_model
 from miles.engines.embedded.logprob_extras import Extras, ExtrasRequest, check_request, extras_of
 from miles.engines.embedded.lora import AdapterMerger
-from miles.engines.embedded.model import CausalLM, ModelSpec, iter_safetensors, read_config
+from miles.engines.embedded.model import CausalLM, iter_safetensors, read_config
 from miles.engines.embedded.prefix_cache import DEFAULT_PAGE_SIZE
 from miles.engines.embedded.runner import ModelRunner
 from miles.engines.embedded.sampler import SamplingParams
@@ -143,7 +144,7 @@ class EmbeddedEngine:
                 "--true-on-policy-mode needs the trainer's exact weights; serve a bf16 checkpoint, not FP8"
             )
         if fp8_checkpoint:
-            self.model = _load_fp8(model_path, self.device, self.dtype)
+            self.model = load_fp8_model(model_path, self.device, self.dtype)
         else:
             self.model = CausalLM.from_pretrained(model_path, self.device, self.dtype)
             if self.fp8:
@@ -656,19 +657,6 @@ class EmbeddedEngine:
             "deterministic": self.deterministic,
             "quantization": "fp8" if self.fp8 else None,
         }
-
-
-def _load_fp8(model_path: str, device: torch.device, dtype: torch.dtype) -> CausalLM:
-    """An FP8 checkpoint: dequantized per block to `dtype`, fused, then requantized per block on `device`."""
-    spec = ModelSpec.from_config(read_config(model_path))
-    params = {
-        name: t.to(device)
-        for name, t in fp8.read_checkpoint(iter_safetensors(model_path), dtype).items()
-        if name != "lm_head.weight" or not spec.tie_word_embeddings
-    }
-    model = CausalLM(spec, params, device, dtype)
-    model.quantize_fp8()
-    return model
 
 
 def _put_extras(meta: dict, side: str, asked: ExtrasRequest, got: Extras) -> None:

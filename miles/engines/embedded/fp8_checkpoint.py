@@ -1,4 +1,5 @@
-"""`miles convert fp8 SRC DST`: an FP8 rollout checkpoint from a BF16 HF directory (fp8.py's format).
+"""FP8 checkpoints (fp8.py's format): `miles convert fp8 SRC DST` writes one from a BF16 HF directory;
+`load_fp8_model` reads one into the engine's model.
 
 The decoder's linear weights become e4m3 with a `weight_scale_inv` per 128x128 block; everything else
 (embeddings, norms, biases, LM head, tokenizer files) is copied as it is; config.json gains the
@@ -11,10 +12,11 @@ import json
 import os
 import shutil
 
+import torch
 from safetensors.torch import save_file
 
 from miles.engines.embedded import fp8
-from miles.engines.embedded.model import iter_safetensors, read_config
+from miles.engines.embedded.model import CausalLM, ModelSpec, iter_safetensors, read_config
 
 
 def write_fp8_checkpoint(src: str, dst: str) -> str:
@@ -36,3 +38,16 @@ def write_fp8_checkpoint(src: str, dst: str) -> str:
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     return dst
+
+
+def load_fp8_model(model_path: str, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    """An FP8 checkpoint: dequantized per block to `dtype`, fused, then requantized per block on `device`."""
+    spec = ModelSpec.from_config(read_config(model_path))
+    params = {
+        name: t.to(device)
+        for name, t in fp8.read_checkpoint(iter_safetensors(model_path), dtype).items()
+        if name != "lm_head.weight" or not spec.tie_word_embeddings
+    }
+    model = CausalLM(spec, params, device, dtype)
+    model.quantize_fp8()
+    return model
