@@ -280,10 +280,6 @@ class CausalLM:
             self.storage[key] = fp8.Fp8Weight(*fp8.quantize_weight(t))
         self._rebuild_views()
 
-    @property
-    def fp8(self) -> bool:
-        return any(isinstance(t, fp8.Fp8Weight) for t in self.storage.values())
-
     def _rebuild_views(self) -> None:
         for name, view in self._views.items():
             self.params[name] = self.storage[name] if view is None else self.storage[view[0]][view[1] : view[2]]
