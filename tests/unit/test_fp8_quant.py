@@ -64,3 +64,28 @@ def test_other_quantization_configs_are_refused_with_the_fix():
     assert fp8.is_fp8_config({"quantization_config": dict(fp8.QUANT_CONFIG)}) is True
     with pytest.raises(ValueError, match="miles convert fp8"):
         fp8.is_fp8_config({"quantization_config": {"quant_method": "awq"}})
+
+
+def test_the_quant_error_check_sends_sketches_not_digests_and_names_a_mismatch():
+    import asyncio
+
+    from miles.weights import verify
+
+    class Engine:
+        def __init__(self, result: dict):
+            self.result, self.calls = result, []
+
+        async def weights_checker(self, **kw):
+            self.calls.append(kw)
+            return self.result
+
+    sketches: dict = {}
+    w = torch.randn(300, 7)
+    assert list(verify.sketching([("w", w)], sketches)) == [("w", w)]  # the stream passes through
+    idx = verify.sketch_positions("w", w.numel())
+    assert sketches["w"] == w.reshape(-1)[idx].tolist() and len(idx) == verify.SKETCH_SIZE
+    good, bad = Engine({"mismatched": []}), Engine({"mismatched": ["w"]})
+    asyncio.run(verify.check_engines([good], {}, "xxh3-128", sketches=sketches))
+    assert good.calls[0]["sketches"] is sketches and "digests" not in good.calls[0]
+    with pytest.raises(verify.WeightMismatchError, match="mismatched: w"):
+        asyncio.run(verify.check_engines([bad], {}, "xxh3-128", sketches=sketches))
