@@ -10,6 +10,7 @@ tok/s = the tokens after the first over a full round's time minus a prefill-plus
 CPU:  python bench/engine_throughput.py --batch 32
 GPU:  python bench/engine_throughput.py --device cuda --batch 256 --prompt-len 128 --new-tokens 256 \
           --hidden 896 --layers 24 --heads 14 --kv-heads 2 --intermediate 4864 --vocab 151936
+      (+ --profile-step: where the graphed decode step's GPU time goes, kernel by kernel)
 Ends with one JSON line: engine_tok_s, hf_tok_s, ratio, batch, device (+ roofline figures on CUDA).
 """
 
@@ -57,9 +58,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="Triton decode/sampling kernels (default: where they run, i.e. CUDA with triton)",
     )
     p.add_argument("--profile", action="store_true", help="after timing, profile one engine round (top kernels)")
+    p.add_argument(
+        "--profile-step",
+        action="store_true",
+        help="CUDA: profile replays of the graphed decode step at the mean context and print where its time goes "
+        "(kernels by category: GEMM, attention, norms, RoPE/KV write, activation, other; and the idle gap)",
+    )
+    p.add_argument("--quantization", default=None, choices=[None, "fp8"], help="serve the model in FP8 (fp8.py)")
     p.add_argument("--hbm-gbps", type=float, default=4800.0, help="HBM bandwidth for the roofline (H200: 4800)")
     p.add_argument("--skip-hf", action="store_true", help="engine only (ratio reported as null)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.profile_step and args.device == "cpu":
+        p.error("--profile-step profiles the CUDA-graphed decode step; run it with --device cuda")
+    return args
 
 
 def make_prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -169,6 +180,66 @@ def profile_round(side: EngineSide, n_new: int) -> None:
     print(prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=60))
 
 
+# Kernel name patterns -> category, first match wins (Triton kernels carry their Python function's name).
+KERNEL_CATEGORIES = (
+    ("attention", ("attend", "attention", "flash", "fmha", "sdpa", "_attn")),
+    ("rope_kv_write", ("rope", "kv_write")),
+    ("norm", ("rms", "norm")),
+    ("activation", ("silu", "swiglu", "act_")),
+    ("fp8_quant", ("amax", "float8", "fp8", "quant", "clamp", "div")),
+    ("gemm", ("gemm", "gemv", "cutlass", "nvjet", "xmma", "sm90", "cublas", "matmul", "scaled_mm", "splitk")),
+    ("embedding", ("embedding", "index", "gather")),
+)
+
+
+def kernel_category(name: str) -> str:
+    low = name.lower()
+    for category, patterns in KERNEL_CATEGORIES:
+        if any(p in low for p in patterns):
+            return category
+    return "other"
+
+
+@torch.inference_mode()
+def profile_graph_step(engine: EmbeddedEngine, batch: int, context: int, replays: int = 20) -> dict | None:
+    """torch.profiler over `replays` replays of the batch's decode graph (every row at `context` keys):
+    prints each kernel's time per step and the categories' totals; returns {category: us per step} with
+    "kernels" (their sum) and "step" (the replay's wall time on the GPU, CUDA events); step - kernels is
+    time with no kernel running (launch gaps, dependencies)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step_ms = graph_step_ms(engine, batch, context)  # also sets the graph's positions to `context`
+    if step_ms is None:
+        print("profile-step: no decode graph for this batch (CUDA graphs off, or the batch is not a bucket)")
+        return None
+    graph = engine.runner.graphs.graphs[batch]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        us = getattr(event, "self_device_time_total", None)
+        us = event.self_cuda_time_total if us is None else us
+        if us > 0 and getattr(event, "device_type", None) == torch.autograd.DeviceType.CUDA:
+            rows.append((us / replays, event.count / replays, event.key))
+    rows.sort(reverse=True)
+    totals: dict[str, float] = {}
+    print(f"decode step, batch {batch}, context {context}: {step_ms * 1e3:.1f} us on the GPU per replay")
+    print(f"{'us/step':>9} {'calls':>6} {'%':>6}  {'category':<14} kernel")
+    for us, calls, name in rows:
+        category = kernel_category(name)
+        totals[category] = totals.get(category, 0.0) + us
+        print(f"{us:9.1f} {calls:6.0f} {100 * us / (step_ms * 1e3):6.1f}  {category:<14} {name[:90]}")
+    kernels = sum(totals.values())
+    print("by category: " + ", ".join(f"{k} {v:.1f} us" for k, v in sorted(totals.items(), key=lambda kv: -kv[1])))
+    print(
+        f"kernels {kernels:.1f} us of {step_ms * 1e3:.1f} us: {step_ms * 1e3 - kernels:.1f} us with no kernel running"
+    )
+    out = {k: round(v, 1) for k, v in totals.items()}
+    return out | {"kernels": round(kernels, 1), "step": round(step_ms * 1e3, 1)}
+
+
 def decode_roofline(engine: EmbeddedEngine, batch: int, prompt_len: int, new_tokens: int, hbm_gbps: float) -> float:
     """Tokens/s if each decode step only had to read every weight once plus the batch's KV from HBM."""
     s = engine.model.spec
@@ -205,6 +276,7 @@ def main(argv: list[str] | None = None) -> dict:
             max_total_tokens=args.batch * (args.prompt_len + args.new_tokens + 8),
             cuda_graphs=args.cuda_graphs,
             fused_kernels=args.fused_kernels,
+            quantization=args.quantization,
         )
         prompts = make_prompts(args.batch, args.prompt_len, engine.model.spec.vocab_size)
         roofline = decode_roofline(engine, args.batch, args.prompt_len, args.new_tokens, args.hbm_gbps)
@@ -221,6 +293,7 @@ def main(argv: list[str] | None = None) -> dict:
             step_ms = graph_step_ms(engine, args.batch, mean_context) if device.type == "cuda" else None
             if args.profile:
                 profile_round(sides["engine"], min(args.new_tokens, 32))
+            step_profile = profile_graph_step(engine, args.batch, mean_context) if args.profile_step else None
         finally:
             sides["engine"].close()
         engine_tok_s, hf_tok_s = medians["engine"], medians.get("hf")
@@ -232,6 +305,7 @@ def main(argv: list[str] | None = None) -> dict:
         "device": str(device),
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
+        "quantization": args.quantization,
         "shape": {
             "arch": args.arch,
             "hidden": args.hidden,
@@ -255,6 +329,8 @@ def main(argv: list[str] | None = None) -> dict:
             "graph_step_ms": None if step_ms is None else round(step_ms, 3),
             "decode_step_wall_ms": round(args.batch / decode_tok_s * 1e3, 3),
         }
+        if step_profile is not None:
+            result["step_profile_us"] = step_profile
     if hf_tok_s is not None:
         print(
             f"engine {engine_tok_s:,.0f} tok/s vs transformers generate {hf_tok_s:,.0f} tok/s: "

@@ -30,7 +30,7 @@ COMMANDS = {
     "config": "print the configuration reference: miles config --markdown",
     "plot": "plot the curves of a run: miles plot RUN_DIR",
     "sweep": "expand, list, run or submit a grid sweep: miles sweep SWEEP.yaml [--list | --task-id N | --submit]",
-    "convert": "convert a checkpoint: miles convert gguf SRC.gguf OUT_DIR",
+    "convert": "convert a checkpoint: miles convert gguf SRC.gguf OUT_DIR | miles convert fp8 SRC DST",
 }
 
 
@@ -207,8 +207,24 @@ def cmd_convert(argv: list[str]) -> int:
     gguf.add_argument("src", help="path of the .gguf file")
     gguf.add_argument("out_dir")
     gguf.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    fp8 = sub.add_parser("fp8", help="BF16 HF directory -> FP8 rollout checkpoint (e4m3, 128x128 block scales)")
+    fp8.add_argument("src", help="HF directory of the bf16 checkpoint")
+    fp8.add_argument("dst", help="new directory for the FP8 checkpoint")
     args = parser.parse_args(argv)
+    if args.format == "fp8":
+        return convert_fp8(args.src, args.dst)
     return convert_gguf(args.src, args.out_dir, args.dtype)
+
+
+def convert_fp8(src: str, dst: str) -> int:
+    from miles.engines.embedded.fp8_checkpoint import write_fp8_checkpoint
+
+    try:
+        out = write_fp8_checkpoint(src, dst)
+    except (ValueError, OSError) as e:
+        raise UsageError(f"miles convert fp8: {e}") from None
+    print(f"wrote {out}")
+    return 0
 
 
 def convert_gguf(src: str, out_dir: str, dtype: str = "bfloat16") -> int:

@@ -8,6 +8,7 @@ each naming the flags involved, the values seen and what to change.
 from __future__ import annotations
 
 import difflib
+import json
 import logging
 import math
 import os
@@ -180,6 +181,22 @@ def apply_derivations(cfg: MilesConfig, explicit: set[str]) -> None:
         cfg.data.rollout_max_prompt_len = r.rollout_max_context_len - 1
     if cfg.runtime.output_dir is None:
         cfg.runtime.output_dir = f"runs/{cfg.runtime.run_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    fp8_rollouts = serves_fp8(cfg.model.hf_checkpoint) or cfg.engine.sglang_args.get("quantization") == "fp8"
+    if "use_tis" not in explicit and not a.use_rollout_logprobs and fp8_rollouts:
+        a.use_tis = True  # FP8 rollouts of a bf16 policy: TIS absorbs the mismatch (--no-use-tis opts out)
+
+
+def serves_fp8(checkpoint: str | None) -> bool:
+    """Whether the engines' checkpoint is an FP8 rollout checkpoint (its config.json's quantization_config)."""
+    path = os.path.join(checkpoint, "config.json") if checkpoint else ""
+    if not path or not os.path.isfile(path):
+        return False
+    try:
+        with open(path) as f:
+            quant = json.load(f).get("quantization_config") or {}
+    except (OSError, ValueError):
+        return False
+    return quant.get("quant_method") == "fp8"
 
 
 def resolve_rollout_engines(cfg: MilesConfig, explicit: set[str]) -> list[str]:
@@ -264,6 +281,10 @@ def check_modes(cfg: MilesConfig) -> list[str]:
         e.append("--update-weight-transfer-mode=disk-delta is for separate devices; with --colocate use broadcast")
     if transfer == "disk-delta" and _lora_rank(cfg) > 0:
         e.append("--update-weight-transfer-mode=disk-delta does not support LoRA (--lora-rank > 0); use broadcast")
+    if cfg.weights.check_weight_update_allow_quant_error and not cfg.weights.check_weight_update_equal:
+        e.append(
+            "--check-weight-update-allow-quant-error sets how --check-weight-update-equal compares; add that flag or drop it"
+        )
     if transfer == "p2p" and colocate:
         e.append("--update-weight-transfer-mode=p2p is for separate devices; with --colocate use broadcast")
     return e
@@ -281,7 +302,7 @@ SGLANG_RESERVED = {
 
 # The SGLang server flags the embedded engine reads as SGLang does; any other --sglang-* flag would be
 # dropped by it, so that engine refuses them.
-EMBEDDED_SGLANG_ARGS = ("disable_cuda_graph", "dtype")
+EMBEDDED_SGLANG_ARGS = ("disable_cuda_graph", "disable_radix_cache", "dtype", "quantization")
 
 
 def check_sglang_passthrough(cfg: MilesConfig) -> list[str]:
@@ -291,6 +312,10 @@ def check_sglang_passthrough(cfg: MilesConfig) -> list[str]:
         for key, owner in SGLANG_RESERVED.items()
         if key in args
     ]
+    if cfg.engine.engine == "embedded" and args.get("quantization") not in (None, "fp8"):
+        e.append(
+            f"--sglang-quantization={args['quantization']!r}: the embedded engine serves fp8 only; use fp8 or --engine sglang"
+        )
     if "dtype" in args and str(args["dtype"]) not in ENGINE_DTYPES:
         e.append(f"--sglang-dtype={args['dtype']!r} is not one of SGLang's: {', '.join(ENGINE_DTYPES)}")
     unread = [key for key in args if key not in EMBEDDED_SGLANG_ARGS and key not in SGLANG_RESERVED]
@@ -306,8 +331,9 @@ def check_sglang_passthrough(cfg: MilesConfig) -> list[str]:
     elif cfg.engine.engine == "embedded" and unread:
         flags = ", ".join(f"--sglang-{key.replace('_', '-')}" for key in unread)
         e.append(
-            f"{flags}: the embedded engine reads no such SGLang flag (it reads --sglang-disable-cuda-graph and "
-            "--sglang-dtype); drop it, or run SGLang with --engine sglang"
+            f"{flags}: the embedded engine reads no such SGLang flag (it reads --sglang-disable-cuda-graph, "
+            "--sglang-disable-radix-cache, --sglang-quantization fp8 and --sglang-dtype); drop it, or run SGLang "
+            "with --engine sglang"
         )
     return e
 

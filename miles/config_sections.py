@@ -349,6 +349,12 @@ class WeightsConfig:
     check_weight_update_equal: bool = _f(
         False, "PERF", "verify every engine tensor against the trainer after the first update"
     )
+    # FP8 serving (miles/engines/embedded/fp8.py)
+    check_weight_update_allow_quant_error: bool = _f(
+        False,
+        "PERF",
+        "with --check-weight-update-equal: compare sampled values within each engine's quantization error (FP8 engines) instead of bytes",
+    )
     weight_sync_timeout_s: float = _f(300.0, "PERF", "timeout of every rendezvous/collective of the weight path")
 
 

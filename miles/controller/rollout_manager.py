@@ -125,6 +125,7 @@ class GroupRunner:
         self.reward_failures = 0
         self.reward_time_s = 0.0
         self.recompute_time_s = 0.0
+        self._prefix_seen = (0, 0)  # the router's (prompt, cached) token totals at the last pop_metrics
 
     def _seed(self, sample: Sample) -> int | None:
         if self.deterministic_seed is None or sample.index is None:
@@ -311,9 +312,24 @@ class GroupRunner:
             m["perf/rollout/tool_time_sum"] = self.tool_time_s
         if self.teacher is not None:
             m.update(self.teacher.pop_metrics())
+        m.update(self._prefix_metrics())
         self.reward_failures = 0
         self.reward_time_s = self.recompute_time_s = self.tool_time_s = 0.0
         return m
+
+    def _prefix_metrics(self) -> dict[str, float]:
+        """Share of the prompt tokens since the last call that the engines served from their prefix caches
+        (the router sums SGLang's `cached_tokens` / `prompt_tokens` of every response it places)."""
+        loads = getattr(self.router, "loads", None)
+        if loads is None:
+            return {}
+        prompt = sum(load.prompt_tokens for load in loads)
+        cached = sum(load.cached_tokens for load in loads)
+        seen_prompt, seen_cached = self._prefix_seen
+        self._prefix_seen = (prompt, cached)
+        if prompt == seen_prompt:
+            return {}
+        return {"perf/rollout/prefix_hit_rate": (cached - seen_cached) / (prompt - seen_prompt)}
 
 
 def prompt_group(group: list[Sample]) -> list[Sample]:

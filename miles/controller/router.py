@@ -147,6 +147,11 @@ class Router:
         """Forget a key's binding (its session ended); unknown keys are ignored."""
         self._bindings.pop(routing_key, None)
 
+    @property
+    def loads(self) -> list[EngineLoad]:
+        """Each engine's counters (read-only use)."""
+        return self._loads
+
     def engine_for_key(self, routing_key: str) -> int | None:
         return self._bindings.get(routing_key)
 

@@ -457,6 +457,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=ranged(int, R["seed"][0]), default=0)
     parser.add_argument("--deterministic", action="store_true")
     parser.add_argument(
+        "--disable-radix-cache",
+        action="store_true",
+        help="turn prefix sharing off (as SGLang's flag: no KV shared between requests with a common prefix)",
+    )
+    parser.add_argument(
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' on every endpoint but GET /health (default: open; "
@@ -490,6 +495,7 @@ def engine_from_args(args: argparse.Namespace):
         max_total_tokens=args.max_total_tokens,
         seed=args.seed,
         deterministic=getattr(args, "deterministic", False),
+        prefix_cache=not getattr(args, "disable_radix_cache", False),
     )
 
 

@@ -117,6 +117,7 @@ class WeightUpdater:
         self.bucket_bytes = int(cfg.update_weight_buffer_size)
         self.timeout_s = float(cfg.weight_sync_timeout_s)
         self.check_equal = bool(cfg.check_weight_update_equal)
+        self.allow_quant_error = bool(cfg.check_weight_update_allow_quant_error)
         self.digest = verify.check_digest_name(cfg.update_weight_digest)
         self.engines: list[EngineControl] = []
         self.trainer_rank = 0
@@ -172,10 +173,14 @@ class WeightUpdater:
         self.held_back = set()
         self.version_installed = False
         digests: dict[str, str] = {}
+        sketches: dict[str, list[float]] | None = {} if self.allow_quant_error else None
         checking = self.check_equal and not self._checked
         stream: Iterable[NamedTensor] = iter(named_tensors)
         if checking and self.is_sender:
-            stream = verify.digesting(stream, digests, self.digest)
+            if sketches is not None:
+                stream = verify.sketching(stream, sketches)
+            else:
+                stream = verify.digesting(stream, digests, self.digest)
         counted = _Counter(stream)
         metrics = self._transfer(counted, version)
         self._sync_trainers()
@@ -185,7 +190,7 @@ class WeightUpdater:
             if took and not self.version_installed:
                 self._run_engines("update_weight_version", lambda i: {"new_version": str(version)}, took)
             if checking:
-                self._run(verify.check_engines(self.engines, digests, self.digest))
+                self._run(verify.check_engines(self.engines, digests, self.digest, sketches=sketches))
         # No rank may start the next version while the leader still bumps versions or checks.
         self._sync_trainers()
         self._checked = self._checked or checking

@@ -296,7 +296,8 @@ class WeightReceiver:
     # -- verification --------------------------------------------------------------------------
 
     async def weights_checker(self, action: str, **kw: Any) -> dict:
-        """fill_noise(seed) | snapshot | compare(digests, digest, skip_tensor_list) | compare(atol) vs the snapshot."""
+        """fill_noise(seed) | snapshot | compare(digests, digest, skip_tensor_list) | compare(sketches,
+        skip_tensor_list): within quantization error | compare(atol) vs the snapshot."""
         named = list(self.engine.named_weights())
         if action == "fill_noise":
             return {"filled": verify.fill_noise(named, int(kw.get("seed", 1234)))}
@@ -305,6 +306,10 @@ class WeightReceiver:
             return {"tensors": len(self._snapshot)}
         if action == "compare":
             skip = kw.get("skip_tensor_list") or []
+            if kw.get("sketches") is not None:  # --check-weight-update-allow-quant-error
+                dequantized = getattr(self.engine, "dequantized_weights", None)
+                values = dequantized() if dequantized else ((n, t, None) for n, t in named)
+                return await asyncio.to_thread(verify.compare_with_sketches, values, kw["sketches"], skip)
             if kw.get("digests") is not None:
                 algo = kw.get("digest", "xxh3-128")
                 return await asyncio.to_thread(verify.compare_with_digests, named, kw["digests"], algo, skip)

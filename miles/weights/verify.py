@@ -73,6 +73,28 @@ def digesting(
         yield name, tensor
 
 
+# Values per tensor that --check-weight-update-allow-quant-error compares (at seeded positions).
+SKETCH_SIZE = 256
+
+
+def sketch_positions(name: str, numel: int) -> torch.Tensor:
+    """The flat positions of a tensor that both sides read: seeded by the name, so no index travels."""
+    import torch
+
+    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    return torch.randint(numel, (min(SKETCH_SIZE, numel),), generator=gen)
+
+
+def sketching(
+    named: Iterable[tuple[str, torch.Tensor]], out: dict[str, list[float]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass the stream through unchanged, recording each tensor's values at its sketch positions (fp32)."""
+    for name, tensor in named:
+        flat = tensor.detach().reshape(-1)
+        out[name] = flat[sketch_positions(name, flat.numel()).to(flat.device)].float().cpu().tolist()
+        yield name, tensor
+
+
 # -- engine side -------------------------------------------------------------------------------
 
 
@@ -116,6 +138,36 @@ def compare_with_digests(
     return {"mismatched": mismatched, "not_sent": not_sent, "missing": missing}
 
 
+def compare_with_sketches(
+    dequantized: Iterable[tuple[str, torch.Tensor, torch.Tensor | None]],
+    expected: dict[str, list[float]],
+    skip: Iterable[str] = (),
+) -> dict[str, list[str]]:
+    """Compare an engine's values (name, value, elementwise quantization bound or None) with the trainer's
+    sketches: each sampled element within its bound (None: within bf16 rounding, 2^-8 relative).
+    A tensor the transport never wrote holds noise, far outside any bound."""
+    import torch
+
+    skipped = set(skip)
+    mismatched, not_sent, seen = [], [], set()
+    for name, value, bound in dequantized:
+        if name in skipped:
+            continue
+        seen.add(name)
+        want = expected.get(name)
+        if want is None:
+            not_sent.append(name)
+            continue
+        idx = sketch_positions(name, value.numel()).to(value.device)
+        got = value.reshape(-1)[idx].float()
+        ref = torch.tensor(want, dtype=torch.float32, device=got.device)
+        tol = bound.reshape(-1)[idx] if bound is not None else ref.abs() * 2.0**-8
+        if not bool(((got - ref).abs() <= tol * (1 + 1e-5) + 1e-12).all()):
+            mismatched.append(name)
+    missing = sorted(set(expected) - seen - skipped)
+    return {"mismatched": mismatched, "not_sent": not_sent, "missing": missing}
+
+
 def compare_with_snapshot(
     named: Iterable[tuple[str, torch.Tensor]], snapshot: dict[str, torch.Tensor], atol: float = 0.0
 ) -> dict[str, list[str]]:
@@ -142,11 +194,15 @@ async def fill_engines_with_noise(engines: list, seed: int = 1234) -> None:
     await asyncio.gather(*(e.weights_checker(action="fill_noise", seed=seed + i) for i, e in enumerate(engines)))
 
 
-async def check_engines(engines: list, expected: dict[str, str], algo: str, skip: Iterable[str] = ()) -> None:
-    """Ask every engine to compare its tensors with `expected`; raise naming every engine and tensor that differ."""
+async def check_engines(
+    engines: list, expected: dict[str, str], algo: str, skip: Iterable[str] = (), sketches: dict | None = None
+) -> None:
+    """Ask every engine to compare its tensors with `expected` (with `sketches`: with those, within the
+    engine's quantization error); raise naming every engine and tensor that differ."""
     skip = list(skip)
+    what = {"sketches": sketches} if sketches is not None else {"digests": expected, "digest": algo}
     results = await asyncio.gather(
-        *(e.weights_checker(action="compare", digests=expected, digest=algo, skip_tensor_list=skip) for e in engines)
+        *(e.weights_checker(action="compare", skip_tensor_list=skip, **what) for e in engines)
     )
     problems = []
     for i, (engine, res) in enumerate(zip(engines, results, strict=True)):
@@ -159,7 +215,8 @@ async def check_engines(engines: list, expected: dict[str, str], algo: str, skip
         raise WeightMismatchError(
             "weight update check failed (--check-weight-update-equal): "
             + "; ".join(problems)
-            + "; 'mismatched' = bytes differ from the trainer's, 'not_sent' = the transport never wrote it (still noise), "
+            + "; 'mismatched' = bytes differ from the trainer's (beyond the quantization error with "
+            "--check-weight-update-allow-quant-error, which an FP8 engine needs), 'not_sent' = the transport never wrote it (still noise), "
             "'missing' = the engine has no tensor of that name"
         )
     logger.info("weight update check passed on %d engines (%d tensors)", len(engines), len(expected))

@@ -23,8 +23,16 @@ logger = logging.getLogger(__name__)
 
 
 def embedded_options(sglang_args: dict[str, Any]) -> dict[str, Any]:
-    """The `--sglang-*` passthrough flags the embedded engine honours as well: `disable_cuda_graph`."""
-    return {"cuda_graphs": False} if sglang_args.get("disable_cuda_graph") else {}
+    """The `--sglang-*` passthrough flags the embedded engine honours as well: `disable_cuda_graph`,
+    `disable_radix_cache` (its prefix sharing off) and `quantization` (fp8: a bf16 checkpoint served in FP8)."""
+    options: dict[str, Any] = {}
+    if sglang_args.get("disable_cuda_graph"):
+        options["cuda_graphs"] = False
+    if sglang_args.get("disable_radix_cache"):
+        options["prefix_cache"] = False
+    if sglang_args.get("quantization"):
+        options["quantization"] = sglang_args["quantization"]
+    return options
 
 
 class RolloutWorker(Worker):

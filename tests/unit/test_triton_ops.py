@@ -18,7 +18,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from miles.engines.embedded import triton_ops  # noqa: E402
+from miles.engines.embedded import fp8, fp8_triton, triton_ops  # noqa: E402
 from miles.engines.embedded.kv_cache import KVCache  # noqa: E402
 from miles.engines.embedded.model import CausalLM, rms_norm  # noqa: E402
 from miles.engines.embedded.sampler import SamplingParams, sample  # noqa: E402
@@ -247,3 +247,38 @@ def test_fused_prefill_equals_the_torch_prefill(tmp_path, arch, lens):
         assert not t[:, others].any()
         for b, n in enumerate(lens):
             assert not t[:, start + b, :, n : caches[1].scratch_pos].any()
+
+
+# ---- FP8 (fp8_triton.py). The interpreter's fp32 -> e4m3 conversion (triton 3.6) is not the GPU's: ties go
+# away from zero (17 -> 18) and a round-up into the next power of two loses its carry (31.5 -> 16), so the
+# codes themselves are compared on CUDA only; scales, layout and padding everywhere.
+
+
+def _fp8_agree(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Share of e4m3 codes that are equal (the kernel's fp32 division may round a tie the other way)."""
+    return (a.view(torch.uint8) == b.view(torch.uint8)).float().mean().item()
+
+
+@needs_kernels
+def test_fp8_weight_quant_kernel_matches_the_torch_form():
+    w = (torch.randn(200, 300, generator=torch.Generator().manual_seed(0)) * 0.05).to(torch.bfloat16).to(DEVICE)
+    q, s = fp8_triton.quantize_weight(w)
+    q_ref, s_ref = fp8.quantize_weight(w.cpu())  # the torch form (on CPU it never calls the kernel)
+    torch.testing.assert_close(s.cpu(), s_ref, rtol=1e-6, atol=0)
+    assert q.shape == (200, 300) and s.shape == (2, 3)
+    if DEVICE.type == "cuda":
+        assert _fp8_agree(q.cpu(), q_ref) > 0.999
+        dq = fp8.dequantize_weight(q.cpu(), s.cpu())
+        assert ((dq - w.cpu().float()).abs() <= fp8.error_bound(dq, s.cpu()) * 1.001).all()
+
+
+@needs_kernels
+def test_fp8_activation_quant_kernel_pads_rows_and_lays_scales_out_outer_dim_major():
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).to(DEVICE)
+    q, s = fp8_triton.quantize_activation(x, pad_to=4)
+    assert q.shape == (8, 256) and s.shape == (8, 2) and s.stride() == (1, 8)
+    q_ref, s_ref = fp8.quantize_activation(x.cpu())
+    torch.testing.assert_close(s[:5].cpu(), s_ref, rtol=1e-6, atol=0)
+    if DEVICE.type == "cuda":
+        assert _fp8_agree(q[:5].cpu(), q_ref) > 0.999
+    assert (q[5:].float() == 0).all()  # padded rows carry zeros, not stale memory

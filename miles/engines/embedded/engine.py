@@ -9,9 +9,12 @@ Determinism: with `deterministic=True` every request samples from its own torch.
 requests in the batch (on CPU fp32; GPU kernels are not made batch-invariant). Without it, requests
 that pass `sampling_seed` still get their own generator; the rest share the engine's generator.
 
-There is no cross-request prefix cache: KV lives in per-request slots (`cached_tokens` is 0), and
-`flush_cache` has nothing to drop. KV validity across weight updates is handled by the runner's
-KV epoch (see runner.py), which covers every pause mode.
+Prefix sharing (prefix_cache.py; on unless `prefix_cache=False`, the embedded form of SGLang's
+`--disable-radix-cache`): full pages of K/V are shared by requests whose tokens start alike (a group's
+samples, a session's turns), so a prefill computes only what the cache lacks; `cached_tokens` in the
+response says how many prompt tokens came from it. `flush_cache` and every weight update drop all
+pages. KV validity across weight updates is handled by the runner's KV epoch (see runner.py), which
+covers every pause mode.
 
 Memory (colocated offload, CUDA only; a no-op on CPU): releasing `weights` moves them to host memory,
 releasing `kv_cache` frees the cache; running requests keep their tokens and are re-prefilled after
@@ -42,10 +45,13 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from miles.engines.embedded import fp8
+from miles.engines.embedded.fp8_checkpoint import load_fp8_model
 from miles.engines.embedded.logprob_extras import Extras, ExtrasRequest, check_request, extras_of
 from miles.engines.embedded.lora import AdapterMerger
 from miles.engines.embedded.model import CausalLM, iter_safetensors, read_config
 from miles.engines.embedded.moe import check_routed_request, routed_buffer
+from miles.engines.embedded.prefix_cache import DEFAULT_PAGE_SIZE
 from miles.engines.embedded.runner import ModelRunner
 from miles.engines.embedded.sampler import SamplingParams
 from miles.engines.embedded.scheduler import Request, Scheduler, input_extras
@@ -132,7 +138,14 @@ class EmbeddedEngine:
         inline_step_s: float | None = None,
         lookahead: bool | None = None,
         true_on_policy: bool = False,
+        prefix_cache: bool = True,
+        prefix_cache_tokens: int | None = None,
+        quantization: str | None = None,
     ):
+        """prefix_cache_tokens: the shared pages' pool size in tokens (default: a quarter of the slots'
+        capacity, max_running_requests x max_seq_len / 4). quantization "fp8" (SGLang's --quantization):
+        serve a bf16 checkpoint in FP8, quantized per block at load; an FP8 checkpoint is served in FP8
+        without it."""
         from miles.utils.timer import PhaseClock
         from miles.utils.tokenizer_file import load_engine_tokenizer
 
@@ -144,7 +157,20 @@ class EmbeddedEngine:
         self.dtype = _resolve_dtype(dtype, config, self.device)
         self.tokenizer = load_engine_tokenizer(model_path)  # no transformers import where the file suffices
         clock.mark("tokenizer")
-        self.model = CausalLM.from_pretrained(model_path, self.device, self.dtype)
+        if quantization not in (None, "fp8"):
+            raise ValueError(f"quantization={quantization!r}: the embedded engine serves fp8 (or none)")
+        fp8_checkpoint = fp8.is_fp8_config(config)  # an FP8 rollout checkpoint (fp8.py): e4m3 weights, W8A8 GEMMs
+        self.fp8 = fp8_checkpoint or quantization == "fp8"
+        if self.fp8 and true_on_policy:
+            raise ValueError(
+                "--true-on-policy-mode needs the trainer's exact weights; serve a bf16 checkpoint, not FP8"
+            )
+        if fp8_checkpoint:
+            self.model = load_fp8_model(model_path, self.device, self.dtype)
+        else:
+            self.model = CausalLM.from_pretrained(model_path, self.device, self.dtype)
+            if self.fp8:
+                self.model.quantize_fp8()
         clock.mark("weights")
         max_seq_len = min(self.model.spec.max_position_embeddings, 4096)
         if max_total_tokens is None and self.device.type == "cpu":
@@ -168,6 +194,7 @@ class EmbeddedEngine:
             # None = on where they work (CUDA, dense models): about 3x faster decode than eager
             use_cuda_graphs=cuda_graphs if cuda_graphs is not None else self._graphs_supported(),
             fused_kernels=fused_kernels,
+            prefix_cache_pages=self._prefix_pages(prefix_cache, prefix_cache_tokens, max_running_requests),
         )
         clock.mark("runner")
         self.seed = seed
@@ -196,6 +223,30 @@ class EmbeddedEngine:
 
             self.reference = ReferenceModel(model_path, self.model)
         logger.info("engine built in %s", clock.summary())
+
+    def _prefix_pages(self, enabled: bool, tokens: int | None, slots: int) -> int:
+        if not enabled:
+            return 0
+        tokens = slots * self.max_seq_len // 4 if tokens is None else tokens
+        if tokens < DEFAULT_PAGE_SIZE:
+            raise ValueError(
+                f"prefix_cache_tokens={tokens} holds no {DEFAULT_PAGE_SIZE}-token page; raise it or disable prefix sharing"
+            )
+        return tokens // DEFAULT_PAGE_SIZE
+
+    def prefix_cache_stats(self) -> dict:
+        """Prefill tokens requested and computed since the start, and the pool's pages (cached, referenced)."""
+        sched, cache = self.scheduler, self.runner.prefix_cache
+        requested = sched.sharing.prefill_tokens_requested if sched else 0
+        computed = sched.sharing.prefill_tokens_computed if sched else 0
+        return {
+            "enabled": cache is not None,
+            "prefill_tokens_requested": requested,
+            "prefill_tokens_computed": computed,
+            "prefix_hit_rate": (requested - computed) / requested if requested else 0.0,
+            "cached_pages": cache.cached_pages if cache else 0,
+            "referenced_pages": cache.referenced_pages if cache else 0,
+        }
 
     def _graphs_supported(self) -> bool:
         return self.device.type == "cuda" and not self.model.spec.moe_layers
@@ -373,7 +424,7 @@ class EmbeddedEngine:
             "finish_reason": reason,
             "prompt_tokens": len(req.prompt_ids),
             "completion_tokens": len(ids),
-            "cached_tokens": 0,
+            "cached_tokens": req.cached_tokens or 0,
             "weight_version": str(self.weight_version),
             "output_token_weight_versions": list(req.output_versions),
         }
@@ -455,7 +506,10 @@ class EmbeddedEngine:
         self._require_started().resume()
 
     def flush_cache(self) -> bool:
-        """No cross-request prefix cache exists, so there is nothing to drop; stale KV is handled by epochs."""
+        """Drop every shared prefix page (running requests keep their slots); stale KV is handled by epochs."""
+        if self.runner.prefix_cache is not None:
+            with self.runner.lock:
+                self.runner.prefix_cache.clear()
         return True
 
     @property
@@ -510,6 +564,8 @@ class EmbeddedEngine:
     # ---- LoRA adapters (miles/engines/embedded/lora.py) --------------------------------------------------------
     def load_lora_adapter(self, named: Iterable[tuple[str, torch.Tensor]], config: dict, lora_name: str) -> None:
         """Serve this adapter from now on: its weights merged into the resident base; stale KV is re-prefilled."""
+        if self.fp8:
+            raise ValueError("LoRA adapters are merged into bf16 weights; this engine serves an FP8 checkpoint")
         with self.runner.lock:
             if not self.runner.weights_on_device:
                 raise RuntimeError("weights are released; call resume_memory_occupation(['weights']) first")
@@ -534,7 +590,19 @@ class EmbeddedEngine:
         self.load_weights(iter_safetensors(path))
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from self.model.params.items()
+        """HF name -> the live tensor (an FP8 weight's e4m3 rows: what a noise fill overwrites)."""
+        for name, t in self.model.params.items():
+            yield name, t.q if isinstance(t, fp8.Fp8Weight) else t
+
+    def dequantized_weights(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
+        """HF name -> (the value the engine computes with, fp32 on its device; the largest elementwise
+        distance from the value it was given, None where it is stored exactly)."""
+        for name, t in self.model.params.items():
+            if isinstance(t, fp8.Fp8Weight):
+                dq = t.dequantize()
+                yield name, dq, fp8.error_bound(dq, t.scale_inv)
+            else:
+                yield name, t.float(), None
 
     # ---- direct colocated updates (miles-only) ---------------------------------------------------------------
     def export_weight_buffer(self, generation: int | None = None) -> dict:
@@ -542,6 +610,10 @@ class EmbeddedEngine:
         colocated_direct.py. A caller that maps `generation` already gets `{generation, unchanged}` if
         it is current. Refused while generating: the trainer writes without any engine lock."""
         self._require_quiet("export_weight_buffer")
+        if self.fp8:
+            raise ValueError(
+                "direct colocated updates write bf16 weights in place; this engine serves FP8 (push instead)"
+            )
         with self.runner.lock:
             self._require_full_weights("export_weight_buffer")
             if self._shared.arena is None:
@@ -619,6 +691,7 @@ class EmbeddedEngine:
             "max_running_requests": self.runner.max_running_requests,
             "max_seq_len": self.max_seq_len,
             "deterministic": self.deterministic,
+            "quantization": "fp8" if self.fp8 else None,
         }
 
 

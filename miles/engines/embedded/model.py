@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from miles.engines.embedded import moe, triton_ops
+from miles.engines.embedded import fp8, moe, triton_ops
 from miles.engines.embedded.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
@@ -177,10 +177,19 @@ def _norm_constants(eps: float, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(eps, dtype=torch.float32), torch.tensor(float(dim), dtype=torch.float32)
 
 
+def _linear(x: torch.Tensor, weight: torch.Tensor | fp8.Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, or the W8A8 GEMM of an FP8 weight (fp8.py)."""
+    if isinstance(weight, fp8.Fp8Weight):
+        return fp8.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 def _linear_residual(
-    h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | fp8.Fp8Weight, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """h + F.linear(x, weight, bias), the residual add done by the GEMM's accumulate when there is no bias."""
+    if isinstance(weight, fp8.Fp8Weight):
+        return h + fp8.linear(x, weight, bias)
     if bias is not None:
         return h + F.linear(x, weight, bias)
     return torch.addmm(h, x, weight.t())
@@ -255,6 +264,30 @@ class CausalLM:
             self.storage[name] = t
             self._views[name] = None
 
+    def quantize_fp8(self) -> None:
+        """Keep the decoder's linear weights as e4m3 with 128x128 block scales (fp8.py); dense models only,
+        and every fused projection's parts a whole number of 128-row blocks (so each part owns its blocks)."""
+        if self.spec.moe_layers:
+            raise ValueError("FP8 serving covers dense models; this checkpoint has MoE layers")
+        for key, t in list(self.storage.items()):
+            if not isinstance(t, torch.Tensor) or not key.startswith("model.layers.") or t.dim() != 2:
+                continue
+            if (
+                not key.endswith((".weight", "[qkv].weight", "[gate_up].weight"))
+                or "norm" in key
+                or "mlp.gate." in key
+            ):
+                continue
+            parts = [(n, v) for n, v in self._views.items() if v is not None and v[0] == key]
+            odd = [n for n, (_, a, b) in parts if a % fp8.BLOCK or b % fp8.BLOCK and b != t.shape[0]]
+            if odd:
+                raise ValueError(
+                    f"FP8 serving needs every fused projection's rows in whole 128-row blocks; {odd[0]} is not "
+                    "(serve this model in bf16)"
+                )
+            self.storage[key] = fp8.Fp8Weight(*fp8.quantize_weight(t))
+        self._rebuild_views()
+
     def _rebuild_views(self) -> None:
         for name, view in self._views.items():
             self.params[name] = self.storage[name] if view is None else self.storage[view[0]][view[1]]
@@ -324,6 +357,7 @@ class CausalLM:
         kv_len: int | None,
         out_index: torch.Tensor | None = None,
         routing: moe.Routing | None = None,
+        extend_len: int | None = None,
     ) -> torch.Tensor:
         """Run the decoder over tokens [B, T] of the slots [slot_start, slot_start+B); return hidden [B, T, D].
 
@@ -341,23 +375,33 @@ class CausalLM:
 
         routing: collects the top-k experts of all B * T tokens at every MoE layer (not with out_index,
         whose last layer runs for the selected tokens only).
+
+        extend_len L (prefill with kv_len None and out_index): the slots already hold K/V before each row's
+        first position (a prefix cache hit); tokens attend over cache positions < L masked by position.
         """
         s, st = self.spec, self.storage
         B, T = tokens.shape
         if routing is not None and out_index is not None:
             raise ValueError("forward: routing is recorded for every token; call it without out_index")
         h = F.embedding(tokens.reshape(-1), st["model.embed_tokens.weight"])
-        cos, sin = self._rope_lookup(positions.reshape(-1), T if kv_len is None else kv_len)
+        cos, sin = self._rope_lookup(positions.reshape(-1), extend_len or (T if kv_len is None else kv_len))
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B * T, 1, hd]: the same for every head
         rows = kv.cache_rows(slot_start, write_pos)  # [B * T, kv_heads]: where this step's K/V go
         keep = None if kv_len is None else self._decode_mask(positions[:, -1], kv_len)
+        if extend_len is not None:  # [B, 1, T, L]: each token sees the cache up to its own position
+            keep = torch.where(self._arange(extend_len)[None, None, :] <= positions[:, :, None], *self._mask_values())
+            keep, kv_len = keep[:, None], extend_len
         select = None
         for i, names in enumerate(self._layer_names):
             if out_index is not None and i + 1 == s.num_layers:
                 select = self._arange(B) * T + out_index  # flat rows of the tokens that go on
-                keep, kv_len = self._decode_mask(out_index, T), T
+                if extend_len is None:
+                    keep, kv_len = self._decode_mask(out_index, T), T
+                else:
+                    keep = self._decode_mask(positions[self._arange(B), out_index], extend_len)
             x = rms_norm(h, st[names["ln1"]], s.rms_norm_eps)
-            h = self._attention(i, names, x, h, (B, T), cos, sin, kv, rows, slot_start, keep, kv_len, select)
+            extend = extend_len is not None and select is None
+            h = self._attention(i, names, x, h, (B, T), cos, sin, kv, rows, slot_start, keep, kv_len, select, extend)
             x = rms_norm(h, st[names["ln2"]], s.rms_norm_eps)
             h = (h + self._moe(names, x, routing)) if i in s.moe_layers else self._mlp(names, x, h)
         h = rms_norm(h, st["model.norm.weight"], s.rms_norm_eps)
@@ -383,12 +427,12 @@ class CausalLM:
         h = F.embedding(tokens, st["model.embed_tokens.weight"])  # the residual stream, updated in place
         x = triton_ops.add_rms_norm(h, None, st[self._layer_names[0]["ln1"]], eps)
         for i, names in enumerate(self._layer_names):
-            qkv = F.linear(x, st[names["qkv"]], st.get(names["qkv_b"]))
+            qkv = _linear(x, st[names["qkv"]], st.get(names["qkv_b"]))
             attn = attention.rope_attend(
                 qkv, positions, lens, table, kv.k[i], kv.v[i], st.get(names["qn"]), st.get(names["kn"]), eps
             ).view(B, H * s.head_dim)
-            x = triton_ops.add_rms_norm(F.linear(attn, st[names["o"]], st.get(names["ob"])), h, st[names["ln2"]], eps)
-            mlp = F.linear(triton_ops.silu_mul(F.linear(x, st[names["gate_up"]])), st[names["down"]])
+            x = triton_ops.add_rms_norm(_linear(attn, st[names["o"]], st.get(names["ob"])), h, st[names["ln2"]], eps)
+            mlp = _linear(triton_ops.silu_mul(_linear(x, st[names["gate_up"]])), st[names["down"]])
             last = i + 1 == s.num_layers
             next_norm = st["model.norm.weight"] if last else st[self._layer_names[i + 1]["ln1"]]
             x = triton_ops.add_rms_norm(mlp, h, next_norm, eps)
@@ -429,7 +473,7 @@ class CausalLM:
         x = triton_ops.add_rms_norm(h, None, st[self._layer_names[0]["ln1"]], eps)
         for i, names in enumerate(self._layer_names):
             last = i + 1 == s.num_layers
-            qkv = F.linear(x, st[names["qkv"]], st.get(names["qkv_b"]))
+            qkv = _linear(x, st[names["qkv"]], st.get(names["qkv_b"]))
             q = triton_ops.rope_kv_write(
                 qkv, pos, slots, table, kv.k[i], kv.v[i], H, KVH, st.get(names["qn"]), st.get(names["kn"]), eps,
                 write_positions=wpos, k_out=None if last else keys,
@@ -448,8 +492,8 @@ class CausalLM:
                     enable_gqa=H != KVH,
                 )
                 attn = attn.transpose(1, 2).reshape(n, H * hd)
-            x = triton_ops.add_rms_norm(F.linear(attn, st[names["o"]], st.get(names["ob"])), h, st[names["ln2"]], eps)
-            mlp = F.linear(triton_ops.silu_mul(F.linear(x, st[names["gate_up"]])), st[names["down"]])
+            x = triton_ops.add_rms_norm(_linear(attn, st[names["o"]], st.get(names["ob"])), h, st[names["ln2"]], eps)
+            mlp = _linear(triton_ops.silu_mul(_linear(x, st[names["gate_up"]])), st[names["down"]])
             next_norm = st["model.norm.weight"] if last else st[self._layer_names[i + 1]["ln1"]]
             x = triton_ops.add_rms_norm(mlp, h, next_norm, eps)
         return x
@@ -474,13 +518,15 @@ class CausalLM:
         keep: torch.Tensor | None,
         kv_len: int | None,
         select: torch.Tensor | None = None,
+        extend: bool = False,
     ) -> torch.Tensor:
         """h + the attention block's output, for the normed tokens x [B * T, D] (shape = (B, T)). select
-        [B]: flat rows of one token per sequence, the only ones attended from and returned (see forward)."""
+        [B]: flat rows of one token per sequence, the only ones attended from and returned (see forward).
+        extend: every token attends over its slot's cache positions < kv_len, masked by `keep` [B, 1, T, L]."""
         s, st = self.spec, self.storage
         B, T = shape
         H, KVH = s.num_heads, s.num_kv_heads
-        qkv = F.linear(x, st[names["qkv"]], st.get(names["qkv_b"])).view(B * T, H + 2 * KVH, s.head_dim)
+        qkv = _linear(x, st[names["qkv"]], st.get(names["qkv_b"])).view(B * T, H + 2 * KVH, s.head_dim)
         qk = qkv[:, : H + KVH]
         if s.qk_norm:
             qk = torch.cat(
@@ -500,6 +546,12 @@ class CausalLM:
             q, k, v = (t.view(B, T, -1, s.head_dim).transpose(1, 2) for t in (q, k, v))
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != KVH)
             out = out.transpose(1, 2).reshape(B * T, H * s.head_dim)
+        elif extend:
+            k_cache, v_cache = kv.layers[layer]
+            keys, values = (c[slot_start : slot_start + B, :, :kv_len] for c in (k_cache, v_cache))
+            qb = q.reshape(B, T, H, s.head_dim).transpose(1, 2)
+            out = F.scaled_dot_product_attention(qb, keys, values, attn_mask=keep, enable_gqa=H != KVH)
+            out = out.transpose(1, 2).reshape(B * T, H * s.head_dim)
         else:
             out = self._decode_attention(q, kv, layer, slot_start, keep, kv_len).reshape(-1, H * s.head_dim)
         return _linear_residual(h, out, st[names["o"]], st.get(names["ob"]))
@@ -507,17 +559,21 @@ class CausalLM:
     def _decode_mask(self, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
         """The additive mask (0 / -inf) of the cache positions < kv_len each row attends to (those at or
         before its token's position [B]), built once per step in the layout `_decode_attention` takes."""
-        if self._mask_fill is None:
-            self._mask_fill = (
-                torch.zeros((), dtype=self.dtype, device=self.device),
-                torch.full((), float("-inf"), dtype=self.dtype, device=self.device),
-            )
-        keep = torch.where(self._arange(kv_len)[None, :] <= positions[:, None], *self._mask_fill)[:, None, None, :]
+        keep = torch.where(self._arange(kv_len)[None, :] <= positions[:, None], *self._mask_values())[:, None, None, :]
         if not self._bmm_attention:
             return keep  # [B, 1, 1, L]: SDPA broadcasts it over the heads (the float form it would build itself)
         s = self.spec
         group = s.num_heads // s.num_kv_heads
         return keep.expand(-1, s.num_kv_heads, group, -1).reshape(-1, group, kv_len)  # [B * kvh, group, L]
+
+    def _mask_values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """0 and -inf as scalar tensors of the model dtype (the additive mask's two values)."""
+        if self._mask_fill is None:
+            self._mask_fill = (
+                torch.zeros((), dtype=self.dtype, device=self.device),
+                torch.full((), float("-inf"), dtype=self.dtype, device=self.device),
+            )
+        return self._mask_fill
 
     def _decode_attention(
         self, q: torch.Tensor, kv: KVCache, layer: int, start: int, keep: torch.Tensor, kv_len: int
@@ -542,7 +598,7 @@ class CausalLM:
 
     def _mlp(self, names: dict[str, str], x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """h + the SwiGLU MLP of x (SiLU(gate) * up computed in place, in the gate half of the GEMM output)."""
-        gate_up = F.linear(x, self.storage[names["gate_up"]])
+        gate_up = _linear(x, self.storage[names["gate_up"]])
         half = gate_up.shape[-1] // 2
         act = F.silu(gate_up[:, :half], inplace=True).mul_(gate_up[:, half:])
         return _linear_residual(h, act, self.storage[names["down"]], None)

@@ -19,6 +19,7 @@ from miles.engines.embedded import triton_ops
 from miles.engines.embedded.kv_cache import KVCache
 from miles.engines.embedded.model import CausalLM
 from miles.engines.embedded.moe import Routing
+from miles.engines.embedded.prefix_cache import DEFAULT_PAGE_SIZE, PrefixCache
 from miles.engines.embedded.triton_ops import DecodeAttention
 
 logger = logging.getLogger(__name__)
@@ -112,6 +113,8 @@ class ModelRunner:
         max_seq_len: int,
         use_cuda_graphs: bool,
         fused_kernels: bool | None = None,
+        prefix_cache_pages: int = 0,
+        prefix_page_size: int = DEFAULT_PAGE_SIZE,
     ):
         self.model = model
         self.lock = threading.RLock()
@@ -128,6 +131,18 @@ class ModelRunner:
             dtype=model.dtype,
             device=model.device,
         )
+        # prefix sharing (prefix_cache.py); 0 pages: off
+        self.prefix_cache: PrefixCache | None = None
+        if prefix_cache_pages > 0:
+            self.prefix_cache = PrefixCache(
+                page_size=prefix_page_size,
+                num_pages=prefix_cache_pages,
+                num_layers=spec.num_layers,
+                num_kv_heads=spec.num_kv_heads,
+                head_dim=spec.head_dim,
+                dtype=model.dtype,
+                device=model.device,
+            )
         # MoE: the grouped experts are capturable (tests/gpu/test_moe_gpu.py); whole-step graphs stay off for MoE
         # until that capture is verified on the GPU host
         graphs_ok = model.device.type == "cuda" and not spec.moe_layers
@@ -162,15 +177,29 @@ class ModelRunner:
         return self.kv.allocated and self.weights_on_device
 
     def invalidate_kv(self) -> None:
+        """Cached KV is stale from now on (new weights): slots are re-prefilled, shared pages dropped."""
         with self.lock:
             self.kv_epoch += 1
+            if self.prefix_cache is not None:
+                self.prefix_cache.clear()
 
     @torch.inference_mode()
     def prefill(
-        self, seqs: list[list[int]], slot_start: int, want_all: list[bool], routing: Routing | None = None
+        self,
+        seqs: list[list[int]],
+        slot_start: int,
+        want_all: list[bool],
+        starts: list[int] | None = None,
+        routing: Routing | None = None,
     ) -> PrefillResult:
-        """Prefill sequences (from position 0) into slots [slot_start, slot_start + len(seqs)); `routing`
-        collects every MoE layer's experts of all [B x width] tokens (padding included, see forward)."""
+        """Prefill sequences into slots [slot_start, slot_start + len(seqs)). starts[i] > 0: the slot already
+        holds the K/V of that many leading tokens (a prefix cache hit) and seqs[i] are the tokens after them.
+        `routing` collects every MoE layer's experts of all [B x width] tokens (padding included, see
+        forward); it needs every sequence computed from position 0."""
+        if starts is not None and any(starts):
+            if routing is not None:
+                raise ValueError("prefill: routing is recorded over whole sequences; reuse no cached prefix")
+            return self._prefill_extend(seqs, slot_start, starts)
         device = self.model.device
         lens = [len(s) for s in seqs]
         width = max(lens)
@@ -200,6 +229,26 @@ class ModelRunner:
                 for i, (n, w) in enumerate(zip(lens, want_all, strict=True))
             ]
         return PrefillResult(last_logits, all_logits)
+
+    def _prefill_extend(self, seqs: list[list[int]], slot_start: int, starts: list[int]) -> PrefillResult:
+        """Prefill the tokens after cached prefixes: each attends over its slot's cache (prefix + itself).
+        Runs the plain forward (the Triton prefill attends over fresh keys only); returns last logits."""
+        device = self.model.device
+        lens = [len(s) for s in seqs]
+        width = max(lens)
+        tokens = _long_tensor([s + [0] * (width - len(s)) for s in seqs], device)
+        offsets = torch.arange(width, device=device)[None, :]
+        valid = offsets < torch.tensor(lens, device=device)[:, None]
+        # padded tokens sit at position 0 (they attend to one key) and write to the scratch position
+        positions = torch.where(valid, offsets + torch.tensor(starts, device=device)[:, None], 0)
+        write_pos = torch.where(valid, positions, torch.full_like(positions, self.kv.scratch_pos))
+        last_idx = torch.tensor(lens, device=device) - 1
+        kv_len = max(s + n for s, n in zip(starts, lens, strict=True))
+        with self.lock:
+            last_hidden = self.model.forward(
+                tokens, positions, self.kv, slot_start, write_pos, kv_len=None, out_index=last_idx, extend_len=kv_len
+            )
+            return PrefillResult(self.model.logits(last_hidden), [None] * len(seqs))
 
     @torch.inference_mode()
     def decode(
@@ -240,6 +289,8 @@ class ModelRunner:
             if "kv_cache" in tags and self.kv.allocated:
                 self.kv.release()
                 self.kv_epoch += 1
+                if self.prefix_cache is not None:
+                    self.prefix_cache.release()
             if "weights" in tags and self.weights_on_device:
                 self.model.move_to("cpu")
                 self.weights_on_device = False
@@ -255,4 +306,6 @@ class ModelRunner:
                 self.weights_on_device = True
             if "kv_cache" in tags:
                 self.kv.allocate()
+                if self.prefix_cache is not None:
+                    self.prefix_cache.allocate()
             torch.cuda.synchronize()

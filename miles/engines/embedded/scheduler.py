@@ -39,6 +39,8 @@ import torch
 
 from miles.engines.embedded.logprob_extras import Extras, ExtrasRequest, extras_of
 from miles.engines.embedded.moe import Routing, routed_rows
+from miles.engines.embedded.prefix_cache import Lease
+from miles.engines.embedded.prefix_sharing import PrefixSharing
 from miles.engines.embedded.runner import ModelRunner
 from miles.engines.embedded.sampler import SamplingBatch, SamplingParams, sample, token_logprobs
 from miles.true_on_policy.scoring import scaled_log_softmax
@@ -72,6 +74,8 @@ class Request:
     input_extras: Extras | None = None
     routed: np.ndarray | None = None  # return_routed_experts: [capacity, moe_layers, k], row p = token p's forward
     routed_start: int = 0  # routed_experts_start_len: the first row returned
+    lease: Lease | None = None  # the prefix cache pages this request holds while it runs
+    cached_tokens: int | None = None  # prompt tokens its first prefill took from the prefix cache
 
     @property
     def all_ids(self) -> list[int]:
@@ -177,6 +181,7 @@ class Scheduler:
         self.lookahead_used = 0  # decode steps served by a lookahead (tests and benches read these)
         self.lookahead_dropped = 0
         self.counts = StepCounts()
+        self.sharing = PrefixSharing(runner)  # prefix sharing and the prefill token counters
 
     # ---- control (event loop thread) ---------------------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -217,6 +222,7 @@ class Scheduler:
         """Move running requests back to the head of the queue; their KV is dropped, tokens kept."""
         for req in reversed(self.running):
             req.kv_epoch = -1
+            self.sharing.drop(req)
             self.waiting.appendleft(req)
         self.running.clear()
 
@@ -251,6 +257,7 @@ class Scheduler:
     def abort_pending(self) -> None:
         """Finish every request still queued or running with finish_reason abort (engine shutdown)."""
         for req in [*self.running, *self.waiting]:
+            self.sharing.drop(req)
             self._finish(req, {"type": "abort", "message": "engine shut down"})
         self.running.clear()
         self.waiting.clear()
@@ -326,20 +333,33 @@ class Scheduler:
             req = self.running[i]
             if req.kv_epoch != epoch:
                 logger.debug("re-prefilling %s: KV epoch %d != %d", req.rid, req.kv_epoch, epoch)
-                self._remove_slot(i)
+                self.sharing.drop(self._remove_slot(i))
                 req.kv_epoch = -1
                 self.waiting.appendleft(req)
 
     def _admit(self) -> None:
+        """Move waiting requests into the running batch while the prefill's padded size allows. With prefix
+        sharing, each takes its cached pages, and one whose prefix a request admitted in this step is about
+        to compute waits for the next step (then its prefix is cached: a group's prompt is prefilled once)."""
         width = 0
         count = 0
+        sharing = self.sharing
+        deferred: list[Request] = []
+        admitted: dict[tuple, list[Request]] = {}  # first page of tokens -> requests admitted now
         while self.waiting and len(self.running) < self.runner.max_running_requests:
             req = self.waiting[0]
-            new_width = max(width, req.seq_len)
+            lease = sharing.take(req)
+            if sharing.waits(req, lease, admitted):
+                deferred.append(self.waiting.popleft())
+                continue
+            new_width = max(width, req.seq_len - sharing.cached_tokens(lease))
             if count and new_width * (count + 1) > self.max_prefill_tokens:
+                sharing.release(lease)
                 break
             width, count = new_width, count + 1
+            sharing.admit(req, lease, admitted)
             self.running.append(self.waiting.popleft())
+        self.waiting.extendleft(reversed(deferred))
 
     # ---- step (worker thread) ------------------------------------------------------------------------
     def _compute(self, decode: list[Request], prefill: list[Request]) -> StepResult:
@@ -362,10 +382,11 @@ class Scheduler:
             prefill_routing = Routing() if any(r.routed is not None for r in prefill) else None
             decode_routing = Routing() if ahead is None and any(r.routed is not None for r in decode) else None
             if prefill:
-                seqs = [r.all_ids for r in prefill]
-                res = self.runner.prefill(
-                    seqs, len(decode), [r.wants_input_logprobs for r in prefill], prefill_routing
-                )
+                # routing is recorded by a forward over every token: such a step reuses no cached page
+                seqs, starts = self.sharing.load(prefill, len(decode), reuse=prefill_routing is None)
+                want_all = [r.wants_input_logprobs for r in prefill]
+                res = self.runner.prefill(seqs, len(decode), want_all, starts, prefill_routing)
+                self.sharing.share(prefill, len(decode))
                 for j, (req, full) in enumerate(zip(prefill, res.all_logits, strict=True)):
                     if full is not None:
                         input_lps[len(decode) + j] = self._input_logprobs(req, full)
@@ -522,6 +543,8 @@ class Scheduler:
         return req
 
     def _remove_running(self, i: int, reason: dict) -> None:
+        req = self.running[i]
+        self.sharing.drop(req, req.seq_len - 1, i)  # the last sampled token has no K/V yet
         self._finish(self._remove_slot(i), reason)
 
     def _finish(self, req: Request, reason: dict) -> None:
@@ -531,6 +554,7 @@ class Scheduler:
 
     def _fail_all(self, error: Exception) -> None:
         for req in [*self.running, *self.waiting]:
+            self.sharing.drop(req)
             if not req.future.done():
                 req.future.set_exception(error)
         self.running.clear()

@@ -1,0 +1,141 @@
+"""FP8 serving against BF16, same random model, same call: generated tokens/s and the weight install.
+
+Two embedded engines on one GPU serve one random bf16 checkpoint (default: the 7B shape of
+Qwen2.5-7B), one as it is and one in FP8 (`quantization="fp8"`: e4m3 weights with 128x128 block
+scales, W8A8 GEMMs, fp8.py). After a warm-up each, their generation rounds (batch x new tokens,
+temperature 1, eos ignored, prefill included) alternate for --reps repetitions; medians are compared.
+
+Weight install: the same bf16 tensors (the model's own, already on the GPU, in buckets of
+--bucket-mb) are loaded into each engine with `load_weights`, as a push's receiver does after the
+transport: a copy into the bf16 engine, a per-block quantization on the GPU for the FP8 one. The
+transport itself (NCCL broadcast, the same bytes for both) is not part of this figure.
+
+GPU:  python bench/fp8.py --device cuda --batch 256 --prompt-len 128 --new-tokens 512
+CPU smoke: python bench/fp8.py --hidden 256 --layers 2 --heads 4 --kv-heads 2 --intermediate 512 \\
+          --vocab 512 --batch 4 --new-tokens 8 --reps 1
+Ends with one JSON line: bf16_tok_s, fp8_tok_s, tok_s_ratio, bf16_install_s, fp8_install_s, install_ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+
+import torch
+from engine_throughput import EngineSide, make_prompts, measure
+
+from miles.engines.embedded.engine import EmbeddedEngine
+from miles.models.tiny import make_tiny_model
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=512)
+    p.add_argument("--hidden", type=int, default=3584)
+    p.add_argument("--layers", type=int, default=28)
+    p.add_argument("--heads", type=int, default=28)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--intermediate", type=int, default=18944)
+    p.add_argument("--vocab", type=int, default=152064)
+    p.add_argument("--model-path", default=None, help="a bf16 HF directory instead of a random model")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--install-reps", type=int, default=5)
+    p.add_argument("--bucket-mb", type=int, default=512, help="tensors per load_weights call, as a push's buckets")
+    return p.parse_args(argv)
+
+
+def buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    out, current, size = [], [], 0
+    for name, t in named:
+        current.append((name, t))
+        size += t.numel() * t.element_size()
+        if size >= bucket_bytes:
+            out.append(current)
+            current, size = [], 0
+    return out + ([current] if current else [])
+
+
+def install_s(engine: EmbeddedEngine, chunks: list[list[tuple[str, torch.Tensor]]], reps: int) -> float:
+    """Median seconds to load every bucket into the engine (device work included)."""
+    times = []
+    for _ in range(reps + 1):  # the first is a warm-up
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for chunk in chunks:
+            engine.load_weights(chunk)
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    print(f"install seconds per rep ({'fp8' if engine.fp8 else 'bf16'}): {[round(t, 4) for t in times[1:]]}")
+    return statistics.median(times[1:])
+
+
+def make_model(args: argparse.Namespace, tmp: str) -> str:
+    if args.model_path:
+        return args.model_path
+    return make_tiny_model(
+        tmp,
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        intermediate=args.intermediate,
+        vocab=args.vocab,
+        dtype="bfloat16",
+        init_std=0.02,
+    )
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_model(args, tmp)
+        kwargs = dict(
+            device=args.device,
+            dtype=dtype,
+            max_running_requests=args.batch,
+            max_total_tokens=args.batch * (args.prompt_len + args.new_tokens + 8),
+        )
+        engines = {"bf16": EmbeddedEngine(path, **kwargs), "fp8": EmbeddedEngine(path, quantization="fp8", **kwargs)}
+    prompts = make_prompts(args.batch, args.prompt_len, engines["bf16"].model.spec.vocab_size)
+    sides = {name: EngineSide(engine, prompts) for name, engine in engines.items()}
+    try:
+        rates = measure(sides, args.new_tokens, args.reps)
+    finally:
+        for side in sides.values():
+            side.close()
+    # the trainer's tensors: bf16 copies of the bf16 engine's own (as a push would send them)
+    source = [(n, t.to(torch.bfloat16).clone()) for n, t in engines["bf16"].model.params.items()]
+    chunks = buckets(source, args.bucket_mb * 2**20)
+    installs = {name: install_s(engine, chunks, args.install_reps) for name, engine in engines.items()}
+    result = {
+        "bf16_tok_s": round(rates["bf16"], 1),
+        "fp8_tok_s": round(rates["fp8"], 1),
+        "tok_s_ratio": round(rates["fp8"] / rates["bf16"], 3),
+        "bf16_install_s": round(installs["bf16"], 4),
+        "fp8_install_s": round(installs["fp8"], 4),
+        "install_ratio": round(installs["fp8"] / installs["bf16"], 3),
+        "batch": args.batch,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "device": args.device,
+        "shape": {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab")},
+    }
+    print(
+        f"FP8 {rates['fp8']:,.0f} tok/s vs BF16 {rates['bf16']:,.0f} tok/s: {result['tok_s_ratio']:.2f}x; "
+        f"weight install {installs['fp8']:.3f} s vs {installs['bf16']:.3f} s: {result['install_ratio']:.2f}x"
+    )
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

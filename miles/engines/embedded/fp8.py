@@ -1,0 +1,223 @@
+"""FP8 serving: e4m3 weights with one scale per 128x128 block, W8A8 GEMMs with per-token-group activations.
+
+The checkpoint format is the one Miles' FP8 rollouts read (DeepSeek-V3's): config.json carries
+`quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+"activation_scheme": "dynamic"}`, every quantized `X.weight` is float8_e4m3fn and `X.weight_scale_inv`
+[ceil(N/128), ceil(K/128)] float32 holds each block's dequantization scale (weight = q * scale_inv).
+Quantized: the decoder's linear layers (q/k/v/o, gate/up/down); embeddings, norms, biases and the LM
+head stay in the model dtype.
+
+GEMM: activations are quantized per token and group of 128 channels, dynamically (scale = amax / 448).
+On Hopper (CUDA capability 9.x) `torch._scaled_mm` takes the 1x128 activation and 128x128 weight scales
+directly (cuBLASLt's block-scaled path, CUDA >= 12.9); elsewhere, and wherever that call is refused,
+the same W8A8 product is computed by dequantizing both operands (the CPU path CI runs).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from miles.engines.embedded import fp8_triton
+
+logger = logging.getLogger(__name__)
+
+BLOCK = 128
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+QUANT_CONFIG = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "weight_block_size": [BLOCK, BLOCK],
+    "activation_scheme": "dynamic",
+}
+QUANTIZED_SUFFIXES = (
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+)
+
+
+def is_fp8_config(config: dict) -> bool:
+    """Whether a model's config.json asks for FP8 serving; any other quantization_config is refused."""
+    q = config.get("quantization_config")
+    if not q:
+        return False
+    wanted = {k: q.get(k) for k in QUANT_CONFIG}
+    if q.get("quant_method") != "fp8" or wanted["weight_block_size"] != [BLOCK, BLOCK]:
+        raise ValueError(
+            f"quantization_config {q!r} is not served by the embedded engine; it serves {QUANT_CONFIG!r} "
+            "(write one with `miles convert fp8 SRC DST`)"
+        )
+    if q.get("fmt", "e4m3") != "e4m3" or q.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError(f"quantization_config {q!r}: only fmt e4m3 with dynamic activations is served")
+    return True
+
+
+def is_quantized_name(name: str) -> bool:
+    return name.startswith("model.layers.") and name.endswith(QUANTIZED_SUFFIXES)
+
+
+# ---- quantization ---------------------------------------------------------------------------------
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [N, K] e4m3, scale_inv [ceil(N/128), ceil(K/128)] fp32) with w ~= q * scale_inv blockwise, on w's device
+    (on CUDA one Triton pass, fp8_triton.py)."""
+    if w.is_cuda and fp8_triton.runs_on(w.device):
+        return fp8_triton.quantize_weight(w)
+    N, K = w.shape
+    nb, kb = math.ceil(N / BLOCK), math.ceil(K / BLOCK)
+    padded = F.pad(w.float(), (0, kb * BLOCK - K, 0, nb * BLOCK - N)).view(nb, BLOCK, kb, BLOCK)
+    amax = padded.abs().amax(dim=(1, 3))
+    scale_inv = torch.clamp(amax, min=1e-12) / E4M3_MAX
+    q = (padded / scale_inv[:, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return q.view(nb * BLOCK, kb * BLOCK)[:N, :K].contiguous(), scale_inv
+
+
+def dequantize_weight(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    N, K = q.shape
+    scale = scale_inv.repeat_interleave(BLOCK, 0)[:N].repeat_interleave(BLOCK, 1)[:, :K]
+    return (q.float() * scale).to(dtype)
+
+
+def error_bound(dq: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """Largest |w - dq| of an e4m3 round trip, elementwise: 3 mantissa bits round to within 1/16 of |w|
+    (so within |dq| / 15), and subnormals to within 2^-10 of the block's scale."""
+    N, K = dq.shape
+    scale = scale_inv.repeat_interleave(BLOCK, 0)[:N].repeat_interleave(BLOCK, 1)[:, :K]
+    return dq.abs() / 15 + scale * 2.0**-10
+
+
+def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token, per group of 128 channels: (q [M, K] e4m3, scales [M, K/128] fp32). K % 128 == 0."""
+    M, K = x.shape
+    groups = x.view(M, K // BLOCK, BLOCK).float()
+    scale = torch.clamp(groups.abs().amax(dim=-1), min=1e-12) / E4M3_MAX
+    q = (groups / scale[..., None]).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return q.view(M, K), scale
+
+
+# ---- the weight and its GEMM ----------------------------------------------------------------------
+@dataclass(slots=True)
+class Fp8Weight:
+    """A [N, K] linear weight as e4m3 `q` and its block scales; rows [a:b] is a view (b - a, a multiples of 128)."""
+
+    q: torch.Tensor
+    scale_inv: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    def __getitem__(self, rows: slice) -> Fp8Weight:
+        start, stop = rows.start or 0, rows.stop if rows.stop is not None else self.q.shape[0]
+        return Fp8Weight(self.q[start:stop], self.scale_inv[start // BLOCK : math.ceil(stop / BLOCK)])
+
+    def to(self, device: torch.device | str) -> Fp8Weight:
+        return Fp8Weight(self.q.to(device), self.scale_inv.to(device))
+
+    def copy_(self, w: torch.Tensor) -> None:
+        """Quantize w (any float dtype) on this weight's device, per block, and store it in place (a weight
+        push: the engine's `params[name].copy_(tensor)` lands here for a quantized name)."""
+        q, scale_inv = quantize_weight(w.to(self.q.device))
+        self.q.copy_(q)
+        self.scale_inv.copy_(scale_inv)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_weight(self.q, self.scale_inv, dtype)
+
+
+_scaled_mm_ok: dict[torch.device, bool] = {}
+
+
+@functools.cache
+def _hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] (model dtype) @ w.T (+ bias) as a W8A8 GEMM; returns x's dtype."""
+    shape = x.shape
+    flat = x.reshape(-1, shape[-1])
+    N, K = w.shape
+    out = None
+    if K % BLOCK == 0 and N % BLOCK == 0 and _hopper(x.device) and _scaled_mm_ok.get(x.device, True):
+        out = _block_scaled_mm(flat, w, x.dtype)
+    if out is None:
+        out = _emulated(flat, w, x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.view(*shape[:-1], N)
+
+
+def _block_scaled_mm(x: torch.Tensor, w: Fp8Weight, dtype: torch.dtype) -> torch.Tensor | None:
+    """cuBLASLt's block-scaled FP8 GEMM; None (and the emulation from then on) where torch refuses it."""
+    M = x.shape[0]
+    pad = (-M) % 4  # cuBLASLt wants M a multiple of 4 on this path
+    if fp8_triton.runs_on(x.device):  # one kernel; scales already outer-dim-major
+        xq, xs = fp8_triton.quantize_activation(x, pad_to=4)
+    else:
+        xq, xs = quantize_activation(F.pad(x, (0, 0, 0, pad)) if pad else x)
+        xs = xs.t().contiguous().t()
+    try:
+        out = torch._scaled_mm(xq, w.q.t(), scale_a=xs, scale_b=w.scale_inv.t(), out_dtype=dtype)
+    except (RuntimeError, ValueError, NotImplementedError) as e:
+        _scaled_mm_ok[x.device] = False
+        logger.warning("torch._scaled_mm refused 128-block FP8 scaling (%s); dequantizing for every GEMM", e)
+        return None
+    return out[:M] if pad else out
+
+
+def _emulated(x: torch.Tensor, w: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
+    """The same W8A8 product with both operands dequantized (exact products, fp32 sums)."""
+    K = x.shape[1]
+    if K % BLOCK == 0:
+        xq, xs = quantize_activation(x)
+        xd = (xq.float().view(-1, K // BLOCK, BLOCK) * xs[..., None]).view(-1, K)
+    else:  # no whole groups: activations stay in the model dtype
+        xd = x.float()
+    return F.linear(xd, w.dequantize(torch.float32)).to(dtype)
+
+
+# ---- checkpoints ------------------------------------------------------------------------------------
+def read_checkpoint(named, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """HF-named tensors of an FP8 checkpoint, quantized ones dequantized to `dtype` with their
+    `weight_scale_inv` (the model then requantizes its fused storage: the same blocks, the same bytes
+    when the checkpoint's scales are amax / 448)."""
+    tensors = dict(named)
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("weight_scale_inv"):
+            continue
+        if t.dtype == E4M3:
+            scale = tensors.get(name + "_scale_inv")
+            if scale is None:
+                raise ValueError(f"FP8 checkpoint: {name} is float8 but {name}_scale_inv is missing")
+            out[name] = dequantize_weight(t, scale.float(), dtype)
+        else:
+            out[name] = t.to(dtype)
+    return out
+
+
+def convert_state(named) -> dict[str, torch.Tensor]:
+    """A BF16 checkpoint's tensors as an FP8 one's: quantized names as e4m3 + `weight_scale_inv`, the rest as is."""
+    out = {}
+    for name, t in named:
+        if is_quantized_name(name) and t.dim() == 2:
+            q, scale_inv = quantize_weight(t)
+            out[name], out[name + "_scale_inv"] = q, scale_inv
+        else:
+            out[name] = t
+    return out

@@ -1,0 +1,91 @@
+"""FP8 block quantization (miles/engines/embedded/fp8.py) against hand-computed values and error bounds."""
+
+import pytest
+import torch
+
+from miles.engines.embedded import fp8
+
+
+def test_one_block_is_scaled_by_its_amax_over_448_and_round_trips_within_a_sixteenth():
+    w = torch.randn(128, 128, generator=torch.Generator().manual_seed(0)) * 3
+    q, scale_inv = fp8.quantize_weight(w)
+    assert q.dtype == torch.float8_e4m3fn and scale_inv.shape == (1, 1)
+    assert scale_inv.item() == pytest.approx(w.abs().max().item() / 448, rel=1e-7)
+    assert q.float().abs().max().item() == 448.0  # the block's largest entry lands on e4m3's largest value
+    dq = fp8.dequantize_weight(q, scale_inv)
+    err = (dq - w).abs()
+    assert (err <= w.abs() / 16 + scale_inv * 2.0**-10).all()  # 3 mantissa bits; subnormal spacing 2^-9
+    assert (err <= fp8.error_bound(dq, scale_inv)).all()
+
+
+def test_blocks_of_a_ragged_matrix_each_get_their_own_scale():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(200, 300, generator=g)
+    w[128:, 256:] *= 1000  # one block far larger than the rest
+    q, scale_inv = fp8.quantize_weight(w.to(torch.bfloat16))
+    assert q.shape == (200, 300) and scale_inv.shape == (2, 3)
+    for i, j in [(0, 0), (1, 2), (0, 2)]:
+        block = w.to(torch.bfloat16).float()[128 * i : 128 * (i + 1), 128 * j : 128 * (j + 1)]
+        assert scale_inv[i, j].item() == pytest.approx(block.abs().max().item() / 448, rel=1e-6)
+    dq = fp8.dequantize_weight(q, scale_inv)
+    assert ((dq - w.to(torch.bfloat16).float()).abs() <= fp8.error_bound(dq, scale_inv)).all()
+    small = (dq - w)[:128, :256].abs().max()
+    assert small < 0.5  # the large block's scale did not leak into the others
+
+
+def test_activation_groups_of_128_round_trip_within_a_sixteenth():
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(2))
+    x[:, :128] *= 100
+    q, scale = fp8.quantize_activation(x)
+    assert scale.shape == (5, 2)
+    assert torch.allclose(scale, x.view(5, 2, 128).abs().amax(-1) / 448)
+    dq = (q.float().view(5, 2, 128) * scale[..., None]).view(5, 256)
+    assert ((dq - x).abs() <= x.abs() / 16 + scale.repeat_interleave(128, 1) * 2.0**-10).all()
+
+
+def test_w8a8_linear_is_close_to_the_float_product_and_slices_keep_their_blocks():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(384, 256, generator=g) / 16
+    x = torch.randn(7, 256, generator=g)
+    weight = fp8.Fp8Weight(*fp8.quantize_weight(w))
+    got, want = fp8.linear(x, weight), x @ w.t()
+    rel = (got - want).norm() / want.norm()
+    assert 1e-4 < rel < 0.06  # quantized (not exact), within e4m3's few percent
+    part = weight[128:256]
+    assert part.scale_inv.shape == (1, 2)
+    assert torch.equal(fp8.linear(x, part), got[:, 128:256])
+    part.copy_(w[128:256] * 2)  # a push into a slice requantizes only its blocks
+    assert torch.allclose(fp8.linear(x, weight)[:, 128:256], 2 * got[:, 128:256], rtol=0.02, atol=0.02)
+    assert torch.equal(fp8.linear(x, weight)[:, :128], got[:, :128])
+
+
+def test_other_quantization_configs_are_refused_with_the_fix():
+    assert fp8.is_fp8_config({}) is False
+    assert fp8.is_fp8_config({"quantization_config": dict(fp8.QUANT_CONFIG)}) is True
+    with pytest.raises(ValueError, match="miles convert fp8"):
+        fp8.is_fp8_config({"quantization_config": {"quant_method": "awq"}})
+
+
+def test_the_quant_error_check_sends_sketches_not_digests_and_names_a_mismatch():
+    import asyncio
+
+    from miles.weights import verify
+
+    class Engine:
+        def __init__(self, result: dict):
+            self.result, self.calls = result, []
+
+        async def weights_checker(self, **kw):
+            self.calls.append(kw)
+            return self.result
+
+    sketches: dict = {}
+    w = torch.randn(300, 7)
+    assert list(verify.sketching([("w", w)], sketches)) == [("w", w)]  # the stream passes through
+    idx = verify.sketch_positions("w", w.numel())
+    assert sketches["w"] == w.reshape(-1)[idx].tolist() and len(idx) == verify.SKETCH_SIZE
+    good, bad = Engine({"mismatched": []}), Engine({"mismatched": ["w"]})
+    asyncio.run(verify.check_engines([good], {}, "xxh3-128", sketches=sketches))
+    assert good.calls[0]["sketches"] is sketches and "digests" not in good.calls[0]
+    with pytest.raises(verify.WeightMismatchError, match="mismatched: w"):
+        asyncio.run(verify.check_engines([bad], {}, "xxh3-128", sketches=sketches))

@@ -1,0 +1,58 @@
+"""The prefix cache's page index: chains, reference counts, LRU eviction of unreferenced leaves, and the
+K/V copies between the pool and a slot (checked against the slot's values)."""
+
+import torch
+
+from miles.engines.embedded.kv_cache import KVCache
+from miles.engines.embedded.prefix_cache import PrefixCache
+
+P = 4
+
+
+def _setup(pages: int = 3):
+    kv = KVCache(
+        num_layers=2, num_slots=2, max_seq_len=32, num_kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu"
+    )
+    kv.k.copy_(torch.randn(kv.k.shape))
+    kv.v.copy_(torch.randn(kv.v.shape))
+    cache = PrefixCache(
+        page_size=P, num_pages=pages, num_layers=2, num_kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu"
+    )
+    return kv, cache
+
+
+def test_a_chain_is_found_by_its_tokens_and_loads_the_slots_kv_into_another_slot():
+    kv, cache = _setup()
+    ids = list(range(10))  # 2 full pages + 2 tokens
+    lease = cache.match(ids)
+    assert lease.pages == []
+    cache.extend(lease, ids, kv, slot=0)
+    assert len(lease.pages) == 2 and cache.refcounts() == {lease.pages[0]: 1, lease.pages[1]: 1}
+    other = cache.match(ids[:9] + [99])
+    assert other.pages == lease.pages
+    assert cache.match([1] + ids[1:]).pages == []  # a different first page shares nothing
+    assert cache.load(other, kv, slot=1) == 2 * P
+    assert torch.equal(kv.k[:, 1, :, : 2 * P], kv.k[:, 0, :, : 2 * P])
+    assert torch.equal(kv.v[:, 1, :, : 2 * P], kv.v[:, 0, :, : 2 * P])
+    cache.release_lease(lease)
+    cache.release_lease(other)
+    assert set(cache.refcounts().values()) == {0} and cache.cached_pages == 2
+
+
+def test_eviction_takes_unreferenced_leaves_first_and_clear_voids_leases():
+    kv, cache = _setup(pages=3)
+    a = cache.match([])
+    cache.extend(a, list(range(8)), kv, slot=0)  # pages a0 -> a1
+    b = cache.match([])
+    cache.extend(b, [7] * 8, kv, slot=1)  # one free page left: b0 only
+    assert len(b.pages) == 1
+    cache.release_lease(a)  # a1 is the only unreferenced leaf
+    cache.extend(b, [7] * 8, kv, slot=1)
+    assert len(b.pages) == 2 and cache.evicted == 1
+    assert len(cache.match(list(range(8))).pages) == 1  # a0 survived, a1 went
+    generation = cache.generation
+    cache.clear()
+    assert cache.cached_pages == 0 and cache.generation == generation + 1
+    assert cache.load(b, kv, slot=0) == 0  # a lease from before the clear reads nothing
+    cache.release_lease(b)  # and releasing it touches nothing
+    assert cache.refcounts() == {}
