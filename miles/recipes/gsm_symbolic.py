@@ -242,3 +242,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"wrote {args.out_dir}: {json.dumps(split['rows'])}")
     return 0
+
+
+def score(response: str, label: str) -> float:
+    """1.0 when the response's final answer (`\\boxed{}`, "the answer is", or `#### N`) equals the label."""
+    from miles.rollout.rm_hub import grade
+
+    return grade("math", response, label)
+
+
+async def reward(args: object, sample: object, **kwargs: object) -> float:
+    """`--custom-rm-path miles.recipes.gsm_symbolic.reward`: the same rule as `--rm-type math`."""
+    return score(sample.response, sample.label)
