@@ -2,6 +2,7 @@
 
     python bench/e2e_vs_trl.py --job short                 # SmolLM2 arithmetic, <= 16 new tokens
     python bench/e2e_vs_trl.py --job long --seeds 1        # chains of arithmetic, 512 new tokens
+    python bench/e2e_vs_trl.py --job gsm --model gguf:/tmp/models/qwen25-coder-0.5b.gguf   # GSM8K-class
     python bench/e2e_vs_trl.py --job short --device cpu --steps 3 --prompts 4 --samples 4   # smoke
 
 Both sides get the same model directory, prompts (chat messages), group size, batch, sampling
@@ -14,6 +15,10 @@ on CPU a tiny random model (the ratio there is informative only).
 
 The long job forces every response to exactly `--long-tokens` tokens on both sides (TRL
 `min_new_tokens`, miles `ignore_eos`), so both generate and train the same number of tokens.
+The gsm job is `launch/configs/qwen25_gsm_0.5b_gpu.yaml`'s: the GSM-symbolic training variants
+(`launch/data/gsm_symbolic/train.jsonl`), up to `--long-tokens` new tokens ending at the model's own
+end-of-turn token, temperature 1.0, graded by the math rule (`\boxed{}` or `#### N`) on both sides;
+default model `qwen25-coder-0.5b:` (any spec `miles train` takes, e.g. `gguf:PATH`).
 
 Ends with one JSON line: job, device, miles_step_s, trl_step_s, ratio (miles / TRL, medians of
 the steps after the first, over all seeds), miles_startup_s and trl_startup_s (process launch to
@@ -46,7 +51,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SHORT_DATA = REPO / "launch/data/arith_train.jsonl"
-REWARD = {"short": "miles.recipes.arith.reward", "long": "miles.recipes.arith.reward_steps"}
+GSM_DATA = REPO / "launch/data/gsm_symbolic/train.jsonl"
+REWARD = {
+    "short": "miles.recipes.arith.reward",
+    "long": "miles.recipes.arith.reward_steps",
+    "gsm": "miles.recipes.gsm_symbolic.reward",
+}
+TEMPERATURE = {"short": 0.8, "long": 0.8, "gsm": 1.0}
 # what only a run reads: refused beside --pool, which runs nothing
 POOL_IGNORES = (
     *("seeds", "first_seed", "stream", "steps", "prompts", "samples", "sides", "miles_extra", "trl_rewards"),
@@ -65,7 +76,7 @@ MILES_PHASES = {
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--job", choices=["short", "long"], default="short")
+    p.add_argument("--job", choices=["short", "long", "gsm"], default="short")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when available")
     p.add_argument("--seeds", type=int, default=1, help="runs of each side, seeds F..F+N-1 (F: --first-seed)")
     p.add_argument(
@@ -81,7 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--prompts", type=int, default=32, help="prompts a step")
     p.add_argument("--samples", type=int, default=8, help="samples a prompt (the group size)")
-    p.add_argument("--long-tokens", type=int, default=512, help="new tokens of every response in the long job")
+    p.add_argument(
+        "--long-tokens", type=int, default=512, help="new tokens of every response in the long job (gsm: at most)"
+    )
     p.add_argument("--model", default=None, help="model spec or directory (default: smollm2: on cuda, tiny on cpu)")
     p.add_argument("--sides", nargs="+", choices=["miles", "trl"], default=["miles", "trl"])
     p.add_argument("--miles-extra", default="", help="extra `miles train` flags, as one shell string")
@@ -128,6 +141,8 @@ def job_data(args: argparse.Namespace, work: Path) -> Path:
     """The prompts as JSONL: the recipe's file for the short job, chain problems for the long one."""
     if args.job == "short":
         return SHORT_DATA
+    if args.job == "gsm":
+        return GSM_DATA
     out = work / "chains.jsonl"
     with out.open("w") as f:
         for row in chain_rows(512):
@@ -160,11 +175,12 @@ def learning_rate(device: str) -> float:
 
 
 def resolve_model(args: argparse.Namespace, device: str) -> str:
-    spec = args.model or ("smollm2:" if device == "cuda" else "tiny:llama:2x64")
-    if spec.startswith("smollm2:"):
-        from miles.recipes.smollm2 import resolve
+    default = "qwen25-coder-0.5b:" if args.job == "gsm" else "smollm2:"
+    spec = args.model or (default if device == "cuda" else "tiny:llama:2x64")
+    if not spec.startswith("tiny:"):
+        from miles.models.resolve import resolve_spec  # smollm2:, gguf:PATH, qwen25-coder-*:, Hub ids
 
-        return resolve(spec)
+        return resolve_spec(spec) or spec
     if spec.startswith("tiny:"):
         from miles.models.tiny import make_tiny_model
 
@@ -217,7 +233,7 @@ def miles_command(
         "--rollout-max-response-len",
         str(max_new_tokens(args)),
         "--rollout-temperature",
-        "0.8",
+        str(TEMPERATURE[args.job]),
         "--advantage-estimator",
         "grpo",
         "--lr",
@@ -292,6 +308,7 @@ def run_trl(args: argparse.Namespace, model: str, data: Path, work: Path, seed: 
         "samples": args.samples,
         "max_new": max_new_tokens(args),
         "force": args.job == "long",
+        "job": args.job,
         "device": device,
         "out": str(work / f"trl-{seed}.json"),
         "launched": time.time(),
@@ -320,6 +337,7 @@ def trl_worker(spec_path: str) -> int:
     from trl import GRPOConfig, GRPOTrainer
 
     from miles.recipes.arith import score, score_steps
+    from miles.recipes.gsm_symbolic import score as gsm_score
 
     spec = json.loads(Path(spec_path).read_text())
     launched = spec["launched"]
@@ -329,7 +347,7 @@ def trl_worker(spec_path: str) -> int:
     rewards: list[float] = []
 
     def arith_reward(completions, label, **_):
-        grade = score_steps if spec["force"] else score
+        grade = gsm_score if spec.get("job") == "gsm" else score_steps if spec["force"] else score
         out = [grade(c[0]["content"], lab) for c, lab in zip(completions, label, strict=True)]
         rewards.append(sum(out) / len(out))
         return out
@@ -341,7 +359,7 @@ def trl_worker(spec_path: str) -> int:
         per_device_train_batch_size=n,
         num_generations=spec["samples"],
         max_completion_length=spec["max_new"],
-        temperature=0.8,
+        temperature=TEMPERATURE[spec.get("job", "short")],
         learning_rate=learning_rate(spec["device"]),
         lr_scheduler_type="constant",
         warmup_steps=0,

@@ -31,6 +31,7 @@ COMMANDS = {
     "plot": "plot the curves of a run: miles plot RUN_DIR",
     "sweep": "expand, list, run or submit a grid sweep: miles sweep SWEEP.yaml [--list | --task-id N | --submit]",
     "convert": "convert a checkpoint: miles convert gguf SRC.gguf OUT_DIR | miles convert fp8 SRC DST",
+    "data": "write a recipe's data offline: miles data gsm-symbolic [--out-dir DIR]",
 }
 
 
@@ -239,6 +240,19 @@ def convert_gguf(src: str, out_dir: str, dtype: str = "bfloat16") -> int:
     return 0
 
 
+DATASETS = {"gsm-symbolic": "miles.recipes.gsm_symbolic"}
+
+
+def cmd_data(argv: list[str]) -> int:
+    if not argv or argv[0] not in DATASETS:
+        raise UsageError(f"miles data: name one of {sorted(DATASETS)}, e.g. miles data gsm-symbolic --out-dir DIR")
+    module = importlib.import_module(DATASETS[argv[0]])
+    try:
+        return module.main(argv[1:])
+    except FileNotFoundError as e:  # the source package is not installed: the message says what to install
+        raise UsageError(f"miles data {argv[0]}: {e}") from None
+
+
 HANDLERS: dict[str, Callable[[list[str]], int]] = {
     "train": cmd_train,
     "tiny-model": cmd_tiny_model,
@@ -248,6 +262,7 @@ HANDLERS: dict[str, Callable[[list[str]], int]] = {
     "plot": cmd_plot,
     "sweep": cmd_sweep,
     "convert": cmd_convert,
+    "data": cmd_data,
 }
 
 

@@ -97,11 +97,26 @@ def num_eval_engines(cfg: MilesConfig) -> int:
     return n if n > 0 and cfg.async_.fully_async and num_rollout_engines(cfg) > 0 else 0
 
 
-def _kv_tokens(cfg: MilesConfig) -> int:
-    """Default KV capacity: every running request can hold a full prompt + response."""
+def engine_slots(cfg: MilesConfig, role: str) -> int:
+    """Requests an embedded rollout engine runs at once: --max-running-requests, but no more than one step
+    of the sync loop ever sends it (groups x samples over the engines), so the KV cache holds no slot that
+    never fills. Eval requests beyond that wait their turn. Left as given with an explicit
+    --max-total-tokens, in the fully async loop (more than a step in flight), and for eval / teacher engines."""
+    engine, r = cfg.engine, cfg.rollout
+    mrr = engine.max_running_requests
+    if role != "rollout" or engine.max_total_tokens or cfg.async_.fully_async or not r.rollout_batch_size:
+        return mrr
+    groups = r.over_sampling_batch_size or r.rollout_batch_size
+    per_engine = -(-groups * r.n_samples_per_prompt // max(1, engine.rollout_num_engines))
+    return max(1, min(mrr, per_engine))
+
+
+def _kv_tokens(cfg: MilesConfig, slots: int) -> int:
+    """Default KV capacity: each of `slots` requests can hold a full prompt + response (the run's
+    --rollout-max-context-len, else prompt + response limits), never the model's own context length."""
     r = cfg.rollout
     per_request = r.rollout_max_context_len or ((cfg.data.rollout_max_prompt_len or 1024) + r.rollout_max_response_len)
-    return cfg.engine.max_running_requests * per_request
+    return slots * per_request
 
 
 class _FreeGpus:
@@ -259,8 +274,8 @@ def _engine_spec(
             "model_path": model_path or cfg.model.hf_checkpoint,
             "device": device,
             "dtype": dtype,
-            "max_running_requests": engine.max_running_requests,
-            "max_total_tokens": engine.max_total_tokens or _kv_tokens(cfg),
+            "max_running_requests": engine_slots(cfg, role),
+            "max_total_tokens": engine.max_total_tokens or _kv_tokens(cfg, engine_slots(cfg, role)),
             "seed": seed,
             "deterministic": engine.deterministic,
             "sglang_args": _with_routed_experts(

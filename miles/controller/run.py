@@ -469,6 +469,7 @@ class MilesRun:
         self._startup_metrics = {}
         if self._last_push_metrics is not None:  # bytes the step's weight update moved (LoRA: the adapter only)
             metrics["perf/update_weights_bytes"] = float(self._last_push_metrics.get("perf/update_weights_bytes", 0.0))
+            metrics.update((k, v) for k, v in self._last_push_metrics.items() if k.startswith("perf/peak_mem_gb/"))
             self._last_push_metrics = None
         metrics.update(self.sysmon.sample())
         self.sink.log(rollout_id, metrics)

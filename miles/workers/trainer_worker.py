@@ -59,6 +59,8 @@ class TrainerWorker(Worker):
         self.device = device
         self.backend = None
         self.updater = None
+        self._flops_shape = None  # set at setup on CUDA (miles.trainer.flops)
+        self._peak_flops: float | None = None
         self.profiler = WorkerProfiler(f"{ctx.role}_{ctx.rank}")
         self._setup_result: dict[str, Any] | None = None
         self._setup_error: BaseException | None = None
@@ -104,13 +106,33 @@ class TrainerWorker(Worker):
         clock.mark("backend import")
         self.backend.setup()
         clock.mark("model and optimizer")
+        if self.device == "cuda":  # what perf/train/mfu needs: the model's shape and the GPU's peak rate
+            from miles.trainer.flops import model_shape, peak_flops
+
+            self._flops_shape = model_shape(self.model_cfg.hf_checkpoint)
+            self._peak_flops = peak_flops(torch.device("cuda", torch.cuda.current_device()))
         logger.info("trainer set up in %s, from %.1f s after its process started", clock.summary(), started)
         return {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
 
     # ---- training --------------------------------------------------------------------
     def train(self, batch: dict[str, np.ndarray], rollout_id: int) -> dict[str, float]:
+        shard = TrainBatch.from_dict(batch)
         with nvtx_range(f"train/{rollout_id}"):
-            return self.backend.train(TrainBatch.from_dict(batch), rollout_id)
+            metrics = self.backend.train(shard, rollout_id)
+        metrics.update(self._mfu(shard, metrics.get("perf/train/update_time", 0.0)))
+        return metrics
+
+    def _mfu(self, shard: TrainBatch, update_s: float) -> dict[str, float]:
+        """`perf/train/mfu`: this rank's shard over its update time, on the GPUs of one data-parallel replica
+        (tensor / pipeline peers share the shard's FLOPs); absent off CUDA or on a GPU without a known peak."""
+        from miles.trainer.flops import train_flops, update_mfu
+
+        if self._flops_shape is None or self._peak_flops is None:
+            return {}
+        gpus_per_replica = max(1, dist.get_world_size() // self.backend.dp_size)
+        flops = train_flops(shard.seq_lens, self._flops_shape)
+        mfu = update_mfu(flops, update_s, self._peak_flops, gpus_per_replica)
+        return {} if mfu is None else {"perf/train/mfu": mfu}
 
     def compute_log_probs(self, batch: dict[str, np.ndarray], which: str = "actor") -> dict[str, np.ndarray]:
         logp, ent = self.backend.compute_log_probs(TrainBatch.from_dict(batch), which)
@@ -158,10 +180,14 @@ class TrainerWorker(Worker):
         return {"mode": self.updater.mode}
 
     def push_weights(self, version: int) -> dict[str, float]:
+        from miles.utils.peak_memory import phase_peak
+
         start = time.perf_counter()
         dtype = push_dtype(self.engine_dtype, self.device)
-        with nvtx_range(f"push_weights/{version}"):
+        peaks: dict[str, float] = {}
+        with nvtx_range(f"push_weights/{version}"), phase_peak(self.device, "update_weights", peaks):
             metrics = self.updater.update(self.backend.named_hf_tensors(dtype), version) or {}
+        metrics.update(peaks)
         self.backend.weight_version = version
         metrics["perf/update_weights_time"] = time.perf_counter() - start
         metrics["perf/update_weights_bytes"] = metrics.get("weight_sync/bytes", 0.0)  # what this update moved

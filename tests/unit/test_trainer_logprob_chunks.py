@@ -104,3 +104,17 @@ def test_unknown_entropy_mode_is_rejected():
     logits, targets, _, _ = _case(torch.float32)
     with pytest.raises(ValueError, match="entropy='sometimes'"):
         log_probs_and_entropy(logits, targets, 1.0, entropy="sometimes")
+
+
+@pytest.mark.parametrize("entropy", ["detached", "none"])
+def test_one_log_softmax_gives_cross_entropys_log_probs_and_gradients_exactly(entropy):
+    # the entropy shares the log-softmax the log-probs come from; neither values nor gradients may move
+    logits, targets, w_lp, _ = _case(torch.float32, seed=3)
+    x_ce = logits.clone().requires_grad_()
+    lp_ce = -torch.nn.functional.cross_entropy(x_ce / 0.7, targets, reduction="none")
+    (lp_ce * w_lp).sum().backward()
+    x = logits.clone().requires_grad_()
+    lp, ent = log_probs_and_entropy(x, targets, 0.7, entropy=entropy, chunk_bytes=TOKENS * 4 * VOCAB)
+    (lp * w_lp).sum().backward()
+    assert torch.equal(lp, lp_ce) and torch.equal(x.grad, x_ce.grad)
+    assert (ent is None) == (entropy == "none")

@@ -1,0 +1,34 @@
+"""The GSM bench pieces on CPU: the summary's curve, gain and medians; e2e_vs_trl's gsm job wiring."""
+
+from __future__ import annotations
+
+import argparse
+
+from bench_modules import load_bench  # isort: skip  (same folder, rootdir on sys.path)
+
+
+def test_the_summary_reads_the_eval_curve_and_step_medians() -> None:
+    summary = load_bench("gsm_summary")
+    rows = [
+        {"step": 0, "perf/step_time": 9.0, "perf/train/mfu": 0.1, "rollout/reward_mean": 0.2,
+         "eval/gsm_orig/reward_mean": 0.3, "perf/peak_mem_gb/update": 40.0, "perf/startup_time": 25.0},
+        {"step": 1, "perf/step_time": 4.0, "perf/train/mfu": 0.3, "rollout/reward_mean": 0.4, "perf/peak_mem_gb/update": 42.0},
+        {"step": 2, "perf/step_time": 5.0, "perf/train/mfu": 0.2, "rollout/reward_mean": 0.6,
+         "eval/gsm_orig/reward_mean": 0.5, "perf/peak_mem_gb/log_probs": 30.0},
+    ]  # fmt: skip
+    out = summary.summarize(rows, skip_first=1)
+    assert out["step_s"] == 4.5 and out["mfu"] == 0.25  # medians without the first step
+    assert out["gsm_orig_curve"] == [(0, 0.3), (2, 0.5)] and out["gsm_orig_gain"] == 0.2
+    assert out["peak_mem_gb"] == {"log_probs": 30.0, "update": 42.0} and out["startup_s"] == 25.0
+    assert out["reward_last5"] == 0.4 and "gsm_heldout_curve" not in out
+
+
+def test_the_gsm_job_takes_the_committed_data_and_its_reward() -> None:
+    e2e = load_bench("e2e_vs_trl")
+    args = argparse.Namespace(job="gsm", long_tokens=512)
+    assert e2e.job_data(args, None) == e2e.GSM_DATA and e2e.GSM_DATA.is_file()
+    assert e2e.max_new_tokens(args) == 512 and e2e.TEMPERATURE["gsm"] == 1.0
+    from miles.recipes.gsm_symbolic import score
+
+    assert score("so \\boxed{18}<|im_end|>", "18") == 1.0 and score("18 apples", "17") == 0.0
+    assert e2e.REWARD["gsm"] == "miles.recipes.gsm_symbolic.reward"
