@@ -27,6 +27,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    if hasattr(optimizer, "device_tensors"):  # an optimizer keeping its state off the device says what is on it
+        yield from optimizer.device_tensors()
+        return
     for state in optimizer.state.values():
         for v in state.values():
             if isinstance(v, torch.Tensor):
