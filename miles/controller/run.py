@@ -132,6 +132,7 @@ class MilesRun:
         self.teacher: TeacherScorer | None = None  # --use-opd: who scores the samples
         self.profile = ProfileSchedule(cfg.runtime.profile_steps, cfg.runtime.output_dir)
         self._profiling = False
+        self._saved_step: int | None = None  # the last step a checkpoint was started for
         self.sysmon = SystemMonitor.for_local_workers(runtime, PROFILED_ROLES)
         # the debug modes start one side only: --debug-rollout-only no trainer, --debug-train-only no engine
         self.has_trainer = bool(placement.trainer_specs)
@@ -246,8 +247,12 @@ class MilesRun:
     async def __aenter__(self) -> MilesRun:
         return self
 
-    async def __aexit__(self, *exc) -> None:
-        await self.close()
+    async def __aexit__(self, exc_type, *exc) -> None:
+        try:
+            if exc_type is None:  # a background checkpoint write finishes (or fails loudly) before the run ends
+                await self.finish_saves()
+        finally:
+            await self.close()
 
     # ---- waiting on workers ------------------------------------------------------------
     async def _wait(self, name: str, aw):
@@ -358,7 +363,7 @@ class MilesRun:
         from miles.trainer.checkpoint_layout import COMPLETE_MARKER, prune_checkpoints
 
         t = self.cfg.train
-        if os.path.exists(os.path.join(self._ckpt_dir(rollout_id), COMPLETE_MARKER)):
+        if self._saved_step == rollout_id or os.path.exists(os.path.join(self._ckpt_dir(rollout_id), COMPLETE_MARKER)):
             return  # this step is already saved (a stop signal right after a scheduled save)
         extra = {
             "rollout_id": rollout_id,
@@ -368,7 +373,20 @@ class MilesRun:
         }
         # a full disk, say, is raised as the trainers' one-line reason, not their traceback
         await self._wait("save_time", self.trainers.save(self._ckpt_dir(rollout_id), extra))
+        self._saved_step = rollout_id
+        # with --async-save this one may still be being written: it is complete (and counted) at the next save
         if t.max_checkpoints:  # after the new one is complete: the newest complete checkpoint is never deleted
+            await asyncio.to_thread(prune_checkpoints, t.save, t.max_checkpoints)
+
+    async def finish_saves(self) -> None:
+        """Wait for a checkpoint still being written in the background (--async-save); prune after it."""
+        t = self.cfg.train
+        if not (t.save and self.has_trainer and self._saved_step is not None):
+            return
+        from miles.trainer.checkpoint_layout import prune_checkpoints
+
+        await self._wait("save_time", self.trainers.finish_saves())
+        if t.max_checkpoints:
             await asyncio.to_thread(prune_checkpoints, t.save, t.max_checkpoints)
 
     async def _maybe_resume(self) -> None:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from miles.config_sections import AlgoConfig, ModelConfig, RolloutConfig, TrainConfig
@@ -29,6 +29,12 @@ from miles.rollout.train_data import TrainBatch
 from miles.trainer import checkpoint as ckpt
 from miles.trainer.backend import MicroBatchLoss, register_backend
 from miles.trainer.forward import dummy_batch, forward_micro_batch, model_layout, response_values, token_index
+from miles.trainer.fsdp_shard import (  # noqa: F401 - shard_model and _own_parameters: used by tests and benches
+    _adamw_kernels,
+    _clip_grad_norm,
+    _own_parameters,
+    shard_model,
+)
 from miles.trainer.hf_io import (
     load_causal_lm,
     load_value_model,
@@ -55,99 +61,6 @@ def _all_reduce(values: list[float], device: torch.device, op=dist.ReduceOp.SUM)
     return t.tolist()
 
 
-def shard_model(
-    model: nn.Module,
-    mesh,
-    mp_policy: MixedPrecisionPolicy | None,
-    *,
-    compile_blocks: bool = False,
-    reshard_after_forward: bool | None = None,
-) -> nn.Module:
-    """fully_shard each transformer block (HF `_no_split_modules`), then the root.
-
-    With one rank there is nothing to save by freeing gathered parameters after forward, so they
-    stay gathered until backward instead of being gathered twice. With one rank and no mixed
-    precision FSDP has no work at all (no shards, no casts, a sum over one rank) besides copying
-    every parameter in before forward and every gradient out after backward, so the model stays
-    a plain module, as torchtitan does without a sharded data-parallel dimension.
-    `reshard_after_forward=True` frees the gathered compute copies after forward on one rank too
-    (the memory levers: a 14B model's bf16 copy is 30 GB).
-    """
-    block_names = set(getattr(model, "_no_split_modules", None) or [])
-    blocks = [m for m in model.modules() if type(m).__name__ in block_names]
-    if not blocks:
-        raise ValueError(
-            f"{type(model).__name__} declares no _no_split_modules; cannot find transformer blocks to shard"
-        )
-    if compile_blocks:  # in place, so parameter names (HF names) stay as they are
-        for block in blocks:
-            block.compile(dynamic=True)
-    if mesh.size() == 1 and mp_policy is None:
-        return _own_parameters(model.to(mesh.device_type))
-    reshard = mesh.size() > 1 if reshard_after_forward is None else reshard_after_forward
-    kw = {"mesh": mesh, "reshard_after_forward": reshard} | ({"mp_policy": mp_policy} if mp_policy else {})
-    for block in blocks:
-        fully_shard(block, **kw)
-    fully_shard(model, **kw)
-    if mesh.size() == 1:
-        return model  # nothing to divide by: an explicit factor would only add a division pass per group
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            # Sum over ranks (losses carry global denominators). Forcing plain SUM collectives avoids
-            # PREMUL_SUM, which gloo lacks, and keeps NCCL on its zero-copy path.
-            m.set_gradient_divide_factor(1.0)
-            m.set_force_sum_reduction_for_comms(True)
-    return model
-
-
-@torch.no_grad()
-def _own_parameters(model: nn.Module) -> nn.Module:
-    """Give every parameter storage of its own, as fully_shard does: HF may load them as views of the
-    memory-mapped checkpoint, which can be neither offloaded (resized) nor should be written in place."""
-    for p in model.parameters():  # tied weights are one Parameter, so they stay tied
-        p.data = p.data.clone()
-    return model
-
-
-def _clip_grad_norm(
-    model: nn.Module, max_norm: float, device: torch.device, grads: list[torch.Tensor] | None = None
-) -> float:
-    """Global grad norm over all shards, and clipping, on the local shards.
-
-    Works on each DTensor's local tensor with foreach kernels plus one all-reduce, instead of
-    per-parameter DTensor dispatch: same result, far less CPU time per step. `grads`: where the
-    gradients are when not in `.grad` (`--optimizer-cpu-offload` accumulates them in fp32 buffers).
-    """
-    if grads is None:
-        grads = [
-            p.grad._local_tensor if hasattr(p.grad, "_local_tensor") else p.grad
-            for p in model.parameters()
-            if p.grad is not None
-        ]
-    grads = [g for g in grads if g.numel()]
-    sq = torch.zeros((), dtype=torch.float32, device=device)
-    if grads:
-        sq = torch.stack(torch._foreach_norm(grads, 2.0)).float().square().sum()
-    if dist.get_world_size() > 1:
-        dist.all_reduce(sq)
-    norm = sq.sqrt()
-    if grads and max_norm > 0:
-        torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0).to(grads[0].dtype))
-    return float(norm.item())
-
-
-def _adamw_kernels(model: nn.Module, device: torch.device) -> dict[str, bool]:
-    """Fused AdamW (one pass over each tensor) for plain parameters: on GPU, and on a single CPU rank.
-
-    FSDP's sharded parameters on CPU take the foreach path instead: one DTensor dispatch per op for
-    all parameters rather than one per parameter, and bit-identical to the per-tensor default with
-    which the CPU standard runs (tests/standards) were recorded; fused kernels would round differently.
-    """
-    if device.type == "cuda" or not isinstance(next(model.parameters()), DTensor):
-        return {"fused": True}
-    return {"foreach": True}
-
-
 @register_backend("fsdp")
 class FSDPBackend:
     def __init__(self, *, model: ModelConfig, train: TrainConfig, algo: AlgoConfig, rollout: RolloutConfig) -> None:
@@ -161,6 +74,7 @@ class FSDPBackend:
         self.critic_optimizer: torch.optim.Optimizer | None = None
         self.critic_scheduler: LRScheduler | None = None
         self._offloaders: dict[str, HostOffloader] = {}
+        self._saver: ckpt.BackgroundWriter | None = None  # --async-save (default): set up with the device
         self.lora = lora_settings(train)  # None: every policy parameter trains
 
     # ---- setup ------------------------------------------------------------------------------------
@@ -193,6 +107,8 @@ class FSDPBackend:
         self.dp_size, self.dp_rank = dist.get_world_size(), dist.get_rank()
         self.dp_group = dist.group.WORLD
         self.mesh = init_device_mesh(self.device.type, (self.dp_size,))
+        if self.train_cfg.async_save is not False:
+            self._saver = ckpt.BackgroundWriter(self.device)
         torch.manual_seed(self.train_cfg.seed)
         self.compute_dtype = compute_dtype = resolve_compute_dtype(self.model_cfg.dtype, self.device.type)
         self.mp_policy = (
@@ -386,6 +302,8 @@ class FSDPBackend:
 
     def optimizer_step(self, *, critic: bool) -> None:
         _, optimizer, scheduler = self._trainable(critic)
+        if self._saver is not None and self._saver.references_live_state:
+            self._saver.wait_local()  # the checkpoint being written reads this host state: let it finish first
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
@@ -444,7 +362,18 @@ class FSDPBackend:
             meta,
             save_optim=not self.train_cfg.no_save_optim,
             trainable_only=self.lora is not None,
+            background=self._saver,
         )
+
+    def finish_saves(self) -> None:
+        """Collective: the checkpoint written in the background (if any) is complete, or its failure is raised."""
+        if self._saver is not None:
+            self._saver.wait()
+
+    def finish_saves_local(self) -> None:
+        """This rank's background write is done (on the way out; no collective)."""
+        if self._saver is not None:
+            self._saver.wait_local()
 
     def _refuse_non_finite_weights(self, path: str) -> None:
         """No checkpoint of NaN or inf weights: every rank checks its shards, and all agree before raising."""
@@ -464,6 +393,7 @@ class FSDPBackend:
             )
 
     def load(self, path: str) -> dict:
+        self.finish_saves()
         resolved = ckpt.resolve_load_path(path)
         if resolved is None:
             raise FileNotFoundError(

@@ -40,7 +40,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
-def _pin(t: torch.Tensor) -> torch.Tensor:
+def pin_host(t: torch.Tensor) -> torch.Tensor:
     """Page-lock a host tensor in place (cudaHostRegister: no power-of-two rounding, unlike pin_memory())."""
     if not torch.cuda.is_available() or t.numel() == 0:
         return t
@@ -64,7 +64,7 @@ class _FlatStore:
                 path = os.path.join(self.dir, f"{kind}.bin")
                 flat = torch.from_file(path, shared=True, size=total, dtype=dtype)
             else:
-                flat = _pin(torch.zeros(total, dtype=dtype))
+                flat = pin_host(torch.zeros(total, dtype=dtype))
             self.flat[kind] = flat
         offsets = [0]
         for n in numels:
@@ -130,7 +130,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             for kind in kinds:
                 state[kind] = self._store.views[kind][i].view(_local(p).shape)
         staging = max(sum(numels[i] for i in b) for b in self._buckets) if placement == "cpu" else 0
-        self._staging = _pin(torch.empty(staging, dtype=torch.float32))
+        self._staging = pin_host(torch.empty(staging, dtype=torch.float32))
 
     def _with_fp32_masters(self, store: _FlatStore) -> _FlatStore:
         with torch.no_grad():
