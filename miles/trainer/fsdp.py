@@ -45,7 +45,7 @@ from miles.trainer.hf_io import (
 )
 from miles.trainer.lora import adapter_tensors, apply_lora, export_lora_hf, lora_settings, trainable_parameters
 from miles.trainer.lr_schedule import LRSchedule, LRScheduler
-from miles.trainer.offload import HostOffloader, module_tensors, optimizer_tensors
+from miles.trainer.offload import DiskOffloader, HostOffloader, module_tensors, optimizer_tensors
 from miles.trainer.offload_optim import OffloadedAdamW, build_adamw, optimizer_placement
 from miles.trainer.packing import layout_for, pack_sequences, plan_micro_batches
 from miles.trainer.train_loop import run_rl_step
@@ -73,7 +73,7 @@ class FSDPBackend:
         self.critic: nn.Module | None = None
         self.critic_optimizer: torch.optim.Optimizer | None = None
         self.critic_scheduler: LRScheduler | None = None
-        self._offloaders: dict[str, HostOffloader] = {}
+        self._offloaders: dict[str, HostOffloader | DiskOffloader] = {}
         self._saver: ckpt.BackgroundWriter | None = None  # --async-save (default): set up with the device
         self.lora = lora_settings(train)  # None: every policy parameter trains
 
@@ -254,7 +254,7 @@ class FSDPBackend:
         """Keep the frozen reference model on host; it is brought back only for its forward."""
         if self.ref is not None and "ref" not in self._offloaders:
             self._reshard_all(self.ref)
-            self._offloaders["ref"] = HostOffloader("ref")
+            self._offloaders["ref"] = self._new_offloader("ref")
             self._offloaders["ref"].offload(module_tensors(self.ref))
 
     # ---- training ---------------------------------------------------------------------------------
@@ -426,8 +426,17 @@ class FSDPBackend:
             if model is None:
                 continue
             self._reshard_all(model)
-            off = self._offloaders.setdefault(key, HostOffloader(key))
+            if key not in self._offloaders:
+                self._offloaders[key] = self._new_offloader(key)
+            off = self._offloaders[key]
             off.offload([*module_tensors(model), *optimizer_tensors(optim)])
+
+    def _new_offloader(self, name: str) -> HostOffloader | DiskOffloader:
+        """Host memory, or files under --offload-train-disk-dir with --offload-train-target disk."""
+        t = self.train_cfg
+        if t.offload_train_target == "disk":
+            return DiskOffloader(name, t.offload_train_disk_dir, t.offload_train_disk_chunk_mb * 2**20)
+        return HostOffloader(name)
 
     def onload(self) -> None:
         for key in ("actor", "critic"):

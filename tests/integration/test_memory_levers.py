@@ -25,6 +25,7 @@ LEVERS = {
     "disk": {"stream_optimizer_state_to_disk": True, "offload_train_disk_chunk_mb": 1},
     "cpu": {"optimizer_cpu_offload": True},
     "disk-bf16": {"stream_optimizer_state_to_disk": True, "stream_optimizer_state_moment_dtype": "bf16"},
+    "offload-to-disk": {"offload_train_target": "disk"},  # offloaded to files and back between the rollouts
 }
 
 
@@ -32,7 +33,7 @@ def _backend(model_dir: str, lever: dict, disk_dir: str):
     from miles.trainer.backend import create_backend
 
     train = dict(CFG["train"], **lever)
-    if lever.get("stream_optimizer_state_to_disk"):
+    if lever.get("stream_optimizer_state_to_disk") or lever.get("offload_train_target") == "disk":
         train["offload_train_disk_dir"] = disk_dir
     be = create_backend("fsdp", **configs(model_dir, **{**CFG, "train": train}))
     be.setup()
@@ -49,6 +50,13 @@ def _train_each(rank: int, world: int, model_dir: str, root: str) -> None:
         be = _backend(model_dir, lever, root)
         for rid in range(2):
             be.train(make_batch(8, seed=20 + rid), rollout_id=rid)
+            if rid == 0 and name == "offload-to-disk":
+                be.offload()
+                out["released"] = all(p.untyped_storage().nbytes() == 0 for p in be.actor.parameters())
+                out["files"] = sum(
+                    len(files) for _, _, files in os.walk(root) if any(f.endswith(".bin") for f in files)
+                )
+                be.onload()
         out[name] = _params(be)
         if name == "cpu":  # save under the CPU step; a fresh trainer resumes it below
             be.save(os.path.join(root, "ckpt", "iter_0000002"), {"rollout_id": 1})
@@ -70,7 +78,7 @@ def weights(tmp_path_factory):
     return torch.load(root / "out.pt", weights_only=False)
 
 
-@pytest.mark.parametrize("lever", ["host", "disk", "cpu"])
+@pytest.mark.parametrize("lever", ["host", "disk", "cpu", "offload-to-disk"])
 def test_lever_trains_bit_identically_to_resident_adamw(weights, lever):
     want, got = weights["resident"], weights[lever]
     assert want.keys() == got.keys()
@@ -88,3 +96,7 @@ def test_checkpoint_under_cpu_step_resumes_bit_identically(weights):
     want, got = weights["cpu-continued"], weights["cpu-resumed"]
     assert all(torch.equal(want[k], got[k]) for k in want)
     assert any(not torch.equal(want[k], weights["cpu"][k]) for k in want)  # the resumed step did move weights
+
+
+def test_offload_to_disk_releases_the_storages_into_files(weights):
+    assert weights["released"] and weights["files"] > 0
