@@ -117,8 +117,8 @@ class HostOffloader:
 class DiskOffloader:
     """`HostOffloader` with the bytes in files under a directory (`--offload-train-target disk`).
 
-    Each storage goes to its own file, in chunks of `chunk_bytes` through one page-locked staging buffer
-    (CUDA) or straight from memory (CPU); onload reads it back into the same storage. Bit-exact, like
+    Each storage goes to its own file, in chunks of `chunk_bytes` through one staging buffer (page-locked
+    on CUDA); onload reads it back into the same storage. Bit-exact, like
     the host version, and the tensors keep their identity.
     """
 
@@ -169,9 +169,8 @@ class DiskOffloader:
         with open(path, "wb") as f:
             for a in range(0, src.numel(), self.chunk_bytes):
                 part = src[a : a + self.chunk_bytes]
-                if part.device.type != "cpu":
-                    part = self._stage()[: part.numel()].copy_(part)
-                f.write(part.numpy().tobytes())
+                # through the staging buffer on CPU too: numpy() of the storage itself would make it unresizable
+                f.write(self._stage()[: part.numel()].copy_(part).numpy().tobytes())
 
     def onload(self) -> int:
         """Read every offloaded storage back in place; returns bytes moved."""
@@ -182,10 +181,9 @@ class DiskOffloader:
             with open(path, "rb") as f:
                 for a in range(0, nbytes, self.chunk_bytes):
                     n = min(self.chunk_bytes, nbytes - a)
-                    host = self._stage()[:n] if dst.device.type != "cpu" else dst[a : a + n]
+                    host = self._stage()[:n]
                     f.readinto(memoryview(host.numpy()))
-                    if dst.device.type != "cpu":
-                        dst[a : a + n].copy_(host)
+                    dst[a : a + n].copy_(host)
             os.remove(path)
             moved += nbytes
         self._saved.clear()

@@ -98,6 +98,7 @@ def _fake_run(save: Path, max_checkpoints: int | None) -> SimpleNamespace:
         weight_version=0,
         data_source=SimpleNamespace(state_dict=dict),
         pending_state_fn=None,
+        _saved_step=None,
     )
     run._ckpt_dir = lambda step: MilesRun._ckpt_dir(run, step)
     run._save_checkpoint = lambda step: MilesRun._save_checkpoint(run, step)
