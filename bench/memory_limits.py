@@ -184,12 +184,15 @@ def one_lever(shape: str, lever: str, args: argparse.Namespace) -> dict:
         for method, name in phases:
             peaks.wrap(be, method, name)
         for rid in range(args.steps):
-            peaks.run("offload", be.offload)
-            peaks.run("rollout", engine_resident, be, shape, args)
-            peaks.run("onload", be.onload)
+            if not args.train_only:
+                peaks.run("offload", be.offload)
+                peaks.run("rollout", engine_resident, be, shape, args)
+                peaks.run("onload", be.onload)
             peaks.run("train", be.train, batch, rid)
             peaks.run("push", push_bf16, be)
-        row["step_s"] = round(sum(peaks.secs[k] for k in ("offload", "onload", "train", "push")) / args.steps, 2)
+        row["step_s"] = round(
+            sum(peaks.secs.get(k, 0.0) for k in ("offload", "onload", "train", "push")) / args.steps, 2
+        )
         row["status"] = "ok"
     except torch.OutOfMemoryError as e:
         row["status"] = "oom"
@@ -273,6 +276,9 @@ def main() -> None:
     ap.add_argument("--max-tokens-per-gpu", type=int, default=16384, help="tokens per packed micro-batch")
     ap.add_argument("--steps", type=int, default=1, help="colocated steps per lever (the step time is their mean)")
     ap.add_argument("--disk-dir", default=tempfile.gettempdir(), help="--offload-train-disk-dir for stream-disk*")
+    ap.add_argument(
+        "--train-only", action="store_true", help="no colocated offload/rollout phases: the trainer alone on the GPU"
+    )
     ap.add_argument("--trl", action="store_true", help="also the TRL-equivalent update on each shape")
     ap.add_argument("--save-bench", action="store_true", help="also time an async vs sync save (first shape)")
     ap.add_argument("--save-dir", default=tempfile.gettempdir(), help="where --save-bench writes checkpoints")

@@ -44,9 +44,12 @@ def pin_host(t: torch.Tensor) -> torch.Tensor:
     """Page-lock a host tensor in place (cudaHostRegister: no power-of-two rounding, unlike pin_memory())."""
     if not torch.cuda.is_available() or t.numel() == 0:
         return t
-    rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    cudart = torch.cuda.cudart()
+    rc = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
     if int(rc) != 0:
         logger.warning("could not page-lock %.1f GiB of host memory (%s): copies run slower", t.nbytes / 2**30, rc)
+    else:  # unlocked before the memory goes back to the allocator
+        weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
     return t
 
 
