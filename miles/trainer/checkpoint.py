@@ -297,6 +297,14 @@ def _write_json(path: str, obj: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class BackgroundWriter:
     """Writes one checkpoint's DCP shards at a time in a thread, then its COMPLETE marker (see the module doc)."""
 
@@ -359,8 +367,13 @@ class BackgroundWriter:
 
     def _write(self, path: str, snapshot: dict[str, Any]) -> None:
         try:
-            dcp.save(snapshot, checkpoint_id=os.path.join(path, "model"), process_group=self._group)
-            if dist.get_rank() == 0:  # every rank's shards are written (DCP's last step gathers them)
+            rank = dist.get_rank()
+            _fsync(os.path.join(path, "rng", f"rank_{rank}.pt"))  # durable before DCP's last step, hence the marker
+            dcp.save(
+                snapshot, checkpoint_id=os.path.join(path, "model"), process_group=self._group
+            )  # fsyncs its files
+            if rank == 0:  # every rank's shards are written (DCP's last step gathers them)
+                _fsync(os.path.join(path, "meta.json"))
                 _write_marker(path)
             logger.info("saved checkpoint %s", path)
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException; wait() raises it
