@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from miles.config_fields import FIELDS, ConfigError
 from miles.config_lora_sft import check_lora, check_sft, is_sft
+from miles.config_memory import check_memory_levers
 from miles.config_ranges import (
     CHECKED_ELSEWHERE,
     MACHINE_LIMITS,
@@ -60,6 +61,8 @@ ENUM_CHOICES: dict[str, tuple[str, ...]] = {
     "opd_type": ("sglang", "megatron"),
     "opd_top_k_strategy": ("only-student", "only-teacher", "intersection", "union", "xor"),
     "opd_reward_weight_mode": ("student_p", "teacher_p", "none"),
+    "stream_optimizer_state_moment_dtype": ("fp32", "bf16"),
+    "offload_train_target": ("cpu", "disk"),
 }
 DEFAULT_TEACHER = "default"  # the teacher a prompt without a known teacher name goes to
 
@@ -602,6 +605,7 @@ def finalize(cfg: MilesConfig, explicit: set[str], *, for_train: bool = True) ->
     errors += check_not_implemented(cfg) + check_mode_support(cfg)
     errors += check_sglang_passthrough(cfg) + check_numbers(cfg, explicit)
     errors += check_debug_modes(cfg) + check_lora(cfg) + check_sft(cfg) + check_opd(cfg)
+    errors += check_memory_levers(cfg)
     if for_train:
         errors += check_train_inputs(cfg)
     if errors:

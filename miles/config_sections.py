@@ -321,6 +321,41 @@ class TrainConfig:
         "what colocated engines release: kv_cache, weight, cuda_graph",
         metadata={"nargs": "+"},
     )
+    # ---- memory levers: optimizer state off the GPU, trainer state on disk, asynchronous saves ----
+    optimizer_cpu_offload: bool = _f(
+        False,
+        "PERF",
+        "FSDP, one trainer rank: fp32 master weights and AdamW moments live in host memory and the optimizer "
+        "steps there; the GPU keeps the weights in the compute dtype and fp32 gradients, copied out per bucket",
+    )
+    offload_optimizer_states: bool = _f(
+        False,
+        "PERF",
+        "FSDP, one trainer rank: AdamW moments live in pinned host memory between steps and are streamed "
+        "through the GPU bucket by bucket during the step (bit-identical to resident moments)",
+    )
+    stream_optimizer_state_to_disk: bool = _f(
+        False,
+        "PERF",
+        "FSDP, one trainer rank: AdamW moments live in files under --offload-train-disk-dir and are streamed "
+        "through the GPU bucket by bucket during the step (fp32: bit-identical to resident moments)",
+    )
+    stream_optimizer_state_moment_dtype: str = _f(
+        "fp32", "PERF", "dtype of the moments --stream-optimizer-state-to-disk keeps on disk: fp32 | bf16"
+    )
+    offload_train_target: str = _f(
+        "cpu", "PERF", "where --offload-train moves the trainer's state while engines generate: cpu | disk"
+    )
+    offload_train_disk_dir: str | None = _f(
+        None, "PERF", "directory for --offload-train-target disk and --stream-optimizer-state-to-disk files"
+    )
+    offload_train_disk_chunk_mb: int = _f(256, "PERF", "bytes per host-to-disk copy (and per optimizer bucket), MiB")
+    async_save: bool | None = _f(
+        None,
+        "CKPT",
+        "write checkpoints in the background while the next step runs (default: on with --train-backend fsdp; "
+        "--no-async-save saves synchronously)",
+    )
     lora_rank: int = _f(
         0,
         "LORA",

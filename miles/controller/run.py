@@ -258,7 +258,10 @@ class MilesRun:
         return self
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
+        lost = None
         try:
+            if exc_type is None:  # a background checkpoint write finishes (or fails loudly) before the run ends
+                await self.finish_saves()
             lost = await self._lost_peer_behind(exc)
         finally:
             await self.close()
@@ -400,7 +403,19 @@ class MilesRun:
         # a full disk, say, is raised as the trainers' one-line reason, not their traceback
         await self._wait("save_time", self.trainers.save(self._ckpt_dir(rollout_id), extra))
         self._saved_steps.add(rollout_id)
+        # with --async-save this one may still be being written: it is complete (and counted) at the next save
         if t.max_checkpoints:  # after the new one is complete: the newest complete checkpoint is never deleted
+            await asyncio.to_thread(prune_checkpoints, t.save, t.max_checkpoints)
+
+    async def finish_saves(self) -> None:
+        """Wait for a checkpoint still being written in the background (--async-save); prune after it."""
+        t = self.cfg.train
+        if not (t.save and self.has_trainer and self._saved_steps):
+            return
+        from miles.trainer.checkpoint_layout import prune_checkpoints
+
+        await self._wait("save_time", self.trainers.finish_saves())
+        if t.max_checkpoints:
             await asyncio.to_thread(prune_checkpoints, t.save, t.max_checkpoints)
 
     async def _maybe_resume(self) -> None:

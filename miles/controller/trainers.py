@@ -59,9 +59,17 @@ class TrainerGroup:
         return (await asyncio.gather(*calls))[0]
 
     async def save(self, path: str, extra_state: dict[str, Any]) -> None:
-        """A checkpoint at `path`; a failed write (a full disk, say) is raised as its one-line reason."""
+        """A checkpoint at `path`; a failed write (a full disk, say) is raised as its one-line reason.
+        With --async-save the ranks return once their state is staged; `finish_saves` waits for the write."""
+        await self._checkpoint_call("save", path, extra_state)
+
+    async def finish_saves(self) -> None:
+        """The checkpoint still being written in the background is complete (its failure is raised here)."""
+        await self._checkpoint_call("finish_saves")
+
+    async def _checkpoint_call(self, method: str, *args: Any) -> None:
         try:
-            await self._all("save", path, extra_state)
+            await self._all(method, *args)
         except RemoteError as e:
             if e.exc_type != "CheckpointWriteError":
                 raise

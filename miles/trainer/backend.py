@@ -98,6 +98,9 @@ class TrainBackend(Protocol):
 
     def load(self, path: str) -> dict: ...
 
+    def finish_saves(self) -> None:
+        """Collective: a checkpoint still being written in the background is complete (or its failure raised)."""
+
     def offload(self) -> None: ...
 
     def onload(self) -> None: ...

@@ -14,6 +14,14 @@ loadable; incomplete directories are left for inspection. A save
 that fails on any rank (a full disk, say) raises `CheckpointWriteError` on every rank, naming the
 directory; the partial directory is removed and never gets its marker. `miles train` prints that
 one line and exits 1.
+
+Asynchronous saves (`--async-save`, the FSDP default): `BackgroundWriter` snapshots the state to host
+memory (every tensor on the training device is copied; state that already lives on the host, such as
+an offloaded optimizer's moments, is referenced and the next optimizer step waits for the write),
+writes meta.json and the RNG files, and returns; a thread then writes the DCP shards over a gloo group
+of its own and, once every rank's shards are durable, rank 0 writes COMPLETE. At most one save is in
+flight: the next save (and a load, and the end of the run) first waits for it, and a failure of the
+background write is raised there, on every rank, as CheckpointWriteError.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import logging
 import os
 import random
 import shutil
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +42,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
 from miles.trainer.checkpoint_layout import (  # noqa: F401 - the layout's names, re-exported
     COMPLETE_MARKER,
@@ -102,6 +112,7 @@ def save_checkpoint(
     save_optim: bool = True,
     write_model: Callable[[str], None] | None = None,
     trainable_only: bool = False,
+    background: BackgroundWriter | None = None,
 ) -> None:
     """Collective: every rank writes its shards; rank 0 writes meta.json and then COMPLETE.
 
@@ -109,8 +120,12 @@ def save_checkpoint(
     format (megatron-core's dist_checkpointing); the rest of the layout is the same.
     `trainable_only`: only parameters that train (a LoRA adapter) and their optimizer state are written.
     Any rank's write failure is shared with every rank (none is left waiting in a barrier), and all
-    raise the same CheckpointWriteError.
+    raise the same CheckpointWriteError. `background`: the shards and COMPLETE are written by that writer's
+    thread, after this returns (see the module doc).
     """
+    if background is not None:
+        background.wait()  # at most one save in flight; the previous one's failure is raised here
+        background.ensure_group()
     rank = dist.get_rank()
     error = None
     try:
@@ -125,15 +140,22 @@ def save_checkpoint(
             write_model(os.path.join(path, "model"))
         else:
             state = _model_optim_state(models, save_optim, trainable_only)
-            dcp.save(state, checkpoint_id=os.path.join(path, "model"))
+            if background is None:
+                dcp.save(state, checkpoint_id=os.path.join(path, "model"))
         torch.save(_rng_state(), os.path.join(path, "rng", f"rank_{rank}.pt"))
         if rank == 0:
             _write_json(
                 os.path.join(path, "meta.json"), {**meta, "has_optim": save_optim, "trainable_only": trainable_only}
             )
+        if background is not None:
+            background.stage(path, state)
     except _SAVE_ERRORS as e:  # shared with every rank below
         error = _write_error(path, e)
     _raise_first(path, error)  # every rank's shards and RNG file exist before the marker
+    if background is not None:  # every rank staged its snapshot: the threads' collectives all take place
+        background.launch()
+        logger.info("writing checkpoint %s in the background", path)
+        return
     try:
         if rank == 0:
             _write_marker(path)
@@ -290,3 +312,101 @@ def _write_json(path: str, obj: dict[str, Any]) -> None:
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=1, sort_keys=True)
     os.replace(tmp, path)
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class BackgroundWriter:
+    """Writes one checkpoint's DCP shards at a time in a thread, then its COMPLETE marker (see the module doc)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._group = None  # gloo, created at the first save (collective): the thread's collectives use it
+        self._host: dict[tuple, torch.Tensor] = {}  # snapshot buffers, reused by every save
+        self._thread: threading.Thread | None = None
+        self._path: str | None = None
+        self._error: str | None = None
+        self._staged: dict[str, Any] | None = None
+        self.references_live_state = False  # the snapshot points at host state the next optimizer step changes
+
+    @property
+    def pending(self) -> str | None:
+        return self._path
+
+    def ensure_group(self) -> None:
+        """Collective (every rank, before anything of the save can fail): the writer threads' gloo group."""
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+
+    def stage(self, path: str, state: dict[str, Any]) -> None:
+        """Snapshot `state` to host memory for the checkpoint at `path`; `launch()` starts writing it."""
+        if self._thread is not None:
+            raise RuntimeError(f"a checkpoint is still being written ({self._path}); call wait() first")
+        self.references_live_state = False
+        self._staged = self._snapshot(state, ())
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._path, self._error = path, None
+
+    def launch(self) -> None:
+        snapshot, self._staged = self._staged, None
+        self._thread = threading.Thread(target=self._write, args=(self._path, snapshot), name="checkpoint-writer")
+        self._thread.start()
+
+    def _snapshot(self, value: Any, key: tuple) -> Any:
+        if isinstance(value, dict):
+            return {k: self._snapshot(v, (*key, k)) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._snapshot(v, (*key, i)) for i, v in enumerate(value))
+        if not isinstance(value, torch.Tensor):
+            return value
+        local = value._local_tensor if isinstance(value, DTensor) else value
+        if local.device != self.device:
+            self.references_live_state = True
+            return value
+        host = self._host.get(key)
+        if host is None or host.shape != local.shape or host.dtype != local.dtype:
+            from miles.trainer.offload_optim import pin_host
+
+            host = self._host[key] = pin_host(torch.empty(local.shape, dtype=local.dtype))
+        host.copy_(local.detach(), non_blocking=True)
+        if isinstance(value, DTensor):
+            return DTensor.from_local(
+                host, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+            )
+        return host
+
+    def _write(self, path: str, snapshot: dict[str, Any]) -> None:
+        try:
+            rank = dist.get_rank()
+            _fsync(os.path.join(path, "rng", f"rank_{rank}.pt"))  # durable before DCP's last step, hence the marker
+            dcp.save(
+                snapshot, checkpoint_id=os.path.join(path, "model"), process_group=self._group
+            )  # fsyncs its files
+            if rank == 0:  # every rank's shards are written (DCP's last step gathers them)
+                _fsync(os.path.join(path, "meta.json"))
+                _write_marker(path)
+            logger.info("saved checkpoint %s", path)
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException; wait() raises it
+            logger.exception("writing checkpoint %s failed", path)
+            self._error = _write_error(path, e)
+
+    def wait_local(self) -> None:
+        """This rank's write is finished (no collective; a failure is raised by the next wait())."""
+        if self._thread is not None:
+            self._thread.join()
+
+    def wait(self) -> None:
+        """Collective: the checkpoint in flight is complete on every rank, or all raise its failure."""
+        if self._thread is None:  # saves are collective: no rank has one in flight either
+            return
+        self.wait_local()
+        path, error = self._path, self._error
+        self._thread = self._path = self._error = None
+        _raise_first(path, error)

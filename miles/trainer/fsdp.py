@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from miles.config_sections import AlgoConfig, ModelConfig, RolloutConfig, TrainConfig
@@ -29,6 +29,12 @@ from miles.rollout.train_data import TrainBatch
 from miles.trainer import checkpoint as ckpt
 from miles.trainer.backend import MicroBatchLoss, register_backend
 from miles.trainer.forward import dummy_batch, forward_micro_batch, model_layout, response_values, token_index
+from miles.trainer.fsdp_shard import (  # noqa: F401 - shard_model and _own_parameters: used by tests and benches
+    _adamw_kernels,
+    _clip_grad_norm,
+    _own_parameters,
+    shard_model,
+)
 from miles.trainer.hf_io import (
     load_causal_lm,
     load_value_model,
@@ -39,7 +45,8 @@ from miles.trainer.hf_io import (
 )
 from miles.trainer.lora import adapter_tensors, apply_lora, export_lora_hf, lora_settings, trainable_parameters
 from miles.trainer.lr_schedule import LRSchedule, LRScheduler
-from miles.trainer.offload import HostOffloader, module_tensors, optimizer_tensors
+from miles.trainer.offload import DiskOffloader, HostOffloader, module_tensors, optimizer_tensors
+from miles.trainer.offload_optim import OffloadedAdamW, build_adamw, optimizer_placement
 from miles.trainer.packing import layout_for, pack_sequences, plan_micro_batches
 from miles.trainer.routing_replay import RoutingReplay, replay_scope
 from miles.trainer.train_loop import run_rl_step
@@ -56,87 +63,6 @@ def _all_reduce(values: list[float], device: torch.device, op=dist.ReduceOp.SUM)
     return t.tolist()
 
 
-def shard_model(
-    model: nn.Module, mesh, mp_policy: MixedPrecisionPolicy | None, *, compile_blocks: bool = False
-) -> nn.Module:
-    """fully_shard each transformer block (HF `_no_split_modules`), then the root.
-
-    With one rank there is nothing to save by freeing gathered parameters after forward, so they
-    stay gathered until backward instead of being gathered twice. With one rank and no mixed
-    precision FSDP has no work at all (no shards, no casts, a sum over one rank) besides copying
-    every parameter in before forward and every gradient out after backward, so the model stays
-    a plain module, as torchtitan does without a sharded data-parallel dimension.
-    """
-    block_names = set(getattr(model, "_no_split_modules", None) or [])
-    blocks = [m for m in model.modules() if type(m).__name__ in block_names]
-    if not blocks:
-        raise ValueError(
-            f"{type(model).__name__} declares no _no_split_modules; cannot find transformer blocks to shard"
-        )
-    if compile_blocks:  # in place, so parameter names (HF names) stay as they are
-        for block in blocks:
-            block.compile(dynamic=True)
-    if mesh.size() == 1 and mp_policy is None:
-        return _own_parameters(model.to(mesh.device_type))
-    kw = {"mesh": mesh, "reshard_after_forward": mesh.size() > 1} | ({"mp_policy": mp_policy} if mp_policy else {})
-    for block in blocks:
-        fully_shard(block, **kw)
-    fully_shard(model, **kw)
-    if mesh.size() == 1:
-        return model  # nothing to divide by: an explicit factor would only add a division pass per group
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            # Sum over ranks (losses carry global denominators). Forcing plain SUM collectives avoids
-            # PREMUL_SUM, which gloo lacks, and keeps NCCL on its zero-copy path.
-            m.set_gradient_divide_factor(1.0)
-            m.set_force_sum_reduction_for_comms(True)
-    return model
-
-
-@torch.no_grad()
-def _own_parameters(model: nn.Module) -> nn.Module:
-    """Give every parameter storage of its own, as fully_shard does: HF may load them as views of the
-    memory-mapped checkpoint, which can be neither offloaded (resized) nor should be written in place."""
-    for p in model.parameters():  # tied weights are one Parameter, so they stay tied
-        p.data = p.data.clone()
-    return model
-
-
-def _clip_grad_norm(model: nn.Module, max_norm: float, device: torch.device) -> float:
-    """Global grad norm over all shards, and clipping, on the local shards.
-
-    Works on each DTensor's local tensor with foreach kernels plus one all-reduce, instead of
-    per-parameter DTensor dispatch: same result, far less CPU time per step.
-    """
-    grads = [
-        p.grad._local_tensor if hasattr(p.grad, "_local_tensor") else p.grad
-        for p in model.parameters()
-        if p.grad is not None
-    ]
-    grads = [g for g in grads if g.numel()]
-    sq = torch.zeros((), dtype=torch.float32, device=device)
-    if grads:
-        sq = torch.stack(torch._foreach_norm(grads, 2.0)).float().square().sum()
-    if dist.get_world_size() > 1:
-        dist.all_reduce(sq)
-    norm = sq.sqrt()
-    if grads and max_norm > 0:
-        torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0).to(grads[0].dtype))
-    return float(norm.item())
-
-
-def _adamw_kernels(model: nn.Module, device: torch.device) -> dict[str, bool]:
-    """Fused AdamW (one pass over each tensor) for plain parameters: on GPU, and on a single CPU rank.
-
-    FSDP's sharded parameters on CPU take the foreach path instead: one DTensor dispatch per op for
-    all parameters rather than one per parameter, and bit-identical to the per-tensor default with
-    which the CPU standard runs (tests/standards) were recorded; fused kernels would round differently.
-    """
-    if device.type == "cuda" or not isinstance(next(model.parameters()), DTensor):
-        return {"fused": True}
-    return {"foreach": True}
-
-
 @register_backend("fsdp")
 class FSDPBackend:
     def __init__(self, *, model: ModelConfig, train: TrainConfig, algo: AlgoConfig, rollout: RolloutConfig) -> None:
@@ -149,7 +75,8 @@ class FSDPBackend:
         self.critic: nn.Module | None = None
         self.critic_optimizer: torch.optim.Optimizer | None = None
         self.critic_scheduler: LRScheduler | None = None
-        self._offloaders: dict[str, HostOffloader] = {}
+        self._offloaders: dict[str, HostOffloader | DiskOffloader] = {}
+        self._saver: ckpt.BackgroundWriter | None = None  # --async-save (default): set up with the device
         self.lora = lora_settings(train)  # None: every policy parameter trains
         self.replay: RoutingReplay | None = None
 
@@ -183,8 +110,10 @@ class FSDPBackend:
         self.dp_size, self.dp_rank = dist.get_world_size(), dist.get_rank()
         self.dp_group = dist.group.WORLD
         self.mesh = init_device_mesh(self.device.type, (self.dp_size,))
+        if self.train_cfg.async_save is not False:
+            self._saver = ckpt.BackgroundWriter(self.device)
         torch.manual_seed(self.train_cfg.seed)
-        compute_dtype = resolve_compute_dtype(self.model_cfg.dtype, self.device.type)
+        self.compute_dtype = compute_dtype = resolve_compute_dtype(self.model_cfg.dtype, self.device.type)
         self.mp_policy = (
             MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
             if compute_dtype != torch.float32
@@ -228,19 +157,22 @@ class FSDPBackend:
             apply_lora(model, self.lora)  # in place: only the adapter trains
         if self.train_cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        shard_model(model, self.mesh, self.mp_policy, compile_blocks=self.train_cfg.compile)
-        model.train()
-        clock.mark("shard")
         t = self.train_cfg
-        optimizer = torch.optim.AdamW(
-            trainable_parameters(model),
-            lr=lr,
-            betas=(t.adam_beta1, t.adam_beta2),
-            eps=t.adam_eps,
-            weight_decay=t.weight_decay,
-            **_adamw_kernels(model, self.device),
-        )
-        clock.mark("optimizer")
+        placement = optimizer_placement(t)
+        if placement == "cpu":  # the optimizer copies the fp32 masters before the weights drop to compute dtype
+            optimizer = build_adamw(trainable_parameters(model), t, lr, {})
+            shard_model(model, self.mesh, None, compile_blocks=t.compile).to(self.compute_dtype)
+        else:
+            shard_model(
+                model,
+                self.mesh,
+                self.mp_policy,
+                compile_blocks=t.compile,
+                reshard_after_forward=True if placement else None,
+            )
+            optimizer = build_adamw(trainable_parameters(model), t, lr, _adamw_kernels(model, self.device))
+        model.train()
+        clock.mark("shard+optimizer")
         logger.info("%s built in %s", "critic" if critic else "actor", clock.summary())
         schedule = LRSchedule(
             lr=lr,
@@ -334,7 +266,7 @@ class FSDPBackend:
         """Keep the frozen reference model on host; it is brought back only for its forward."""
         if self.ref is not None and "ref" not in self._offloaders:
             self._reshard_all(self.ref)
-            self._offloaders["ref"] = HostOffloader("ref")
+            self._offloaders["ref"] = self._new_offloader("ref")
             self._offloaders["ref"].offload(module_tensors(self.ref))
 
     # ---- training ---------------------------------------------------------------------------------
@@ -384,10 +316,14 @@ class FSDPBackend:
         return sums
 
     def clip_grad_norm(self, *, critic: bool) -> float:
-        return _clip_grad_norm(self._trainable(critic)[0], self.train_cfg.clip_grad, self.device)
+        model, optimizer, _ = self._trainable(critic)
+        grads = optimizer.grad_tensors() if isinstance(optimizer, OffloadedAdamW) else None
+        return _clip_grad_norm(model, self.train_cfg.clip_grad, self.device, grads)
 
     def optimizer_step(self, *, critic: bool) -> None:
         _, optimizer, scheduler = self._trainable(critic)
+        if self._saver is not None and self._saver.references_live_state:
+            self._saver.wait_local()  # the checkpoint being written reads this host state: let it finish first
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
@@ -447,7 +383,18 @@ class FSDPBackend:
             meta,
             save_optim=not self.train_cfg.no_save_optim,
             trainable_only=self.lora is not None,
+            background=self._saver,
         )
+
+    def finish_saves(self) -> None:
+        """Collective: the checkpoint written in the background (if any) is complete, or its failure is raised."""
+        if self._saver is not None:
+            self._saver.wait()
+
+    def finish_saves_local(self) -> None:
+        """This rank's background write is done (on the way out; no collective)."""
+        if self._saver is not None:
+            self._saver.wait_local()
 
     def _refuse_non_finite_weights(self, path: str) -> None:
         """No checkpoint of NaN or inf weights: every rank checks its shards, and all agree before raising."""
@@ -467,6 +414,7 @@ class FSDPBackend:
             )
 
     def load(self, path: str) -> dict:
+        self.finish_saves()
         resolved = ckpt.resolve_load_path(path)
         if resolved is None:
             raise FileNotFoundError(
@@ -499,8 +447,17 @@ class FSDPBackend:
             if model is None:
                 continue
             self._reshard_all(model)
-            off = self._offloaders.setdefault(key, HostOffloader(key))
+            if key not in self._offloaders:
+                self._offloaders[key] = self._new_offloader(key)
+            off = self._offloaders[key]
             off.offload([*module_tensors(model), *optimizer_tensors(optim)])
+
+    def _new_offloader(self, name: str) -> HostOffloader | DiskOffloader:
+        """Host memory, or files under --offload-train-disk-dir with --offload-train-target disk."""
+        t = self.train_cfg
+        if t.offload_train_target == "disk":
+            return DiskOffloader(name, t.offload_train_disk_dir, t.offload_train_disk_chunk_mb * 2**20)
+        return HostOffloader(name)
 
     def onload(self) -> None:
         for key in ("actor", "critic"):

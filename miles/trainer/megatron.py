@@ -426,6 +426,9 @@ class MegatronBackend:
 
         ckpt.save_checkpoint(path, {}, meta, save_optim=save_optim, write_model=write_model)
 
+    def finish_saves(self) -> None:
+        """Checkpoints are written synchronously here (--async-save is refused for megatron)."""
+
     def load(self, path: str) -> dict:
         resolved = ckpt.resolve_load_path(path)
         if resolved is None:

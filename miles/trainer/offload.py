@@ -14,6 +14,9 @@ bus's bandwidth.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import weakref
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -27,6 +30,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    if hasattr(optimizer, "device_tensors"):  # an optimizer keeping its state off the device says what is on it
+        yield from optimizer.device_tensors()
+        return
     for state in optimizer.state.values():
         for v in state.values():
             if isinstance(v, torch.Tensor):
@@ -105,4 +111,81 @@ class HostOffloader:
             torch.cuda.synchronize()
         self._saved.clear()
         logger.info("%s: onloaded %.1f MiB", self.name, moved / 2**20)
+        return moved
+
+
+class DiskOffloader:
+    """`HostOffloader` with the bytes in files under a directory (`--offload-train-target disk`).
+
+    Each storage goes to its own file, in chunks of `chunk_bytes` through one staging buffer (page-locked
+    on CUDA); onload reads it back into the same storage. Bit-exact, like
+    the host version, and the tensors keep their identity.
+    """
+
+    def __init__(self, name: str, directory: str, chunk_bytes: int) -> None:
+        import tempfile
+
+        os.makedirs(directory, exist_ok=True)
+        self.name = name
+        self.dir = tempfile.mkdtemp(prefix=f"{name}-", dir=directory)
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self.dir, True)
+        self.chunk_bytes = chunk_bytes
+        self._saved: list[tuple[torch.UntypedStorage, str, int]] = []
+        self._staging: torch.Tensor | None = None
+
+    @property
+    def is_offloaded(self) -> bool:
+        return bool(self._saved)
+
+    def _stage(self) -> torch.Tensor:
+        if self._staging is None:
+            self._staging = torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        return self._staging
+
+    def offload(self, tensors: Iterable[torch.Tensor]) -> int:
+        """Write the storages of `tensors` to files and free them; returns bytes moved."""
+        if self._saved:
+            raise RuntimeError(f"{self.name}: offload() called twice without onload()")
+        seen: set[int] = set()
+        moved = 0
+        for t in tensors:
+            storage = _local(t).untyped_storage()
+            if storage.nbytes() == 0 or storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            path = os.path.join(self.dir, f"{len(self._saved)}.bin")
+            self._write(storage, path)
+            self._saved.append((storage, path, storage.nbytes()))
+            moved += storage.nbytes()
+        for storage, _, _ in self._saved:
+            storage.resize_(0)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        logger.info("%s: offloaded %.1f MiB to %s", self.name, moved / 2**20, self.dir)
+        return moved
+
+    def _write(self, storage: torch.UntypedStorage, path: str) -> None:
+        src = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+        with open(path, "wb") as f:
+            for a in range(0, src.numel(), self.chunk_bytes):
+                part = src[a : a + self.chunk_bytes]
+                # through the staging buffer on CPU too: numpy() of the storage itself would make it unresizable
+                f.write(self._stage()[: part.numel()].copy_(part).numpy().tobytes())
+
+    def onload(self) -> int:
+        """Read every offloaded storage back in place; returns bytes moved."""
+        moved = 0
+        for storage, path, nbytes in self._saved:
+            storage.resize_(nbytes)
+            dst = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+            with open(path, "rb") as f:
+                for a in range(0, nbytes, self.chunk_bytes):
+                    n = min(self.chunk_bytes, nbytes - a)
+                    host = self._stage()[:n]
+                    f.readinto(memoryview(host.numpy()))
+                    dst[a : a + n].copy_(host)
+            os.remove(path)
+            moved += nbytes
+        self._saved.clear()
+        logger.info("%s: onloaded %.1f MiB from %s", self.name, moved / 2**20, self.dir)
         return moved

@@ -48,6 +48,7 @@ class Worker:
     """Subclass and add methods; see the module docstring for the calling rules."""
 
     sync_threads: ClassVar[int] = 1
+    stop_timeout_s: ClassVar[float] = 30.0  # how long an orderly shutdown waits for on_stop
 
     def __init__(self, ctx: WorkerContext, **init_kwargs: Any) -> None:
         if init_kwargs:

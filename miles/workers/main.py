@@ -229,7 +229,7 @@ class WorkerHost:
     async def _stop_worker(self) -> None:
         if self.worker is not None and self.exit_code != EXIT_CONTROLLER_LOST:
             try:
-                await asyncio.wait_for(self.worker.on_stop(), timeout=30.0)
+                await asyncio.wait_for(self.worker.on_stop(), timeout=self.worker.stop_timeout_s)
             except Exception:  # noqa: BLE001 - still exit; the log keeps the reason
                 logger.exception("on_stop failed")
         self.rpc.close()

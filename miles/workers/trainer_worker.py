@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
@@ -46,6 +47,8 @@ def _all_gather_object(obj: Any) -> list[Any]:
 
 
 class TrainerWorker(Worker):
+    stop_timeout_s = 900.0  # a checkpoint being written in the background (tens of GB) is let finish
+
     def __init__(self, ctx, *, sections: dict[str, dict[str, Any]], device: str = "cpu"):
         super().__init__(ctx)
         self.model_cfg = ModelConfig(**sections["model"])
@@ -201,6 +204,10 @@ class TrainerWorker(Worker):
     def save(self, path: str, extra_state: dict[str, Any]) -> None:
         self.backend.save(path, extra_state)
 
+    def finish_saves(self) -> None:
+        """Collective: the checkpoint written in the background (--async-save) is complete."""
+        self.backend.finish_saves()
+
     def load(self, path: str) -> dict[str, Any]:
         return self.backend.load(path)
 
@@ -226,5 +233,9 @@ class TrainerWorker(Worker):
         return self.profiler.stop()
 
     async def on_stop(self) -> None:
+        # a SIGTERM lets a checkpoint being written in the background finish (it gets its COMPLETE marker)
+        wait_local = getattr(self.backend, "finish_saves_local", None)
+        if wait_local is not None:
+            await asyncio.to_thread(wait_local)
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -43,6 +43,7 @@ def _run_a(rank: int, world: int, model_dir: str, root: str) -> None:
     be.train(shard(make_batch(N, seed=10), rank, world, 4), rollout_id=0)
     save_dir = os.path.join(root, "save")
     be.save(checkpoint_dir(save_dir, 1), {"next_rollout_id": 1, "data_source": {"epoch": 0, "offset": 8}})
+    be.finish_saves()  # written in the background (--async-save): complete from here on
     be.export_hf(os.path.join(root, "hf_export"))
     exported_params = _params(be)
     m1 = be.train(shard(make_batch(N, seed=11), rank, world, 4), rollout_id=1)

@@ -55,6 +55,7 @@ def _run(rank: int, world: int, model_dir: str, root: str) -> None:
     saved = _full(be)
     m1 = be.train(shard(make_batch(N, seed=11), rank, world, 4), rollout_id=1)
     a = {"initial": initial, "saved": saved, "final": _full(be), "metrics": m1, "streamed": streamed}
+    be.finish_saves()  # the checkpoint is written in the background (--async-save)
     del be
     resumed = _backend(model_dir)
     resumed.load(checkpoint_dir(os.path.join(root, "save"), 1))
