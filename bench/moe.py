@@ -98,7 +98,7 @@ def rollout(model: CausalLM, a: argparse.Namespace, seed: int) -> tuple[list[lis
     )
     runner.kv.allocate()
     prefill_routing = Routing()
-    res = runner.prefill(prompts, 0, [False] * a.batch, prefill_routing)
+    res = runner.prefill(prompts, 0, [False] * a.batch, routing=prefill_routing)
     stacked = prefill_routing.stacked()  # [B * prompt_len, layers, k]
     rows = [stacked.view(a.batch, a.prompt_len, *stacked.shape[1:]).cpu()]
     logits, seqs, lps = res.last_logits, [list(p) for p in prompts], []

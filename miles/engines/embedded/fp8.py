@@ -121,7 +121,9 @@ class Fp8Weight:
     def device(self) -> torch.device:
         return self.q.device
 
-    def __getitem__(self, rows: slice) -> Fp8Weight:
+    def __getitem__(self, rows: slice | tuple[slice]) -> Fp8Weight:
+        if isinstance(rows, tuple):  # the engine's views index as (slice,)
+            (rows,) = rows
         start, stop = rows.start or 0, rows.stop if rows.stop is not None else self.q.shape[0]
         return Fp8Weight(self.q[start:stop], self.scale_inv[start // BLOCK : math.ceil(stop / BLOCK)])
 

@@ -279,7 +279,8 @@ class CausalLM:
             ):
                 continue
             parts = [(n, v) for n, v in self._views.items() if v is not None and v[0] == key]
-            odd = [n for n, (_, a, b) in parts if a % fp8.BLOCK or b % fp8.BLOCK and b != t.shape[0]]
+            rows = [(n, index[0].start, index[0].stop) for n, (_, index) in parts]  # fused parts: (slice,)
+            odd = [n for n, a, b in rows if a % fp8.BLOCK or b % fp8.BLOCK and b != t.shape[0]]
             if odd:
                 raise ValueError(
                     f"FP8 serving needs every fused projection's rows in whole 128-row blocks; {odd[0]} is not "
