@@ -24,7 +24,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 
 from miles.config_lora_sft import is_sft
-from miles.config_sections import MilesConfig, engine_dtype
+from miles.config_sections import EMBEDDED_MAX_RUNNING_REQUESTS, EngineConfig, MilesConfig, engine_dtype
 from miles.true_on_policy import CUBLAS_WORKSPACE_CONFIG
 from miles.wire.ports import free_port
 from miles.wire.specs import WorkerSpec
@@ -101,7 +101,26 @@ def _kv_tokens(cfg: MilesConfig) -> int:
     """Default KV capacity: every running request can hold a full prompt + response."""
     r = cfg.rollout
     per_request = r.rollout_max_context_len or ((cfg.data.rollout_max_prompt_len or 1024) + r.rollout_max_response_len)
-    return cfg.engine.max_running_requests * per_request
+    return embedded_running_requests(cfg.engine) * per_request
+
+
+def embedded_running_requests(engine: EngineConfig) -> int:
+    """The embedded engine's running batch: --max-running-requests, else its default."""
+    return engine.max_running_requests or EMBEDDED_MAX_RUNNING_REQUESTS
+
+
+def sglang_launch_args(engine: EngineConfig) -> dict:
+    """The `sglang.launch_server` arguments of a launched SGLang engine: the `--sglang-*` passthrough and the
+    Miles flags SGLang reads under its own names. Unset Miles flags leave SGLang's own defaults; a flag given
+    both ways is refused at start-up (`config_refusals`)."""
+    args = copy.deepcopy(engine.sglang_args)
+    if engine.deterministic:
+        args["enable_deterministic_inference"] = True
+    if engine.max_running_requests is not None:
+        args["max_running_requests"] = engine.max_running_requests
+    if engine.max_total_tokens is not None:
+        args["max_total_tokens"] = engine.max_total_tokens
+    return args
 
 
 class _FreeGpus:
@@ -259,11 +278,11 @@ def _engine_spec(
             "model_path": model_path or cfg.model.hf_checkpoint,
             "device": device,
             "dtype": dtype,
-            "max_running_requests": engine.max_running_requests,
+            "max_running_requests": embedded_running_requests(engine),
             "max_total_tokens": engine.max_total_tokens or _kv_tokens(cfg),
             "seed": seed,
             "deterministic": engine.deterministic,
-            "sglang_args": copy.deepcopy(engine.sglang_args),
+            "sglang_args": sglang_launch_args(engine) if engine.engine == "sglang" else copy.deepcopy(engine.sglang_args),
             "tp_size": engine.rollout_num_gpus_per_engine,
             "api_key": engine.api_key,
             "weight_dirs": engine_weight_dirs(cfg),

@@ -16,19 +16,9 @@ from miles.cli import main
 from miles.config import render_markdown
 from miles.utils.plot import ascii_curve
 
-TRAIN = [
-    "train",
-    "--hf-checkpoint",
-    "/m",
-    "--prompt-data",
-    "/p.jsonl",
-    "--rm-type",
-    "math",
-    "--num-rollout",
-    "2",
-    "--rollout-batch-size",
-    "4",
-]
+from harness import minimal_train_args  # isort: skip
+
+TRAIN = ["train", *minimal_train_args(num_rollout=2)]
 
 
 @pytest.fixture(autouse=True)
