@@ -110,10 +110,12 @@ def embedded_running_requests(engine: EngineConfig) -> int:
 
 
 def sglang_launch_args(engine: EngineConfig) -> dict:
-    """The `sglang.launch_server` arguments of a launched SGLang engine: the `--sglang-*` passthrough and the
+    """The SGLang server arguments an engine gets: the `--sglang-*` passthrough and, with --engine sglang, the
     Miles flags SGLang reads under its own names. Unset Miles flags leave SGLang's own defaults; a flag given
-    both ways is refused at start-up (`config_refusals`)."""
+    both ways is refused at start-up (`config_refusals`). The embedded engine reads the passthrough only."""
     args = copy.deepcopy(engine.sglang_args)
+    if engine.engine != "sglang":
+        return args
     if engine.deterministic:
         args["enable_deterministic_inference"] = True
     if engine.max_running_requests is not None:
@@ -282,7 +284,7 @@ def _engine_spec(
             "max_total_tokens": engine.max_total_tokens or _kv_tokens(cfg),
             "seed": seed,
             "deterministic": engine.deterministic,
-            "sglang_args": sglang_launch_args(engine) if engine.engine == "sglang" else copy.deepcopy(engine.sglang_args),
+            "sglang_args": sglang_launch_args(engine),
             "tp_size": engine.rollout_num_gpus_per_engine,
             "api_key": engine.api_key,
             "weight_dirs": engine_weight_dirs(cfg),
