@@ -27,6 +27,7 @@ __all__ = [
     "SMALL_RUN",
     "free_port",
     "free_port_run",
+    "installed",
     "leftover_processes",
     "minimal_train_args",
     "python_path",

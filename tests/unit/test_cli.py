@@ -16,7 +16,7 @@ from miles.cli import main
 from miles.config import render_markdown
 from miles.utils.plot import ascii_curve
 
-from harness import minimal_train_args  # isort: skip
+from harness import minimal_train_args, requires  # isort: skip
 
 TRAIN = ["train", *minimal_train_args(num_rollout=2)]
 
@@ -193,6 +193,7 @@ def test_unknown_command_exits_2(capsys):
 # ---------------------------------------------------------------- plots
 
 
+@requires("matplotlib")
 def test_plot_writes_pngs_for_known_keys(tmp_path, capsys):
     rows = [
         {"step": 0, "rollout/reward_mean": 0.1, "train/kl_loss": 0.0, "rollout/other": 5},

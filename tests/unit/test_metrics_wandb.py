@@ -15,7 +15,7 @@ from miles.config import load_config
 from miles.config_fields import ConfigError
 from miles.utils.metrics import WANDB_ID_FILE, MetricsSink, read_metrics
 
-from harness import minimal_train_args  # isort: skip
+from harness import minimal_train_args, requires  # isort: skip
 
 
 class FakeRun:
@@ -132,6 +132,7 @@ def test_without_tensorboard_the_run_says_how_to_get_it_and_keeps_metrics_jsonl(
     assert not (tmp_path / "tensorboard").exists()
 
 
+@requires("tensorboard")
 def test_tensorboard_scalars_read_back_with_tensorboards_reader(tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
