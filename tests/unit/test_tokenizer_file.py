@@ -45,10 +45,8 @@ def _model_dirs() -> list:
 
 @pytest.fixture(params=_model_dirs())
 def model_dir(request) -> str:
-    if request.param == "smollm2":
-        from miles.recipes import smollm2
-
-        return str(smollm2.converted_dir())
+    if request.param == "smollm2":  # converted once a session (tests/conftest.py)
+        return str(request.getfixturevalue("smollm2_hf_dir"))
     return request.param
 
 
