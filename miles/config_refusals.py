@@ -266,10 +266,46 @@ def _routing_replay(cfg: MilesConfig) -> list[str]:
     return e
 
 
+# Miles flags a launched SGLang server reads under its own name (`placement.sglang_launch_args`).
+SGLANG_NAMES = {"max_running_requests": "--max-running-requests", "max_total_tokens": "--max-total-tokens"}
+
+
+def _sglang_engine(cfg: MilesConfig) -> list[str]:
+    """What a launched (vanilla) SGLang server cannot do, refused before any worker starts; engines given by
+    --rollout-external-engine-addrs are probed for the endpoints when the weight path connects."""
+    eng = cfg.engine
+    if eng.engine != "sglang" or eng.rollout_num_engines == 0:
+        return []
+    e = [
+        f"{flag} and --sglang-{key.replace('_', '-')} both set SGLang's --{key.replace('_', '-')}; give it once"
+        for key, flag in SGLANG_NAMES.items()
+        if getattr(eng, key) is not None and key in eng.sglang_args
+    ]
+    default_body_mb = FIELDS["http_max_body_mb"].default
+    if eng.http_max_body_mb != default_body_mb:
+        e.append(
+            f"--http-max-body-mb={eng.http_max_body_mb} limits the embedded engine's request bodies; SGLang has no "
+            "such limit: drop it with --engine sglang"
+        )
+    if cfg.weights.update_weight_transfer_mode == "disk-delta":
+        e.append(
+            "--update-weight-transfer-mode=disk-delta patches each engine host's copy through /pull_weights, which "
+            "vanilla SGLang does not serve (the embedded engine and Miles' SGLang fork do); with --engine sglang "
+            "use broadcast or p2p"
+        )
+    if cfg.weights.check_weight_update_equal:
+        e.append(
+            "--check-weight-update-equal needs the digest weight checker (/weights_checker with fill_noise), "
+            "which the embedded engine serves and SGLang does not; drop it with --engine sglang, or use "
+            "--engine embedded"
+        )
+    return e
+
+
 def check_mode_support(cfg: MilesConfig) -> list[str]:
     """Flags that work in some modes only, refused in the others."""
     e = _fully_async_only(cfg) + _sync_only(cfg) + _weights_interval(cfg) + _agentic(cfg) + _true_on_policy(cfg)
-    e += _routing_replay(cfg)
+    e += _routing_replay(cfg) + _sglang_engine(cfg)
     eng = cfg.engine
     if eng.engine == "embedded" and eng.rollout_num_gpus_per_engine > 1:
         e.append(

@@ -13,6 +13,8 @@ import argparse
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+EMBEDDED_MAX_RUNNING_REQUESTS = 64  # the embedded engine's running batch when --max-running-requests is unset
+
 
 def _f(default, group: str, help: str, **kw):
     """A dataclass field carrying its CLI help group and text."""
@@ -404,9 +406,24 @@ class EngineConfig:
         "total rollout GPUs: sets --rollout-num-engines to this / --rollout-num-gpus-per-engine (with --colocate: the trainer's GPU count)",
     )
     colocate: bool = _f(False, "SGLANG", "trainer and engines share devices")
-    max_running_requests: int = _f(64, "SGLANG", "embedded engine: max requests in the running batch")
-    max_total_tokens: int | None = _f(None, "SGLANG", "embedded engine: KV cache capacity in tokens")
-    deterministic: bool = _f(False, "SGLANG", "deterministic engine (fixed per-request seeds, batch-invariant ops)")
+    max_running_requests: int | None = _f(
+        None,
+        "SGLANG",
+        f"max requests in an engine's running batch (embedded engine: {EMBEDDED_MAX_RUNNING_REQUESTS} when unset; "
+        "--engine sglang: SGLang's --max-running-requests, its own default when unset)",
+    )
+    max_total_tokens: int | None = _f(
+        None,
+        "SGLANG",
+        "KV cache capacity in tokens (embedded engine: room for every running request's prompt and response when "
+        "unset; --engine sglang: SGLang's --max-total-tokens)",
+    )
+    deterministic: bool = _f(
+        False,
+        "SGLANG",
+        "deterministic engine (fixed per-request seeds, batch-invariant ops; --engine sglang: "
+        "SGLang's --enable-deterministic-inference)",
+    )
     rollout_external_engine_addrs: list[str] = _f(
         [], "SGLANG", "use already running engines at these URLs", metadata={"nargs": "*"}
     )
@@ -417,7 +434,9 @@ class EngineConfig:
         metadata={"secret": True},
     )
     http_max_body_mb: float = _f(
-        64.0, "SGLANG", "embedded engine and session server: largest HTTP request body in MiB (413 above)"
+        64.0,
+        "SGLANG",
+        "embedded engine and session server: largest HTTP request body in MiB (413 above); SGLang has no such limit",
     )
     sglang_args: dict = _f(
         {}, "SGLANG", "--sglang-* passthrough flags for sglang.launch_server", metadata={"cli": False}

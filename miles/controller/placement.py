@@ -24,7 +24,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 
 from miles.config_lora_sft import is_sft
-from miles.config_sections import MilesConfig, engine_dtype
+from miles.config_sections import EMBEDDED_MAX_RUNNING_REQUESTS, EngineConfig, MilesConfig, engine_dtype
 from miles.true_on_policy import CUBLAS_WORKSPACE_CONFIG
 from miles.wire.ports import free_port
 from miles.wire.specs import WorkerSpec
@@ -103,7 +103,7 @@ def engine_slots(cfg: MilesConfig, role: str) -> int:
     never fills. Eval requests beyond that wait their turn. Left as given with an explicit
     --max-total-tokens, in the fully async loop (more than a step in flight), and for eval / teacher engines."""
     engine, r = cfg.engine, cfg.rollout
-    mrr = engine.max_running_requests
+    mrr = embedded_running_requests(engine)
     if role != "rollout" or engine.max_total_tokens or cfg.async_.fully_async or not r.rollout_batch_size:
         return mrr
     groups = r.over_sampling_batch_size or r.rollout_batch_size
@@ -117,6 +117,27 @@ def _kv_tokens(cfg: MilesConfig, slots: int) -> int:
     r = cfg.rollout
     per_request = r.rollout_max_context_len or ((cfg.data.rollout_max_prompt_len or 1024) + r.rollout_max_response_len)
     return slots * per_request
+
+
+def embedded_running_requests(engine: EngineConfig) -> int:
+    """The embedded engine's running batch: --max-running-requests, else its default."""
+    return engine.max_running_requests or EMBEDDED_MAX_RUNNING_REQUESTS
+
+
+def sglang_launch_args(engine: EngineConfig) -> dict:
+    """The SGLang server arguments an engine gets: the `--sglang-*` passthrough and, with --engine sglang, the
+    Miles flags SGLang reads under its own names. Unset Miles flags leave SGLang's own defaults; a flag given
+    both ways is refused at start-up (`config_refusals`). The embedded engine reads the passthrough only."""
+    args = copy.deepcopy(engine.sglang_args)
+    if engine.engine != "sglang":
+        return args
+    if engine.deterministic:
+        args["enable_deterministic_inference"] = True
+    if engine.max_running_requests is not None:
+        args["max_running_requests"] = engine.max_running_requests
+    if engine.max_total_tokens is not None:
+        args["max_total_tokens"] = engine.max_total_tokens
+    return args
 
 
 class _FreeGpus:
@@ -279,7 +300,7 @@ def _engine_spec(
             "seed": seed,
             "deterministic": engine.deterministic,
             "sglang_args": _with_routed_experts(
-                engine.sglang_args, cfg.train.use_rollout_routing_replay and engine.engine == "sglang"
+                sglang_launch_args(engine), cfg.train.use_rollout_routing_replay and engine.engine == "sglang"
             ),
             "tp_size": engine.rollout_num_gpus_per_engine,
             "api_key": engine.api_key,

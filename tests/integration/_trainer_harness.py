@@ -7,7 +7,6 @@ result directory (torch.save of plain tensors), so the test process holds no pro
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from collections.abc import Callable
 
@@ -18,6 +17,7 @@ import torch.multiprocessing as mp
 
 from miles.config_sections import AlgoConfig, ModelConfig, RolloutConfig, TrainConfig
 from miles.rollout.train_data import TrainBatch
+from miles.wire.ports import free_port
 
 VOCAB = 64
 
@@ -82,12 +82,6 @@ def configs(model_dir: str, *, algo: dict | None = None, train: dict | None = No
         algo=AlgoConfig(**(algo or {})),
         rollout=RolloutConfig(**(rollout or {})),
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple) -> None:

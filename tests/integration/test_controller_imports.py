@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-CONFIG = REPO / "launch/configs/demo_cpu.yaml"
+from harness import DEMO as CONFIG
+from harness import REPO, installed
 
 
 def test_a_demo_run_keeps_torch_and_transformers_out_of_the_controller(tmp_path):
@@ -24,4 +23,5 @@ def test_a_demo_run_keeps_torch_and_transformers_out_of_the_controller(tmp_path)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [0, []]
-    assert (tmp_path / "run" / "tensorboard").is_dir()  # TensorBoard scalars written without torch
+    if installed("tensorboard"):  # the demo config asks for TensorBoard; without it the run says so and goes on
+        assert (tmp_path / "run" / "tensorboard").is_dir()  # TensorBoard scalars written without torch

@@ -16,20 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 from e2e_helpers import DEMO, REPO, leftover_processes, python_path, run_train
+from harness import SMALL_RUN
 
 STEPS = 3
-SMALL = (
-    "--rollout-batch-size",
-    "4",
-    "--n-samples-per-prompt",
-    "4",
-    "--global-batch-size",
-    "16",
-    "--eval-interval",
-    "none",
-    "--num-rollout",
-    str(STEPS),
-)
+SMALL = (*SMALL_RUN, "--num-rollout", str(STEPS))
 VOLATILE_PREFIXES = ("perf/", "sys/")  # time and machine load, not the computation
 
 

@@ -22,7 +22,6 @@ import torch
 from miles.engines.client import EngineClient, EngineHTTPError
 from miles.engines.embedded.engine import INLINE_TOKENIZE_CHARS, EmbeddedEngine
 from miles.engines.http_front import start_http_server
-from miles.models.tiny import make_tiny_model
 from miles.weights.receiver import MATERIALISE_BASE
 
 KEY = "test-key-0123456789"
@@ -30,9 +29,9 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": 2, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
+def model_dir(tiny_model_dir: str) -> str:
     torch.set_num_threads(1)
-    return make_tiny_model(str(tmp_path_factory.mktemp("doors") / "tiny"))
+    return tiny_model_dir
 
 
 @asynccontextmanager

@@ -20,27 +20,18 @@ from pathlib import Path
 import numpy as np
 import torch
 from e2e_helpers import REPO, leftover_processes, read_rows, train_command
+from harness import SMALL_RUN
 
 from _trainer_harness import configs, make_batch, make_tiny_model, run_ranks, shard  # isort: skip
 
 from miles.errors import NonFiniteTraining
 from miles.trainer.checkpoint import COMPLETE_MARKER, checkpoint_dir, latest_complete_checkpoint
 
-SMALL = (
-    "--rollout-batch-size",
-    "4",
-    "--n-samples-per-prompt",
-    "4",
-    "--global-batch-size",
-    "16",
-    "--eval-interval",
-    "none",
-)
 PLUGINS = str(Path(__file__).resolve().parent)
 
 
 def _cmd(out_dir: Path, *flags: str) -> list[str]:
-    return train_command(out_dir, *SMALL, *flags)
+    return train_command(out_dir, *SMALL_RUN, *flags)
 
 
 def _env() -> dict[str, str]:

@@ -358,14 +358,13 @@ def _real_engine_available() -> bool:
 
 
 @pytest.mark.skipif(not _real_engine_available(), reason="embedded engine / tiny model not available yet")
-def test_real_embedded_engine_behind_front_matches_in_process(tmp_path):
+def test_real_embedded_engine_behind_front_matches_in_process(tiny_model_dir):
     import torch
 
     from miles.engines.embedded.engine import EmbeddedEngine
-    from miles.models.tiny import make_tiny_model
 
     torch.set_num_threads(1)
-    model_dir = make_tiny_model(str(tmp_path / "tiny"))
+    model_dir = tiny_model_dir
     params = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
 
     async def main():
@@ -412,15 +411,13 @@ def test_serve_main_flags_and_defaults():
 
 
 @pytest.mark.skipif(not _real_engine_available(), reason="embedded engine / tiny model not available yet")
-def test_serve_main_process_serves_and_exits_on_sigterm(tmp_path):
+def test_serve_main_process_serves_and_exits_on_sigterm(tiny_model_dir):
     import os
     import re
     import signal
     import subprocess
 
-    from miles.models.tiny import make_tiny_model
-
-    model_dir = make_tiny_model(str(tmp_path / "tiny"))
+    model_dir = tiny_model_dir
     code = "import sys; from miles.engines.http_front import serve_main; sys.exit(serve_main(sys.argv[1:]))"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     proc = subprocess.Popen(
@@ -496,14 +493,13 @@ def test_memory_tags_only_cuda_graph_is_a_no_op():
 
 
 @pytest.mark.skipif(not _real_engine_available(), reason="embedded engine / tiny model not available yet")
-def test_real_engine_control_and_weight_reload_over_http(tmp_path):
+def test_real_engine_control_and_weight_reload_over_http(tiny_model_dir):
     import torch
 
     from miles.engines.embedded.engine import EmbeddedEngine
-    from miles.models.tiny import make_tiny_model
 
     torch.set_num_threads(1)
-    model_dir = make_tiny_model(str(tmp_path / "tiny"))
+    model_dir = tiny_model_dir
     greedy_body = {
         "text": "What is 3+4?",
         "sampling_params": {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True},

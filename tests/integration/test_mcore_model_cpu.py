@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import sys
 
 import numpy as np
@@ -21,6 +20,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from miles.wire.ports import free_port
 
 if os.environ.get("MILES_MCORE_SITE"):  # CI: the py3.12 wheel's pure-Python modules, unpacked (.ci/run)
     sys.path.insert(0, os.environ["MILES_MCORE_SITE"])
@@ -105,16 +106,10 @@ def _compare(path: str, *, tp: int, sp: bool) -> dict:
         parallel_state.destroy_model_parallel()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_one_rank_matches_hf(model_dirs, arch):
     out = mp.Manager().dict()
-    mp.spawn(_run, args=(1, _free_port(), model_dirs[arch], False, out), nprocs=1)
+    mp.spawn(_run, args=(1, free_port(), model_dirs[arch], False, out), nprocs=1)
     r = out[0]
     assert r["logits_scale"] > 1.0  # a model whose logits carry signal
     assert r["logits_max_diff"] <= 1e-4 * r["logits_scale"]
@@ -124,7 +119,7 @@ def test_one_rank_matches_hf(model_dirs, arch):
 @pytest.mark.parametrize(("arch", "sp"), [("qwen2", False), ("qwen3", True)])
 def test_two_tensor_parallel_ranks_match_hf(model_dirs, arch, sp):
     out = mp.Manager().dict()
-    mp.spawn(_run, args=(2, _free_port(), model_dirs[arch], sp, out), nprocs=2)
+    mp.spawn(_run, args=(2, free_port(), model_dirs[arch], sp, out), nprocs=2)
     for rank in range(2):
         r = out[rank]
         assert r["logits_max_diff"] <= 1e-4 * r["logits_scale"], rank

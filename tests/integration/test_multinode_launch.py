@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 
@@ -18,31 +17,16 @@ from miles.controller.runtime import Runtime
 from miles.wire.launch_env import first_slurm_host, launch_env
 from miles.wire.specs import WorkerDied, WorkerSpec
 
+from harness import free_port_run  # isort: skip
+
 NOOP = "miles.testing.noop:NoopWorker"
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def free_port_pair() -> int:
-    """A port P with P and P + 1 free (torchrun's store on P, the controller on P + 1)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port >= 65535:
-            continue
-        with socket.socket() as s2:
-            try:
-                s2.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free port pair")
-
-
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
 def test_two_torchrun_nodes_selftest(tmp_path) -> None:
-    port = free_port_pair()
+    port = free_port_run(2)  # torchrun's store on P, the controller on P + 1
     env = {
         **os.environ,
         "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -128,7 +112,7 @@ AGENT_SCRIPT = (
 
 
 def test_remote_worker_death_is_reported_by_its_node_agent(tmp_path) -> None:
-    port = free_port_pair()
+    port = free_port_run(2)  # torchrun's store on P, the controller on P + 1
     key = os.urandom(32)
     agent = subprocess.Popen(
         [sys.executable, "-c", AGENT_SCRIPT, f"tcp://127.0.0.1:{port}", key.hex()],

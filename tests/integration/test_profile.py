@@ -6,25 +6,12 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 
 from miles.utils.profiling import ProfileSchedule
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TINY = [
-    "--config",
-    "launch/configs/demo_cpu.yaml",
-    "--rollout-batch-size",
-    "4",
-    "--n-samples-per-prompt",
-    "4",
-    "--global-batch-size",
-    "16",
-    "--eval-interval",
-    "none",
-]
+from harness import REPO, SMALL_RUN, train_command, train_env  # isort: skip
 
 
 def test_schedule_groups_consecutive_steps_into_windows(tmp_path) -> None:
@@ -38,14 +25,8 @@ def test_schedule_groups_consecutive_steps_into_windows(tmp_path) -> None:
 
 
 def _run_train(out_dir: str, *flags: str) -> subprocess.CompletedProcess:
-    env = {
-        **os.environ,
-        "MILES_TORCH_THREADS": "1",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    }
-    cmd = [sys.executable, "-m", "miles.cli", "train", *TINY, *flags, "--output-dir", out_dir]
-    return subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    cmd = train_command(out_dir, *SMALL_RUN, *flags)
+    return subprocess.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=300)
 
 
 def test_profile_steps_write_one_trace_per_worker(tmp_path) -> None:

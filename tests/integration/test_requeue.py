@@ -4,10 +4,8 @@ command again (`--save DIR --auto-resume`) continues at the next step."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,22 +13,10 @@ import psutil
 
 from miles.trainer.checkpoint import latest_complete_checkpoint
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from harness import REPO as REPO_ROOT  # isort: skip
+from harness import SMALL_RUN, train_command, train_env  # isort: skip
+
 NUM_ROLLOUT = 6
-TINY = [
-    "--config",
-    "launch/configs/demo_cpu.yaml",
-    "--rollout-batch-size",
-    "4",
-    "--n-samples-per-prompt",
-    "4",
-    "--global-batch-size",
-    "16",
-    "--eval-interval",
-    "none",
-    "--num-rollout",
-    str(NUM_ROLLOUT),
-]
 
 
 def _train_steps(run_dir: Path) -> list[int]:
@@ -48,28 +34,9 @@ def _train_steps(run_dir: Path) -> list[int]:
     return steps
 
 
-def _env() -> dict[str, str]:
-    return {
-        **os.environ,
-        "MILES_TORCH_THREADS": "1",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    }
-
-
 def _train_cmd(run_dir: Path, save_dir: Path) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "miles.cli",
-        "train",
-        *TINY,
-        "--output-dir",
-        str(run_dir),
-        "--save",
-        str(save_dir),
-        "--auto-resume",
-    ]
+    flags = ("--num-rollout", str(NUM_ROLLOUT), "--save", str(save_dir), "--auto-resume")
+    return train_command(run_dir, *SMALL_RUN, *flags)
 
 
 def test_sigterm_checkpoints_and_the_next_run_resumes(tmp_path) -> None:
@@ -77,7 +44,7 @@ def test_sigterm_checkpoints_and_the_next_run_resumes(tmp_path) -> None:
     first = subprocess.Popen(
         _train_cmd(tmp_path / "run1", save_dir),
         cwd=REPO_ROOT,
-        env=_env(),
+        env=train_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -108,7 +75,12 @@ def test_sigterm_checkpoints_and_the_next_run_resumes(tmp_path) -> None:
     assert not [p for p in descendants if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
     second = subprocess.run(
-        _train_cmd(tmp_path / "run2", save_dir), cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=300
+        _train_cmd(tmp_path / "run2", save_dir),
+        cwd=REPO_ROOT,
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert second.returncode == 0, second.stderr[-4000:]
     assert f"resumed from {ckpt} at rollout {stopped_at + 1}" in second.stderr

@@ -17,18 +17,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from harness import REPO as REPO_ROOT
+from harness import SMALL_RUN as TINY
+from harness import train_env
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-TINY = [
-    "--rollout-batch-size",
-    "4",
-    "--n-samples-per-prompt",
-    "4",
-    "--global-batch-size",
-    "16",
-    "--eval-interval",
-    "none",
-]
 ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED"}
 
 
@@ -60,15 +52,7 @@ def slurm() -> None:
 
 
 def _job_env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    return {
-        **os.environ,
-        "MILES_PYTHON": sys.executable,
-        "MILES_TORCH_THREADS": "1",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        "SBATCH_OUTPUT": str(tmp_path / "%x-%j.out"),
-        **extra,
-    }
+    return train_env(MILES_PYTHON=sys.executable, SBATCH_OUTPUT=str(tmp_path / "%x-%j.out"), **extra)
 
 
 def _submit(cmd: list[str], env: dict[str, str]) -> str:

@@ -9,10 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,19 +33,9 @@ PROMPT = [{"role": "user", "content": "What is 12 + 7?"}]
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory) -> Iterator[Path]:
-    """`miles convert gguf` on the shipped file, as a user would run it."""
-    out = tmp_path_factory.mktemp("smollm2") / "hf"
-    proc = subprocess.run(
-        [sys.executable, "-m", "miles.cli", "convert", "gguf", str(GGUF_PATH), str(out), "--dtype", "float32"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "MILES_TORCH_THREADS": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    yield out
-    shutil.rmtree(out, ignore_errors=True)  # 0.5 GB; pytest keeps its last temporary directories
+def converted(smollm2_hf_dir: Path) -> Path:
+    """`miles convert gguf` on the shipped file, as a user would run it (once a session, tests/conftest.py)."""
+    return smollm2_hf_dir
 
 
 def test_converted_directory_is_a_plain_hf_checkpoint(converted: Path) -> None:

@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 
 import psutil
 import pytest
+
+from harness import SMALL_RUN, free_port_run  # isort: skip
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO_ROOT, "launch", "torchrun_multi_node.sh")
@@ -22,37 +23,12 @@ TINY = [
     "launch/configs/demo_cpu.yaml",
     "--num-rollout",
     "3",
-    "--rollout-batch-size",
-    "4",
-    "--n-samples-per-prompt",
-    "4",
-    "--global-batch-size",
-    "16",
-    "--eval-interval",
-    "none",
+    *SMALL_RUN,
     "--actor-num-nodes",
     "2",
     "--actor-num-gpus-per-node",
     "1",
 ]
-
-
-def _free_port_pair() -> int:
-    """P with P (torchrun's store), P + 1 (controller) and P + 2 (trainer rendezvous) free."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + 2 > 65535:
-            continue
-        try:
-            for p in (port + 1, port + 2):
-                with socket.socket() as s2:
-                    s2.bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError("no three consecutive free ports")
 
 
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
@@ -63,7 +39,7 @@ def test_demo_trains_across_two_torchrun_nodes(tmp_path) -> None:
         "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
         "MILES_TORCH_THREADS": "1",
         "OMP_NUM_THREADS": "1",
-        "MASTER_PORT": str(_free_port_pair()),
+        "MASTER_PORT": str(free_port_run(3)),  # torchrun's store, the controller, the trainers' rendezvous
         "MILES_HEARTBEAT_TIMEOUT_S": "60",
     }
     env.pop("MILES_RUN_SECRET", None)  # node 0 hands a fresh secret to node 1 through torchrun's store

@@ -16,19 +16,9 @@ from miles.cli import main
 from miles.config import render_markdown
 from miles.utils.plot import ascii_curve
 
-TRAIN = [
-    "train",
-    "--hf-checkpoint",
-    "/m",
-    "--prompt-data",
-    "/p.jsonl",
-    "--rm-type",
-    "math",
-    "--num-rollout",
-    "2",
-    "--rollout-batch-size",
-    "4",
-]
+from harness import minimal_train_args, requires  # isort: skip
+
+TRAIN = ["train", *minimal_train_args(num_rollout=2)]
 
 
 @pytest.fixture(autouse=True)
@@ -203,6 +193,7 @@ def test_unknown_command_exits_2(capsys):
 # ---------------------------------------------------------------- plots
 
 
+@requires("matplotlib")
 def test_plot_writes_pngs_for_known_keys(tmp_path, capsys):
     rows = [
         {"step": 0, "rollout/reward_mean": 0.1, "train/kl_loss": 0.0, "rollout/other": 5},

@@ -10,7 +10,9 @@ import yaml
 from miles.config import FIELDS, ConfigError, MilesConfig, derive_num_rollout, load_config
 from miles.config_sections import FIELD_SECTIONS, engine_dtype
 
-REQUIRED = ["--hf-checkpoint", "/m", "--prompt-data", "/p.jsonl", "--rm-type", "math", "--num-rollout", "3"]
+from harness import minimal_train_args  # isort: skip
+
+REQUIRED = minimal_train_args(rollout_batch_size=None)
 
 
 def cfg_of(*argv: str, **kw) -> MilesConfig:

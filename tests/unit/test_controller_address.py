@@ -13,6 +13,8 @@ from miles.controller.machine import Machine, plan_run
 from miles.controller.preflight import PreflightError, controller_address
 from miles.wire import launch_env
 
+from harness import minimal_train_args  # isort: skip
+
 TORCHRUN = {
     "GROUP_RANK": "0",
     "GROUP_WORLD_SIZE": "2",
@@ -20,18 +22,7 @@ TORCHRUN = {
     "MASTER_ADDR": "10.0.0.1",
     "MASTER_PORT": "29500",
 }
-TRAIN = [
-    "--hf-checkpoint",
-    "m",
-    "--num-rollout",
-    "1",
-    "--prompt-data",
-    "p.jsonl",
-    "--rm-type",
-    "math",
-    "--rollout-batch-size",
-    "4",
-]
+TRAIN = minimal_train_args(num_rollout=1, hf_checkpoint="m", prompt_data="p.jsonl")
 
 
 def _cfg(*flags: str):

@@ -13,22 +13,9 @@ from miles.controller.placement import plan_placement
 from miles.rollout.debug_data import group_consecutive, load_debug_rollout, save_debug_rollout
 from miles.rollout.sample import Sample, SampleStatus
 
-REQUIRED = [
-    "--hf-checkpoint",
-    "/m",
-    "--prompt-data",
-    "/p.jsonl",
-    "--rm-type",
-    "math",
-    "--num-rollout",
-    "3",
-    "--rollout-batch-size",
-    "2",
-    "--n-samples-per-prompt",
-    "2",
-    "--global-batch-size",
-    "4",
-]
+from harness import minimal_train_args  # isort: skip
+
+REQUIRED = minimal_train_args("--n-samples-per-prompt", "2", "--global-batch-size", "4", rollout_batch_size=2)
 
 
 def _sample(group: int, index: int, logprob: float) -> Sample:

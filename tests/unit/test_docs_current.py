@@ -35,6 +35,27 @@ def test_ci_runs_the_readme_test_command_verbatim():
     assert tests in ci_lines
 
 
+def test_readme_layout_names_every_part_of_the_package():
+    layout = next(b for b in fenced_blocks((ROOT / "README.md").read_text()) if b.startswith("miles/"))
+    named = set(re.findall(r"[\w.]+/?", layout))
+    parts = [
+        p.name + "/" if p.is_dir() else p.name
+        for p in sorted((ROOT / "miles").iterdir())
+        if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py" and p.name != "__init__.py")
+    ]
+    missing = [p for p in parts if p not in named]
+    assert parts and not missing, f"README's layout block lacks these parts of miles/: {missing}"
+
+
+def test_evidence_rows_link_to_their_details():
+    rows = [line for line in (ROOT / "docs" / "evidence.md").read_text().splitlines() if line.startswith("| ")][2:]
+    details = (ROOT / "docs" / "evidence_details.md").read_text()
+    anchors = [re.search(r"evidence_details\.md#([\w-]+)", row) for row in rows]
+    assert rows and all(anchors), "every evidence row links to its details"
+    missing = [a.group(1) for a in anchors if f'<a id="{a.group(1)}"></a>' not in details]
+    assert not missing, f"evidence_details.md lacks the anchors {missing}"
+
+
 def test_readme_links_resolve():
     text = (ROOT / "README.md").read_text()
     links = re.findall(r"\]\(([^)#]+)\)", text)

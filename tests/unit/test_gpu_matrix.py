@@ -13,6 +13,7 @@ from miles.workers.rollout_worker import embedded_options
 from miles.workers.trainer_worker import push_dtype
 
 from bench_modules import load_bench  # isort: skip  (same folder, rootdir on sys.path)
+from harness import minimal_train_args  # isort: skip
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +82,7 @@ def test_the_engines_get_sglang_dtype_over_the_trainers():
     from miles.config import load_config
     from miles.controller.placement import plan_placement
 
-    base = "--hf-checkpoint /m --prompt-data /p.jsonl --rm-type math --num-rollout 2 --rollout-batch-size 4".split()
+    base = minimal_train_args(num_rollout=2)
     for extra, want in (([], "auto"), (["--sglang-dtype", "float"], "float32"), (["--dtype", "float16"], "float16")):
         plan = plan_placement(load_config(base + extra), device="cuda", num_nodes=1, gpus_per_node=2, master_port=1)
         assert plan.rollout_specs[0].init_kwargs["dtype"] == want, extra
@@ -94,7 +95,7 @@ def test_an_sglang_engine_is_told_the_dtype_weights_are_pushed_in():
     from miles.controller.placement import plan_placement
     from miles.engines.sglang_engine import build_sglang_command, with_engine_dtype
 
-    base = "--hf-checkpoint /m --prompt-data /p.jsonl --rm-type math --num-rollout 2 --rollout-batch-size 4".split()
+    base = minimal_train_args(num_rollout=2)
     base += ["--engine", "sglang"]
     for extra, want, pushed in (
         ([], "bfloat16", torch.bfloat16),

@@ -13,30 +13,10 @@ from miles.rollout.data_source import PromptRow
 from miles.rollout.sft_data import SupervisedDataSource, chat_tokens, supervised_tokens
 from miles.weights.registry import make_updater
 
-RL = [
-    "--hf-checkpoint",
-    "/m",
-    "--prompt-data",
-    "/p.jsonl",
-    "--rm-type",
-    "math",
-    "--num-rollout",
-    "3",
-    "--rollout-batch-size",
-    "4",
-]
-SFT = [
-    "--hf-checkpoint",
-    "/m",
-    "--prompt-data",
-    "/p.jsonl",
-    "--loss-type",
-    "sft_loss",
-    "--num-rollout",
-    "3",
-    "--rollout-batch-size",
-    "4",
-]
+from harness import minimal_train_args, requires  # isort: skip
+
+RL = minimal_train_args()
+SFT = minimal_train_args(objective=("--loss-type", "sft_loss"))
 
 
 def errors_of(*argv: str) -> str:
@@ -48,6 +28,7 @@ def errors_of(*argv: str) -> str:
 # ---------------------------------------------------------------- LoRA
 
 
+@requires("peft")  # --lora-rank is refused at start-up without peft
 def test_lora_config_is_accepted_and_read():
     cfg = load_config([*RL, "--lora-rank", "8", "--lora-alpha", "32", "--target-modules", "q_proj,v_proj"])
     assert (cfg.train.lora_rank, cfg.train.lora_alpha, cfg.train.target_modules) == (8, 32, "q_proj,v_proj")

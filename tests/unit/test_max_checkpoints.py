@@ -14,6 +14,8 @@ from miles.config_fields import ConfigError
 from miles.controller.run import MilesRun
 from miles.trainer.checkpoint import COMPLETE_MARKER, latest_complete_checkpoint, prune_checkpoints
 
+from harness import minimal_train_args  # isort: skip
+
 
 def _checkpoint(save: Path, step: int, *, complete: bool = True) -> Path:
     path = save / f"iter_{step:07d}"
@@ -56,18 +58,7 @@ def test_fewer_than_n_is_left_alone_and_zero_is_refused(tmp_path: Path) -> None:
     assert _names(tmp_path) == ["iter_0000001"]
 
 
-BASE = [
-    "--hf-checkpoint",
-    "/m",
-    "--prompt-data",
-    "/p.jsonl",
-    "--rm-type",
-    "math",
-    "--num-rollout",
-    "2",
-    "--rollout-batch-size",
-    "4",
-]
+BASE = minimal_train_args(num_rollout=2)
 
 
 def test_the_flag_is_parsed_and_zero_is_refused_at_start_up() -> None:

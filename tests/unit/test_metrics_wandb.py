@@ -15,6 +15,8 @@ from miles.config import load_config
 from miles.config_fields import ConfigError
 from miles.utils.metrics import WANDB_ID_FILE, MetricsSink, read_metrics
 
+from harness import minimal_train_args, requires  # isort: skip
+
 
 class FakeRun:
     def __init__(self) -> None:
@@ -43,26 +45,8 @@ def fake_wandb(monkeypatch) -> list[tuple[dict[str, Any], FakeRun]]:
 
 
 def _cfg(*flags: str):
-    return load_config(
-        [
-            "--hf-checkpoint",
-            "m",
-            "--prompt-data",
-            "p.jsonl",
-            "--rollout-batch-size",
-            "4",
-            "--rm-type",
-            "math",
-            "--num-rollout",
-            "2",
-            "--use-wandb",
-            "--wandb-project",
-            "proj",
-            "--api-key",
-            "s3cret",
-            *flags,
-        ]
-    )
+    wandb = ("--use-wandb", "--wandb-project", "proj", "--api-key", "s3cret")
+    return load_config(minimal_train_args(*wandb, *flags, num_rollout=2, hf_checkpoint="m", prompt_data="p.jsonl"))
 
 
 def _sink(cfg, run_dir: Path) -> MetricsSink:
@@ -148,6 +132,7 @@ def test_without_tensorboard_the_run_says_how_to_get_it_and_keeps_metrics_jsonl(
     assert not (tmp_path / "tensorboard").exists()
 
 
+@requires("tensorboard")
 def test_tensorboard_scalars_read_back_with_tensorboards_reader(tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -31,6 +31,8 @@ from miles.controller.signals import StopRequest
 from miles.errors import as_run_failure
 from miles.trainer.checkpoint import COMPLETE_MARKER, CheckpointWriteError, checkpoint_dir
 
+from harness import minimal_train_args  # isort: skip
+
 
 def _checkpoint(root: Path, step: int, complete: bool = True) -> Path:
     path = Path(checkpoint_dir(str(root), step))
@@ -171,21 +173,7 @@ def _cfg(tmp_path: Path, *flags: str):
     model = tmp_path / "model"
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
-    return load_config(
-        [
-            "--hf-checkpoint",
-            str(model),
-            "--prompt-data",
-            "p.jsonl",
-            "--rm-type",
-            "math",
-            "--num-rollout",
-            "1",
-            "--rollout-batch-size",
-            "4",
-            *flags,
-        ]
-    )
+    return load_config(minimal_train_args(*flags, num_rollout=1, hf_checkpoint=str(model), prompt_data="p.jsonl"))
 
 
 def test_prompt_limit_is_what_every_planned_engine_fits(tmp_path: Path) -> None:

@@ -24,6 +24,8 @@ from miles.errors import NonFiniteTraining, RolloutStalled, as_run_failure
 from miles.rollout.rm_hub import RewardFailed, async_rm, batched_async_rm, check_reward
 from miles.rollout.sample import Sample, SampleStatus
 
+from harness import minimal_train_args  # isort: skip
+
 # ---- plug-ins, loaded by path ------------------------------------------------------------
 
 
@@ -282,18 +284,7 @@ def test_a_worker_raised_run_failure_comes_back_as_its_kind() -> None:
 
 # ---- numeric flags -------------------------------------------------------------------------------
 
-BASE = [
-    "--hf-checkpoint",
-    "/m",
-    "--prompt-data",
-    "/p.jsonl",
-    "--rm-type",
-    "math",
-    "--num-rollout",
-    "2",
-    "--rollout-batch-size",
-    "4",
-]
+BASE = minimal_train_args(num_rollout=2)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,189 @@
+"""What the tests share: `miles train` as a user runs it, argument lists for small runs, free ports, and
+skips for optional packages.
+
+Test modules import from here (`from harness import ...`; `tests/conftest.py` puts this folder on
+`sys.path`); the fixtures built on it live in `tests/conftest.py`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from miles.wire.ports import free_port
+
+__all__ = [
+    "DEMO",
+    "REPO",
+    "SMALL_RUN",
+    "free_port",
+    "free_port_run",
+    "installed",
+    "leftover_processes",
+    "minimal_train_args",
+    "python_path",
+    "read_rows",
+    "requires",
+    "run_train",
+    "train_command",
+    "train_env",
+]
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "launch" / "configs" / "demo_cpu.yaml"
+
+# A small step of the CPU demo: 4 prompts x 4 samples, one optimizer step of 16, no eval.
+SMALL_RUN = (
+    "--rollout-batch-size",
+    "4",
+    "--n-samples-per-prompt",
+    "4",
+    "--global-batch-size",
+    "16",
+    "--eval-interval",
+    "none",
+)
+
+# The pip distribution each optional import comes from, for the skip reason.
+EXTRAS = {
+    "peft": "miles[lora]",
+    "gguf": "miles[gguf]",
+    "pyarrow": "miles[parquet]",
+    "megatron.core": "miles[megatron]",
+    "sglang": "miles[sglang]",
+    "matplotlib": "miles[plot]",
+    "tensorboard": "miles[tensorboard]",
+    "trl": "miles[bench]",
+    "datasets": "miles[bench]",
+    "openai": "miles[test]",
+    "triton": "triton",
+    "sympy": "sympy",
+    "py_spy": "py-spy",
+}
+
+
+def minimal_train_args(
+    *flags: str,
+    num_rollout: int = 3,
+    rollout_batch_size: int | None = 4,
+    hf_checkpoint: str = "/m",
+    prompt_data: str = "/p.jsonl",
+    objective: tuple[str, str] = ("--rm-type", "math"),
+) -> list[str]:
+    """The fewest `miles train` flags that pass the start-up checks (model, data, reward, length), then `flags`.
+
+    The paths need not exist: `load_config` does not open them. `objective` is the reward (RL) or
+    `("--loss-type", "sft_loss")`; `rollout_batch_size=None` leaves the batch size to `flags`."""
+    batch = ["--rollout-batch-size", str(rollout_batch_size)] if rollout_batch_size is not None else []
+    return [
+        "--hf-checkpoint",
+        hf_checkpoint,
+        "--prompt-data",
+        prompt_data,
+        *objective,
+        "--num-rollout",
+        str(num_rollout),
+        *batch,
+        *flags,
+    ]
+
+
+def installed(module: str) -> bool:
+    """Whether `module` can be imported (a parent package that is missing counts as not installed)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def requires(*modules: str) -> pytest.MarkDecorator:
+    """Skip the test (or module, as `pytestmark`) unless every one of `modules` is installed."""
+    missing = [m for m in modules if not installed(m)]
+    reason = ", ".join(f"{m} ({EXTRAS.get(m, m)})" for m in missing)
+    return pytest.mark.skipif(bool(missing), reason=f"needs {reason}")
+
+
+def free_port_run(count: int, host: str = "127.0.0.1") -> int:
+    """A port P with P .. P + count - 1 all free right now (torchrun's store, the controller, a rendezvous)."""
+    for _ in range(50):
+        port = free_port(host)
+        if port + count - 1 > 65535:
+            continue
+        try:
+            for p in range(port + 1, port + count):
+                with socket.socket() as s:
+                    s.bind((host, p))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError(f"no {count} consecutive free ports on {host}")
+
+
+# ---- `miles train` in a subprocess ----------------------------------------------------------------
+
+
+def train_command(out_dir: Path, *flags: str, config: Path | None = DEMO) -> list[str]:
+    """`miles train` on `config` (the CPU demo; None: flags only) into `out_dir`, with `flags` last (they win)."""
+    head = [sys.executable, "-m", "miles.cli", "train"]
+    head += ["--config", str(config)] if config is not None else []
+    return [*head, "--output-dir", str(out_dir), "--no-progress-bar", *flags]
+
+
+def python_path() -> str:
+    """The repository first, then whatever PYTHONPATH the tests run with (packages installed off site-packages)."""
+    return os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+
+
+def train_env(**extra: str) -> dict[str, str]:
+    """The environment of a run the tests start: this one, one torch thread, this checkout first on the path."""
+    return {**os.environ, "MILES_TORCH_THREADS": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path(), **extra}
+
+
+def run_train(out_dir: Path, *flags: str, timeout_s: float = 600, env: dict | None = None) -> list[dict]:
+    """Run the CPU demo config with `flags`; return metrics.jsonl rows. Fails with the run's output tail."""
+    proc = subprocess.Popen(
+        train_command(out_dir, *flags),
+        cwd=REPO,
+        env=train_env(**(env or {})),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the workers notice their controller is gone and exit
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"miles train did not finish in {timeout_s}s:\n{stderr[-5000:]}") from None
+    if proc.returncode != 0:
+        raise AssertionError(f"miles train failed ({proc.returncode}):\n{stdout[-3000:]}\n{stderr[-5000:]}")
+    return read_rows(out_dir)
+
+
+def read_rows(out_dir: Path) -> list[dict]:
+    """The rows of `out_dir/metrics.jsonl`."""
+    with open(out_dir / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def leftover_processes(marker: str) -> list[str]:
+    """Processes whose command line or environment mentions `marker` (a run directory), other than this one."""
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline", "environ"]):
+        try:
+            text = " ".join(p.info["cmdline"] or []) + " " + " ".join((p.info["environ"] or {}).values())
+        except (psutil.Error, TypeError):
+            continue
+        if marker in text and p.pid != os.getpid():
+            found.append(f"{p.pid}: {' '.join(p.info['cmdline'] or [])[:200]}")
+    return found
