@@ -324,7 +324,7 @@ def test_a_cpu_cache_sized_by_default_fits_a_share_of_the_memory(model_dirs, mon
     spec = EmbeddedEngine(model_dirs["qwen2"], max_total_tokens=64, max_running_requests=4).model.spec
     per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4  # fp32
     available = int(4 * per_token * 100 / engine_mod.CPU_KV_MEMORY_FRACTION)  # 100 tokens for each of 4 slots
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=available))
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=available, total=1 << 36))
     with caplog.at_level("WARNING", logger=engine_mod.__name__):
         small = EmbeddedEngine(model_dirs["qwen2"], max_running_requests=4)
     assert small.max_seq_len == 100 and "--max-total-tokens" in caplog.text

@@ -33,4 +33,7 @@ def test_a_tiny_spec_becomes_its_cached_directory_for_every_model_field(tmp_path
 def test_the_controller_refuses_an_unresolved_spec(tmp_path: Path) -> None:
     with pytest.raises(PreflightError, match=r"--hf-checkpoint 'tiny:qwen2' is not a model directory; resolve it"):
         check_model_path(ModelConfig(hf_checkpoint="tiny:qwen2"))
-    check_model_path(ModelConfig(hf_checkpoint=str(tmp_path)))  # a directory passes
+    with pytest.raises(PreflightError, match="is an empty directory"):
+        check_model_path(ModelConfig(hf_checkpoint=str(tmp_path)))
+    (tmp_path / "config.json").write_text("{}")
+    check_model_path(ModelConfig(hf_checkpoint=str(tmp_path)))  # a model directory passes
