@@ -10,7 +10,8 @@ head stay in the model dtype.
 GEMM: activations are quantized per token and group of 128 channels, dynamically (scale = amax / 448).
 On Hopper (CUDA capability 9.x) `torch._scaled_mm` takes the 1x128 activation and 128x128 weight scales
 directly (cuBLASLt's block-scaled path, CUDA >= 12.9); elsewhere, and wherever that call is refused,
-the same W8A8 product is computed by dequantizing both operands (the CPU path CI runs).
+the same W8A8 product is computed by dequantizing both operands (the CPU path CI runs). The CUDA kernels
+are off unless MILES_FP8_CUDA_KERNELS=1 (see CUDA_KERNELS below): on CUDA FP8 serving is correct, not fast.
 """
 
 from __future__ import annotations
@@ -18,12 +19,19 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from miles.engines.embedded import fp8_triton
+
+# The CUDA kernels of this module (Triton quantization, cuBLASLt's block-scaled GEMM) gave log-probs 0.37 nats
+# (mean) away from bf16 on an H200, where the dequantizing path that CPU tests check stays close: until they
+# are fixed and checked (tests/gpu/test_fp8_gpu.py), CUDA takes that path too, and MILES_FP8_CUDA_KERNELS=1
+# turns the kernels on to debug them.
+CUDA_KERNELS = os.environ.get("MILES_FP8_CUDA_KERNELS") == "1"
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +79,7 @@ def is_quantized_name(name: str) -> bool:
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q [N, K] e4m3, scale_inv [ceil(N/128), ceil(K/128)] fp32) with w ~= q * scale_inv blockwise, on w's device
     (on CUDA one Triton pass, fp8_triton.py)."""
-    if w.is_cuda and fp8_triton.runs_on(w.device):
+    if CUDA_KERNELS and w.is_cuda and fp8_triton.runs_on(w.device):
         return fp8_triton.quantize_weight(w)
     N, K = w.shape
     nb, kb = math.ceil(N / BLOCK), math.ceil(K / BLOCK)
@@ -146,7 +154,7 @@ _scaled_mm_ok: dict[torch.device, bool] = {}
 
 @functools.cache
 def _hopper(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    return CUDA_KERNELS and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
