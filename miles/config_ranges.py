@@ -110,6 +110,7 @@ NUMBER_RANGES: dict[str, tuple[str, str]] = {
     "lora_alpha": ("[1, inf)", "the adapter's scale numerator"),
     "lora_dropout": ("[0, 1)", "a probability"),
     "update_weight_buffer_size": ("[1, inf)", "bytes; also bounded by host memory"),
+    "offload_train_disk_chunk_mb": ("[1, 65536]", "MiB per host-to-disk copy and optimizer bucket"),
     "update_weights_interval": ("[1, inf)", "rollout steps"),
     "weight_sync_timeout_s": ("(0, inf)", "seconds"),
     "eval_interval": ("[0, inf)", "rollout steps; 0 is off"),
