@@ -1,5 +1,6 @@
 """FP8 on Hopper: the block-scaled torch._scaled_mm path agrees with the dequantizing emulation, and an FP8
-engine (CUDA graphs, Triton kernels) scores close to its bf16 source."""
+engine (CUDA graphs) scores close to its bf16 source, with the CUDA kernels (Triton quantization, cuBLASLt's
+block-scaled GEMM: fp8.CUDA_KERNELS) off as by default and switched on."""
 
 import asyncio
 
@@ -12,47 +13,95 @@ from miles.engines.embedded.fp8_checkpoint import write_fp8_checkpoint
 from miles.models.tiny import make_tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+hopper = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs Hopper"
+)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs Hopper")
+@pytest.fixture
+def kernels_on(monkeypatch):
+    """fp8.CUDA_KERNELS on for one test, with torch._scaled_mm's calls counted and no refusal remembered."""
+    calls = []
+    scaled_mm = torch._scaled_mm
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["scale_b"].shape)
+        return scaled_mm(*args, **kwargs)
+
+    monkeypatch.setattr(fp8, "CUDA_KERNELS", True)
+    monkeypatch.setattr(fp8, "_scaled_mm_ok", {})
+    monkeypatch.setattr(torch, "_scaled_mm", counted)
+    fp8._hopper.cache_clear()
+    yield calls
+    fp8._hopper.cache_clear()
+
+
+@hopper
+@pytest.mark.parametrize("k", [256, 512, 640])  # K/128 = 2, 4, 5: the weight scales padded to 4 blocks or not
 @pytest.mark.parametrize("m", [1, 3, 256])
-def test_block_scaled_mm_matches_the_emulation_on_hopper(m):
+def test_block_scaled_mm_matches_the_emulation_on_hopper(kernels_on, m, k):
     g = torch.Generator(device="cuda").manual_seed(0)
-    w = torch.randn(1024, 512, device="cuda", generator=g, dtype=torch.bfloat16) / 20
-    x = torch.randn(m, 512, device="cuda", generator=g, dtype=torch.bfloat16)
-    weight = fp8.Fp8Weight(*fp8.quantize_weight(w))
+    rows = torch.rand(1024, 1, device="cuda", generator=g) + 0.05  # block scales that differ
+    w = (torch.randn(1024, k, device="cuda", generator=g) * rows / 20).to(torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
+    weight = fp8.Fp8Weight(*fp8.quantize_weight(w))  # the Triton kernel
     got = fp8.linear(x, weight)
-    assert fp8._scaled_mm_ok.get(x.device, True), "torch._scaled_mm refused the 1x128 / 128x128 block scaling"
+    assert not fp8._scaled_mm_ok, "torch._scaled_mm refused the 1x128 / 128x128 block scaling"
+    assert len(kernels_on) == 1
     want = fp8._emulated(x, weight, torch.float32)
     assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
 
 
-def test_an_fp8_engine_on_cuda_scores_close_to_bf16(tmp_path):
+def _score(path: str, ids: list[int]) -> tuple[torch.Tensor, dict]:
+    """Log-probs of ids[1:] (prefill) and a 16-token greedy decode of ids[:8] (CUDA graphs)."""
+
+    async def main():
+        engine = EmbeddedEngine(path, device="cuda", dtype="bfloat16")
+        await engine.start()
+        try:
+            params = {"max_new_tokens": 0, "temperature": 1.0}
+            out = await engine.generate(
+                input_ids=ids, sampling_params=params, return_logprob=True, logprob_start_len=0
+            )
+            greedy = await engine.generate(
+                input_ids=ids[:8], sampling_params={"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 16}
+            )
+            return torch.tensor([lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]]), greedy
+        finally:
+            await engine.shutdown()
+
+    return asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp8_gpu")
+    # hidden 256: q/k/v/o and gate/up have K/128 = 2 (weight scales padded for cuBLASLt), down 4
     src = make_tiny_model(
-        str(tmp_path / "bf16"), hidden=256, layers=2, heads=4, kv_heads=2, intermediate=512, init_std=0.02
+        str(root / "bf16"), hidden=256, layers=2, heads=4, kv_heads=2, intermediate=512, init_std=0.02
     )
-    dst = write_fp8_checkpoint(src, str(tmp_path / "fp8"))
     ids = torch.randint(3, 200, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    return src, write_fp8_checkpoint(src, str(root / "fp8")), ids
 
-    def score(path):
-        async def main():
-            engine = EmbeddedEngine(path, device="cuda", dtype="bfloat16")
-            await engine.start()
-            try:
-                params = {"max_new_tokens": 0, "temperature": 1.0}
-                out = await engine.generate(
-                    input_ids=ids, sampling_params=params, return_logprob=True, logprob_start_len=0
-                )
-                greedy = await engine.generate(
-                    input_ids=ids[:8], sampling_params={"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 16}
-                )
-                return torch.tensor([lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]]), greedy
-            finally:
-                await engine.shutdown()
 
-        return asyncio.run(main())
-
-    lp8, greedy8 = score(dst)
-    lp16, _ = score(src)
+def test_an_fp8_engine_on_cuda_scores_close_to_bf16(checkpoints):
+    src, dst, ids = checkpoints
+    lp8, greedy8 = _score(dst, ids)
+    lp16, _ = _score(src, ids)
     assert (lp8 - lp16).abs().mean().item() < 0.1
     assert len(greedy8["output_ids"]) == 16
+
+
+@hopper
+def test_the_fp8_cuda_kernels_score_as_the_dequantizing_path(checkpoints, kernels_on):
+    src, dst, ids = checkpoints
+    lp_kernels, greedy_kernels = _score(dst, ids)
+    assert kernels_on and not fp8._scaled_mm_ok, f"cuBLASLt's path did not run ({len(kernels_on)} calls)"
+    fp8._hopper.cache_clear()
+    fp8.CUDA_KERNELS = False  # the fixture's monkeypatch restores it
+    lp_dequant, greedy_dequant = _score(dst, ids)
+    lp16, _ = _score(src, ids)
+    gap, to_bf16 = (lp_kernels - lp_dequant).abs().mean().item(), (lp_kernels - lp16).abs().mean().item()
+    print(f"fp8 kernels vs dequantizing path: {gap:.4f} nats (mean); vs bf16: {to_bf16:.4f}")
+    assert gap < 0.02 and to_bf16 < 0.1, (gap, to_bf16)
+    assert len(greedy_kernels["output_ids"]) == 16

@@ -59,6 +59,48 @@ def test_w8a8_linear_is_close_to_the_float_product_and_slices_keep_their_blocks(
     assert torch.equal(fp8.linear(x, weight)[:, :128], got[:, :128])
 
 
+def _cublaslt_scaled_mm(a, b, scale_a, scale_b, out_dtype):
+    """torch._scaled_mm's 1x128 x 128x128 product as cuBLASLt computes it: the scales are read from memory in
+    its layouts, whatever strides the tensors carry: scale_a[m, l] at l * M + m, the weight's block (n, l) at
+    n * L4 + l (L4 = K/128 rounded up to a multiple of 4); a read past the storage gives NaN."""
+    M, K = a.shape
+    N, L = b.shape[1], K // fp8.BLOCK
+    L4 = -(-L // 4) * 4
+
+    def raw(t, offsets):
+        flat = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage())
+        flat = torch.cat((flat, torch.tensor([float("nan")])))
+        return flat[(t.storage_offset() + offsets).clamp(max=flat.numel() - 1)]
+
+    sa = raw(scale_a, torch.arange(L)[None, :] * M + torch.arange(M)[:, None])  # [M, L]
+    sb = raw(scale_b, torch.arange(N // fp8.BLOCK)[:, None] * L4 + torch.arange(L)[None, :])  # [NB, L]
+    ad = (a.float().view(M, L, fp8.BLOCK) * sa[..., None]).view(M, K)
+    bd = b.float() * sb.repeat_interleave(fp8.BLOCK, 0).repeat_interleave(fp8.BLOCK, 1).t()
+    return (ad @ bd).to(out_dtype)
+
+
+@pytest.mark.parametrize("k", [256, 512, 640])
+def test_the_block_scaled_gemm_hands_cublaslt_its_weight_scales_padded_to_four_blocks(monkeypatch, k):
+    calls = []
+
+    def fake(a, b, scale_a, scale_b, out_dtype):
+        calls.append(scale_b)
+        return _cublaslt_scaled_mm(a, b, scale_a, scale_b, out_dtype)
+
+    monkeypatch.setattr(fp8, "_hopper", lambda device: True)
+    monkeypatch.setattr(fp8, "_scaled_mm_ok", {})
+    monkeypatch.setattr(torch, "_scaled_mm", fake)
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(512, k, generator=g) * torch.rand(512, 1, generator=g)  # block scales that differ
+    x = torch.randn(6, k, generator=g) * torch.rand(6, 1, generator=g) * 4
+    weight = fp8.Fp8Weight(*fp8.quantize_weight(w))
+    got, want = fp8.linear(x, weight), fp8._emulated(x, weight, torch.float32)
+    assert len(calls) == 1 and not fp8._scaled_mm_ok  # cuBLASLt's path ran, nothing was refused
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # fp32 sums in another order
+    L = k // fp8.BLOCK
+    assert calls[0].shape == (L, 4) and calls[0].stride() == (1, -(-L // 4) * 4)  # what torch's stride check wants
+
+
 def test_other_quantization_configs_are_refused_with_the_fix():
     assert fp8.is_fp8_config({}) is False
     assert fp8.is_fp8_config({"quantization_config": dict(fp8.QUANT_CONFIG)}) is True

@@ -28,9 +28,10 @@ import torch.nn.functional as F
 from miles.engines.embedded import fp8_triton
 
 # The CUDA kernels of this module (Triton quantization, cuBLASLt's block-scaled GEMM) gave log-probs 0.37 nats
-# (mean) away from bf16 on an H200, where the dequantizing path that CPU tests check stays close: until they
-# are fixed and checked (tests/gpu/test_fp8_gpu.py), CUDA takes that path too, and MILES_FP8_CUDA_KERNELS=1
-# turns the kernels on to debug them.
+# (mean) away from bf16 on an H200, where the dequantizing path that CPU tests check stays close. The cause
+# found since: the weight scales were handed to cuBLASLt unpadded (see cublas_weight_scales), wrong wherever
+# K/128 % 4 != 0 (that model's K = 256). Until the fix is checked on Hopper (tests/gpu/test_fp8_gpu.py), CUDA
+# takes the dequantizing path too, and MILES_FP8_CUDA_KERNELS=1 turns the kernels on.
 CUDA_KERNELS = os.environ.get("MILES_FP8_CUDA_KERNELS") == "1"
 
 logger = logging.getLogger(__name__)
@@ -149,7 +150,9 @@ class Fp8Weight:
         return dequantize_weight(self.q, self.scale_inv, dtype)
 
 
-_scaled_mm_ok: dict[torch.device, bool] = {}
+# (device, whether the weight scales needed padding) -> torch._scaled_mm takes them: torch releases differ on
+# the padded layout (see cublas_weight_scales), so a refusal of one kind leaves the other on cuBLASLt
+_scaled_mm_ok: dict[tuple[torch.device, bool], bool] = {}
 
 
 @functools.cache
@@ -163,13 +166,33 @@ def linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> t
     flat = x.reshape(-1, shape[-1])
     N, K = w.shape
     out = None
-    if K % BLOCK == 0 and N % BLOCK == 0 and _hopper(x.device) and _scaled_mm_ok.get(x.device, True):
+    if K % BLOCK == 0 and N % BLOCK == 0 and _hopper(x.device) and _scaled_mm_ok.get(_mm_key(x.device, K), True):
         out = _block_scaled_mm(flat, w, x.dtype)
     if out is None:
         out = _emulated(flat, w, x.dtype)
     if bias is not None:
         out = out + bias
     return out.view(*shape[:-1], N)
+
+
+def _mm_key(device: torch.device, K: int) -> tuple[torch.device, bool]:
+    return device, (K // BLOCK) % 4 != 0
+
+
+def cublas_weight_scales(scale_inv: torch.Tensor) -> torch.Tensor:
+    """`scale_b` of torch._scaled_mm for a 128x128-scaled weight [N, K] whose block scales are scale_inv
+    [NB, L] (L = K/128): the [L, NB] transpose, K-block-major, with each weight block-row's L scales at a
+    stride of L4 = L rounded up to a multiple of 4. cuBLASLt reads 128x128 scales with that leading
+    dimension whatever torch passes it; torch releases that do not check the stride took the unpadded
+    [L, NB] (stride L) and returned products with the wrong scales whenever L % 4 != 0 (K = 256, 640, ...),
+    later ones refuse it."""
+    nb, L = scale_inv.shape
+    L4 = -(-L // 4) * 4
+    if L4 == L and scale_inv.stride() == (L, 1):
+        return scale_inv.t()
+    padded = scale_inv.new_zeros((nb, L4))
+    padded[:, :L] = scale_inv
+    return padded[:, :L].t()
 
 
 def _block_scaled_mm(x: torch.Tensor, w: Fp8Weight, dtype: torch.dtype) -> torch.Tensor | None:
@@ -182,10 +205,15 @@ def _block_scaled_mm(x: torch.Tensor, w: Fp8Weight, dtype: torch.dtype) -> torch
         xq, xs = quantize_activation(F.pad(x, (0, 0, 0, pad)) if pad else x)
         xs = xs.t().contiguous().t()
     try:
-        out = torch._scaled_mm(xq, w.q.t(), scale_a=xs, scale_b=w.scale_inv.t(), out_dtype=dtype)
+        out = torch._scaled_mm(xq, w.q.t(), scale_a=xs, scale_b=cublas_weight_scales(w.scale_inv), out_dtype=dtype)
     except (RuntimeError, ValueError, NotImplementedError) as e:
-        _scaled_mm_ok[x.device] = False
-        logger.warning("torch._scaled_mm refused 128-block FP8 scaling (%s); dequantizing for every GEMM", e)
+        _scaled_mm_ok[_mm_key(x.device, x.shape[1])] = False
+        logger.warning(
+            "torch._scaled_mm refused 128-block FP8 scaling (%s); dequantizing every GEMM whose K/128 is%s a "
+            "multiple of 4",
+            e,
+            " not" if _mm_key(x.device, x.shape[1])[1] else "",
+        )
         return None
     return out[:M] if pad else out
 
