@@ -148,10 +148,12 @@ def train_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "MILES_TORCH_THREADS": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path(), **extra}
 
 
-def run_train(out_dir: Path, *flags: str, timeout_s: float = 600, env: dict | None = None) -> list[dict]:
-    """Run the CPU demo config with `flags`; return metrics.jsonl rows. Fails with the run's output tail."""
+def run_train(
+    out_dir: Path, *flags: str, timeout_s: float = 600, env: dict | None = None, config: Path | None = DEMO
+) -> list[dict]:
+    """Run `config` (the CPU demo) with `flags`; return metrics.jsonl rows. Fails with the run's output tail."""
     proc = subprocess.Popen(
-        train_command(out_dir, *flags),
+        train_command(out_dir, *flags, config=config),
         cwd=REPO,
         env=train_env(**(env or {})),
         stdout=subprocess.PIPE,

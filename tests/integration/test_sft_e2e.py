@@ -47,12 +47,11 @@ def test_sft_loss_falls_without_engines_and_its_export_starts_an_rl_run(tmp_path
     sft_out, hf = tmp_path / "sft", tmp_path / "hf"
     rows = run_train(
         sft_out,
-        "--config",
-        str(SFT_CONFIG),
         "--hf-checkpoint",
         base_dir,
         "--save-hf",  # without --save: the export alone
         str(hf),
+        config=SFT_CONFIG,
     )
     assert not leftover_processes(str(sft_out))
     assert sorted(p.name for p in (sft_out / "logs").iterdir()) == ["trainer_0.log"]  # no engine was started

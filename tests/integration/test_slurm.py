@@ -52,7 +52,7 @@ def slurm() -> None:
 
 
 def _job_env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    return train_env(MILES_PYTHON=sys.executable, SBATCH_OUTPUT=str(tmp_path / "%x-%j.out"), **extra)
+    return train_env(**{"MILES_PYTHON": sys.executable, "SBATCH_OUTPUT": str(tmp_path / "%x-%j.out"), **extra})
 
 
 def _submit(cmd: list[str], env: dict[str, str]) -> str:

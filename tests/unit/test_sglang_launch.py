@@ -43,12 +43,16 @@ def test_the_passthrough_still_reaches_sglang():
 
 
 def test_the_embedded_engine_keeps_its_own_sizing():
-    base = minimal_train_args(num_rollout=2)
+    # 32 groups of 4 per step: more than the embedded engine's default of 64 running requests
+    base = minimal_train_args("--n-samples-per-prompt", "4", num_rollout=2, rollout_batch_size=32)
     plan = plan_placement(load_config(base), device="cpu")
     kwargs = plan.rollout_specs[0].init_kwargs
     assert kwargs["max_running_requests"] == 64 and kwargs["max_total_tokens"] > 0 and kwargs["sglang_args"] == {}
     plan = plan_placement(load_config([*base, "--max-running-requests", "8"]), device="cpu")
     assert plan.rollout_specs[0].init_kwargs["max_running_requests"] == 8
+    # a step of 4 groups of 4 fills 16 slots at most: the engine holds no more (placement.engine_slots)
+    small = minimal_train_args("--n-samples-per-prompt", "4", num_rollout=2, rollout_batch_size=4)
+    assert plan_placement(load_config(small), device="cpu").rollout_specs[0].init_kwargs["max_running_requests"] == 16
 
 
 @pytest.mark.parametrize(
