@@ -7,6 +7,7 @@ Test modules import from here (`from harness import ...`; `tests/conftest.py` pu
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import os
@@ -189,3 +190,19 @@ def leftover_processes(marker: str) -> list[str]:
         if marker in text and p.pid != os.getpid():
             found.append(f"{p.pid}: {' '.join(p.info['cmdline'] or [])[:200]}")
     return found
+
+
+def with_engine(body, **engine_kwargs):
+    """Start an embedded engine with `engine_kwargs`, run `await body(engine)` on a fresh event loop, shut it
+    down whatever happens; return what `body` returned."""
+    from miles.engines.embedded.engine import EmbeddedEngine
+
+    async def main():
+        engine = EmbeddedEngine(**engine_kwargs)
+        await engine.start()
+        try:
+            return await body(engine)
+        finally:
+            await engine.shutdown()
+
+    return asyncio.run(main())

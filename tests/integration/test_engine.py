@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 import torch
+from harness import with_engine
 
 from miles.engines.embedded.engine import EmbeddedEngine
 from miles.models.tiny import make_tiny_model
@@ -50,15 +51,7 @@ def _hf_token_logprobs(hf, ids: list[int], temperature: float) -> list[float]:
 def run(engine_kwargs, body):
     """Start an engine, run `body(engine)` on a fresh event loop, shut down."""
 
-    async def main():
-        engine = EmbeddedEngine(**engine_kwargs)
-        await engine.start()
-        try:
-            return await body(engine)
-        finally:
-            await engine.shutdown()
-
-    return asyncio.run(main())
+    return with_engine(body, **engine_kwargs)
 
 
 def _prompts(engine, count: int) -> list[list[int]]:

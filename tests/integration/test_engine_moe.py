@@ -8,9 +8,9 @@ import os
 import numpy as np
 import pytest
 import torch
+from harness import with_engine
 from safetensors.torch import load_file, save_file
 
-from miles.engines.embedded.engine import EmbeddedEngine
 from miles.models.tiny import make_tiny_model
 from miles.utils.routing import decode_sglang
 
@@ -45,15 +45,7 @@ def _fused_copy(src: str, dst: str) -> str:
 
 
 def run(model_path, body):
-    async def main():
-        engine = EmbeddedEngine(model_path=model_path)
-        await engine.start()
-        try:
-            return await body(engine)
-        finally:
-            await engine.shutdown()
-
-    return asyncio.run(main())
+    return with_engine(body, model_path=model_path)
 
 
 def test_fused_and_per_expert_checkpoints_serve_the_same_tokens(moe_dir, tmp_path):

@@ -1,17 +1,16 @@
 """FP8 serving on CPU: `miles convert fp8`, the engine on its output (W8A8 emulated), a weight push into
 it checked within the quantization error, and the config's FP8 defaults."""
 
-import asyncio
 import json
 import os
 
 import pytest
 import torch
+from harness import with_engine
 
 from miles.cli import main as miles_main
 from miles.config import ConfigError, load_config
 from miles.engines.embedded import fp8
-from miles.engines.embedded.engine import EmbeddedEngine
 from miles.engines.embedded.model import iter_safetensors
 from miles.models.tiny import make_tiny_model
 from miles.weights import verify
@@ -33,15 +32,7 @@ def dirs(tmp_path_factory):
 
 
 def _run(path: str, body, **kwargs):
-    async def main():
-        engine = EmbeddedEngine(path, max_running_requests=4, max_total_tokens=4 * 256, **kwargs)
-        await engine.start()
-        try:
-            return await body(engine)
-        finally:
-            await engine.shutdown()
-
-    return asyncio.run(main())
+    return with_engine(body, model_path=path, max_running_requests=4, max_total_tokens=4 * 256, **kwargs)
 
 
 def test_the_converted_checkpoint_holds_e4m3_blocks_and_its_config_says_so(dirs):

@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 import torch
+from harness import with_engine
 
-from miles.engines.embedded.engine import EmbeddedEngine
 from miles.engines.embedded.prefix_cache import DEFAULT_PAGE_SIZE as P
 from miles.models.tiny import make_tiny_model
 
@@ -23,15 +23,7 @@ def model_dir(tmp_path_factory):
 
 
 def run(model_dir, body, **kwargs):
-    async def main():
-        engine = EmbeddedEngine(model_dir, max_running_requests=16, max_total_tokens=16 * 512, **kwargs)
-        await engine.start()
-        try:
-            return await body(engine)
-        finally:
-            await engine.shutdown()
-
-    return asyncio.run(main())
+    return with_engine(body, model_path=model_dir, max_running_requests=16, max_total_tokens=16 * 512, **kwargs)
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:
