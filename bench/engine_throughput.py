@@ -65,6 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(kernels by category: GEMM, attention, norms, RoPE/KV write, activation, other; and the idle gap)",
     )
     p.add_argument("--quantization", default=None, choices=[None, "fp8"], help="serve the model in FP8 (fp8.py)")
+    p.add_argument("--no-prefix-cache", action="store_true", help="turn prefix sharing off (prefix_cache.py)")
     p.add_argument("--hbm-gbps", type=float, default=4800.0, help="HBM bandwidth for the roofline (H200: 4800)")
     p.add_argument("--skip-hf", action="store_true", help="engine only (ratio reported as null)")
     args = p.parse_args(argv)
@@ -277,6 +278,7 @@ def main(argv: list[str] | None = None) -> dict:
             cuda_graphs=args.cuda_graphs,
             fused_kernels=args.fused_kernels,
             quantization=args.quantization,
+            prefix_cache=not args.no_prefix_cache,
         )
         prompts = make_prompts(args.batch, args.prompt_len, engine.model.spec.vocab_size)
         roofline = decode_roofline(engine, args.batch, args.prompt_len, args.new_tokens, args.hbm_gbps)
