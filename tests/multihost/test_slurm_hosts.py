@@ -18,20 +18,12 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import skip_or_fail
+from harness import SMALL_RUN
 from multihost_run import REPO, job_env, train_rows
 from netns_hosts import HostGroup
 from slurm_hosts import SlurmCluster, slurm_problem
 
-TINY = [
-    "--rollout-batch-size",
-    "4",
-    "--n-samples-per-prompt",
-    "4",
-    "--global-batch-size",
-    "16",
-    "--eval-interval",
-    "none",
-]
+TINY = list(SMALL_RUN)
 DEMO = "launch/configs/demo_cpu.yaml"
 
 
