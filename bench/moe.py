@@ -51,8 +51,11 @@ def hf_config(a: argparse.Namespace):
     )  # fmt: skip
 
 
-def random_weights(cfg, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
-    """fp32 weights under transformers 5's names (fused experts), std 0.02 as HF initialises; norms at 1."""
+def random_weights(cfg, device: torch.device, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Weights under transformers 5's names (fused experts), std 0.02 as HF initialises; norms at 1.
+
+    Drawn in the engine's dtype: the engine serves them as they are (no copy) and the trainer's wider copy holds
+    exactly the same values, so the only differences left are the two forwards' arithmetic and routing."""
     from transformers import Qwen3MoeForCausalLM
 
     with torch.device("meta"):
@@ -61,9 +64,9 @@ def random_weights(cfg, device: torch.device, seed: int) -> dict[str, torch.Tens
     out = {}
     for name, shape in shapes.items():
         if name.endswith("norm.weight"):
-            out[name] = torch.ones(shape, device=device)
+            out[name] = torch.ones(shape, device=device, dtype=dtype)
         else:
-            out[name] = torch.randn(shape, generator=gen, device=device) * 0.02
+            out[name] = (torch.randn(shape, generator=gen, device=device) * 0.02).to(dtype)
     return out
 
 
@@ -82,7 +85,7 @@ def trainer_model(cfg, weights: dict[str, torch.Tensor], dtype: torch.dtype, rou
     for name, t in weights.items():
         if router_noise and name.endswith("mlp.gate.weight"):
             t = t + router_noise * t.abs().mean() * torch.randn(t.shape, generator=gen, device=t.device)
-        state[name] = t.to(dtype).clone()
+        state[name] = t.to(dtype)  # a copy when the dtype widens; shared (read-only here) when it does not
     hf.load_state_dict(state, assign=True, strict=True)
     hf.model.rotary_emb = type(hf.model.rotary_emb)(config=cfg).to(next(iter(weights.values())).device)
     return hf.eval()
@@ -132,16 +135,26 @@ def train_batch(seqs, routed: np.ndarray, new_tokens: int, num_experts: int) -> 
     )  # fmt: skip
 
 
-def mismatch(hf, batch: TrainBatch, engine_lps: np.ndarray, device: torch.device) -> dict[str, dict[str, float]]:
-    """R3 off and on: routing mismatch share and |Δ log-prob| of the trainer's forward against the engine's."""
+def mismatch(
+    hf, seqs, routed: np.ndarray, engine_lps: np.ndarray, a: argparse.Namespace, device: torch.device
+) -> dict[str, dict[str, float]]:
+    """R3 off and on: routing mismatch share and |Δ log-prob| of the trainer's forward against the engine's.
+
+    The trainer scores `--train-micro-batch` sequences per forward (as its dynamic batching would), so the
+    activations of a real-proportion model fit beside its weights."""
     replay = RoutingReplay(hf, mode="measure")
     out = {}
     for mode in ("off", "on"):
         replay.begin_step()
         replay.mode = "rollout" if mode == "on" else "measure"
-        with torch.no_grad(), replay.scope(batch, model_layout(hf), first_pass=True):
-            lp, _, _ = forward_micro_batch(hf, batch, device, 1.0, entropy="none")
-        diff = np.abs(lp.float().cpu().numpy() - engine_lps.reshape(-1))
+        diffs = []
+        for lo in range(0, len(seqs), a.train_micro_batch):
+            hi = min(lo + a.train_micro_batch, len(seqs))
+            batch = train_batch(seqs[lo:hi], routed[lo:hi], a.new_tokens, a.experts)
+            with torch.no_grad(), replay.scope(batch, model_layout(hf), first_pass=True):
+                lp, _, _ = forward_micro_batch(hf, batch, device, 1.0, entropy="none")
+            diffs.append(np.abs(lp.float().cpu().numpy() - engine_lps[lo:hi].reshape(-1)))
+        diff = np.concatenate(diffs)
         n, used, own = replay.counts
         out[mode] = {
             "routing_mismatch": used / n,
@@ -190,13 +203,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--router-noise", type=float, default=0.0)
     p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--skip-mismatch", action="store_true")
+    p.add_argument("--train-micro-batch", type=int, default=32, help="sequences per trainer forward")
     return p.parse_args(argv)
 
 
 def run(a: argparse.Namespace) -> dict:
     device = torch.device(a.device)
     cfg = hf_config(a)
-    weights = random_weights(cfg, device, a.seed)
+    weights = random_weights(cfg, device, a.seed, getattr(torch, a.engine_dtype))
     engine = engine_model(cfg, weights, device, getattr(torch, a.engine_dtype))
     figures: dict = {"config": {k: v for k, v in vars(a).items() if k != "device"}, "device": a.device}
     carried, miles_int32 = routing_bytes_per_token(a.layers, a.topk, a.experts)
@@ -214,7 +228,7 @@ def run(a: argparse.Namespace) -> dict:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         hf = trainer_model(cfg, weights, getattr(torch, a.trainer_dtype), a.router_noise, a.seed)
-        figures["mismatch"] = mismatch(hf, train_batch(seqs, routed, a.new_tokens, a.experts), lps, device)
+        figures["mismatch"] = mismatch(hf, seqs, routed, lps, a, device)
     return figures
 
 

@@ -36,7 +36,7 @@ def test_r3_zeroes_the_routing_mismatch_and_lowers_the_logprob_gap():
     bench = load_bench("moe")
     args = bench.parse(
         "--device cpu --layers 2 --hidden 64 --heads 4 --kv-heads 2 --experts 8 --topk 2 --moe-intermediate 32 "
-        "--vocab 512 --batch 8 --prompt-len 16 --new-tokens 16 --router-noise 0.05 --skip-decode".split()
+        "--vocab 512 --batch 8 --prompt-len 16 --new-tokens 16 --router-noise 0.05 --skip-decode --train-micro-batch 3".split()
     )
     m = bench.run(args)["mismatch"]
     off, on = m["off"], m["on"]
