@@ -1,8 +1,9 @@
 """Memory levers and asynchronous saves on one GPU (NCCL, 1 rank, bf16 compute, fused AdamW).
 
 Host moments and fp32 moments on disk run torch's fused CUDA AdamW on each bucket: the weights after
-two RL steps equal resident AdamW's bit for bit. The CPU step (fused CPU AdamW on fp32 masters) stays
-close. An asynchronous checkpoint taken before a step and loaded afterwards holds the weights of the
+two RL steps equal resident AdamW's bit for bit. The CPU step (fused CPU AdamW on fp32 masters in host
+memory) leaves bf16 weights on the device: they equal resident AdamW's fp32 weights rounded to bf16, within
+one bf16 step (the CPU and CUDA kernels may round the masters' last bit differently). An asynchronous checkpoint taken before a step and loaded afterwards holds the weights of the
 save, not of the step that ran during the write.
 """
 
@@ -79,10 +80,11 @@ def test_streamed_moments_equal_resident_bit_for_bit(trained, lever):
     assert all(torch.equal(want[k], got[k]) for k in want)
 
 
-def test_cpu_step_close_to_resident(trained):
+def test_cpu_step_equals_resident_rounded_to_bf16(trained):
     want, got = trained["resident"], trained["cpu"]
     for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=0, atol=2e-3)
+        # one bf16 ulp is 2**-8..2**-7 of the value; a step lost or applied twice moves weights by ~lr = 1e-2
+        torch.testing.assert_close(got[k], want[k].to(torch.bfloat16).float(), rtol=2**-7, atol=1e-6)
 
 
 def test_async_checkpoint_holds_the_weights_of_its_step(trained):
