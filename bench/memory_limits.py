@@ -245,6 +245,10 @@ def save_bench(shape: str, args: argparse.Namespace) -> dict:
         be = build_backend(shape, "resident", args, async_save=flag)
         be.train(batch, 0)  # warm-up, and the optimizer state exists
         t0 = time.perf_counter()
+        be.save(checkpoint_dir(os.path.join(root, mode), 1), {"rollout_id": 0})  # a run's first save
+        first_blocked = time.perf_counter() - t0
+        be.finish_saves()
+        t0 = time.perf_counter()
         be.train(batch, 1)
         plain = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -256,6 +260,7 @@ def save_bench(shape: str, args: argparse.Namespace) -> dict:
         be.finish_saves()
         out[mode] = {
             "plain_step_s": round(plain, 2),
+            "first_save_blocked_s": round(first_blocked, 2),
             "save_blocked_s": round(blocked, 2),
             "step_with_save_s": round(during, 2),
             "added_pct": round(100 * (during - plain) / plain, 1),
@@ -282,23 +287,49 @@ def main() -> None:
     ap.add_argument("--trl", action="store_true", help="also the TRL-equivalent update on each shape")
     ap.add_argument("--save-bench", action="store_true", help="also time an async vs sync save (first shape)")
     ap.add_argument("--save-dir", default=tempfile.gettempdir(), help="where --save-bench writes checkpoints")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # SHAPE/LEVER|trl|save: one job, in this process
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("memory_limits needs a CUDA GPU (it measures GPU memory)")
-    init_single_rank(torch.device("cuda", 0))
+    if args.one:
+        init_single_rank(torch.device("cuda", 0))
+        print(json.dumps(run_job(args.one, args)), flush=True)
+        return
+    jobs = [f"{shape}/{lever}" for shape in args.shapes for lever in args.levers + (["trl"] if args.trl else [])]
+    jobs += [f"{args.shapes[0]}/save"] if args.save_bench else []
     rows = []
-    for shape in args.shapes:
-        for lever in args.levers:
-            rows.append(one_lever(shape, lever, args))
-            print(json.dumps(rows[-1]), flush=True)
-        if args.trl:
-            rows.append(trl_equivalent(shape, args))
-            print(json.dumps(rows[-1]), flush=True)
-    if args.save_bench:
-        rows.append(save_bench(args.shapes[0], args))
+    for job in jobs:
+        rows.append(run_in_child(job))
         print(json.dumps(rows[-1]), flush=True)
     print(json.dumps({"device": torch.cuda.get_device_name(0), "samples": args.samples, "seq_len": args.seq_len,
                       "rows": rows}))  # fmt: skip
+
+
+def run_job(job: str, args: argparse.Namespace) -> dict:
+    shape, lever = job.split("/")
+    if lever == "trl":
+        return trl_equivalent(shape, args)
+    if lever == "save":
+        return save_bench(shape, args)
+    return one_lever(shape, lever, args)
+
+
+def run_in_child(job: str) -> dict:
+    """One job in a fresh process: each starts with the host's memory and CUDA's pinned-memory cache empty
+    (a lever that offloads 90 GB to host memory would otherwise leave it cached for the next)."""
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--one", job],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    last = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode == 0 and last:
+        return json.loads(last[-1])
+    shape, lever = job.split("/")
+    why = "killed (host memory)" if proc.returncode in (-9, 137) else f"exit code {proc.returncode}"
+    return {"shape": shape, "lever": lever, "status": why}
 
 
 if __name__ == "__main__":

@@ -439,6 +439,8 @@ class FSDPBackend:
         The frozen reference model moves to host as well and from then on is brought back only
         for its own forward pass (`compute_log_probs(which="ref")`).
         """
+        if self._saver is not None:
+            self._saver.release_device()  # a checkpoint's device snapshot leaves before an engine takes the GPU
         self.offload_ref()
         for key, model, optim in (
             ("actor", self.actor, self.optimizer),
