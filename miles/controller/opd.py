@@ -13,7 +13,7 @@ import logging
 import os
 from typing import Any
 
-from miles.config_checks import DEFAULT_TEACHER, parse_teacher_urls
+from miles.config import DEFAULT_TEACHER, parse_teacher_urls
 from miles.controller.placement import TEACHER_ROLE
 from miles.controller.preflight import PreflightError
 from miles.controller.router import Router, engine_clients

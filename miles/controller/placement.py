@@ -23,8 +23,7 @@ import copy
 import os
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 
-from miles.config_lora_sft import is_sft
-from miles.config_sections import EMBEDDED_MAX_RUNNING_REQUESTS, EngineConfig, MilesConfig, engine_dtype
+from miles.config import EMBEDDED_MAX_RUNNING_REQUESTS, EngineConfig, MilesConfig, engine_dtype, is_sft
 from miles.true_on_policy import CUBLAS_WORKSPACE_CONFIG
 from miles.wire.ports import free_port
 from miles.wire.specs import WorkerSpec

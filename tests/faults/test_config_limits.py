@@ -6,10 +6,7 @@ import json
 
 import pytest
 
-from miles.config import load_config
-from miles.config_fields import FIELDS, ConfigError
-from miles.config_ranges import NUMBER_RANGES, in_range
-from miles.config_sections import DataConfig
+from miles.config import FIELDS, NUMBER_RANGES, ConfigError, DataConfig, in_range, load_config
 from miles.rollout.data_source import DataRowError, JsonlDataSource
 
 

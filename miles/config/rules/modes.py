@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from miles.config_fields import FIELDS
-from miles.config_sections import ENGINE_DTYPES
+from miles.config.fields import FIELDS
+from miles.config.sections import ENGINE_DTYPES
 
 if TYPE_CHECKING:
-    from miles.config_sections import MilesConfig
+    from miles.config.sections import MilesConfig
 
 # field -> (why it is refused, what to use instead); refused whenever its value is not the default.
 NOT_IMPLEMENTED: dict[str, tuple[str, str]] = {}

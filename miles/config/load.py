@@ -3,7 +3,7 @@
 Every field of the sections in `miles/config_sections.py` is a flag (`rollout_batch_size` ->
 `--rollout-batch-size`) and a YAML key (flat, with dashes or underscores, or nested under its
 section). The command line wins over the YAML file. Unknown `--sglang-*` flags are kept in
-`engine.sglang_args` for `sglang.launch_server`. After parsing, `miles.config_checks` derives
+`engine.sglang_args` for `sglang.launch_server`. After parsing, `miles.config.checks` derives
 the four-knob invariant and the defaults that depend on other flags, and collects every
 invalid combination into one `ConfigError`.
 """
@@ -17,8 +17,8 @@ from typing import Any
 
 import yaml
 
-from miles.config_checks import derive_num_rollout, finalize  # noqa: F401 - derive_num_rollout re-exported
-from miles.config_fields import (  # noqa: F401 - re-exported: `from miles.config import ConfigError, FIELDS`
+from miles.config.checks import derive_num_rollout, finalize  # noqa: F401 - derive_num_rollout re-exported
+from miles.config.fields import (  # noqa: F401 - re-exported: `from miles.config import ConfigError, FIELDS`
     FIELDS,
     GROUP_DESCRIPTIONS,
     GROUP_ORDER,
@@ -31,8 +31,8 @@ from miles.config_fields import (  # noqa: F401 - re-exported: `from miles.confi
     render_markdown,
     unknown_flag_message,
 )
-from miles.config_ranges import NUMBER_RANGES
-from miles.config_sections import SECTIONS, MilesConfig
+from miles.config.ranges import NUMBER_RANGES
+from miles.config.sections import SECTIONS, MilesConfig
 
 logger = logging.getLogger(__name__)
 

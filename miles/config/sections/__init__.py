@@ -554,7 +554,7 @@ SECTIONS: dict[str, type] = {
     "runtime": RuntimeConfig,
     "logging": LoggingConfig,
 }
-# field name -> its section (names are unique across sections; `miles.config_fields` checks it)
+# field name -> its section (names are unique across sections; `miles.config.fields` checks it)
 FIELD_SECTIONS: dict[str, str] = {f.name: section for section, cls in SECTIONS.items() for f in fields(cls)}
 # Fields never written out (config.yaml, --dry-run, logs): the engines' API key.
 SECRET_FIELDS = frozenset(f.name for cls in SECTIONS.values() for f in fields(cls) if f.metadata.get("secret"))

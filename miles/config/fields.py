@@ -12,7 +12,7 @@ import typing
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
-from miles.config_sections import SECTIONS
+from miles.config.sections import SECTIONS
 
 # The order launch scripts group their arguments in; groups added later are appended.
 GROUP_ORDER = ("MODEL", "CKPT", "ROLLOUT", "EVAL", "PERF", "GRPO", "OPTIMIZER", "LORA", "SGLANG", "RUNTIME", "LOGGING")
@@ -204,7 +204,7 @@ def _sentence(text: str) -> str:
 
 
 def _range_cell(name: str) -> str:
-    from miles.config_ranges import NUMBER_RANGES
+    from miles.config.ranges import NUMBER_RANGES
 
     return f"`{NUMBER_RANGES[name][0]}`" if name in NUMBER_RANGES else ""
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from miles.config_sections import MilesConfig
+    from miles.config.sections import MilesConfig
 
 OPTIMIZER_LEVERS = ("optimizer_cpu_offload", "offload_optimizer_states", "stream_optimizer_state_to_disk")
 

@@ -15,10 +15,8 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-from miles.config_fields import FIELDS, ConfigError
-from miles.config_lora_sft import check_lora, check_sft, is_sft
-from miles.config_memory import check_memory_levers
-from miles.config_ranges import (
+from miles.config.fields import FIELDS, ConfigError
+from miles.config.ranges import (
     CHECKED_ELSEWHERE,
     MACHINE_LIMITS,
     MAX_SAMPLES_PER_STEP,
@@ -26,11 +24,13 @@ from miles.config_ranges import (
     in_range,
     machine_errors,
 )
-from miles.config_refusals import check_mode_support, check_not_implemented
-from miles.config_sections import ENGINE_DTYPES
+from miles.config.rules.lora_sft import check_lora, check_sft, is_sft
+from miles.config.rules.memory import check_memory_levers
+from miles.config.rules.modes import check_mode_support, check_not_implemented
+from miles.config.sections import ENGINE_DTYPES
 
 if TYPE_CHECKING:
-    from miles.config_sections import MilesConfig
+    from miles.config.sections import MilesConfig
 
 logger = logging.getLogger(__name__)
 
@@ -487,7 +487,7 @@ def check_opd(cfg: MilesConfig) -> list[str]:
 
 
 def check_numbers(cfg: MilesConfig, explicit: set[str]) -> list[str]:
-    """Every numeric flag given lies in its stated range (miles.config_ranges; floats are finite, lists are
+    """Every numeric flag given lies in its stated range (miles.config.ranges; floats are finite, lists are
     checked element by element): `--lr inf` would otherwise train to NaN weights and exit 0. Defaults are
     valid, and derived values (`--critic-lr` from `--lr`) are copies of flags checked here. Then the
     sizes bounded by the machine, and the samples one rollout step holds."""
