@@ -5,20 +5,15 @@
 `ConfigError`, every combination that cannot run. The names below are the package's public surface.
 """
 
-from miles.config.checks import (
-    DEFAULT_TEACHER,
-    ENUM_CHOICES,
-    check_modes,
-    derive_num_rollout,
-    engine_memory_tags,
-    finalize,
-    parse_teacher_urls,
-)
-from miles.config.fields import FIELDS, ConfigError, FieldSpec, closest_flag, render_markdown
+from miles.config.checks import finalize
+from miles.config.fields import FIELDS, ConfigError, FieldSpec, closest_flag
 from miles.config.load import build_parser, load_config, parse_cli, save_config
 from miles.config.ranges import NUMBER_RANGES, in_range, ranged
+from miles.config.rules.batch import derive_num_rollout
 from miles.config.rules.lora_sft import is_sft
-from miles.config.rules.modes import NOT_IMPLEMENTED
+from miles.config.rules.modes import NOT_IMPLEMENTED, check_modes
+from miles.config.rules.opd import DEFAULT_TEACHER, parse_teacher_urls
+from miles.config.rules.values import ENUM_CHOICES, engine_memory_tags
 from miles.config.sections import (
     EMBEDDED_MAX_RUNNING_REQUESTS,
     FIELD_SECTIONS,
@@ -78,6 +73,5 @@ __all__ = [
     "parse_cli",
     "parse_teacher_urls",
     "ranged",
-    "render_markdown",
     "save_config",
 ]

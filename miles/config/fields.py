@@ -1,7 +1,7 @@
-"""Field specs of the config sections: flag names, types, help groups, value conversion.
+"""Field specs of the config sections: flag names, types, choices, ranges, value conversion.
 
-`FIELDS` maps every field name (unique across sections) to its section, type, default and help
-text; the parser, the YAML loader, the validators and the generated reference all read it.
+`FIELDS` maps every field name (unique across sections) to its section, type, default, choices,
+range and help text; the parser, the YAML loader, the validators and docs/config.md all read it.
 """
 
 from __future__ import annotations
@@ -12,23 +12,8 @@ import typing
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
+from miles.config.option import render_choices
 from miles.config.sections import SECTIONS
-
-# The order launch scripts group their arguments in; groups added later are appended.
-GROUP_ORDER = ("MODEL", "CKPT", "ROLLOUT", "EVAL", "PERF", "GRPO", "OPTIMIZER", "LORA", "SGLANG", "RUNTIME", "LOGGING")
-GROUP_DESCRIPTIONS = {
-    "MODEL": "which model and how it is loaded",
-    "CKPT": "reference / critic weights, saving and resuming",
-    "ROLLOUT": "prompts, the batch knobs, sampling, rewards, filters, fully async",
-    "EVAL": "evaluation data, cadence and sampling overrides",
-    "PERF": "trainer layout and batching, offload, weight transfer",
-    "GRPO": "the objective: advantages, clipping, KL, corrections",
-    "OPTIMIZER": "learning rate schedule, AdamW, gradient clipping",
-    "LORA": "low-rank adapters: rank, scale, dropout, which modules",
-    "SGLANG": "rollout engines: kind, count, size, colocation; --sglang-* passthrough",
-    "RUNTIME": "run directory, timeouts, profiling, debug modes",
-    "LOGGING": "TensorBoard, Weights & Biases, progress bar",
-}
 
 
 class ConfigError(ValueError):
@@ -49,20 +34,27 @@ class ConfigError(ValueError):
 @dataclass(frozen=True, slots=True)
 class FieldSpec:
     name: str
-    section: str
+    section: str  # its attribute of MilesConfig: also its YAML section and help group (`async_` is `async`)
     base: type  # int, float, str, bool, list or dict
     elem: type | None  # element type of a list field
     optional: bool
     default: Any
-    group: str
-    help: str
+    help: str  # `{choices}` rendered
     nargs: str | None
     cli: bool
     const: Any = None  # the value of a bare flag whose value is optional (nargs "?")
+    choices: tuple[str, ...] | None = None  # a Literal field's values
+    range: str | None = None  # a number's interval (see miles.config.option)
+    unit: str | None = None  # what the number counts, said when it is out of range
 
     @property
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
+
+    @property
+    def group(self) -> str:
+        """The help group and YAML section the field is listed under."""
+        return self.section.rstrip("_")
 
     @property
     def type_name(self) -> str:
@@ -71,37 +63,52 @@ class FieldSpec:
         return self.base.__name__
 
 
+def _unwrap(hint: Any) -> tuple[Any, bool, tuple[str, ...] | None]:
+    """A field's type hint -> (the type without None, whether None is allowed, the Literal's choices)."""
+    optional = False
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        optional, hint = True, args[0]
+    if typing.get_origin(hint) is typing.Literal:
+        return str, optional, tuple(typing.get_args(hint))
+    return hint, optional, None
+
+
+def _spec(section: str, f: Any, hint: Any) -> FieldSpec:
+    hint, optional, choices = _unwrap(hint)
+    origin = typing.get_origin(hint) or hint
+    elem = (typing.get_args(hint)[0] if typing.get_args(hint) else str) if origin is list else None
+    meta = f.metadata
+    text = meta["help"]
+    if choices:
+        text = render_choices(text, choices, meta["notes"], meta["sep"])
+    elif meta["notes"]:
+        raise TypeError(f"config field {f.name!r} has notes on choices but no Literal type")
+    return FieldSpec(
+        name=f.name,
+        section=section,
+        base=origin,
+        elem=elem,
+        optional=optional,
+        default=f.default_factory() if f.default_factory is not MISSING else f.default,
+        help=text,
+        nargs=meta.get("nargs", "*" if origin is list else None),
+        cli=meta["cli"],
+        const=meta.get("const"),
+        choices=choices,
+        range=meta["range"],
+        unit=meta["unit"],
+    )
+
+
 def _field_specs() -> dict[str, FieldSpec]:
     specs: dict[str, FieldSpec] = {}
     for section, cls in SECTIONS.items():
         hints = typing.get_type_hints(cls)
         for f in fields(cls):
-            hint, optional = hints[f.name], False
-            if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-                args = [a for a in typing.get_args(hint) if a is not type(None)]
-                optional, hint = True, args[0]
-            origin = typing.get_origin(hint) or hint
-            elem = (
-                typing.get_args(hint)[0]
-                if origin is list and typing.get_args(hint)
-                else (str if origin is list else None)
-            )
-            default = f.default_factory() if f.default_factory is not MISSING else f.default
             if f.name in specs:
                 raise TypeError(f"config field {f.name!r} is defined in both {specs[f.name].section} and {section}")
-            specs[f.name] = FieldSpec(
-                name=f.name,
-                section=section,
-                base=origin,
-                elem=elem,
-                optional=optional,
-                default=default,
-                group=f.metadata.get("group", "OTHER"),
-                help=f.metadata.get("help", ""),
-                nargs=f.metadata.get("nargs", "*" if origin is list else None),
-                cli=f.metadata.get("cli", True),
-                const=f.metadata.get("const"),
-            )
+            specs[f.name] = _spec(section, f, hints[f.name])
     return specs
 
 
@@ -109,11 +116,17 @@ FIELDS: dict[str, FieldSpec] = _field_specs()
 
 
 def groups() -> dict[str, list[FieldSpec]]:
-    """Fields by help group, groups in launch-script order."""
-    out: dict[str, list[FieldSpec]] = {g: [] for g in GROUP_ORDER}
+    """Fields by help group, which is their YAML section, in section order."""
+    out: dict[str, list[FieldSpec]] = {section.rstrip("_"): [] for section in SECTIONS}
     for spec in FIELDS.values():
-        out.setdefault(spec.group, []).append(spec)
-    return {g: specs for g, specs in out.items() if specs}
+        out[spec.group].append(spec)
+    return out
+
+
+def section_description(group: str) -> str:
+    """A section's one-line description: its class docstring."""
+    cls = SECTIONS.get(group) or SECTIONS[group + "_"]
+    return (cls.__doc__ or "").strip()
 
 
 # ---------------------------------------------------------------- value conversion
@@ -184,6 +197,11 @@ def parse_scalar(text: str) -> Any:
     return text
 
 
+def flag(name: str) -> str:
+    """The command-line flag of field `name`."""
+    return FIELDS[name].flag
+
+
 def closest_flag(flag: str) -> str | None:
     candidates = [s.flag for s in FIELDS.values() if s.cli] + ["--config"]
     match = difflib.get_close_matches(flag, candidates, n=1, cutoff=0.6)
@@ -194,63 +212,3 @@ def unknown_flag_message(flag: str, where: str = "") -> str:
     near = closest_flag(flag)
     hint = f"; closest valid flag: {near}" if near else "; see `miles train --help` for valid flags"
     return f"unknown flag {flag}{where}{hint}"
-
-
-# ---------------------------------------------------------------- reference
-
-
-def _sentence(text: str) -> str:
-    return text[:1].upper() + text[1:] + "." if text else ""
-
-
-def _range_cell(name: str) -> str:
-    from miles.config.ranges import NUMBER_RANGES
-
-    return f"`{NUMBER_RANGES[name][0]}`" if name in NUMBER_RANGES else ""
-
-
-def _md(text: str) -> str:
-    return str(text).replace("|", "\\|")
-
-
-def render_markdown() -> str:
-    """The configuration reference (docs/config.md is this output)."""
-    lines = [
-        "# Configuration reference",
-        "",
-        "Generated from `miles/config_sections.py` by `miles config --markdown > docs/config.md`; edit the",
-        "dataclasses, not this file.",
-        "",
-        "Every field is a command-line flag and a YAML key. In YAML a key may be the flag name",
-        "(`rollout-batch-size: 8`), the field name (`rollout_batch_size: 8`), or nested under its section",
-        "(`rollout: {rollout_batch_size: 8}`). Booleans take `--flag` / `--no-flag`; list flags take several",
-        "values. Flags given on the command line override the file given with `--config`. A numeric flag",
-        "outside its range (`[`/`]` include the bound, `(`/`)` exclude it) is refused at start-up. Any other",
-        "`--sglang-<name> VALUE` flag is passed through to `sglang.launch_server --<name> VALUE`",
-        "(kept in `engine.sglang_args`; in YAML under `sglang:`). The embedded engine reads four of them as",
-        "SGLang does, `--sglang-disable-cuda-graph`, `--sglang-disable-radix-cache` (prefix sharing off),",
-        "`--sglang-quantization fp8` and `--sglang-dtype` (what the engines compute in and",
-        "weights travel in; default `--dtype`), and refuses any other.",
-        "",
-        "The batch knobs obey `rollout_batch_size × n_samples_per_prompt = global_batch_size ×",
-        "num_steps_per_rollout`: give any three and the fourth is derived (see docs/concepts.md).",
-        "",
-    ]
-    for group, specs in groups().items():
-        lines += [
-            f"## {group}",
-            "",
-            _sentence(GROUP_DESCRIPTIONS.get(group, "")),
-            "",
-            "| flag | section | type | default | range | description |",
-            "|---|---|---|---|---|---|",
-        ]
-        for spec in specs:
-            flag = f"`{spec.flag}`" if spec.cli else f"`{spec.name}` (YAML only)"
-            type_name = spec.type_name + (" or None" if spec.optional else "")
-            lines.append(
-                f"| {flag} | {spec.section.rstrip('_')} | {type_name} | `{_md(repr(spec.default))}` "
-                f"| {_range_cell(spec.name)} | {_md(spec.help)} |"
-            )
-        lines.append("")
-    return "\n".join(lines)
