@@ -16,7 +16,7 @@ def test_every_numeric_flag_states_a_range_its_default_lies_in():
         for name, spec in FIELDS.items()
         if spec.base in (int, float) or (spec.base is list and spec.elem in (int, float))
     }
-    assert numeric - NUMBER_RANGES.keys() == set(), "numeric fields without a range in miles/config_ranges.py"
+    assert numeric - NUMBER_RANGES.keys() == set(), "numeric fields without option(range=...)"
     assert NUMBER_RANGES.keys() - numeric == set(), "ranges of fields that are not numeric (renamed?)"
     for name in numeric:
         default = FIELDS[name].default
