@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.train_throughput import init_single_rank  # noqa: E402
-from miles.config_sections import AlgoConfig, ModelConfig, RolloutConfig, TrainConfig  # noqa: E402
+from miles.config import AlgoConfig, ModelConfig, RolloutConfig, TrainConfig  # noqa: E402
 from miles.rollout.train_data import TrainBatch  # noqa: E402
 
 QWEN25 = dict(vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6)

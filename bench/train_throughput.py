@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from miles.config_sections import AlgoConfig, ModelConfig, RolloutConfig, TrainConfig  # noqa: E402
+from miles.config import AlgoConfig, ModelConfig, RolloutConfig, TrainConfig  # noqa: E402
 from miles.rollout.train_data import TrainBatch  # noqa: E402
 
 SHAPES = {

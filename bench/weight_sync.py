@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from miles.config_sections import WeightsConfig
+from miles.config import WeightsConfig
 from miles.engines.client import EngineClient
 from miles.testing.fake_engine import FakeEngine, HTTPEngineControl, run_trainer_ranks, spawn_engines
 from miles.weights.broadcast import BroadcastUpdater

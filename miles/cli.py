@@ -167,7 +167,8 @@ def cmd_config(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="miles config", description="Print the configuration reference.")
     parser.add_argument("--markdown", action="store_true", help="Markdown tables (docs/config.md is this output)")
     args = parser.parse_args(argv)
-    from miles.config import build_parser, render_markdown
+    from miles.config import build_parser
+    from miles.config.docs import render_markdown
 
     if args.markdown:
         sys.stdout.write(render_markdown())

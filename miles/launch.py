@@ -73,8 +73,7 @@ def _with_train_flags(le: LaunchEnv, train_args: list[str], *, selftest: bool) -
     every node was given decide both (`--controller-host/-port`, `--heartbeat-interval-s/-timeout-s`), so
     a node agent declares the controller lost after the same silence the controller allows a node. The
     self-test has no train args: MILES_HEARTBEAT_INTERVAL_S / MILES_HEARTBEAT_TIMEOUT_S set its heartbeat."""
-    from miles.config import load_config
-    from miles.config_fields import ConfigError
+    from miles.config import ConfigError, load_config
 
     if selftest:
         return le, heartbeat_settings()

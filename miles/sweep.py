@@ -142,7 +142,7 @@ def invalid_points(sweep: Sweep, extra: list[str] | None = None) -> dict[int, st
     from miles.config import load_config
 
     bad = {}
-    quiet = logging.getLogger("miles.config_checks")
+    quiet = logging.getLogger("miles.config.checks")
     level, quiet.level = quiet.level, logging.WARNING  # the derivations are logged again when a point runs
     for index in range(len(sweep.points)):
         try:

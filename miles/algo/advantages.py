@@ -25,7 +25,7 @@ from miles.algo.corrections import TIS_MODES
 from miles.algo.kl import KL_TYPES, compute_approx_kl
 from miles.algo.opd import apply_opd
 from miles.algo.whiten import masked_whiten
-from miles.config_sections import AlgoConfig
+from miles.config import AlgoConfig
 
 logger = logging.getLogger(__name__)
 

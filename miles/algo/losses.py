@@ -32,7 +32,7 @@ from miles.algo.aggregation import (
 )
 from miles.algo.corrections import load_correction
 from miles.algo.kl import compute_approx_kl
-from miles.config_sections import AlgoConfig
+from miles.config import AlgoConfig
 from miles.utils.misc import load_function
 
 logger = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ import shutil
 import time
 from dataclasses import dataclass
 
-from miles.config_sections import MilesConfig
+from miles.config import MilesConfig
 from miles.controller.eval import Evaluator, Pausable
 from miles.controller.router import Router
 from miles.controller.run import MilesRun

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 from typing import Protocol
 
-from miles.config_sections import RuntimeConfig
+from miles.config import RuntimeConfig
 from miles.controller.preflight import PreflightError
 from miles.controller.rollout_manager import RolloutResult
 from miles.rollout.debug_data import debug_rollout_path, load_debug_rollout, save_debug_rollout

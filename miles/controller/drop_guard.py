@@ -16,7 +16,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from miles.config_sections import RolloutConfig
+from miles.config import RolloutConfig
 from miles.errors import RolloutStalled
 from miles.rollout.rm_hub import reward_source
 from miles.rollout.sample import Sample

@@ -9,7 +9,7 @@ from typing import Protocol
 
 import numpy as np
 
-from miles.config_sections import MilesConfig
+from miles.config import MilesConfig
 from miles.controller.preflight import parse_eval_datasets
 from miles.controller.rollout_manager import GroupRunner, sampling_from_config
 from miles.controller.router import Router

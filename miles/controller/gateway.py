@@ -19,7 +19,7 @@ from miles.agent.openai_protocol import ChatDefaults
 from miles.agent.server import Gateway, GatewayHandle, start_gateway
 from miles.agent.sessions import RULES
 from miles.agent.tito import TitoTokenizer, check_append_only
-from miles.config_sections import MilesConfig
+from miles.config import MilesConfig
 from miles.utils.routing import routing_shape
 
 logger = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ import json
 import logging
 import os
 
-from miles.config_sections import MilesConfig
+from miles.config import MilesConfig
 from miles.controller.async_eval import AsyncEval
 from miles.controller.buffer import BufferConfig, DataBuffer, Group, UnusedHandler
 from miles.controller.drop_guard import DropGuard, max_consecutive_drops

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from miles.config_lora_sft import is_sft
-from miles.config_sections import MilesConfig
+from miles.config import MilesConfig, is_sft
 from miles.controller.debug_rollout import debug_rollouts
 from miles.controller.eval import Evaluator
 from miles.controller.plugin_rollout import PluginRolloutManager

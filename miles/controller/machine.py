@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from miles.controller.placement import Placement, PlacementError, plan_placement
 
 if TYPE_CHECKING:
-    from miles.config_sections import MilesConfig, RuntimeConfig
+    from miles.config import MilesConfig, RuntimeConfig
     from miles.wire.launch_env import LaunchEnv
 
 

@@ -1,6 +1,6 @@
 """Start-up of on-policy distillation and of true-on-policy mode: their checks and the teacher's clients.
 
-`check_modes_before_start` refuses, before any worker starts, what `miles.config_checks` could not see
+`check_modes_before_start` refuses, before any worker starts, what `miles.config.checks` could not see
 without reading files: a teacher checkpoint that is missing or has another tokenizer than the
 student, prompts whose metadata names no teacher, and a model true-on-policy mode cannot cover.
 `start_teacher` builds the `TeacherScorer` over the served teachers (`--opd-teacher-urls`) and the
@@ -13,7 +13,7 @@ import logging
 import os
 from typing import Any
 
-from miles.config_checks import DEFAULT_TEACHER, parse_teacher_urls
+from miles.config import DEFAULT_TEACHER, parse_teacher_urls
 from miles.controller.placement import TEACHER_ROLE
 from miles.controller.preflight import PreflightError
 from miles.controller.router import Router, engine_clients

@@ -23,8 +23,7 @@ import copy
 import os
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 
-from miles.config_lora_sft import is_sft
-from miles.config_sections import EMBEDDED_MAX_RUNNING_REQUESTS, EngineConfig, MilesConfig, engine_dtype
+from miles.config import EMBEDDED_MAX_RUNNING_REQUESTS, EngineConfig, MilesConfig, engine_dtype, is_sft
 from miles.true_on_policy import CUBLAS_WORKSPACE_CONFIG
 from miles.wire.ports import free_port
 from miles.wire.specs import WorkerSpec
@@ -127,7 +126,7 @@ def embedded_running_requests(engine: EngineConfig) -> int:
 def sglang_launch_args(engine: EngineConfig) -> dict:
     """The SGLang server arguments an engine gets: the `--sglang-*` passthrough and, with --engine sglang, the
     Miles flags SGLang reads under its own names. Unset Miles flags leave SGLang's own defaults; a flag given
-    both ways is refused at start-up (`config_refusals`). The embedded engine reads the passthrough only."""
+    both ways is refused at start-up (`miles.config.rules.engines`). The embedded engine reads the passthrough only."""
     args = copy.deepcopy(engine.sglang_args)
     if engine.engine != "sglang":
         return args

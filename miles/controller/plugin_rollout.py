@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from miles.agent.plugins import load_rollout
-from miles.config_sections import RolloutConfig
+from miles.config import RolloutConfig
 from miles.controller.rollout_manager import RolloutResult, SyncRolloutManager
 from miles.errors import RolloutStalled
 from miles.rollout.data_source import DataSource

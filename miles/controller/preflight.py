@@ -19,9 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.agent.plugins import PLUGIN_CHECKS, PluginShapeError
-from miles.config_fields import FIELDS
-from miles.config_lora_sft import is_sft
-from miles.config_sections import MilesConfig, ModelConfig
+from miles.config import FIELDS, MilesConfig, ModelConfig, is_sft
 from miles.controller.machine import Machine, plan_run, resolve_machine
 from miles.controller.placement import Placement
 from miles.controller.run_dirs import RunDirError, check_save_reuse

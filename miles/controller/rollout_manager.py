@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from miles.agent.plugins import agent_abort_hook, load_generate
-from miles.config_sections import RolloutConfig
+from miles.config import RolloutConfig
 from miles.controller.drop_guard import DropGuard, max_consecutive_drops
 from miles.controller.router import Router
 from miles.controller.signals import StopRequested

@@ -13,9 +13,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from miles.config_checks import engine_memory_tags
-from miles.config_lora_sft import is_sft
-from miles.config_sections import MilesConfig
+from miles.config import MilesConfig, engine_memory_tags, is_sft
 from miles.controller.gateway import check_session_server, engine_context_len, needs_gateway, start_rollout_gateway
 from miles.controller.machine import plan_run
 from miles.controller.opd import check_modes_before_start, start_teacher

@@ -22,7 +22,7 @@ import os
 import re
 import socket
 
-from miles.config_sections import TrainConfig
+from miles.config import TrainConfig
 from miles.trainer.checkpoint_layout import COMPLETE_MARKER, complete_checkpoint_steps, remove_checkpoint_dir
 
 logger = logging.getLogger(__name__)

@@ -24,8 +24,8 @@ from miles.agent.openai_protocol import ChatDefaults
 from miles.agent.server import DEFAULT_MAX_BODY_MB, Gateway, start_gateway
 from miles.agent.sessions import RULES
 from miles.agent.tito import TitoTokenizer, check_append_only
-from miles.config_ranges import NUMBER_RANGES as R
-from miles.config_ranges import ranged
+from miles.config import NUMBER_RANGES as R
+from miles.config import ranged
 from miles.controller.router import Router
 from miles.engines.client import EngineClient
 from miles.engines.doors import warn_if_open

@@ -27,8 +27,8 @@ from typing import Any
 
 from aiohttp import web
 
-from miles.config_ranges import NUMBER_RANGES as R
-from miles.config_ranges import ranged
+from miles.config import NUMBER_RANGES as R
+from miles.config import ranged
 from miles.engines.doors import (
     DEFAULT_MAX_BODY_MB,
     PathRefused,

@@ -23,7 +23,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from miles.config_sections import GPU_AUTO_DTYPE
+from miles.config import GPU_AUTO_DTYPE
 from miles.engines.client import EngineClient
 from miles.engines.doors import auth_headers, redact
 

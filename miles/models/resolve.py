@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from miles.config_sections import ModelConfig
+from miles.config import ModelConfig
 from miles.models.gguf_specs import is_gguf_spec
 from miles.models.gguf_specs import resolve as resolve_gguf
 from miles.utils.hf_cache import ModelNotFound, looks_like_hub_id, resolve_hub_id

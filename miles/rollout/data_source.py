@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from miles.config_sections import DataConfig
+from miles.config import DataConfig
 from miles.rollout.prompt_files import PromptFileError, is_parquet, iter_prompt_rows
 from miles.rollout.sample import Sample
 from miles.utils.misc import load_function

@@ -31,7 +31,7 @@ from miles.algo.opd import (
     LogProbs,
     topk_reverse_kl,
 )
-from miles.config_checks import DEFAULT_TEACHER
+from miles.config import DEFAULT_TEACHER
 from miles.rollout.generate import STUDENT_TOP_KEY
 from miles.rollout.sample import Sample
 

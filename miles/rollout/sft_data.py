@@ -22,7 +22,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-from miles.config_sections import DataConfig
+from miles.config import DataConfig
 from miles.rollout.data_source import (
     JsonlDataSource,
     PromptLimit,

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from miles.config_sections import AlgoConfig, ModelConfig, RolloutConfig, TrainConfig
+from miles.config import AlgoConfig, ModelConfig, RolloutConfig, TrainConfig
 from miles.rollout.train_data import TrainBatch
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
-from miles.config_sections import AlgoConfig, ModelConfig, RolloutConfig, TrainConfig
+from miles.config import AlgoConfig, ModelConfig, RolloutConfig, TrainConfig
 from miles.errors import NonFiniteTraining
 from miles.rollout.train_data import TrainBatch
 from miles.trainer import checkpoint as ckpt

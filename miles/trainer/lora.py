@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from miles.config_sections import TrainConfig
+from miles.config import TrainConfig
 
 logger = logging.getLogger(__name__)
 

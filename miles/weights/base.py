@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any, ClassVar, Protocol
 
-from miles.config_sections import WeightsConfig
+from miles.config import WeightsConfig
 from miles.weights import verify
 from miles.weights.bucket import NamedTensor, iter_buckets, pipelined, tensor_nbytes
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from miles.config_sections import WeightsConfig
+from miles.config import WeightsConfig
 from miles.weights.base import WeightUpdater
 from miles.weights.broadcast import BroadcastUpdater, _raise_with_engine_errors
 from miles.weights.bucket import NamedTensor, bucket_meta, iter_buckets

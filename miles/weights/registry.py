@@ -8,7 +8,7 @@ per-bucket handoff (`colocated_direct.py`).
 
 from __future__ import annotations
 
-from miles.config_sections import WeightsConfig
+from miles.config import WeightsConfig
 from miles.weights.base import WeightUpdater
 from miles.weights.broadcast import BroadcastUpdater
 from miles.weights.colocated_direct import DirectColocatedUpdater

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from miles.config_sections import (
+from miles.config import (
     GPU_AUTO_DTYPE,
     AlgoConfig,
     ModelConfig,

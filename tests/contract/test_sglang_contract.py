@@ -28,7 +28,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from miles.config_sections import WeightsConfig
+from miles.config import WeightsConfig
 from miles.controller.router import Router
 from miles.engines.client import EngineClient, EngineHTTPError
 from miles.engines.sglang_protocol import REQUEST_FIELDS, SGLANG_VERSION_CHECKED

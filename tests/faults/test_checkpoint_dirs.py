@@ -13,8 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from miles.config import load_config
-from miles.config_sections import ModelConfig
+from miles.config import ModelConfig, load_config
 from miles.controller.preflight import PreflightError, check_model_path, check_start
 from miles.trainer.checkpoint_layout import (
     COMPLETE_MARKER,

@@ -6,10 +6,7 @@ import json
 
 import pytest
 
-from miles.config import load_config
-from miles.config_fields import FIELDS, ConfigError
-from miles.config_ranges import NUMBER_RANGES, in_range
-from miles.config_sections import DataConfig
+from miles.config import FIELDS, NUMBER_RANGES, ConfigError, DataConfig, in_range, load_config
 from miles.rollout.data_source import DataRowError, JsonlDataSource
 
 
@@ -19,7 +16,7 @@ def test_every_numeric_flag_states_a_range_its_default_lies_in():
         for name, spec in FIELDS.items()
         if spec.base in (int, float) or (spec.base is list and spec.elem in (int, float))
     }
-    assert numeric - NUMBER_RANGES.keys() == set(), "numeric fields without a range in miles/config_ranges.py"
+    assert numeric - NUMBER_RANGES.keys() == set(), "numeric fields without option(range=...)"
     assert NUMBER_RANGES.keys() - numeric == set(), "ranges of fields that are not numeric (renamed?)"
     for name in numeric:
         default = FIELDS[name].default

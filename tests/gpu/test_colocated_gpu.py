@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from miles.config_sections import WeightsConfig
+from miles.config import WeightsConfig
 from miles.engines.client import EngineClient
 from miles.testing.fake_engine import fake_engines, run_trainer_ranks
 from miles.weights import verify

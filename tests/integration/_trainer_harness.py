@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from miles.config_sections import AlgoConfig, ModelConfig, RolloutConfig, TrainConfig
+from miles.config import AlgoConfig, ModelConfig, RolloutConfig, TrainConfig
 from miles.rollout.train_data import TrainBatch
 from miles.wire.ports import free_port
 

@@ -161,7 +161,7 @@ def test_engine_with_adapter_scores_like_peft(model_dirs, arch, targets):
 def test_lora_updaters_move_only_the_adapter(model_dirs, colocate):
     """Broadcast (gloo group) and colocated (shared memory) adapter updaters against an engine's receiver:
     each update replaces the adapter, the version follows, and the bytes counted are the adapter's."""
-    from miles.config_sections import WeightsConfig
+    from miles.config import WeightsConfig
     from miles.weights.registry import make_updater
 
     path = model_dirs["qwen2"]

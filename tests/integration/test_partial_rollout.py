@@ -13,8 +13,7 @@ import asyncio
 
 import pytest
 
-from miles.config import MilesConfig, load_config
-from miles.config_fields import ConfigError
+from miles.config import ConfigError, MilesConfig, load_config
 from miles.controller.rollout_manager import SyncRolloutManager
 from miles.rollout.sample import Sample, SampleStatus
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles.config_sections import WeightsConfig
+from miles.config import WeightsConfig
 from miles.testing.fake_engine import FakeEngine, HTTPEngineControl, fake_engines
 from miles.weights.base import EngineCallError
 from miles.weights.delta_updater import DiskDeltaUpdater

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 
-from miles.config_sections import WeightsConfig
+from miles.config import WeightsConfig
 from miles.testing.fake_engine import FakeEngine, HTTPEngineControl, fake_engines, run_trainer_ranks, spawn_engines
 from miles.weights.base import EngineCallError
 from miles.weights.colocated import ColocatedUpdater

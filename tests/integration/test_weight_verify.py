@@ -5,7 +5,7 @@ import asyncio
 import pytest
 import torch
 
-from miles.config_sections import WeightsConfig
+from miles.config import WeightsConfig
 from miles.testing.fake_engine import fake_engines
 from miles.weights.broadcast import BroadcastUpdater
 from miles.weights.colocated_direct import DirectColocatedUpdater

@@ -26,7 +26,7 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
     try:
         from miles.algo.advantages import compute_advantages_and_returns
         from miles.algo.whiten import masked_whiten
-        from miles.config_sections import AlgoConfig
+        from miles.config import AlgoConfig
 
         shard = SHARDS[rank]
         mask = torch.tensor(shard["mask"], dtype=torch.float32)

@@ -10,7 +10,7 @@ import torch
 from miles.algo.advantages import check_algo_config, compute_advantages_and_returns, discounted_reverse_cumsum
 from miles.algo.opd import apply_opd
 from miles.algo.whiten import masked_whiten
-from miles.config_sections import AlgoConfig
+from miles.config import AlgoConfig
 
 torch.set_num_threads(1)
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from miles.config_sections import DataConfig
+from miles.config import DataConfig
 from miles.recipes import arith
 from miles.rollout.data_source import parse_row
 

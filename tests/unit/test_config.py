@@ -7,8 +7,15 @@ import re
 import pytest
 import yaml
 
-from miles.config import FIELDS, ConfigError, MilesConfig, derive_num_rollout, load_config
-from miles.config_sections import FIELD_SECTIONS, engine_dtype
+from miles.config import (
+    FIELD_SECTIONS,
+    FIELDS,
+    ConfigError,
+    MilesConfig,
+    derive_num_rollout,
+    engine_dtype,
+    load_config,
+)
 
 from harness import minimal_train_args  # isort: skip
 
@@ -186,7 +193,7 @@ def test_explicit_values_are_not_overwritten_by_derivations():
 
 
 def test_offload_rollout_defaults_to_colocate_and_levels_map_to_engine_tags():
-    from miles.config_checks import engine_memory_tags
+    from miles.config import engine_memory_tags
 
     colocated = cfg_of("--rollout-batch-size", "4", "--colocate")
     assert colocated.train.offload_rollout is None  # colocated: decided from the GPUs' memory at start-up
@@ -276,7 +283,7 @@ def test_enum_suggests_the_closest_value():
 
 
 def test_lora_rank_check_is_keyed_on_the_field(monkeypatch):
-    from miles.config_checks import check_modes
+    from miles.config import check_modes
 
     cfg = cfg_of("--rollout-batch-size", "8", "--update-weight-transfer-mode", "disk-delta")
     assert check_modes(cfg) == []

@@ -12,7 +12,7 @@ import torch
 from miles.algo.aggregation import StepDenominators
 from miles.algo.corrections import load_correction, tis_weights
 from miles.algo.losses import LossInputs, policy_loss
-from miles.config_sections import AlgoConfig
+from miles.config import AlgoConfig
 
 torch.set_num_threads(1)
 

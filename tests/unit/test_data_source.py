@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from miles.config_sections import DataConfig
+from miles.config import DataConfig
 from miles.rollout.data_source import DataRowError, DataSource, JsonlDataSource, PromptLimit, load_data_source
 from miles.rollout.sample import Sample
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from miles.config import render_markdown
+from miles.config.docs import render_markdown
 
 ROOT = Path(__file__).resolve().parents[2]
 

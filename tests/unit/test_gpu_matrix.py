@@ -7,8 +7,7 @@ import pytest
 import torch
 import yaml
 
-from miles.config import load_config
-from miles.config_sections import engine_dtype
+from miles.config import engine_dtype, load_config
 from miles.workers.rollout_worker import embedded_options
 from miles.workers.trainer_worker import push_dtype
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from miles.config_sections import ModelConfig
+from miles.config import ModelConfig
 from miles.models.resolve import resolve_model_paths
 from miles.utils.hf_cache import ModelNotFound
 

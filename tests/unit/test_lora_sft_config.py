@@ -6,8 +6,7 @@ import json
 
 import pytest
 
-from miles.config import ConfigError, load_config
-from miles.config_sections import DataConfig, WeightsConfig
+from miles.config import ConfigError, DataConfig, WeightsConfig, load_config
 from miles.controller.placement import plan_placement
 from miles.rollout.data_source import PromptRow
 from miles.rollout.sft_data import SupervisedDataSource, chat_tokens, supervised_tokens

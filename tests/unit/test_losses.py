@@ -11,7 +11,7 @@ import torch
 
 from miles.algo.aggregation import StepDenominators
 from miles.algo.losses import LossInputs, get_loss_function, policy_loss, sft_loss, value_loss
-from miles.config_sections import AlgoConfig
+from miles.config import AlgoConfig
 
 torch.set_num_threads(1)
 

@@ -9,8 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from miles.config import load_config
-from miles.config_fields import ConfigError
+from miles.config import ConfigError, load_config
 from miles.controller.run import MilesRun
 from miles.trainer.checkpoint import COMPLETE_MARKER, latest_complete_checkpoint, prune_checkpoints
 

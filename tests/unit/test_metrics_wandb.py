@@ -11,8 +11,7 @@ from typing import Any
 
 import pytest
 
-from miles.config import load_config
-from miles.config_fields import ConfigError
+from miles.config import ConfigError, load_config
 from miles.utils.metrics import WANDB_ID_FILE, MetricsSink, read_metrics
 
 from harness import minimal_train_args, requires  # isort: skip

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from miles.config_sections import ModelConfig
+from miles.config import ModelConfig
 from miles.controller.preflight import PreflightError, check_model_path
 from miles.models.resolve import parse_tiny_spec, resolve_model_paths
 from miles.utils.hf_cache import ModelNotFound

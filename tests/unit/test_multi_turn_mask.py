@@ -16,7 +16,7 @@ from miles.agent.trajectory import Trajectory
 from miles.algo.advantages import compute_advantages_and_returns
 from miles.algo.aggregation import StepDenominators
 from miles.algo.losses import LossInputs, policy_loss
-from miles.config_sections import AlgoConfig
+from miles.config import AlgoConfig
 from miles.rollout.sample import Sample
 from miles.rollout.train_data import samples_to_train_batch
 

@@ -7,8 +7,7 @@ import math
 import pytest
 
 from miles.algo.opd import candidates, topk_reverse_kl
-from miles.config import ConfigError, load_config
-from miles.config_checks import parse_teacher_urls
+from miles.config import ConfigError, load_config, parse_teacher_urls
 from miles.controller.placement import TEACHER_ROLE, plan_placement
 from miles.rollout.opd_teacher import teacher_name, unroutable_prompt
 

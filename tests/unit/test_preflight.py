@@ -15,9 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from miles.config import load_config
-from miles.config_fields import FIELDS
-from miles.config_refusals import NOT_IMPLEMENTED
+from miles.config import FIELDS, NOT_IMPLEMENTED, load_config
 from miles.controller.placement import plan_placement
 from miles.controller.preflight import (
     PLUGIN_FIELDS,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from miles.config_sections import DataConfig
+from miles.config import DataConfig
 from miles.rollout import prompt_files
 from miles.rollout.data_source import DataError, DataRowError, JsonlDataSource
 

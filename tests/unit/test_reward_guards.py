@@ -15,8 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from miles.config import MilesConfig, load_config
-from miles.config_fields import ConfigError
+from miles.config import ConfigError, MilesConfig, load_config
 from miles.controller.drop_guard import DropGuard, max_consecutive_drops
 from miles.controller.rollout_manager import MAX_REWARD_ATTEMPTS, SyncRolloutManager
 from miles.controller.signals import StopRequested

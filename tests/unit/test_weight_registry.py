@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from miles.config_checks import ENUM_CHOICES
-from miles.config_sections import WeightsConfig
+from miles.config import ENUM_CHOICES, WeightsConfig
 from miles.weights.broadcast import BroadcastUpdater
 from miles.weights.colocated_direct import DirectColocatedUpdater
 from miles.weights.delta_updater import DiskDeltaUpdater

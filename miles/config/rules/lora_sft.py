@@ -15,10 +15,10 @@ from __future__ import annotations
 import importlib.util
 from typing import TYPE_CHECKING
 
-from miles.config_fields import FIELDS
+from miles.config.fields import FIELDS
 
 if TYPE_CHECKING:
-    from miles.config_sections import MilesConfig
+    from miles.config.sections import MilesConfig
 
 LORA_FLAGS = ("lora_alpha", "lora_dropout", "target_modules")
 

@@ -1,9 +1,9 @@
 """YAML + command line -> `MilesConfig`.
 
-Every field of the sections in `miles/config_sections.py` is a flag (`rollout_batch_size` ->
+Every field of the sections in `miles/config/sections/` is a flag (`rollout_batch_size` ->
 `--rollout-batch-size`) and a YAML key (flat, with dashes or underscores, or nested under its
 section). The command line wins over the YAML file. Unknown `--sglang-*` flags are kept in
-`engine.sglang_args` for `sglang.launch_server`. After parsing, `miles.config_checks` derives
+`engine.sglang_args` for `sglang.launch_server`. After parsing, `miles.config.checks` derives
 the four-knob invariant and the defaults that depend on other flags, and collects every
 invalid combination into one `ConfigError`.
 """
@@ -17,22 +17,19 @@ from typing import Any
 
 import yaml
 
-from miles.config_checks import derive_num_rollout, finalize  # noqa: F401 - derive_num_rollout re-exported
-from miles.config_fields import (  # noqa: F401 - re-exported: `from miles.config import ConfigError, FIELDS`
+from miles.config.checks import finalize
+from miles.config.fields import (
     FIELDS,
-    GROUP_DESCRIPTIONS,
-    GROUP_ORDER,
     ConfigError,
     FieldSpec,
-    closest_flag,
     convert,
     groups,
     parse_scalar,
-    render_markdown,
+    section_description,
     unknown_flag_message,
 )
-from miles.config_ranges import NUMBER_RANGES
-from miles.config_sections import SECTIONS, MilesConfig
+from miles.config.ranges import NUMBER_RANGES
+from miles.config.sections import SECTIONS, MilesConfig
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +39,36 @@ SGLANG_PREFIX = "--sglang-"
 # ---------------------------------------------------------------- command line
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the choices of a Literal field on its action (for --help and completion), checked
+    after parsing by `miles.config.rules.values.check_enums`, so that the command line and the YAML get the
+    same one-line refusal with the closest choice, listed beside every other problem."""
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        return None
+
+
+def _help_text(spec: FieldSpec) -> str:
+    text = spec.help if "default" in spec.help else f"{spec.help} (default: {spec.default!r})"
+    if spec.name in NUMBER_RANGES:
+        text += f" [range {NUMBER_RANGES[spec.name][0]}]"
+    return text.replace("%", "%%")  # argparse %-formats help
+
+
+def _add_flag(group: argparse._ArgumentGroup, spec: FieldSpec) -> None:
+    common = {"dest": spec.name, "default": argparse.SUPPRESS, "help": _help_text(spec)}
+    if spec.base is bool:
+        group.add_argument(spec.flag, action=argparse.BooleanOptionalAction, **common)
+    elif spec.const is not None:  # `--flag` alone means `const`, `--flag VALUE` picks another
+        group.add_argument(spec.flag, nargs="?", const=spec.const, choices=spec.choices, **common)
+    else:
+        metavar = spec.elem.__name__.upper() if spec.base is list else spec.base.__name__.upper()
+        group.add_argument(spec.flag, nargs=spec.nargs, metavar=metavar, choices=spec.choices, **common)
+
+
 def build_parser(prog: str = "miles train") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    """`miles train`'s parser: one help group per config section, titled with its YAML section name."""
+    parser = _Parser(
         prog=prog,
         usage=f"{prog} [--config FILE] [--flag VALUE ...] [--sglang-<name> VALUE ...]",
         description="Train with RL. Flags override the YAML file given with --config; "
@@ -58,31 +83,10 @@ def build_parser(prog: str = "miles train") -> argparse.ArgumentParser:
         help="YAML file of flags (flat or nested by section); one file: a second --config is refused",
     )
     for group, specs in groups().items():
-        arg_group = parser.add_argument_group(group, GROUP_DESCRIPTIONS.get(group))
+        arg_group = parser.add_argument_group(group, section_description(group))
         for spec in specs:
-            if not spec.cli:
-                continue
-            text = spec.help if "default" in spec.help else f"{spec.help} (default: {spec.default!r})"
-            if spec.name in NUMBER_RANGES:
-                text += f" [range {NUMBER_RANGES[spec.name][0]}]"
-            text = text.replace("%", "%%")  # argparse %-formats help
-            if spec.base is bool:
-                arg_group.add_argument(
-                    spec.flag,
-                    dest=spec.name,
-                    action=argparse.BooleanOptionalAction,
-                    default=argparse.SUPPRESS,
-                    help=text,
-                )
-            elif spec.const is not None:  # `--flag` alone means `const`, `--flag VALUE` picks another
-                arg_group.add_argument(
-                    spec.flag, dest=spec.name, nargs="?", const=spec.const, default=argparse.SUPPRESS, help=text
-                )
-            else:
-                metavar = spec.elem.__name__.upper() if spec.base is list else spec.base.__name__.upper()
-                arg_group.add_argument(
-                    spec.flag, dest=spec.name, nargs=spec.nargs, default=argparse.SUPPRESS, metavar=metavar, help=text
-                )
+            if spec.cli:
+                _add_flag(arg_group, spec)
     return parser
 
 

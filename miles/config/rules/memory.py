@@ -11,14 +11,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from miles.config.fields import flag
+
 if TYPE_CHECKING:
-    from miles.config_sections import MilesConfig
+    from miles.config.sections import MilesConfig
 
 OPTIMIZER_LEVERS = ("optimizer_cpu_offload", "offload_optimizer_states", "stream_optimizer_state_to_disk")
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def _optimizer_levers(cfg: MilesConfig) -> list[str]:
@@ -26,20 +24,20 @@ def _optimizer_levers(cfg: MilesConfig) -> list[str]:
     on = [name for name in OPTIMIZER_LEVERS if getattr(t, name)]
     e = []
     if len(on) > 1:
-        e.append(f"{' and '.join(map(_flag, on))} each place the optimizer state somewhere else; keep one")
+        e.append(f"{' and '.join(map(flag, on))} each place the optimizer state somewhere else; keep one")
     for name in on:
         if t.train_backend != "fsdp":
             e.append(
-                f"{_flag(name)} is implemented by the FSDP trainer (megatron-core's optimizer is not wired to it "
+                f"{flag(name)} is implemented by the FSDP trainer (megatron-core's optimizer is not wired to it "
                 "here); use --train-backend fsdp, or drop the flag"
             )
         elif cfg.trainer_world_size > 1:
             e.append(
-                f"{_flag(name)} runs on one trainer rank ({cfg.trainer_world_size} given); set "
+                f"{flag(name)} runs on one trainer rank ({cfg.trainer_world_size} given); set "
                 "--actor-num-gpus-per-node 1 --actor-num-nodes 1, or drop the flag"
             )
         if t.lora_rank:
-            e.append(f"{_flag(name)} with --lora-rank: the adapter's optimizer state is small; drop the flag")
+            e.append(f"{flag(name)} with --lora-rank: the adapter's optimizer state is small; drop the flag")
     if t.stream_optimizer_state_to_disk and not t.offload_train_disk_dir:
         e.append("--stream-optimizer-state-to-disk needs --offload-train-disk-dir DIR (where the moments live)")
     if t.stream_optimizer_state_moment_dtype != "fp32" and not t.stream_optimizer_state_to_disk:

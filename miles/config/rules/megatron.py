@@ -1,0 +1,60 @@
+"""The megatron backend's model-parallel flags: only under --train-backend megatron, and only what it runs."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from miles.config.sections import MilesConfig
+
+
+def check_parallelism(cfg: MilesConfig) -> list[str]:
+    """Megatron's model-parallel flags: only under --train-backend megatron, and only what it runs."""
+    t, a = cfg.train, cfg.algo
+    tp, pp, cp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size, t.context_parallel_size
+    if t.train_backend != "megatron":
+        set_flags = [
+            f
+            for f, on in (
+                ("--tensor-model-parallel-size", tp != 1),
+                ("--pipeline-model-parallel-size", pp != 1),
+                ("--context-parallel-size", cp != 1),
+                ("--sequence-parallel", t.sequence_parallel),
+            )
+            if on
+        ]
+        return (
+            [
+                f"{', '.join(set_flags)} need --train-backend megatron (FSDP shards data-parallel only); "
+                "add --train-backend megatron or drop them"
+            ]
+            if set_flags
+            else []
+        )
+    e = []
+    if min(tp, pp, cp) < 1 or cfg.trainer_world_size % (tp * pp * cp):
+        e.append(
+            f"--tensor-model-parallel-size={tp} x --pipeline-model-parallel-size={pp} x --context-parallel-size={cp} "
+            f"must divide the {cfg.trainer_world_size} trainer GPUs (--actor-num-nodes x --actor-num-gpus-per-node); "
+            "change one of them"
+        )
+    if cp != 1:
+        e.append(
+            f"--context-parallel-size={cp}: context parallelism needs Transformer Engine's attention, which the "
+            "megatron backend does not use; set it to 1"
+        )
+    if t.sequence_parallel and tp == 1:
+        e.append(
+            "--sequence-parallel shards activations over tensor-parallel ranks and needs "
+            "--tensor-model-parallel-size > 1; drop it or raise the TP size"
+        )
+    if a.advantage_estimator == "ppo":
+        e.append(
+            "--advantage-estimator ppo needs a critic, which the megatron backend does not train; "
+            "use --train-backend fsdp for PPO"
+        )
+    if cfg.model.dtype == "float16" or cfg.model.dtype == "fp16":
+        e.append("--dtype float16 needs a loss scaler, which the megatron backend does not run; use bfloat16")
+    if t.compile:
+        e.append("--compile compiles the HF model's blocks, which the megatron backend does not train; drop it")
+    return e
