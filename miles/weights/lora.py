@@ -22,8 +22,9 @@ from miles.config_sections import WeightsConfig
 from miles.weights.base import WeightUpdater
 from miles.weights.broadcast import BroadcastUpdater, _raise_with_engine_errors
 from miles.weights.bucket import NamedTensor, bucket_meta, iter_buckets
-from miles.weights.colocated import ColocatedUpdater, pack
+from miles.weights.colocated import ColocatedUpdater
 from miles.weights.groups import WeightSyncTimeoutError
+from miles.weights.tensor_ipc import pack
 
 logger = logging.getLogger(__name__)
 
