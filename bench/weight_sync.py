@@ -38,8 +38,9 @@ from miles.config import WeightsConfig
 from miles.engines.client import EngineClient
 from miles.testing.fake_engine import FakeEngine, HTTPEngineControl, run_trainer_ranks, spawn_engines
 from miles.weights.broadcast import BroadcastUpdater
+from miles.weights.buffer_writer import BufferWriter
 from miles.weights.colocated import ColocatedUpdater
-from miles.weights.colocated_direct import BufferWriter, DirectColocatedUpdater
+from miles.weights.colocated_direct import DirectColocatedUpdater
 from miles.weights.delta_updater import DiskDeltaUpdater
 from miles.weights.groups import create_sync_group
 from miles.weights.p2p import P2PUpdater

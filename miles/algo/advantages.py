@@ -174,40 +174,12 @@ def compute_advantages_and_returns(
     torch.distributed is initialised: every DP rank must call it.
     """
     check_algo_config(cfg)
-    num_tokens = sum(response_lengths)
-    if rewards.shape != (len(response_lengths),):
-        raise ValueError(
-            f"rewards has shape {tuple(rewards.shape)}, expected ({len(response_lengths)},): one per sample"
-        )
-    if loss_mask.shape != (num_tokens,):
-        raise ValueError(
-            f"loss_mask has shape {tuple(loss_mask.shape)}, expected ({num_tokens},) = sum(response_lengths)"
-        )
+    _check_shapes(rewards, response_lengths, loss_mask)
     # Rewards often come straight from the CPU-side batch; the per-token tensors live on the device.
     rewards = rewards.to(device=loss_mask.device, dtype=torch.float32)
     keep = loss_mask != 0
-    zeros = torch.zeros(num_tokens, dtype=torch.float32, device=loss_mask.device)
-    estimator = cfg.advantage_estimator
-
-    if estimator in ("grpo", "gspo"):
-        advantages = torch.where(keep, broadcast_to_tokens(rewards, response_lengths), zeros)
-        returns = advantages
-    elif estimator == "reinforce_plus_plus_baseline":
-        token_kl = _reward_kl(cfg, log_probs, ref_log_probs, zeros)
-        shaped = broadcast_to_tokens(rewards, response_lengths) - cfg.kl_coef * token_kl
-        advantages = torch.where(keep, shaped, zeros)
-        returns = advantages
-    elif estimator == "reinforce_plus_plus":
-        token_kl = _reward_kl(cfg, log_probs, ref_log_probs, zeros)
-        advantages = _reinforce_plus_plus_returns(
-            rewards, token_kl, keep, response_lengths, kl_coef=cfg.kl_coef, gamma=cfg.gamma
-        )
-        returns = advantages
-    else:  # ppo
-        if values is None:
-            raise ValueError("--advantage-estimator ppo needs per-token critic values; none were given")
-        advantages, returns = _gae(rewards, values, keep, response_lengths, gamma=cfg.gamma, lambd=cfg.lambd)
-
+    zeros = torch.zeros(sum(response_lengths), dtype=torch.float32, device=loss_mask.device)
+    advantages, returns = _estimate(cfg, rewards, response_lengths, keep, zeros, log_probs, ref_log_probs, values)
     if cfg.use_opd:
         penalised = apply_opd(
             advantages,
@@ -220,3 +192,47 @@ def compute_advantages_and_returns(
     if cfg.normalize_advantages:
         advantages = masked_whiten(advantages, loss_mask, group=dp_group)
     return advantages, returns
+
+
+def _check_shapes(rewards: Tensor, response_lengths: list[int], loss_mask: Tensor) -> None:
+    num_tokens = sum(response_lengths)
+    if rewards.shape != (len(response_lengths),):
+        raise ValueError(
+            f"rewards has shape {tuple(rewards.shape)}, expected ({len(response_lengths)},): one per sample"
+        )
+    if loss_mask.shape != (num_tokens,):
+        raise ValueError(
+            f"loss_mask has shape {tuple(loss_mask.shape)}, expected ({num_tokens},) = sum(response_lengths)"
+        )
+
+
+def _estimate(
+    cfg: AlgoConfig,
+    rewards: Tensor,
+    response_lengths: list[int],
+    keep: Tensor,
+    zeros: Tensor,
+    log_probs: Tensor | None,
+    ref_log_probs: Tensor | None,
+    values: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    """The estimator's (advantages, returns) per token: 0 where `keep` is False."""
+    estimator = cfg.advantage_estimator
+    if estimator in ("grpo", "gspo"):
+        advantages = torch.where(keep, broadcast_to_tokens(rewards, response_lengths), zeros)
+        return advantages, advantages
+    if estimator == "reinforce_plus_plus_baseline":
+        token_kl = _reward_kl(cfg, log_probs, ref_log_probs, zeros)
+        shaped = broadcast_to_tokens(rewards, response_lengths) - cfg.kl_coef * token_kl
+        advantages = torch.where(keep, shaped, zeros)
+        return advantages, advantages
+    if estimator == "reinforce_plus_plus":
+        token_kl = _reward_kl(cfg, log_probs, ref_log_probs, zeros)
+        advantages = _reinforce_plus_plus_returns(
+            rewards, token_kl, keep, response_lengths, kl_coef=cfg.kl_coef, gamma=cfg.gamma
+        )
+        return advantages, advantages
+    # ppo
+    if values is None:
+        raise ValueError("--advantage-estimator ppo needs per-token critic values; none were given")
+    return _gae(rewards, values, keep, response_lengths, gamma=cfg.gamma, lambd=cfg.lambd)

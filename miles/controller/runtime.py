@@ -31,7 +31,8 @@ import zmq
 
 from miles.controller.peers import Peer, WorkerHandle
 from miles.wire import codec, procs
-from miles.wire.rpc import RouterEndpoint, RpcClosed, RpcStats
+from miles.wire.router_dealer import RouterEndpoint
+from miles.wire.rpc import RpcClosed, RpcStats
 from miles.wire.specs import AGENT_ROLE, RunInterrupted, RuntimeOptions, WorkerDied, WorkerSpec, validate_specs
 
 logger = logging.getLogger(__name__)

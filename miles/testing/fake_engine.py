@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 import torch
 
-from miles.weights.colocated_direct import SharedWeights, wait_for_writer
+from miles.weights.arena import SharedWeights, wait_for_writer
 from miles.weights.groups import dtype_from_name, dtype_name
 from miles.weights.verify import CHECKER_ACTIONS
 from miles.wire.ports import free_port

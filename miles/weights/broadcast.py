@@ -79,7 +79,7 @@ class BroadcastUpdater(GroupUpdater):
                 backend, master_address, port, world_size, 0, self.group_name, self.timeout_s
             )
         except WeightSyncTimeoutError as exc:
-            _raise_with_engine_errors(exc, fut, self, "init_weights_update_group")
+            raise_with_engine_errors(exc, fut, self, "init_weights_update_group")
         self._wait_engines(fut, "init_weights_update_group")
         logger.info(
             "broadcast weight sync: group %r, %d engines (%d ranks), %s at %s:%d",
@@ -119,13 +119,13 @@ class BroadcastUpdater(GroupUpdater):
                 for name, work in zip(meta.names, works, strict=True):
                     self.group.wait(work, f"broadcast of {name!r}")
             except WeightSyncTimeoutError as exc:
-                _raise_with_engine_errors(exc, fut, self, "update_weights_from_distributed")
+                raise_with_engine_errors(exc, fut, self, "update_weights_from_distributed")
             self._wait_engines(fut, "update_weights_from_distributed")
             del tensors[:]
 
         return finish
 
 
-def _raise_with_engine_errors(exc: Exception, fut, updater: WeightUpdater, method: str) -> None:
+def raise_with_engine_errors(exc: Exception, fut, updater: WeightUpdater, method: str) -> None:
     """A collective failed: name the engines that failed their side of it."""
     raise WeightSyncTimeoutError(f"{exc}{updater.engine_failure_detail(fut, method)}") from exc

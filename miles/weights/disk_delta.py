@@ -200,41 +200,15 @@ class DeltaPublisher:
         return PublishStats(version, None, len(held), 0, total, 0)
 
     def _write_version(self, named: Iterable[tuple[str, torch.Tensor]], version: int, full: bool) -> PublishStats:
-        out = version_dir(self.root, version)
-        if (out / INDEX).exists():
-            raise ValueError(f"disk-delta version {version} already exists at {out}; versions are immutable")
-        if out.exists():  # a half-written attempt: it was never visible (no index), so it can go
-            shutil.rmtree(out)
-        out.mkdir(parents=True)
+        out = self._fresh_version_dir(version)
         encoding = FULL if full else self.encoding
         entries, updated, written, total = {}, {}, 0, 0
         for i, (name, t) in enumerate(named):
-            prev = self._held.get(name)
-            new = tensor_bytes(t)
-            if prev is None or prev.data.size != new.size or prev.dtype != dtype_name(t.dtype):
-                raise ValueError(
-                    f"tensor {name!r} ({dtype_name(t.dtype)}, {list(t.shape)}) does not match the disk-delta base; "
-                    "names, dtypes and shapes must stay fixed across versions"
-                )
-            total += new.size
-            if full:
-                payload = zstandard.ZstdCompressor(level=self.level).compress(new.tobytes())
-            else:
-                payload = encode_delta(prev.data, new, encoding, self.level)
-            entry = {
-                "dtype": prev.dtype,
-                "shape": prev.shape,
-                "nbytes": int(new.size),
-                "file": None,
-                "digest": prev.digest,
-            }
-            if payload is not None:
-                fname = f"t{i:05d}.zst"
-                atomic_write(out / fname, payload)
-                written += len(payload)
-                data = new.copy()
-                updated[name] = _Held(data, prev.dtype, prev.shape, digest_bytes(data, self.digest))
-                entry.update(file=fname, digest=updated[name].digest)
+            entry, held, size, nbytes = self._write_tensor(out, f"t{i:05d}.zst", name, t, encoding)
+            total += size
+            written += nbytes
+            if held is not None:
+                updated[name] = held
             entries[name] = entry
         if set(entries) != set(self._held):
             raise ValueError(
@@ -262,6 +236,48 @@ class DeltaPublisher:
             written / 1e6,
         )
         return PublishStats(version, None if full else base_version, len(entries), len(updated), total, written)
+
+    def _fresh_version_dir(self, version: int) -> Path:
+        """The empty directory of `version`; refused if that version was already published."""
+        out = version_dir(self.root, version)
+        if (out / INDEX).exists():
+            raise ValueError(f"disk-delta version {version} already exists at {out}; versions are immutable")
+        if out.exists():  # a half-written attempt: it was never visible (no index), so it can go
+            shutil.rmtree(out)
+        out.mkdir(parents=True)
+        return out
+
+    def _write_tensor(
+        self, out: Path, fname: str, name: str, t: torch.Tensor, encoding: str
+    ) -> tuple[dict, _Held | None, int, int]:
+        """Write one tensor's delta (or, with the `full` encoding, its bytes) to `out/fname` if it changed.
+
+        Returns (index entry, the new held copy or None when unchanged, model bytes, bytes written)."""
+        prev = self._held.get(name)
+        new = tensor_bytes(t)
+        if prev is None or prev.data.size != new.size or prev.dtype != dtype_name(t.dtype):
+            raise ValueError(
+                f"tensor {name!r} ({dtype_name(t.dtype)}, {list(t.shape)}) does not match the disk-delta base; "
+                "names, dtypes and shapes must stay fixed across versions"
+            )
+        if encoding == FULL:
+            payload = zstandard.ZstdCompressor(level=self.level).compress(new.tobytes())
+        else:
+            payload = encode_delta(prev.data, new, encoding, self.level)
+        entry = {
+            "dtype": prev.dtype,
+            "shape": prev.shape,
+            "nbytes": int(new.size),
+            "file": None,
+            "digest": prev.digest,
+        }
+        if payload is None:
+            return entry, None, int(new.size), 0
+        atomic_write(out / fname, payload)
+        data = new.copy()
+        held = _Held(data, prev.dtype, prev.shape, digest_bytes(data, self.digest))
+        entry.update(file=fname, digest=held.digest)
+        return entry, held, int(new.size), len(payload)
 
 
 # -- engine host side ----------------------------------------------------------------------------

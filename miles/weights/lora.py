@@ -20,10 +20,11 @@ from collections.abc import Iterable
 
 from miles.config import WeightsConfig
 from miles.weights.base import WeightUpdater
-from miles.weights.broadcast import BroadcastUpdater, _raise_with_engine_errors
+from miles.weights.broadcast import BroadcastUpdater, raise_with_engine_errors
 from miles.weights.bucket import NamedTensor, bucket_meta, iter_buckets
-from miles.weights.colocated import ColocatedUpdater, pack
+from miles.weights.colocated import ColocatedUpdater
 from miles.weights.groups import WeightSyncTimeoutError
+from miles.weights.tensor_ipc import pack
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ class LoraBroadcastUpdater(BroadcastUpdater):
             for name, work in zip(meta.names, works, strict=True):
                 self.group.wait(work, f"broadcast of {name!r}")
         except WeightSyncTimeoutError as exc:
-            _raise_with_engine_errors(exc, fut, self, "load_lora_adapter_from_distributed")
+            raise_with_engine_errors(exc, fut, self, "load_lora_adapter_from_distributed")
         self._wait_engines(fut, "load_lora_adapter_from_distributed")
         return {"weight_sync/buckets": 1.0}
 

@@ -19,9 +19,9 @@ from typing import Any, Protocol
 import torch
 
 from miles.weights import verify
-from miles.weights.colocated import open_payload
 from miles.weights.disk_delta import DeltaRefusedError, LocalCheckpoint, adopt_base, is_full_version, pull_version
 from miles.weights.groups import SyncGroup, create_sync_group, dtype_from_name
+from miles.weights.tensor_ipc import open_payload
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,8 @@ import zmq
 
 from miles.utils.misc import load_function
 from miles.wire.procs import die_with_parent, kill_own_descendants
-from miles.wire.rpc import DealerEndpoint, run_event_loop
+from miles.wire.router_dealer import DealerEndpoint
+from miles.wire.rpc import run_event_loop
 from miles.workers.base import RpcMethod, Worker, WorkerContext, rpc_methods
 
 logger = logging.getLogger(__name__)

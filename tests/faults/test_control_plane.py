@@ -10,7 +10,8 @@ import pytest
 import zmq
 
 from miles.wire import codec
-from miles.wire.rpc import DealerEndpoint, Kind, RouterEndpoint, RpcClosed
+from miles.wire.router_dealer import DealerEndpoint, RouterEndpoint
+from miles.wire.rpc import Kind, RpcClosed
 
 KEY = codec.derive_key("the-run-secret")
 

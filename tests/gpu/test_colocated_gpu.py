@@ -189,7 +189,7 @@ def test_embedded_engine_release_frees_the_buffer_and_resume_takes_updates(tmp_p
 
 
 def _wait_in_child(handle: str, conn) -> None:
-    from miles.weights.colocated_direct import wait_for_writer
+    from miles.weights.arena import wait_for_writer
 
     wait_for_writer(handle, "cuda:0")  # opens (and caches) the event; its first record is long done
     conn.send("ready")
@@ -203,13 +203,13 @@ def _wait_in_child(handle: str, conn) -> None:
 
 
 def test_engine_work_is_ordered_after_the_newest_record_of_the_trainers_event():
-    from miles.weights.colocated import _b64
+    from miles.weights.tensor_ipc import b64
 
     event = torch.cuda.Event(interprocess=True)
     event.record()
     torch.cuda.synchronize()
     parent, child = mp.get_context("spawn").Pipe()
-    proc = mp.get_context("spawn").Process(target=_wait_in_child, args=(_b64(event.ipc_handle()), child), daemon=True)
+    proc = mp.get_context("spawn").Process(target=_wait_in_child, args=(b64(event.ipc_handle()), child), daemon=True)
     proc.start()
     try:
         assert parent.poll(120) and parent.recv() == "ready"

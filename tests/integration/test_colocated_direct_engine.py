@@ -11,7 +11,8 @@ import torch
 
 from miles.engines.embedded.engine import EmbeddedEngine
 from miles.models.tiny import make_tiny_model
-from miles.weights.colocated_direct import MappedBuffer, StaleWeightBufferError, open_export, write_into
+from miles.weights.arena import StaleWeightBufferError
+from miles.weights.buffer_writer import MappedBuffer, open_export, write_into
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,8 @@ import zmq
 
 from miles.controller.runtime import Runtime
 from miles.wire import codec
-from miles.wire.rpc import DealerEndpoint, Kind, RouterEndpoint
+from miles.wire.router_dealer import DealerEndpoint, RouterEndpoint
+from miles.wire.rpc import Kind
 from miles.wire.specs import WorkerSpec
 
 NOOP = "miles.testing.noop:NoopWorker"

@@ -124,7 +124,7 @@ def test_engine_with_adapter_scores_like_peft(model_dirs, arch, targets):
     """The trainer's adapter stream (miles.trainer.lora.adapter_tensors) pushed through the receiver's
     colocated endpoint gives the engine the log-probs of the peft-adapted HF model."""
     from miles.trainer.lora import adapter_tensors
-    from miles.weights.colocated import pack
+    from miles.weights.tensor_ipc import pack
 
     hf = _hf_with_adapter(model_dirs[arch], targets, seed=3)
     named = list(adapter_tensors(hf))

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from miles.weights.colocated_direct import BufferWriter
+from miles.weights.buffer_writer import BufferWriter
 
 
 def _export(entries: dict[str, tuple[int, list[int], list[int], str]]) -> dict:

@@ -2,7 +2,7 @@
 
 import torch
 
-from miles.weights.colocated import ALIGN_BYTES, open_payload, pack, pack_layout
+from miles.weights.tensor_ipc import ALIGN_BYTES, open_payload, pack, pack_layout
 
 
 def _bucket() -> list[tuple[str, torch.Tensor]]:

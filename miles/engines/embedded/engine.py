@@ -56,7 +56,7 @@ from miles.engines.embedded.runner import ModelRunner
 from miles.engines.embedded.sampler import SamplingParams
 from miles.engines.embedded.scheduler import Request, Scheduler, input_extras
 from miles.utils.routing import encode_sglang
-from miles.weights.colocated_direct import SharedWeights, wait_for_writer
+from miles.weights.arena import SharedWeights, wait_for_writer
 
 logger = logging.getLogger(__name__)
 

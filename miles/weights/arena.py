@@ -1,0 +1,221 @@
+"""The engine's side of direct colocated updates: its weights in one flat buffer it exports by handle.
+
+The engine keeps all its weight storage in ONE flat buffer (`WeightArena`: 256-byte aligned
+entries, every storage tensor a view of it): a device allocation on GPU, a named POSIX
+shared-memory segment on CPU. It exports that buffer (a CUDA IPC handle, or the segment's name)
+with, for every HF name, the (byte offset, shape, stride, dtype) of the engine's view, and a
+`generation` that changes whenever the buffer is reallocated (a memory release and resume); the
+current generation is also published in eight bytes of shared memory (`GenerationWord`, 0 before
+a buffer is freed). `SharedWeights` holds the current arena and the word; `wait_for_writer` orders
+the engine's stream after the trainer's copies. The protocol as a whole: miles/weights/colocated_direct.py.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Mapping
+from multiprocessing import shared_memory
+from typing import Any
+
+import torch
+
+from miles.weights.bucket import tensor_nbytes
+from miles.weights.groups import dtype_name
+from miles.weights.tensor_ipc import ALIGN_BYTES, share_cuda_buffer, unb64
+
+
+class StaleWeightBufferError(ValueError):
+    """The engine reallocated its weight buffer after the trainer fetched the export."""
+
+
+class WeightArena:
+    """One flat buffer holding copies of `tensors` (by key), each entry 256-byte aligned.
+
+    `views[key]` is the entry as a tensor of the original dtype and shape; the engine swaps its
+    storage for these views. On CPU the buffer is a shared-memory segment the engine owns and
+    unlinks in `close()`.
+    """
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], device: torch.device | str, generation: int) -> None:
+        self.device = torch.device(device)
+        self.generation = generation
+        offsets, total = {}, 0
+        for key, t in tensors.items():
+            total = -(-total // ALIGN_BYTES) * ALIGN_BYTES
+            offsets[key] = total
+            total += tensor_nbytes(t)
+        self.nbytes = max(total, 1)
+        self._shm: shared_memory.SharedMemory | None = None
+        if self.device.type == "cpu":
+            self._shm = shared_memory.SharedMemory(create=True, size=self.nbytes)
+            self.flat = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=self.nbytes)
+        else:
+            self.flat = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        self.views: dict[str, torch.Tensor] = {}
+        for key, t in tensors.items():
+            raw = self.flat[offsets[key] : offsets[key] + tensor_nbytes(t)]
+            view = raw.view(t.dtype).view(t.shape)
+            view.copy_(t)
+            self.views[key] = view
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._handle: dict | None = None
+
+    def export(
+        self,
+        params: Mapping[str, torch.Tensor],
+        aliases: Mapping[str, str] | None = None,
+        known_generation: int | None = None,
+        generation_word: str | None = None,
+    ) -> dict:
+        """The JSON-able export: buffer handle, generation, and every HF name's place in the buffer.
+
+        A caller that already maps generation `known_generation` gets `{"generation", "unchanged": True}`
+        when that is still the current one."""
+        if known_generation is not None and int(known_generation) == self.generation:
+            return {"generation": self.generation, "unchanged": True}
+        base = self.flat.data_ptr()
+        entries = {}
+        for name, t in params.items():
+            offset = t.data_ptr() - base
+            if t.numel() and not 0 <= offset <= self.nbytes - t.element_size():
+                raise ValueError(f"engine weight {name!r} is not inside the shared weight buffer; repack it")
+            entries[name] = {
+                "offset": offset,
+                "shape": list(t.shape),
+                "stride": list(t.stride()),
+                "dtype": dtype_name(t.dtype),
+            }
+        return {
+            "generation": self.generation,
+            "nbytes": self.nbytes,
+            "buffer": self._buffer_handle(),
+            "tensors": entries,
+            "aliases": dict(aliases or {}),
+            "generation_word": generation_word,
+        }
+
+    def _buffer_handle(self) -> dict:
+        if self._handle is None:
+            if self._shm is not None:
+                self._handle = {"kind": "shm", "segment": self._shm.name}
+            else:
+                self._handle = {"kind": "cuda_ipc", **share_cuda_buffer(self.flat)}
+                # torch counts consumers in a shared counter and keeps a shared block alive while it is
+                # positive; trainers map this buffer only inside an update, so the engine's release
+                # must free it at once: drop the count now (the trainer's unmaps take it below zero).
+                torch.UntypedStorage._release_ipc_counter_cuda(  # noqa: SLF001
+                    unb64(self._handle["ref_counter_handle"]), self._handle["ref_counter_offset"]
+                )
+        return self._handle
+
+    def close(self) -> None:
+        """Drop the buffer (on CPU: unlink the segment; the engine's views keep the mapping alive)."""
+        self.views.clear()
+        self.flat = None  # type: ignore[assignment]
+        if self._shm is not None:
+            try:
+                self._shm.unlink()
+            except FileNotFoundError:
+                pass
+            self._shm = None
+
+
+class GenerationWord:
+    """Eight bytes of shared memory in which an engine publishes its weight buffer's generation (0: none).
+
+    A trainer that keeps the buffer mapped reads it before writing instead of asking the engine
+    over HTTP. The engine publishes 0 before it frees a buffer and the new generation once a new
+    buffer holds the weights."""
+
+    def __init__(self) -> None:
+        self._shm: shared_memory.SharedMemory | None = shared_memory.SharedMemory(create=True, size=8)
+        self.name = self._shm.name
+        self.publish(0)
+
+    def publish(self, generation: int) -> None:
+        assert self._shm is not None
+        struct.pack_into("<q", self._shm.buf, 0, generation)
+
+    def close(self) -> None:
+        if self._shm is not None:
+            self._shm.close()
+            try:
+                self._shm.unlink()
+            except FileNotFoundError:
+                pass
+            self._shm = None
+
+
+class SharedWeights:
+    """An engine's side of direct colocated updates: its current `WeightArena`, the generation counter
+    and the `GenerationWord`. Generations start at a random base, so a restarted engine never
+    reuses the generation a trainer may still map."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.arena: WeightArena | None = None
+        self._next = int.from_bytes(os.urandom(4), "little") << 16
+        self._word: GenerationWord | None = None
+
+    def pack(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Copy `tensors` into a fresh buffer (a new generation); returns their views in it."""
+        if self._word is None:
+            self._word = GenerationWord()
+        self._next += 1
+        old, self.arena = self.arena, WeightArena(tensors, self.device, self._next)
+        self._word.publish(self._next)
+        if old is not None:
+            old.close()
+        return dict(self.arena.views)
+
+    def drop(self) -> None:
+        """Forget the buffer (a memory release): trainers see generation 0 before it is freed."""
+        if self._word is not None:
+            self._word.publish(0)
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
+
+    def export(
+        self, params: Mapping[str, torch.Tensor], aliases: Mapping[str, str] | None, known_generation: int | None
+    ) -> dict:
+        assert self.arena is not None and self._word is not None, "pack() before export()"
+        return self.arena.export(params, aliases, known_generation, self._word.name)
+
+    def check_install(self, generation: int) -> None:
+        current = self.arena.generation if self.arena is not None else None
+        if current != int(generation):
+            raise StaleWeightBufferError(
+                f"weights were written into weight buffer generation {generation}, but the engine's buffer is "
+                f"now {current} (memory was released or resumed mid-update); push the weights again"
+            )
+
+    def close(self) -> None:
+        self.drop()
+        if self._word is not None:
+            self._word.close()
+            self._word = None
+
+
+_WRITER_EVENTS: dict[str, Any] = {}  # opened inter-process events by handle; a trainer reuses one per engine
+
+
+def wait_for_writer(ready_event: str | None, device: torch.device | str) -> None:
+    """Order the engine's work after the trainer's copies behind `ready_event` (a base64 CUDA IPC event
+    handle): the current stream of `device` waits for the event, the host does not.
+
+    Engines call this first thing in `install_weight_buffer`, so their answer travels back while the
+    GPU may still copy; the trainer's update returns only after its own stream finished the copies,
+    and generation goes on only after that. None (CPU, or an older trainer that synchronised its
+    stream before calling) returns at once."""
+    if ready_event is None:
+        return
+    event = _WRITER_EVENTS.get(ready_event)
+    if event is None:
+        if len(_WRITER_EVENTS) >= 64:  # trainers come and go (restarts): keep the table small
+            _WRITER_EVENTS.clear()
+        event = torch.cuda.Event.from_ipc_handle(torch.device(device), unb64(ready_event))
+        _WRITER_EVENTS[ready_event] = event
+    torch.cuda.current_stream(torch.device(device)).wait_event(event)
