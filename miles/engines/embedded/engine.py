@@ -46,10 +46,11 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from miles.engines.embedded import fp8
+from miles.engines.embedded.checkpoint import iter_safetensors, read_config
 from miles.engines.embedded.fp8_checkpoint import load_fp8_model
 from miles.engines.embedded.logprob_extras import Extras, ExtrasRequest, check_request, extras_of
 from miles.engines.embedded.lora import AdapterMerger
-from miles.engines.embedded.model import CausalLM, iter_safetensors, read_config
+from miles.engines.embedded.model import CausalLM
 from miles.engines.embedded.moe import check_routed_request, routed_buffer
 from miles.engines.embedded.prefix_cache import DEFAULT_PAGE_SIZE
 from miles.engines.embedded.runner import ModelRunner
@@ -645,7 +646,7 @@ class EmbeddedEngine:
     def _pack_weights(self, storage: dict[str, torch.Tensor]) -> None:
         """Storage -> views of one fresh flat buffer on the engine's device (copies from host if released)."""
         self.model.storage = self._shared.pack(storage)
-        self.model._rebuild_views()  # noqa: SLF001 - params are views into storage
+        self.model.rebuild_views()  # params are views into storage
         self.runner.graphs = None  # captured decode graphs hold the old weight addresses
 
     # ---- memory -------------------------------------------------------------------------------------------
