@@ -256,7 +256,7 @@ class EmbeddedEngine(EngineWeights):
                 logprob_start_len=logprob_start_len,
                 routed_capacity=routed_capacity,
                 routed_start=routed_experts_start_len,
-            )  # fmt: skip
+            )
             for i, r in enumerate(rids)
         ]
         for req in reqs:
