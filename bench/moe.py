@@ -31,7 +31,8 @@ import time
 import numpy as np
 import torch
 
-from miles.engines.embedded.model import CausalLM, ModelSpec
+from miles.engines.embedded.checkpoint import ModelSpec
+from miles.engines.embedded.model import CausalLM
 from miles.engines.embedded.moe import Routing
 from miles.engines.embedded.runner import ModelRunner
 from miles.rollout.train_data import TrainBatch

@@ -12,7 +12,7 @@ strictly: NaN, Infinity and numbers that overflow a float are refused (400).
 
 Paths: the endpoints that name directories (`/pull_weights`, `/update_weights_from_disk`) may only
 touch directories the engine was started with (`WeightDirs`); the model it serves is readable too.
-Shared-memory segment names are checked where they are opened (miles/weights/colocated.py).
+Shared-memory segment names are checked where they are opened (miles/weights/tensor_ipc.py).
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ def test_a_kv_cache_larger_than_the_machine_is_refused_naming_the_limit(model_di
 @pytest.mark.parametrize("flag", ["--max-body-mb=0", "--max-running-requests=0", "--port=70000", "--seed=-1"])
 def test_the_serving_commands_refuse_numbers_outside_their_range(flag, capsys):
     from miles.controller.session_serve import parse_serve_args
-    from miles.engines.http_front import _parse_args
+    from miles.engines.http_front import parse_engine_args as _parse_args
 
     for parse in (_parse_args, parse_serve_args):
         with pytest.raises(SystemExit):

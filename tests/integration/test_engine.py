@@ -311,7 +311,7 @@ def test_a_cpu_cache_sized_by_default_fits_a_share_of_the_memory(model_dirs, mon
 
     import psutil
 
-    from miles.engines.embedded import engine as engine_mod
+    from miles.engines.embedded import engine_setup as engine_mod
 
     assert EmbeddedEngine(model_dirs["qwen2"], max_running_requests=4).max_seq_len > 256  # plenty: the default
     spec = EmbeddedEngine(model_dirs["qwen2"], max_total_tokens=64, max_running_requests=4).model.spec

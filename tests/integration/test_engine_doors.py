@@ -265,7 +265,7 @@ def test_non_finite_sampling_params_are_refused(model_dir, sampling_params):
 
 
 def test_serve_main_takes_the_doors_flags():
-    from miles.engines.http_front import _parse_args
+    from miles.engines.http_front import parse_engine_args as _parse_args
 
     args = _parse_args(["--model-path", "/m", "--api-key", "k", "--weight-dir", "/a", "--weight-dir", "/b"])
     assert (args.api_key, args.weight_dir, args.host, args.max_body_mb) == ("k", ["/a", "/b"], "127.0.0.1", 64)

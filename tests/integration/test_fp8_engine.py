@@ -11,7 +11,7 @@ from harness import with_engine
 from miles.cli import main as miles_main
 from miles.config import ConfigError, load_config
 from miles.engines.embedded import fp8
-from miles.engines.embedded.model import iter_safetensors
+from miles.engines.embedded.checkpoint import iter_safetensors
 from miles.models.tiny import make_tiny_model
 from miles.weights import verify
 from miles.weights.receiver import WeightReceiver

@@ -401,7 +401,7 @@ def test_real_embedded_engine_behind_front_matches_in_process(tiny_model_dir):
 
 
 def test_serve_main_flags_and_defaults():
-    from miles.engines.http_front import _parse_args
+    from miles.engines.http_front import parse_engine_args as _parse_args
 
     args = _parse_args(["--model-path", "/m", "--port", "0", "--deterministic", "--max-running-requests", "8"])
     assert (args.model_path, args.host, args.port, args.device, args.dtype) == ("/m", "127.0.0.1", 0, "cpu", "auto")

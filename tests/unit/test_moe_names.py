@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from miles.engines.embedded.model import ModelSpec
+from miles.engines.embedded.checkpoint import ModelSpec
 from miles.engines.embedded.moe import fuse_experts
 from miles.utils.moe_names import per_expert_tensors, split_fused_experts
 

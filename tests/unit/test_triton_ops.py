@@ -20,7 +20,8 @@ triton = pytest.importorskip("triton")
 
 from miles.engines.embedded import fp8, fp8_triton, triton_ops  # noqa: E402
 from miles.engines.embedded.kv_cache import KVCache  # noqa: E402
-from miles.engines.embedded.model import CausalLM, rms_norm  # noqa: E402
+from miles.engines.embedded.layer_ops import rms_norm  # noqa: E402
+from miles.engines.embedded.model import CausalLM  # noqa: E402
 from miles.engines.embedded.sampler import SamplingParams, sample  # noqa: E402
 from miles.models.tiny import make_tiny_model  # noqa: E402
 

@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import save_file
 
 from miles.engines.embedded import fp8
-from miles.engines.embedded.model import CausalLM, ModelSpec, iter_safetensors, read_config
+from miles.engines.embedded.checkpoint import ModelSpec, iter_safetensors, read_config
+from miles.engines.embedded.model import CausalLM
 
 
 def write_fp8_checkpoint(src: str, dst: str) -> str:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from miles.engines.embedded.triton_ops import available, tl, triton
+from miles.engines.embedded.triton_kernels import tl, triton
+from miles.engines.embedded.triton_ops import available
 
 E4M3_MAX = 448.0
 GROUP = 128

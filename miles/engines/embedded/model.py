@@ -5,194 +5,30 @@ the HF implementations op for op in fp32 (RMSNorm in fp32, RoPE tables in fp32, 
 that greedy outputs and log-probs agree with `transformers` on CPU.
 
 Parameters live in a flat dict keyed by their HF checkpoint names, which is what weight updates
-address (`load_weights`) and what `named_weights` returns: no module tree to keep in sync.
+address (`load_weights`) and what `named_weights` returns: no module tree to keep in sync. Reading the
+checkpoint is checkpoint.py's; the eager norm and linear ops are layer_ops.py's.
 """
 
 from __future__ import annotations
 
-import functools
-import glob
-import json
 import logging
-import os
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 
 from miles.engines.embedded import fp8, moe, triton_ops
+from miles.engines.embedded.checkpoint import (
+    FUSED_PARTS,
+    ModelSpec,
+    check_params,
+    iter_safetensors,
+    layer_names,
+    read_config,
+)
 from miles.engines.embedded.kv_cache import KVCache
+from miles.engines.embedded.layer_ops import linear, linear_residual, rms_norm
 
 logger = logging.getLogger(__name__)
-
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3", "qwen3_moe")
-
-
-@dataclass(slots=True)
-class ModelSpec:
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qk_norm: bool
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    norm_topk_prob: bool = False
-    moe_layers: tuple[int, ...] = ()
-
-    @classmethod
-    def from_config(cls, cfg: dict) -> ModelSpec:
-        model_type = cfg.get("model_type", "")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"model_type={model_type!r} is not supported by the embedded engine; "
-                f"supported: {SUPPORTED_MODEL_TYPES} (use --engine sglang for others)"
-            )
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"rope_type={rope_type!r} is not supported by the embedded engine; only 'default'")
-        heads = cfg["num_attention_heads"]
-        layers = cfg["num_hidden_layers"]
-        num_experts = (cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if model_type == "qwen3_moe" else 0
-        moe_layers: tuple[int, ...] = ()
-        if num_experts:
-            step = cfg.get("decoder_sparse_step", 1)
-            dense = set(cfg.get("mlp_only_layers", []))
-            moe_layers = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
-        return cls(
-            model_type=model_type,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads", heads),
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            intermediate_size=cfg["intermediate_size"],
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
-            num_experts=num_experts,
-            num_experts_per_tok=cfg.get("num_experts_per_tok", 0),
-            norm_topk_prob=bool(cfg.get("norm_topk_prob")),
-            moe_layers=moe_layers,
-        )
-
-
-def read_config(model_path: str) -> dict:
-    path = os.path.join(model_path, "config.json")
-    if not os.path.isfile(path):
-        raise ValueError(f"no config.json in model_path={model_path!r}; pass a HF model directory")
-    with open(path) as f:
-        return json.load(f)
-
-
-def iter_safetensors(model_path: str, device: str = "cpu"):
-    """Yield (hf_name, tensor) for every tensor of every *.safetensors file in `model_path`."""
-    files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
-    if not files:
-        raise ValueError(f"no *.safetensors files in {model_path!r}; save the model with safe_serialization")
-    for file in files:
-        with safe_open(file, framework="pt", device=device) as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
-
-
-_FUSED = {"qkv": ("q", "k", "v"), "qkv_b": ("qb", "kb", "vb"), "gate_up": ("gate", "up")}
-
-
-def _names_for_layer(i: int) -> dict[str, str]:
-    p = f"model.layers.{i}."
-    return {
-        k: p + v
-        for k, v in {
-            "ln1": "input_layernorm.weight",
-            "ln2": "post_attention_layernorm.weight",
-            "q": "self_attn.q_proj.weight",
-            "k": "self_attn.k_proj.weight",
-            "v": "self_attn.v_proj.weight",
-            "o": "self_attn.o_proj.weight",
-            "qb": "self_attn.q_proj.bias",
-            "kb": "self_attn.k_proj.bias",
-            "vb": "self_attn.v_proj.bias",
-            "ob": "self_attn.o_proj.bias",
-            "qn": "self_attn.q_norm.weight",
-            "kn": "self_attn.k_norm.weight",
-            "gate": "mlp.gate_proj.weight",
-            "up": "mlp.up_proj.weight",
-            "down": "mlp.down_proj.weight",
-            "router": "mlp.gate.weight",
-            "experts_gate_up": "mlp.experts.gate_up_proj",
-            "experts_down": "mlp.experts.down_proj",
-            "qkv": "self_attn.[qkv].weight",
-            "qkv_b": "self_attn.[qkv].bias",
-            "gate_up": "mlp.[gate_up].weight",
-        }.items()
-    }
-
-
-def _check_params(spec: ModelSpec, params: dict[str, torch.Tensor]) -> None:
-    required = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not spec.tie_word_embeddings:
-        required.append("lm_head.weight")
-    for i in range(spec.num_layers):
-        names = _names_for_layer(i)
-        required += [names[k] for k in ("ln1", "ln2", "q", "k", "v", "o")]
-        required += [names["router"]] if i in spec.moe_layers else [names["gate"], names["up"], names["down"]]
-    missing = [n for n in required if n not in params]
-    if missing:
-        raise ValueError(
-            f"checkpoint is missing tensors {missing[:5]}; is it a complete HF {spec.model_type} causal-LM checkpoint?"
-        )
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.is_cuda:  # one fused kernel (fp32 inside); bf16: last-bit differences from HF's formula
-        return F.rms_norm(x, (x.shape[-1],), weight, eps=eps)
-    if x.dtype == torch.float32:  # HF's formula, in fewer CPU ops than F.rms_norm's composite
-        eps_t, dim_t = _norm_constants(eps, x.shape[-1])
-        mean_sq_eps = torch.addcdiv(eps_t, x.pow(2).sum(-1, keepdim=True), dim_t)  # == mean(x^2) + eps
-        return (x * mean_sq_eps.rsqrt_()).mul_(weight)  # == weight * (x * rsqrt(...))
-    dtype = x.dtype
-    x = x.to(torch.float32)
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
-
-
-@functools.cache
-def _norm_constants(eps: float, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """eps and the row size as fp32 scalar tensors: a Python number operand costs a dtype conversion
-    per op on CPU (what torch.mean and `+ eps` do), a matching scalar tensor does not."""
-    return torch.tensor(eps, dtype=torch.float32), torch.tensor(float(dim), dtype=torch.float32)
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor | fp8.Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, or the W8A8 GEMM of an FP8 weight (fp8.py)."""
-    if isinstance(weight, fp8.Fp8Weight):
-        return fp8.linear(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
-def _linear_residual(
-    h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | fp8.Fp8Weight, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """h + F.linear(x, weight, bias), the residual add done by the GEMM's accumulate when there is no bias."""
-    if isinstance(weight, fp8.Fp8Weight):
-        return h + fp8.linear(x, weight, bias)
-    if bias is not None:
-        return h + F.linear(x, weight, bias)
-    return torch.addmm(h, x, weight.t())
 
 
 class CausalLM:
@@ -209,13 +45,13 @@ class CausalLM:
         self.spec = spec
         self.device = device
         self.dtype = dtype
-        _check_params(spec, params)
-        self._layer_names = [_names_for_layer(i) for i in range(spec.num_layers)]
+        check_params(spec, params)
+        self._layer_names = [layer_names(i) for i in range(spec.num_layers)]
         self.storage: dict[str, torch.Tensor] = {}
         self._views: dict[str, tuple[str, tuple] | None] = {}  # HF name -> (storage key, index) or whole
         self._fuse(params)
         self.params: dict[str, torch.Tensor] = {}
-        self._rebuild_views()
+        self.rebuild_views()
         inv_freq = 1.0 / (
             spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.int64).float() / spec.head_dim)
         )
@@ -245,7 +81,7 @@ class CausalLM:
     def _fuse(self, params: dict[str, torch.Tensor]) -> None:
         params = dict(params)
         for names in self._layer_names:
-            for fused, parts in _FUSED.items():
+            for fused, parts in FUSED_PARTS.items():
                 hf_names = [names[p] for p in parts]
                 if not all(n in params for n in hf_names):
                     continue
@@ -287,16 +123,16 @@ class CausalLM:
                     "(serve this model in bf16)"
                 )
             self.storage[key] = fp8.Fp8Weight(*fp8.quantize_weight(t))
-        self._rebuild_views()
+        self.rebuild_views()
 
-    def _rebuild_views(self) -> None:
+    def rebuild_views(self) -> None:
         for name, view in self._views.items():
             self.params[name] = self.storage[name] if view is None else self.storage[view[0]][view[1]]
 
     def move_to(self, device: torch.device | str) -> None:
         """Move all weights (e.g. to host memory and back); `params` views are rebuilt on the new storage."""
         self.storage = {k: t.to(device) for k, t in self.storage.items()}
-        self._rebuild_views()
+        self.rebuild_views()
         self._rope_table = self._aranges = self._mask_fill = None  # rebuilt on the next forward
 
     def lm_head_weight(self) -> torch.Tensor:
@@ -428,12 +264,12 @@ class CausalLM:
         h = F.embedding(tokens, st["model.embed_tokens.weight"])  # the residual stream, updated in place
         x = triton_ops.add_rms_norm(h, None, st[self._layer_names[0]["ln1"]], eps)
         for i, names in enumerate(self._layer_names):
-            qkv = _linear(x, st[names["qkv"]], st.get(names["qkv_b"]))
+            qkv = linear(x, st[names["qkv"]], st.get(names["qkv_b"]))
             attn = attention.rope_attend(
                 qkv, positions, lens, table, kv.k[i], kv.v[i], st.get(names["qn"]), st.get(names["kn"]), eps
             ).view(B, H * s.head_dim)
-            x = triton_ops.add_rms_norm(_linear(attn, st[names["o"]], st.get(names["ob"])), h, st[names["ln2"]], eps)
-            mlp = _linear(triton_ops.silu_mul(_linear(x, st[names["gate_up"]])), st[names["down"]])
+            x = triton_ops.add_rms_norm(linear(attn, st[names["o"]], st.get(names["ob"])), h, st[names["ln2"]], eps)
+            mlp = linear(triton_ops.silu_mul(linear(x, st[names["gate_up"]])), st[names["down"]])
             last = i + 1 == s.num_layers
             next_norm = st["model.norm.weight"] if last else st[self._layer_names[i + 1]["ln1"]]
             x = triton_ops.add_rms_norm(mlp, h, next_norm, eps)
@@ -474,7 +310,7 @@ class CausalLM:
         x = triton_ops.add_rms_norm(h, None, st[self._layer_names[0]["ln1"]], eps)
         for i, names in enumerate(self._layer_names):
             last = i + 1 == s.num_layers
-            qkv = _linear(x, st[names["qkv"]], st.get(names["qkv_b"]))
+            qkv = linear(x, st[names["qkv"]], st.get(names["qkv_b"]))
             q = triton_ops.rope_kv_write(
                 qkv, pos, slots, table, kv.k[i], kv.v[i], H, KVH, st.get(names["qn"]), st.get(names["kn"]), eps,
                 write_positions=wpos, k_out=None if last else keys,
@@ -493,8 +329,8 @@ class CausalLM:
                     enable_gqa=H != KVH,
                 )
                 attn = attn.transpose(1, 2).reshape(n, H * hd)
-            x = triton_ops.add_rms_norm(_linear(attn, st[names["o"]], st.get(names["ob"])), h, st[names["ln2"]], eps)
-            mlp = _linear(triton_ops.silu_mul(_linear(x, st[names["gate_up"]])), st[names["down"]])
+            x = triton_ops.add_rms_norm(linear(attn, st[names["o"]], st.get(names["ob"])), h, st[names["ln2"]], eps)
+            mlp = linear(triton_ops.silu_mul(linear(x, st[names["gate_up"]])), st[names["down"]])
             next_norm = st["model.norm.weight"] if last else st[self._layer_names[i + 1]["ln1"]]
             x = triton_ops.add_rms_norm(mlp, h, next_norm, eps)
         return x
@@ -527,7 +363,7 @@ class CausalLM:
         s, st = self.spec, self.storage
         B, T = shape
         H, KVH = s.num_heads, s.num_kv_heads
-        qkv = _linear(x, st[names["qkv"]], st.get(names["qkv_b"])).view(B * T, H + 2 * KVH, s.head_dim)
+        qkv = linear(x, st[names["qkv"]], st.get(names["qkv_b"])).view(B * T, H + 2 * KVH, s.head_dim)
         qk = qkv[:, : H + KVH]
         if s.qk_norm:
             qk = torch.cat(
@@ -555,7 +391,7 @@ class CausalLM:
             out = out.transpose(1, 2).reshape(B * T, H * s.head_dim)
         else:
             out = self._decode_attention(q, kv, layer, slot_start, keep, kv_len).reshape(-1, H * s.head_dim)
-        return _linear_residual(h, out, st[names["o"]], st.get(names["ob"]))
+        return linear_residual(h, out, st[names["o"]], st.get(names["ob"]))
 
     def _decode_mask(self, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
         """The additive mask (0 / -inf) of the cache positions < kv_len each row attends to (those at or
@@ -599,10 +435,10 @@ class CausalLM:
 
     def _mlp(self, names: dict[str, str], x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """h + the SwiGLU MLP of x (SiLU(gate) * up computed in place, in the gate half of the GEMM output)."""
-        gate_up = _linear(x, self.storage[names["gate_up"]])
+        gate_up = linear(x, self.storage[names["gate_up"]])
         half = gate_up.shape[-1] // 2
         act = F.silu(gate_up[:, :half], inplace=True).mul_(gate_up[:, half:])
-        return _linear_residual(h, act, self.storage[names["down"]], None)
+        return linear_residual(h, act, self.storage[names["down"]], None)
 
     def _moe(self, names: dict[str, str], x: torch.Tensor, routing: moe.Routing | None) -> torch.Tensor:
         """The MoE block of x [N, D]; `routing` records (or replays) the experts each token went to."""

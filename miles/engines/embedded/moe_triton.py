@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from miles.engines.embedded import triton_ops
-from miles.engines.embedded.triton_ops import tl, triton
+from miles.engines.embedded.triton_kernels import tl, triton
 
 BLOCK_M = 16  # pairs per block: tl.dot's minimum; decode batches give each expert only a few pairs
 

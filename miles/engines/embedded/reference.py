@@ -19,7 +19,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from miles.engines.embedded.model import SUPPORTED_MODEL_TYPES, CausalLM, ModelSpec, read_config
+from miles.engines.embedded.checkpoint import SUPPORTED_MODEL_TYPES, ModelSpec, read_config
+from miles.engines.embedded.model import CausalLM
 from miles.true_on_policy import ATTN_IMPLEMENTATION
 from miles.true_on_policy.scoring import scaled_log_softmax, sequence_logits
 

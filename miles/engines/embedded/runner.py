@@ -132,36 +132,10 @@ class ModelRunner:
             device=model.device,
         )
         # prefix sharing (prefix_cache.py); 0 pages: off
-        self.prefix_cache: PrefixCache | None = None
-        if prefix_cache_pages > 0:
-            self.prefix_cache = PrefixCache(
-                page_size=prefix_page_size,
-                num_pages=prefix_cache_pages,
-                num_layers=spec.num_layers,
-                num_kv_heads=spec.num_kv_heads,
-                head_dim=spec.head_dim,
-                dtype=model.dtype,
-                device=model.device,
-            )
-        # MoE: the grouped experts are capturable (tests/gpu/test_moe_gpu.py); whole-step graphs stay off for MoE
-        # until that capture is verified on the GPU host
-        graphs_ok = model.device.type == "cuda" and not spec.moe_layers
-        if use_cuda_graphs and not graphs_ok:
-            logger.warning(
-                "CUDA graphs requested but unavailable here (device=%s, moe=%s); running eager",
-                model.device,
-                bool(spec.moe_layers),
-            )
-        self.use_cuda_graphs = use_cuda_graphs and graphs_ok
-        fused_ok = triton_ops.available(model.device) and triton_ops.supports(spec)
-        if fused_kernels and not fused_ok:
-            raise ValueError(
-                f"fused_kernels=True needs triton on CUDA and a dense model with a power-of-two head_dim "
-                f"(device={model.device}, head_dim={spec.head_dim}, moe={bool(spec.moe_layers)}); "
-                "leave it unset to use them where they work"
-            )
+        self.prefix_cache = _prefix_cache(model, prefix_cache_pages, prefix_page_size)
+        self.use_cuda_graphs = _cuda_graphs(model, use_cuda_graphs)
         # None = on where they work (CUDA + triton, dense): nine kernels a decode layer instead of ~27
-        self.fused_kernels = fused_ok if fused_kernels is None else fused_kernels
+        self.fused_kernels = _fused_kernels(model, fused_kernels)
         self.attention = None
         if self.fused_kernels:
             cuda = model.device.type == "cuda"
@@ -309,3 +283,47 @@ class ModelRunner:
                 if self.prefix_cache is not None:
                     self.prefix_cache.allocate()
             torch.cuda.synchronize()
+
+
+def _prefix_cache(model: CausalLM, pages: int, page_size: int) -> PrefixCache | None:
+    """The pool of shared prefix pages (prefix_cache.py), None when `pages` is 0 (prefix sharing off)."""
+    if pages <= 0:
+        return None
+    spec = model.spec
+    return PrefixCache(
+        page_size=page_size,
+        num_pages=pages,
+        num_layers=spec.num_layers,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        dtype=model.dtype,
+        device=model.device,
+    )
+
+
+def _cuda_graphs(model: CausalLM, requested: bool) -> bool:
+    """Decode CUDA graphs on: where requested and they can run for this model here (else logged, and eager)."""
+    spec = model.spec
+    # MoE: the grouped experts are capturable (tests/gpu/test_moe_gpu.py); whole-step graphs stay off for MoE
+    # until that capture is verified on the GPU host
+    graphs_ok = model.device.type == "cuda" and not spec.moe_layers
+    if requested and not graphs_ok:
+        logger.warning(
+            "CUDA graphs requested but unavailable here (device=%s, moe=%s); running eager",
+            model.device,
+            bool(spec.moe_layers),
+        )
+    return requested and graphs_ok
+
+
+def _fused_kernels(model: CausalLM, requested: bool | None) -> bool:
+    """The Triton kernels on (None: where they work); True where they cannot run is refused (ValueError)."""
+    spec = model.spec
+    fused_ok = triton_ops.available(model.device) and triton_ops.supports(spec)
+    if requested and not fused_ok:
+        raise ValueError(
+            f"fused_kernels=True needs triton on CUDA and a dense model with a power-of-two head_dim "
+            f"(device={model.device}, head_dim={spec.head_dim}, moe={bool(spec.moe_layers)}); "
+            "leave it unset to use them where they work"
+        )
+    return fused_ok if requested is None else requested

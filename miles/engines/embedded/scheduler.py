@@ -32,15 +32,13 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-from miles.engines.embedded.logprob_extras import Extras, ExtrasRequest, extras_of
+from miles.engines.embedded.logprob_extras import Extras, extras_of
 from miles.engines.embedded.moe import Routing, routed_rows
-from miles.engines.embedded.prefix_cache import Lease
 from miles.engines.embedded.prefix_sharing import PrefixSharing
+from miles.engines.embedded.request import Lookahead, Request, StepCounts, StepResult, input_extras
 from miles.engines.embedded.runner import ModelRunner
 from miles.engines.embedded.sampler import SamplingBatch, SamplingParams, sample, token_logprobs
 from miles.true_on_policy.scoring import scaled_log_softmax
@@ -49,100 +47,6 @@ logger = logging.getLogger(__name__)
 
 # Seconds slept after every engine step (0: off); set by tests and benches through the environment.
 STEP_DELAY_S = float(os.environ.get("MILES_ENGINE_STEP_DELAY_S", "0") or 0)
-
-
-@dataclass(slots=True)
-class Request:
-    rid: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    return_logprob: bool
-    logprob_start_len: int
-    future: asyncio.Future
-    generator: torch.Generator | None = None
-    output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    output_versions: list[int] = field(default_factory=list)
-    input_logprobs: list[float | None] | None = None
-    finish_reason: dict | None = None
-    kv_epoch: int = -1  # epoch of the KV in this request's slot; -1 = none
-    abort_requested: bool = False
-    prefill_count: int = 0
-    stop_ids: frozenset[int] = frozenset()  # token ids that finish it (its stop_token_ids, eos unless ignored)
-    extras: ExtrasRequest = field(default_factory=ExtrasRequest)  # top-k / token-id log-probs asked for
-    output_extras: Extras = field(default_factory=Extras)
-    input_extras: Extras | None = None
-    routed: np.ndarray | None = None  # return_routed_experts: [capacity, moe_layers, k], row p = token p's forward
-    routed_start: int = 0  # routed_experts_start_len: the first row returned
-    lease: Lease | None = None  # the prefix cache pages this request holds while it runs
-    cached_tokens: int | None = None  # prompt tokens its first prefill took from the prefix cache
-
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
-    @property
-    def seq_len(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    @property
-    def last_token(self) -> int:
-        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
-
-    @property
-    def wants_input_logprobs(self) -> bool:
-        return self.return_logprob and self.logprob_start_len >= 0 and self.input_logprobs is None
-
-
-@dataclass(slots=True)
-class Lookahead:
-    """A decode step launched ahead for `reqs` (step order); its results stay on the device."""
-
-    reqs: list[Request]
-    tokens: torch.Tensor
-    logprobs: torch.Tensor
-    kv_epoch: int
-    weight_version: int
-
-    def rows(self, reqs: list[Request]) -> list[int] | None:
-        """The row of each of `reqs` in this step; None when one of them was not in it."""
-        index = {id(r): i for i, r in enumerate(self.reqs)}
-        rows = [index.get(id(r)) for r in reqs]
-        return None if None in rows else rows
-
-    def take(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens, logprobs) of those rows, on the device (a view when they lead in order)."""
-        if rows == list(range(len(rows))):
-            return self.tokens[: len(rows)], self.logprobs[: len(rows)]
-        index = torch.tensor(rows, device=self.tokens.device)
-        return self.tokens[index], self.logprobs[index]
-
-
-@dataclass(slots=True)
-class StepResult:
-    tokens: list[int]
-    logprobs: list[float]
-    input_logprobs: dict[int, tuple[list[float | None], Extras | None]]  # step index -> input log-probs, extras
-    weight_version: int
-    lookahead: Lookahead | None = None
-    output_extras: dict[int, Extras] = field(default_factory=dict)  # step index -> this token's extras
-    routed: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict)  # step index -> (first position, rows)
-
-
-@dataclass
-class StepCounts:
-    """How the scheduler batched its work since the last `Scheduler.take_counts()`."""
-
-    steps: int = 0
-    prefill_steps: int = 0  # steps that admitted new requests
-    prefilled: int = 0  # requests admitted
-    step_s: float = 0.0  # host seconds inside the steps
-
-    def summary(self) -> str:
-        return (
-            f"{self.prefilled} requests in {self.steps} steps ({self.prefill_steps} with prefill, "
-            f"{self.step_s:.3f} s in steps)"
-        )
 
 
 class Scheduler:
@@ -382,62 +286,92 @@ class Scheduler:
             prefill_routing = Routing() if any(r.routed is not None for r in prefill) else None
             decode_routing = Routing() if ahead is None and any(r.routed is not None for r in decode) else None
             if prefill:
-                # routing is recorded by a forward over every token: such a step reuses no cached page
-                seqs, starts = self.sharing.load(prefill, len(decode), reuse=prefill_routing is None)
-                want_all = [r.wants_input_logprobs for r in prefill]
-                res = self.runner.prefill(seqs, len(decode), want_all, starts, prefill_routing)
-                self.sharing.share(prefill, len(decode))
-                for j, (req, full) in enumerate(zip(prefill, res.all_logits, strict=True)):
-                    if full is not None:
-                        input_lps[len(decode) + j] = self._input_logprobs(req, full)
-                    req.kv_epoch = epoch
-                    req.prefill_count += 1
+                prefill_logits, input_lps = self._prefill(prefill, len(decode), epoch, prefill_routing)
             if decode and ahead is None:
                 positions = [r.seq_len - 1 for r in decode]
                 logits.append(self.runner.decode([r.last_token for r in decode], positions, decode_routing))
             if prefill:
-                logits.append(res.last_logits)
+                logits.append(prefill_logits)
             reqs = decode + prefill
-            sampled = reqs if ahead is None else prefill
-            parts: list[tuple[torch.Tensor, torch.Tensor]] = []
-            if ahead is not None:
-                self.lookahead_used += 1
-                parts.append(ahead.take(rows))
-            output_extras: dict[int, Extras] = {}
-            if sampled:
-                batch = self._sampling_batch([r.params for r in sampled])
-                step_logits = torch.cat(logits) if len(logits) > 1 else logits[0]
-                if self.extras_in_use:
-                    output_extras = self._output_extras(sampled, step_logits, len(reqs) - len(sampled))
-                parts.append(
-                    sample(
-                        step_logits,
-                        batch,
-                        [r.generator for r in sampled],
-                        self.batch_generator,
-                        fused=self.runner.fused_kernels,
-                    )
-                )
-            tokens_dev = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
-            lps_dev = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
-            lookahead = None
-            if not self._may_look_ahead(reqs):
-                tokens, lps = tokens_dev.tolist(), lps_dev.tolist()
-            elif tokens_dev.device.type != "cuda":  # nothing runs asynchronously: results, then the lookahead
-                tokens, lps = tokens_dev.tolist(), lps_dev.tolist()
-                lookahead = self._launch_lookahead(reqs, tokens_dev, epoch, version)
-            else:  # copy this step's results out first, then queue the next decode step behind the copy
-                host_tokens = torch.empty(tokens_dev.shape, dtype=tokens_dev.dtype, pin_memory=True)
-                host_lps = torch.empty(lps_dev.shape, dtype=lps_dev.dtype, pin_memory=True)
-                host_tokens.copy_(tokens_dev, non_blocking=True)
-                host_lps.copy_(lps_dev, non_blocking=True)
-                copied = torch.cuda.Event()
-                copied.record()
-                lookahead = self._launch_lookahead(reqs, tokens_dev, epoch, version)
-                copied.synchronize()
-                tokens, lps = host_tokens.tolist(), host_lps.tolist()
+            tokens_dev, lps_dev, output_extras = self._sample(reqs, prefill, logits, ahead, rows)
+            tokens, lps, lookahead = self._fetch_results(reqs, tokens_dev, lps_dev, epoch, version)
             routed = routed_rows(decode, prefill, decode_routing, prefill_routing)
             return StepResult(tokens, lps, input_lps, version, lookahead, output_extras, routed)
+
+    def _prefill(
+        self, prefill: list[Request], n_decode: int, epoch: int, routing: Routing | None
+    ) -> tuple[torch.Tensor, dict[int, tuple[list[float | None], Extras | None]]]:
+        """Prefill the newcomers into the slots after the `n_decode` running ones: their last positions'
+        logits, and the input log-probs of those that asked (step index ->)."""
+        # routing is recorded by a forward over every token: such a step reuses no cached page
+        seqs, starts = self.sharing.load(prefill, n_decode, reuse=routing is None)
+        want_all = [r.wants_input_logprobs for r in prefill]
+        res = self.runner.prefill(seqs, n_decode, want_all, starts, routing)
+        self.sharing.share(prefill, n_decode)
+        input_lps = {}
+        for j, (req, full) in enumerate(zip(prefill, res.all_logits, strict=True)):
+            if full is not None:
+                input_lps[n_decode + j] = self._input_logprobs(req, full)
+            req.kv_epoch = epoch
+            req.prefill_count += 1
+        return res.last_logits, input_lps
+
+    def _sample(
+        self,
+        reqs: list[Request],
+        prefill: list[Request],
+        logits: list[torch.Tensor],
+        ahead: Lookahead | None,
+        rows: list[int] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[int, Extras]]:
+        """This step's (tokens, log-probs) on the device for `reqs` in step order: the decode rows from the
+        lookahead when one is used, the rest sampled from `logits`; and the extras asked for (step index ->)."""
+        sampled = reqs if ahead is None else prefill
+        parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if ahead is not None:
+            self.lookahead_used += 1
+            parts.append(ahead.take(rows))
+        output_extras: dict[int, Extras] = {}
+        if sampled:
+            batch = self._sampling_batch([r.params for r in sampled])
+            step_logits = torch.cat(logits) if len(logits) > 1 else logits[0]
+            if self.extras_in_use:
+                output_extras = self._output_extras(sampled, step_logits, len(reqs) - len(sampled))
+            parts.append(
+                sample(
+                    step_logits,
+                    batch,
+                    [r.generator for r in sampled],
+                    self.batch_generator,
+                    fused=self.runner.fused_kernels,
+                )
+            )
+        tokens_dev = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
+        lps_dev = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
+        return tokens_dev, lps_dev, output_extras
+
+    def _fetch_results(
+        self, reqs: list[Request], tokens_dev: torch.Tensor, lps_dev: torch.Tensor, epoch: int, version: int
+    ) -> tuple[list[int], list[float], Lookahead | None]:
+        """The step's tokens and log-probs on the host, and the next decode step launched ahead where allowed
+        (on CUDA queued behind the copy of this step's results, so the host work overlaps it)."""
+        lookahead = None
+        if not self._may_look_ahead(reqs):
+            tokens, lps = tokens_dev.tolist(), lps_dev.tolist()
+        elif tokens_dev.device.type != "cuda":  # nothing runs asynchronously: results, then the lookahead
+            tokens, lps = tokens_dev.tolist(), lps_dev.tolist()
+            lookahead = self._launch_lookahead(reqs, tokens_dev, epoch, version)
+        else:  # copy this step's results out first, then queue the next decode step behind the copy
+            host_tokens = torch.empty(tokens_dev.shape, dtype=tokens_dev.dtype, pin_memory=True)
+            host_lps = torch.empty(lps_dev.shape, dtype=lps_dev.dtype, pin_memory=True)
+            host_tokens.copy_(tokens_dev, non_blocking=True)
+            host_lps.copy_(lps_dev, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+            lookahead = self._launch_lookahead(reqs, tokens_dev, epoch, version)
+            copied.synchronize()
+            tokens, lps = host_tokens.tolist(), host_lps.tolist()
+        return tokens, lps, lookahead
 
     @staticmethod
     def _output_extras(sampled: list[Request], logits: torch.Tensor, offset: int) -> dict[int, Extras]:
@@ -559,10 +493,3 @@ class Scheduler:
                 req.future.set_exception(error)
         self.running.clear()
         self.waiting.clear()
-
-
-def input_extras(extras: Extras, start: int) -> Extras:
-    """Extras of input positions from `start` on: position 0 predicts nothing, so it gets an empty list."""
-    if start > 0:
-        return extras
-    return Extras(*(None if v is None else [[]] + v for v in (extras.top, extras.token_ids)))

@@ -1,0 +1,115 @@
+"""The scheduler's records: a request as it waits and runs (its tokens, log-probs, KV epoch, prefix pages),
+what one step hands back to the event loop, a decode step launched ahead, and the batching counts."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from miles.engines.embedded.logprob_extras import Extras, ExtrasRequest
+from miles.engines.embedded.prefix_cache import Lease
+from miles.engines.embedded.sampler import SamplingParams
+
+
+@dataclass(slots=True)
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool
+    logprob_start_len: int
+    future: asyncio.Future
+    generator: torch.Generator | None = None
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_versions: list[int] = field(default_factory=list)
+    input_logprobs: list[float | None] | None = None
+    finish_reason: dict | None = None
+    kv_epoch: int = -1  # epoch of the KV in this request's slot; -1 = none
+    abort_requested: bool = False
+    prefill_count: int = 0
+    stop_ids: frozenset[int] = frozenset()  # token ids that finish it (its stop_token_ids, eos unless ignored)
+    extras: ExtrasRequest = field(default_factory=ExtrasRequest)  # top-k / token-id log-probs asked for
+    output_extras: Extras = field(default_factory=Extras)
+    input_extras: Extras | None = None
+    routed: np.ndarray | None = None  # return_routed_experts: [capacity, moe_layers, k], row p = token p's forward
+    routed_start: int = 0  # routed_experts_start_len: the first row returned
+    lease: Lease | None = None  # the prefix cache pages this request holds while it runs
+    cached_tokens: int | None = None  # prompt tokens its first prefill took from the prefix cache
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return self.return_logprob and self.logprob_start_len >= 0 and self.input_logprobs is None
+
+
+@dataclass(slots=True)
+class Lookahead:
+    """A decode step launched ahead for `reqs` (step order); its results stay on the device."""
+
+    reqs: list[Request]
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    kv_epoch: int
+    weight_version: int
+
+    def rows(self, reqs: list[Request]) -> list[int] | None:
+        """The row of each of `reqs` in this step; None when one of them was not in it."""
+        index = {id(r): i for i, r in enumerate(self.reqs)}
+        rows = [index.get(id(r)) for r in reqs]
+        return None if None in rows else rows
+
+    def take(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, logprobs) of those rows, on the device (a view when they lead in order)."""
+        if rows == list(range(len(rows))):
+            return self.tokens[: len(rows)], self.logprobs[: len(rows)]
+        index = torch.tensor(rows, device=self.tokens.device)
+        return self.tokens[index], self.logprobs[index]
+
+
+@dataclass(slots=True)
+class StepResult:
+    tokens: list[int]
+    logprobs: list[float]
+    input_logprobs: dict[int, tuple[list[float | None], Extras | None]]  # step index -> input log-probs, extras
+    weight_version: int
+    lookahead: Lookahead | None = None
+    output_extras: dict[int, Extras] = field(default_factory=dict)  # step index -> this token's extras
+    routed: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict)  # step index -> (first position, rows)
+
+
+@dataclass
+class StepCounts:
+    """How the scheduler batched its work since the last `Scheduler.take_counts()`."""
+
+    steps: int = 0
+    prefill_steps: int = 0  # steps that admitted new requests
+    prefilled: int = 0  # requests admitted
+    step_s: float = 0.0  # host seconds inside the steps
+
+    def summary(self) -> str:
+        return (
+            f"{self.prefilled} requests in {self.steps} steps ({self.prefill_steps} with prefill, "
+            f"{self.step_s:.3f} s in steps)"
+        )
+
+
+def input_extras(extras: Extras, start: int) -> Extras:
+    """Extras of input positions from `start` on: position 0 predicts nothing, so it gets an empty list."""
+    if start > 0:
+        return extras
+    return Extras(*(None if v is None else [[]] + v for v in (extras.top, extras.token_ids)))
