@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -270,13 +271,14 @@ def save_bench(shape: str, args: argparse.Namespace) -> dict:
         }
         be = None
         torch.cuda.empty_cache()
+        shutil.rmtree(os.path.join(root, mode), ignore_errors=True)  # two 12-byte-per-parameter checkpoints a mode
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=["1.5b"], choices=list(SHAPES))
-    ap.add_argument("--levers", nargs="+", default=list(LEVERS), choices=list(LEVERS))
+    ap.add_argument("--levers", nargs="*", default=list(LEVERS), choices=list(LEVERS))
     ap.add_argument("--samples", type=int, default=256)
     ap.add_argument("--seq-len", type=int, default=1024, help="tokens per sample (prompt + response)")
     ap.add_argument("--prompt-len", type=int, default=128)

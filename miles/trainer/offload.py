@@ -21,6 +21,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from miles.trainer.offload_optim import pin_host
+
 logger = logging.getLogger(__name__)
 
 
@@ -53,7 +55,7 @@ class HostOffloader:
     def __init__(self, name: str) -> None:
         self.name = name
         self._saved: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = []
-        self._host: list[torch.UntypedStorage] = []  # kept between offloads, in storage order
+        self._host: list[torch.Tensor] = []  # byte buffers kept between offloads, in storage order
 
     @property
     def is_offloaded(self) -> bool:
@@ -91,13 +93,15 @@ class HostOffloader:
         return moved
 
     def _host_buffer(self, i: int, nbytes: int, pin: bool) -> torch.UntypedStorage:
-        if i < len(self._host) and self._host[i].nbytes() == nbytes:
-            return self._host[i]
-        host = torch.UntypedStorage(nbytes, device="cpu")
+        """The i-th host buffer, page-locked in place when `pin` (exactly `nbytes`: pin_memory() would copy
+        into the pinned pool, which rounds each buffer up to a power of two, up to twice the host memory)."""
+        if i < len(self._host) and self._host[i].nbytes == nbytes:
+            return self._host[i].untyped_storage()
+        host = torch.empty(nbytes, dtype=torch.uint8)
         if pin:
-            host = host.pin_memory()
+            host = pin_host(host)  # the tensor is kept: it unlocks the memory when it goes
         self._host[i:] = [host]  # storages changed from here on: later buffers are allocated anew
-        return host
+        return host.untyped_storage()
 
     def onload(self) -> int:
         """Restore every offloaded storage in place; returns bytes moved."""
