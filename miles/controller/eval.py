@@ -10,8 +10,8 @@ from typing import Protocol
 import numpy as np
 
 from miles.config_sections import MilesConfig
+from miles.controller.group_runner import GroupRunner, sampling_from_config
 from miles.controller.preflight import parse_eval_datasets
-from miles.controller.rollout_manager import GroupRunner, sampling_from_config
 from miles.controller.router import Router
 from miles.controller.run import MilesRun
 from miles.rollout.data_source import JsonlDataSource
@@ -90,8 +90,14 @@ class Evaluator:
             )
         source.rewind()  # every eval draws the whole set with the same ids
         groups = source.get_samples(len(source))
-        args = self.run.args
-        runner = GroupRunner(args, router or self.run.router, self.run.tokenizer, self.sampling, evaluation=True)
+        runner = GroupRunner(
+            self.cfg,
+            router or self.run.router,
+            self.run.tokenizer,
+            self.sampling,
+            plugin_args=self.run.args,
+            evaluation=True,
+        )
         version = self.run.weight_version if version is None else version
         done = await asyncio.gather(*(runner.run(g) for g in groups))
         samples = [s for g in done for s in g]

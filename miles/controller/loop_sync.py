@@ -73,11 +73,11 @@ def rollout_manager(cfg: MilesConfig, run: MilesRun, stop: StopRequest) -> SyncR
     if cfg.rollout.rollout_function_path:
         return PluginRolloutManager(run.args, cfg.rollout, run.data_source, lambda: run.weight_version)
     return SyncRolloutManager(
-        run.args,
-        cfg.rollout,
+        cfg,
         run.router,
         run.data_source,
         run.tokenizer,
+        plugin_args=run.args,
         seed=cfg.data.rollout_seed if cfg.engine.deterministic else None,
         stop=stop.event,
         teacher=run.teacher,
