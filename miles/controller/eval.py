@@ -69,7 +69,7 @@ class Evaluator:
         out: dict[str, float] = {}
         for name, path in self.datasets:
             try:
-                out.update(await self.run._wait("eval_time", self.evaluate(name, path)))
+                out.update(await self.run.timed("eval_time", self.evaluate(name, path)))
             except Exception as e:  # noqa: BLE001 - a failed eval is reported and training goes on
                 logger.warning("eval %s at step %d failed, skipped: %s", name, step, e)
                 out[f"eval/{name}/skipped"] = 1.0

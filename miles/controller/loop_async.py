@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from typing import TextIO
 
 from miles.config_sections import MilesConfig
 from miles.controller.async_eval import AsyncEval
@@ -23,6 +24,7 @@ from miles.controller.async_producer import AsyncProducer, GroupLedger, buffer_c
 from miles.controller.buffer import BufferConfig, DataBuffer, Group, UnusedHandler
 from miles.controller.rollout_manager import prompt_group, retry_after_reward_failure, rollout_metrics
 from miles.controller.run import MilesRun, run_driver
+from miles.controller.setup import start_run
 from miles.controller.signals import StopRequest, StopRequested
 from miles.rollout.filters import apply_filter
 from miles.rollout.sample import SampleStatus
@@ -75,58 +77,73 @@ def make_buffer(cfg: MilesConfig, run: MilesRun, ledger: GroupLedger) -> DataBuf
 
 async def train(cfg: MilesConfig) -> str:
     stop = StopRequest(saves=bool(cfg.train.save)).install()
-    run = await MilesRun.start(cfg)
-    async with run:
-        ledger = GroupLedger()
-        buffer = make_buffer(cfg, run, ledger)
-        producer = AsyncProducer(cfg, run, buffer, ledger, stop=stop.event)
-        run.pending_state_fn = ledger.pending_prompts
-        evals = AsyncEval(cfg, run, producer)
-        trained_log = open(os.path.join(cfg.runtime.output_dir, "trained_prompts.jsonl"), "a", buffering=1)
-        await run.push_weights(version=run.weight_version)
-        await evals.before_train(run.start_rollout_id)
-        producer.start()
-        try:
-            with StepProgress(
-                cfg.rollout.num_rollout, start=run.start_rollout_id, enabled=cfg.logging.progress_bar
-            ) as progress:
-                for rollout_id in range(run.start_rollout_id, cfg.rollout.num_rollout):
-                    await run.profile_hooks(rollout_id, "start")
-                    step_start = run.begin_step()
-                    try:
-                        groups = await run._wait(
-                            "train_wait_time",
-                            producer.take(cfg.rollout.rollout_batch_size, current_version=run.weight_version),
-                        )
-                    except StopRequested:  # stopped while waiting for groups: the last finished step is the boundary
-                        if rollout_id > 0:
-                            await run.maybe_save(rollout_id - 1, force=True)
-                        break
-                    rollout_metrics = {**buffer.metrics(), **producer.metrics(), **_group_metrics(groups)}
-                    trained_log.write(
-                        json.dumps({"step": rollout_id, "group_index": [g[0].group_index for g in groups]}) + "\n"
-                    )
-                    train_metrics = await run.train(rollout_id, run.to_train_batch(groups))
-                    await run.maybe_save(rollout_id)
-                    await run.push_weights(version=run.weight_version + 1)
-                    eval_metrics = await evals.after_push(
-                        rollout_id + 1, last=rollout_id + 1 == cfg.rollout.num_rollout
-                    )
-                    progress.update(run.log_step(rollout_id, step_start, rollout_metrics, train_metrics, eval_metrics))
-                    await run.profile_hooks(rollout_id, "end")
-                    if stop.requested:
-                        await run.maybe_save(rollout_id, force=True)
-                        break
-        finally:
-            await producer.stop()
-            # drops and rejections after the last step's metrics: no step reports them, so they go here
-            tail = {k: v for k, v in buffer.metrics().items() if k.endswith("_filtered") or k.endswith("_groups")}
-            with open(os.path.join(cfg.runtime.output_dir, "async_tail_metrics.json"), "w") as f:
-                json.dump(tail, f)
-            await evals.close()
-            trained_log.close()
-    stop.uninstall()
+    try:
+        async with await start_run(cfg) as run:
+            await _produce_and_train(cfg, run, stop)
+    finally:
+        stop.uninstall()
     return cfg.runtime.output_dir
+
+
+async def _produce_and_train(cfg: MilesConfig, run: MilesRun, stop: StopRequest) -> None:
+    ledger = GroupLedger()
+    buffer = make_buffer(cfg, run, ledger)
+    producer = AsyncProducer(cfg, run, buffer, ledger, stop=stop.event)
+    run.pending_state_fn = ledger.pending_prompts
+    evals = AsyncEval(cfg, run, producer)
+    trained_log = open(os.path.join(cfg.runtime.output_dir, "trained_prompts.jsonl"), "a", buffering=1)
+    await run.push_weights(version=run.weight_version)
+    await evals.before_train(run.start_rollout_id)
+    producer.start()
+    try:
+        await _steps(cfg, run, stop, producer, buffer, evals, trained_log)
+    finally:
+        await producer.stop()
+        # drops and rejections after the last step's metrics: no step reports them, so they go here
+        tail = {k: v for k, v in buffer.metrics().items() if k.endswith("_filtered") or k.endswith("_groups")}
+        with open(os.path.join(cfg.runtime.output_dir, "async_tail_metrics.json"), "w") as f:
+            json.dump(tail, f)
+        await evals.close()
+        trained_log.close()
+
+
+async def _steps(
+    cfg: MilesConfig,
+    run: MilesRun,
+    stop: StopRequest,
+    producer: AsyncProducer,
+    buffer: DataBuffer,
+    evals: AsyncEval,
+    trained_log: TextIO,
+) -> None:
+    with StepProgress(
+        cfg.rollout.num_rollout, start=run.start_rollout_id, enabled=cfg.logging.progress_bar
+    ) as progress:
+        for rollout_id in range(run.start_rollout_id, cfg.rollout.num_rollout):
+            await run.profile_hooks(rollout_id, "start")
+            step_start = run.begin_step()
+            try:
+                groups = await run.timed(
+                    "train_wait_time",
+                    producer.take(cfg.rollout.rollout_batch_size, current_version=run.weight_version),
+                )
+            except StopRequested:  # stopped while waiting for groups: the last finished step is the boundary
+                if rollout_id > 0:
+                    await run.maybe_save(rollout_id - 1, force=True)
+                break
+            rollout_metrics = {**buffer.metrics(), **producer.metrics(), **_group_metrics(groups)}
+            trained_log.write(
+                json.dumps({"step": rollout_id, "group_index": [g[0].group_index for g in groups]}) + "\n"
+            )
+            train_metrics = await run.train(rollout_id, run.to_train_batch(groups))
+            await run.maybe_save(rollout_id)
+            await run.push_weights(version=run.weight_version + 1)
+            eval_metrics = await evals.after_push(rollout_id + 1, last=rollout_id + 1 == cfg.rollout.num_rollout)
+            progress.update(run.log_step(rollout_id, step_start, rollout_metrics, train_metrics, eval_metrics))
+            await run.profile_hooks(rollout_id, "end")
+            if stop.requested:
+                await run.maybe_save(rollout_id, force=True)
+                break
 
 
 def _group_metrics(groups: list[Group]) -> dict[str, float]:
