@@ -93,13 +93,13 @@ class AsyncProducer:
             run.router,
             run.tokenizer,
             sampling_from_config(cfg.rollout),
-            plugin_args=run.args,
+            plugin_args=run.plugin_args,
             deterministic_seed=cfg.data.rollout_seed if cfg.engine.deterministic else None,
             teacher=run.teacher,
         )
         # every group dropped on arrival, many in a row: stop with the cause instead of generating forever
         self.guard = DropGuard(
-            max_consecutive_drops(cfg.rollout), target=None, args=run.args, where="fully async generation"
+            max_consecutive_drops(cfg.rollout), target=None, args=run.plugin_args, where="fully async generation"
         )
         self.stop_event = stop  # a stop signal ends a trainer's wait for groups at once
         self._slots = asyncio.Semaphore(self.max_in_flight)

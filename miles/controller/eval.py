@@ -95,7 +95,7 @@ class Evaluator:
             router or self.run.router,
             self.run.tokenizer,
             self.sampling,
-            plugin_args=self.run.args,
+            plugin_args=self.run.plugin_args,
             evaluation=True,
         )
         version = self.run.weight_version if version is None else version

@@ -64,7 +64,7 @@ def make_buffer(cfg: MilesConfig, run: MilesRun, ledger: GroupLedger) -> DataBuf
     flt = load_function(cfg.rollout.dynamic_sampling_filter_path)
 
     def filter_fn(group: Group) -> tuple[bool, str | None]:
-        out = apply_filter(flt, run.args, group)
+        out = apply_filter(flt, run.plugin_args, group)
         return out.keep, out.reason
 
     cls = load_function(a.custom_async_data_buffer_path) or DataBuffer

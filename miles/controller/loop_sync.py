@@ -72,13 +72,13 @@ async def _steps(cfg: MilesConfig, run: MilesRun, stop: StopRequest) -> None:
 def rollout_manager(cfg: MilesConfig, run: MilesRun, stop: StopRequest) -> SyncRolloutManager | PluginRolloutManager:
     """The built-in rollout, or the one `--rollout-function-path` names (its own tasks, groups and rewards)."""
     if cfg.rollout.rollout_function_path:
-        return PluginRolloutManager(run.args, cfg.rollout, run.data_source, lambda: run.weight_version)
+        return PluginRolloutManager(run.plugin_args, cfg.rollout, run.data_source, lambda: run.weight_version)
     return SyncRolloutManager(
         cfg,
         run.router,
         run.data_source,
         run.tokenizer,
-        plugin_args=run.args,
+        plugin_args=run.plugin_args,
         seed=cfg.data.rollout_seed if cfg.engine.deterministic else None,
         stop=stop.event,
         teacher=run.teacher,

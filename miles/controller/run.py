@@ -61,7 +61,7 @@ class MilesRun:
         data: RunData,
     ):
         self.cfg = cfg
-        self.args = cfg.flat()
+        self.plugin_args = cfg.flat()  # the flat namespace Miles' plug-ins receive (and find the gateway in)
         self.runtime = runtime
         self.trainers = TrainerGroup(runtime, empty=not placement.trainer_specs)
         self.placement = placement

@@ -15,7 +15,13 @@ from typing import TYPE_CHECKING
 from miles.config_checks import engine_memory_tags
 from miles.config_lora_sft import is_sft
 from miles.config_sections import MilesConfig
-from miles.controller.gateway import check_session_server, engine_context_len, needs_gateway, start_rollout_gateway
+from miles.controller.gateway import (
+    check_session_server,
+    engine_context_len,
+    needs_gateway,
+    point_plugins_at,
+    start_rollout_gateway,
+)
 from miles.controller.machine import plan_run
 from miles.controller.offload import resolve_offload
 from miles.controller.opd import check_modes_before_start, start_teacher
@@ -95,7 +101,9 @@ async def _connect(cfg: MilesConfig, runtime: Runtime, placement: Placement, clo
         run.weights_connected = True
     clock.mark("connect_weights")
     if router is not None and needs_gateway(cfg):  # session server + /generate for the plug-in layers
-        run.gateway = await start_rollout_gateway(cfg, router, tokenizer, run.args, engine_context_len(placement))
+        context_len = engine_context_len(placement)
+        run.gateway = await start_rollout_gateway(cfg, router, tokenizer, context_len)
+        point_plugins_at(run.plugin_args, run.gateway, context_len)
     await run.resume()
     return run
 
