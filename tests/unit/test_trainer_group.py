@@ -98,6 +98,8 @@ def test_every_method_reaches_every_rank_with_trainer_worker_signatures() -> Non
     trains = {rank: args for rank, m, args, _, _ in rt.calls if m == "train"}
     assert [len(TrainBatch.from_dict(trains[r][0])) for r in (0, 1)] == [1, 2]  # shard i on rank i
     assert {t for _, m, _, _, t in rt.calls if m == "push_weights"} == {9.0}
+    # the transfer mode travels once, in each rank's config at spawn: connect_engines does not send it again
+    assert all("mode" not in kw for _, m, _, kw, _ in rt.calls if m == "connect_engines")
 
 
 def test_a_failed_checkpoint_write_is_its_one_line_reason() -> None:
