@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import functools
 import re
 from pathlib import Path
 
@@ -50,8 +51,9 @@ def _resolve(name: str, modules: dict[str, Path]) -> str | None:
     return name or None
 
 
+@functools.cache
 def import_graph() -> dict[str, set[str]]:
-    """module -> the modules it imports (itself left out)."""
+    """module -> the modules it imports (itself left out); parsed once for the tests that read it."""
     modules = all_modules()
     graph: dict[str, set[str]] = {}
     for module, path in modules.items():
