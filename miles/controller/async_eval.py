@@ -121,7 +121,7 @@ class AsyncEval:
         version = self.run.weight_version
         snapshot = os.path.join(self.cfg.runtime.output_dir, "eval_snapshots", f"step_{step:07d}")
         try:  # collective over the trainer ranks: the trainer waits for the export
-            await self.run._wait("eval_export_time", self.run.trainers.export_hf(snapshot))
+            await self.run.timed("eval_export_time", self.run.trainers.export_hf(snapshot))
         except Exception as e:  # noqa: BLE001 - eval never stops training
             self._skip(step, f"snapshot export to {snapshot} failed: {e}")
             return

@@ -10,8 +10,8 @@ from typing import Protocol
 import numpy as np
 
 from miles.config import MilesConfig
+from miles.controller.group_runner import GroupRunner, sampling_from_config
 from miles.controller.preflight import parse_eval_datasets
-from miles.controller.rollout_manager import GroupRunner, sampling_from_config
 from miles.controller.router import Router
 from miles.controller.run import MilesRun
 from miles.rollout.data_source import JsonlDataSource
@@ -69,7 +69,7 @@ class Evaluator:
         out: dict[str, float] = {}
         for name, path in self.datasets:
             try:
-                out.update(await self.run._wait("eval_time", self.evaluate(name, path)))
+                out.update(await self.run.timed("eval_time", self.evaluate(name, path)))
             except Exception as e:  # noqa: BLE001 - a failed eval is reported and training goes on
                 logger.warning("eval %s at step %d failed, skipped: %s", name, step, e)
                 out[f"eval/{name}/skipped"] = 1.0
@@ -90,8 +90,14 @@ class Evaluator:
             )
         source.rewind()  # every eval draws the whole set with the same ids
         groups = source.get_samples(len(source))
-        args = self.run.args
-        runner = GroupRunner(args, router or self.run.router, self.run.tokenizer, self.sampling, evaluation=True)
+        runner = GroupRunner(
+            self.cfg,
+            router or self.run.router,
+            self.run.tokenizer,
+            self.sampling,
+            plugin_args=self.run.plugin_args,
+            evaluation=True,
+        )
         version = self.run.weight_version if version is None else version
         done = await asyncio.gather(*(runner.run(g) for g in groups))
         samples = [s for g in done for s in g]

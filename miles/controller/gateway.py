@@ -9,6 +9,7 @@ one request (prompt + new tokens) may hold on the engines.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 from typing import Any
@@ -97,9 +98,9 @@ def chat_defaults(cfg: MilesConfig, context_len: int | None) -> ChatDefaults:
 
 
 async def start_rollout_gateway(
-    cfg: Any, router: Any, tokenizer: Any, args: Any, context_len: int | None
+    cfg: MilesConfig, router: Any, tokenizer: Any, context_len: int | None
 ) -> GatewayHandle:
-    """Serve the gateway over `router` and point the plug-ins' `args` at it."""
+    """Serve the gateway over `router`, reading the rollout, model and engine sections."""
     r = cfg.rollout
     sessions = bool(r.use_session_server)
     tito = session_tokenizer(cfg, tokenizer) if sessions else None
@@ -115,6 +116,12 @@ async def start_rollout_gateway(
     handle = await start_gateway(
         gateway, HOST, r.session_server_port, api_key=cfg.engine.api_key, max_body_mb=cfg.engine.http_max_body_mb
     )
+    return handle
+
+
+def point_plugins_at(args: argparse.Namespace, handle: GatewayHandle, context_len: int | None) -> None:
+    """Where Miles' plug-ins look for the router: `args.sglang_router_ip` / `args.sglang_router_port`, and
+    `args.engine_context_len` for the most tokens one request may hold (the plug-in boundary, the only
+    place the run's flat namespace is written)."""
     args.sglang_router_ip, args.sglang_router_port = HOST, handle.port
     args.engine_context_len = context_len
-    return handle

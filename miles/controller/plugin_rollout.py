@@ -20,7 +20,7 @@ from typing import Any
 
 from miles.agent.plugins import load_rollout
 from miles.config import RolloutConfig
-from miles.controller.rollout_manager import RolloutResult, SyncRolloutManager
+from miles.controller.rollout_manager import RolloutResult, rollout_metrics
 from miles.errors import RolloutStalled
 from miles.rollout.data_source import DataSource
 from miles.rollout.sample import Sample, SampleStatus
@@ -51,7 +51,7 @@ class PluginRolloutManager:
         groups = [self._checked_group(g, rollout_id) for g in out.samples]
         if not groups:
             raise RolloutStalled(f"--rollout-function-path {self.path!r} returned no groups at rollout {rollout_id}")
-        metrics = SyncRolloutManager._metrics(groups, Counter(), len(groups), self.args.reward_key)
+        metrics = rollout_metrics(groups, Counter(), len(groups), self.args.reward_key)
         metrics.update(out.metrics or {})
         return RolloutResult(groups, metrics)
 

@@ -38,7 +38,7 @@ class PreflightError(ValueError):
 def check_start(cfg: MilesConfig, *, scan_load_weights: bool = True) -> tuple[LaunchEnv, Machine]:
     """Every start-up check that needs no model and starts nothing: the controller address, the machine
     and a layout it can hold, checkpoint and plug-in paths, the train backend. `miles train` runs it before
-    it resolves the model (a bad layout costs no model build); `MilesRun.start` runs it again, cheaply, for
+    it resolves the model (a bad layout costs no model build); `setup.start_run` runs it again, cheaply, for
     callers that come straight. `scan_load_weights`: read the resumed checkpoint's weights for NaN/inf
     (`miles train` leaves that to the second call, so the weights are read once)."""
     le = controller_address(cfg.runtime, launch_env())  # --controller-host/-port over the environment

@@ -1,38 +1,31 @@
 """MilesRun: everything the loop drivers need behind a handful of awaitable calls.
 
-The drivers (`loop_sync`, `loop_async`) read like the paper's pseudocode; this module owns the
-machinery: spawning workers, the router, weight pushes, checkpoints, offload, eval, metrics.
+The drivers (`loop_sync`, `loop_async`) read like the paper's pseudocode; this module owns what
+they call: weight pushes, training, the colocated hand-over of the GPUs (`generation_phase`),
+checkpoints, profiling windows and the step's metrics, each timed by `timed`. `setup.start_run`
+builds one. A run without trainer or without engines holds an empty `TrainerGroup` or
+`EngineFleet`, whose calls do nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from miles.config import MilesConfig, engine_memory_tags, is_sft
-from miles.controller.gateway import check_session_server, engine_context_len, needs_gateway, start_rollout_gateway
-from miles.controller.machine import plan_run
-from miles.controller.opd import check_modes_before_start, start_teacher
+from miles.config import MilesConfig, is_sft
+from miles.controller.offload import OffloadPlan
 from miles.controller.placement import Placement
-from miles.controller.preflight import (
-    PreflightError,
-    RunData,
-    check_model_path,
-    check_routing_replay_model,
-    check_start,
-    load_run_data,
-    prompt_limit,
-)
-from miles.controller.router import EngineFleet, Router, engine_clients
-from miles.controller.run_dirs import clear_save_dir
+from miles.controller.preflight import RunData
+from miles.controller.router import EngineFleet, Router
 from miles.controller.runtime import Runtime
+from miles.controller.signals import StopRequested
 from miles.controller.trainers import TrainerGroup
 from miles.engines.client import EngineClient
-from miles.engines.doors import new_api_key
 from miles.errors import as_run_failure
 from miles.rollout.opd_teacher import TeacherScorer
 from miles.rollout.sample import Sample
@@ -41,7 +34,6 @@ from miles.utils.metrics import MetricsSink
 from miles.utils.profiling import ProfileSchedule
 from miles.utils.sysmon import SystemMonitor
 from miles.utils.timer import StartupClock, StepTimers
-from miles.wire.launch_env import runtime_options
 from miles.wire.rpc import RemoteError
 from miles.wire.specs import WorkerDied
 
@@ -50,57 +42,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 PROFILED_ROLES = ("trainer", "rollout", "eval_rollout")  # worker roles that take start_profile / stop_profile
-
-
-def read_run_data(cfg: MilesConfig, placement: Placement) -> tuple[PreTrainedTokenizerBase, RunData]:
-    """The tokenizer and the run's prompts and eval sets, read, validated and tokenised."""
-    from miles.utils.tokenizer_file import load_controller_tokenizer
-
-    # tokenizer.json and the chat template without importing transformers where they match it (seconds
-    # of start-up on slow file systems); transformers' tokenizer otherwise, and for anything else asked of it
-    tokenizer = load_controller_tokenizer(cfg.model.hf_checkpoint, trust_remote_code=cfg.model.trust_remote_code)
-    data = load_run_data(cfg, tokenizer, prompt_limit(cfg, placement))
-    check_modes_before_start(cfg, tokenizer, data.prompts)  # OPD's teacher and routes, true-on-policy's model
-    try:  # the session server's family (append-only on this tokenizer) and its matcher
-        check_session_server(cfg, tokenizer)
-    except ValueError as e:
-        raise PreflightError(str(e)) from None
-    if cfg.rollout.num_rollout is None:
-        from miles.config import derive_num_rollout
-
-        derive_num_rollout(cfg, len(data.prompts))
-    return tokenizer, data
-
-
-async def resolve_offload(cfg: MilesConfig, trainers: TrainerGroup) -> None:
-    """Colocated offload left at its default: off when every trainer rank fits beside its engine.
-
-    Off CUDA, or when a trainer cannot tell, offload stays on (the safe choice). Flags the user set
-    are kept as they are.
-    """
-    t = cfg.train
-    if t.offload_train is not None and t.offload_rollout is not None:
-        return
-    plans = await trainers.memory_plan()
-    fits = all(p is not None and p["fits"] for p in plans)
-    if plans[0] is not None:
-        p = min(plans, key=lambda x: x["free_bytes"] - x["pending_state_bytes"] - x["activation_bytes"])
-        logger.info(
-            "colocated memory: %.1f of %.1f GiB free with the engines loaded; the trainer still needs %.1f GiB of "
-            "state and up to %.1f GiB of activations: offload %s",
-            p["free_bytes"] / 2**30,
-            p["total_bytes"] / 2**30,
-            p["pending_state_bytes"] / 2**30,
-            p["activation_bytes"] / 2**30,
-            "off (both fit)" if fits else "on",
-        )
-    if t.offload_train is None:
-        t.offload_train = not fits
-    if t.offload_rollout is None:
-        t.offload_rollout = not fits
+T = TypeVar("T")
 
 
 class MilesRun:
+    """The run's state (weight versions, resume point, timers) and the verbs the loops call."""
+
     def __init__(
         self,
         cfg: MilesConfig,
@@ -113,9 +60,9 @@ class MilesRun:
         data: RunData,
     ):
         self.cfg = cfg
-        self.args = cfg.flat()
+        self.plugin_args = cfg.flat()  # the flat namespace Miles' plug-ins receive (and find the gateway in)
         self.runtime = runtime
-        self.trainers = TrainerGroup(runtime)
+        self.trainers = TrainerGroup(runtime, empty=not placement.trainer_specs)
         self.placement = placement
         self.router = router
         self.fleet = EngineFleet(engines)  # the rollout engines, the ones weight updates reach
@@ -141,104 +88,21 @@ class MilesRun:
         self._profiling = False
         self.sysmon = SystemMonitor.for_local_workers(runtime, PROFILED_ROLES)
         # the debug modes start one side only: --debug-rollout-only no trainer, --debug-train-only no engine
-        self.has_trainer = bool(placement.trainer_specs)
+        self.offload = OffloadPlan.of(
+            cfg, colocated=placement.colocated, has_trainer=bool(self.trainers), has_engines=bool(self.fleet)
+        )
+        self._engines_released = False  # released for training; given back at the next push or generation
+        self.weights_connected = False  # the trainers' weight updaters reach the engines (set by setup)
         self.startup: StartupClock | None = None
         self._startup_metrics: dict[str, float] = {}
         self.gateway = None  # the session server / router front for plug-ins, when the run needs one
 
-    # ---- start / stop ----------------------------------------------------------------
-    @classmethod
-    async def start(cls, cfg: MilesConfig) -> MilesRun:
-        clock = StartupClock()  # before_run: imports, the config and model resolution in `miles train`
-        le, machine = check_start(cfg)  # --load (or --auto-resume) checkpoint read whole here, NaN refused
-        check_model_path(cfg.model)  # a directory: `miles train` resolved tiny:, smollm2: and Hub ids before
-        check_routing_replay_model(cfg)
-        clear_save_dir(cfg.train)  # --overwrite-save: the old run's checkpoints go before this run saves
-        cfg.engine.api_key = cfg.engine.api_key or new_api_key()  # one key per run: every engine and client
-        placement = plan_run(cfg, machine, le)  # the workers' settings carry the model path and the key
-        run_dir = cfg.runtime.output_dir
-        os.makedirs(run_dir, exist_ok=True)
-        clock.mark("checks")
-        # The workers start (imports, model loads) while the data is read, validated and tokenised here:
-        # bad data is refused as early as before, and the workers started meanwhile are stopped.
-        runtime = await Runtime.start(
-            placement.specs,
-            run_dir=run_dir,
-            heartbeat_interval_s=cfg.runtime.heartbeat_interval_s,
-            heartbeat_timeout_s=cfg.runtime.heartbeat_timeout_s,
-            default_timeout_s=cfg.runtime.rpc_timeout_s,
-            install_signal_handlers=False,
-            wait_ready=False,
-            **runtime_options(le),
-        )
-        try:
-            tokenizer, data = await asyncio.to_thread(read_run_data, cfg, placement)
-            clock.mark("data")
-            # the trainers load their model while the engines load theirs
-            await runtime.wait_ready("trainer")
-            trainers = TrainerGroup(runtime)
-            setup = asyncio.ensure_future(trainers.setup() if placement.trainer_specs else asyncio.sleep(0))
-            try:
-                await runtime.wait_ready()
-                clock.mark("workers")
-                await setup
-            finally:
-                if not setup.done():
-                    setup.cancel()
-            clock.mark("trainer_setup")  # what the trainers' set-up took beyond the engines' start
-            if placement.colocated and placement.trainer_specs:
-                await resolve_offload(cfg, trainers)
-            engines = (
-                []
-                if cfg.runtime.debug_train_only or is_sft(cfg)
-                else await engine_clients(
-                    runtime, "rollout", api_key=cfg.engine.api_key, external=cfg.engine.rollout_external_engine_addrs
-                )
-            )
-            urls = [e.base_url for e in engines]
-            router = Router(engines, session_mode=bool(cfg.rollout.use_session_server)) if engines else None
-            sink = MetricsSink(
-                run_dir,
-                tensorboard=cfg.logging.use_tensorboard,
-                wandb_project=cfg.logging.wandb_project if cfg.logging.use_wandb else None,
-                wandb_group=cfg.logging.wandb_group,
-                run_name=cfg.runtime.run_name,
-                config=cfg.to_dict(),
-                wandb_mode=cfg.logging.wandb_mode,
-                resume_from=cfg.train.load,
-                checkpoint_root=cfg.train.save,
-            )
-            run = cls(cfg, runtime, placement, router, engines, tokenizer, sink, data)
-            run.startup = clock
-            run.eval_fleet = EngineFleet(await engine_clients(runtime, "eval_rollout", api_key=cfg.engine.api_key))
-            run.teacher = await start_teacher(cfg, runtime, router)
-            # engines that release their weights between updates get a fresh weight buffer each time
-            releases_weights = bool(cfg.train.offload_rollout) and "weights" in engine_memory_tags(
-                cfg.train.offload_rollout_level
-            )
-            if placement.trainer_specs and engines:
-                await run.trainers.connect_engines(
-                    urls,
-                    mode=cfg.weights.update_weight_transfer_mode,
-                    colocated=cfg.engine.colocate,
-                    keep_weight_mapping=not releases_weights,
-                )
-            clock.mark("connect_weights")
-            if router is not None and needs_gateway(cfg):  # session server + /generate for the plug-in layers
-                run.gateway = await start_rollout_gateway(
-                    cfg, router, tokenizer, run.args, engine_context_len(placement)
-                )
-            await run._maybe_resume()
-            return run
-        except BaseException:
-            await runtime.shutdown()
-            raise
-
+    # ---- stop ------------------------------------------------------------------------
     async def close(self) -> None:
         if self._profiling:  # stopped inside a profile window: still write the traces
             await self._stop_profile()
         # a dead worker is reported once, by the run's own error; the debug modes never connected weights
-        if self.runtime.failure is None and self.has_trainer and self.fleet:
+        if self.runtime.failure is None and self.weights_connected:
             try:
                 await self.trainers.close_weights()
             except Exception as e:  # noqa: BLE001 - best effort on the way out
@@ -280,8 +144,8 @@ class MilesRun:
         return failure if isinstance(failure, WorkerDied) else None
 
     # ---- waiting on workers ------------------------------------------------------------
-    async def _wait(self, name: str, aw):
-        """Await worker work, timing it as phase `name` and as time spent waiting on workers."""
+    async def timed(self, name: str, aw: Awaitable[T]) -> T:
+        """Await worker work, timing it as phase `name` (a step metric) and as time spent waiting on workers."""
         start = time.perf_counter()
         try:
             return await aw
@@ -292,14 +156,18 @@ class MilesRun:
 
     # ---- the loop's verbs ------------------------------------------------------------
     async def push_weights(self, version: int) -> None:
-        """Pause engines, move the trainer's weights with the configured transport, continue."""
-        if not self.has_trainer:  # --debug-rollout-only: the engines keep their initial weights
+        """Pause engines, move the trainer's weights with the configured transport, continue.
+
+        Without trainer (--debug-rollout-only) the engines keep their initial weights; without engines
+        (--debug-train-only) the trainer's weights move on with nowhere to go."""
+        await self._resume_engines()
+        if not self.trainers:
             return
-        if not self.fleet:  # --debug-train-only: the trainer's weights move on; no engine to send them to
+        if not self.fleet:
             self.weight_version = version
             return
         mode = self.cfg.weights.pause_generation_mode
-        await self._wait("update_weights_time", self._push(version, mode))
+        await self.timed("update_weights_time", self._push(version, mode))
 
     async def _push(self, version: int, mode: str) -> None:
         await self.fleet.pause_generation(mode)
@@ -322,10 +190,39 @@ class MilesRun:
         finally:
             await self.fleet.continue_generation()
 
+    @contextlib.asynccontextmanager
+    async def generation_phase(self) -> AsyncIterator[None]:
+        """The engines hold the GPUs while the body generates (the colocated hand-over, per `self.offload`).
+
+        Before: the engines get back memory released for training, the trainer is offloaded. After, and
+        when a stop signal ends the body: the engines release their memory and the trainer is onloaded.
+        Any other error leaves the workers as they are (the run is ending)."""
+        await self._resume_engines()
+        if self.offload.trainer:
+            await self.timed("offload_time", self.trainers.offload())
+        try:
+            yield
+        except StopRequested:  # the trainer still takes the GPUs back to save the last finished step
+            await self._to_trainer()
+            raise
+        await self._to_trainer()
+
+    async def _to_trainer(self) -> None:
+        if self.offload.engine_tags:
+            await self.timed("offload_time", self.fleet.release_memory_occupation(list(self.offload.engine_tags)))
+            self._engines_released = True
+        if self.offload.trainer:
+            await self.timed("offload_time", self.trainers.onload())
+
+    async def _resume_engines(self) -> None:
+        if self._engines_released:
+            await self.timed("offload_time", self.fleet.resume_memory_occupation(list(self.offload.engine_tags)))
+            self._engines_released = False
+
     def to_train_batch(self, groups: list[list[Sample]]) -> list[TrainBatch]:
         """One shard per trainer rank (none under --debug-rollout-only): one per data-parallel replica,
         the same to every rank of a replica (its tensor- and pipeline-parallel peers)."""
-        if not self.has_trainer:
+        if not self.trainers:
             return []
         with self.timers("rollout/convert_time"):
             samples = [s for g in groups for s in g]
@@ -341,31 +238,12 @@ class MilesRun:
             return [shards[self.cfg.dp_rank_of(r)] for r in range(len(self.placement.trainer_specs))]
 
     async def train(self, rollout_id: int, shards: list[TrainBatch]) -> dict[str, float]:
-        if not self.has_trainer:  # --debug-rollout-only
+        """One RL step on every trainer rank; its metrics (none without trainer)."""
+        if not self.trainers:  # --debug-rollout-only: no trained weights, no new version
             return {}
-        metrics = await self._wait("train_time", self.trainers.train(rollout_id, shards))
+        metrics = await self.timed("train_time", self.trainers.train(rollout_id, shards))
         self.trained_version = max(self.trained_version, self.weight_version) + 1
         return metrics
-
-    async def offload_trainer(self) -> None:
-        if self.placement.colocated and self.cfg.train.offload_train and self.has_trainer:
-            await self._wait("offload_time", self.trainers.offload())
-
-    async def onload_trainer(self) -> None:
-        if self.placement.colocated and self.cfg.train.offload_train and self.has_trainer:
-            await self._wait("offload_time", self.trainers.onload())
-
-    async def release_engines(self) -> None:
-        t = self.cfg.train
-        if self.placement.colocated and t.offload_rollout and self.fleet:
-            tags = engine_memory_tags(t.offload_rollout_level)
-            await self._wait("offload_time", self.fleet.release_memory_occupation(tags))
-
-    async def resume_engines(self) -> None:
-        t = self.cfg.train
-        if self.placement.colocated and t.offload_rollout and self.fleet:
-            tags = engine_memory_tags(t.offload_rollout_level)
-            await self._wait("offload_time", self.fleet.resume_memory_occupation(tags))
 
     # ---- checkpoints -----------------------------------------------------------------
     def _ckpt_dir(self, step: int) -> str:
@@ -384,7 +262,7 @@ class MilesRun:
             await self._save_checkpoint(rollout_id)
         if t.save_hf:
             path = t.save_hf.format(rollout_id=rollout_id)
-            await self._wait("save_time", self.trainers.export_hf(path))
+            await self.timed("save_time", self.trainers.export_hf(path))
 
     async def _save_checkpoint(self, rollout_id: int) -> None:
         from miles.trainer.checkpoint_layout import prune_checkpoints
@@ -399,7 +277,7 @@ class MilesRun:
             "pending_groups": self.pending_state_fn() if self.pending_state_fn else [],
         }
         # a full disk, say, is raised as the trainers' one-line reason, not their traceback
-        await self._wait("save_time", self.trainers.save(self._ckpt_dir(rollout_id), extra))
+        await self.timed("save_time", self.trainers.save(self._ckpt_dir(rollout_id), extra))
         self._saved_steps.add(rollout_id)
         # with --async-save this one may still be being written: it is complete (and counted) at the next save
         if t.max_checkpoints:  # after the new one is complete: the newest complete checkpoint is never deleted
@@ -408,15 +286,16 @@ class MilesRun:
     async def finish_saves(self) -> None:
         """Wait for a checkpoint still being written in the background (--async-save); prune after it."""
         t = self.cfg.train
-        if not (t.save and self.has_trainer and self._saved_steps):
+        if not (t.save and self._saved_steps):  # only a run with trainers saves
             return
         from miles.trainer.checkpoint_layout import prune_checkpoints
 
-        await self._wait("save_time", self.trainers.finish_saves())
+        await self.timed("save_time", self.trainers.finish_saves())
         if t.max_checkpoints:
             await asyncio.to_thread(prune_checkpoints, t.save, t.max_checkpoints)
 
-    async def _maybe_resume(self) -> None:
+    async def resume(self) -> None:
+        """Restore the checkpoint --load (or --auto-resume) names; else start at --start-rollout-id."""
         from miles.trainer.checkpoint_layout import latest_complete_checkpoint, resolve_load_path
 
         t = self.cfg.train
@@ -425,7 +304,7 @@ class MilesRun:
             path = resolve_load_path(t.load) if os.path.isdir(t.load) else None
         elif t.auto_resume and t.save:
             path = latest_complete_checkpoint(t.save)
-        if path is None or not self.has_trainer:  # --debug-rollout-only refuses --load; it has no checkpoint
+        if path is None or not self.trainers:  # --debug-rollout-only refuses --load; it has no checkpoint
             self.start_rollout_id = self.cfg.rollout.start_rollout_id or 0
             return
         extra = await self.trainers.load(path)

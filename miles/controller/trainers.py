@@ -19,16 +19,25 @@ ROLE = "trainer"
 
 
 class TrainerGroup:
-    """Calls every trainer rank; timeouts are the runtime's default (`--rpc-timeout-s`) unless a method says."""
+    """Calls every trainer rank; timeouts are the runtime's default (`--rpc-timeout-s`) unless a method says.
 
-    def __init__(self, runtime: Runtime) -> None:
+    A run without trainer (`--debug-rollout-only`) has an empty group: every call does nothing and
+    returns nothing (no metrics, no resume state)."""
+
+    def __init__(self, runtime: Runtime, *, empty: bool = False) -> None:
         self._runtime = runtime
+        self._empty = empty  # the run planned no trainer rank
 
     @property
     def size(self) -> int:
-        return len(self._runtime.workers(ROLE))
+        return 0 if self._empty else len(self._runtime.workers(ROLE))
+
+    def __bool__(self) -> bool:
+        return not self._empty
 
     async def _all(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list:
+        if self._empty:
+            return []
         return await self._runtime.call_all(ROLE, method, *args, timeout_s=timeout_s, **kwargs)
 
     async def setup(self) -> None:
@@ -39,24 +48,23 @@ class TrainerGroup:
         """Each rank's memory estimate beside its colocated engine (None: the backend cannot tell), for offload."""
         return await self._all("memory_plan")
 
-    async def connect_engines(self, urls: list[str], *, mode: str, colocated: bool, keep_weight_mapping: bool) -> None:
-        """Build the weight updater for `mode` and attach it to the engines at `urls`."""
-        await self._all(
-            "connect_engines", urls, mode=mode, colocated=colocated, keep_weight_mapping=keep_weight_mapping
-        )
+    async def connect_engines(self, urls: list[str], *, colocated: bool, keep_weight_mapping: bool) -> None:
+        """Build the weight updater for the --update-weight-transfer-mode each rank's config holds (sent once,
+        with its settings) and attach it to the engines at `urls`."""
+        await self._all("connect_engines", urls, colocated=colocated, keep_weight_mapping=keep_weight_mapping)
 
     async def push_weights(self, version: int, *, timeout_s: float) -> dict[str, float]:
         """Move the weights to the engines as `version`; rank 0's metrics (the complete ones)."""
-        return (await self._all("push_weights", version, timeout_s=timeout_s))[0]
+        return next(iter(await self._all("push_weights", version, timeout_s=timeout_s)), {})
 
     async def close_weights(self, *, timeout_s: float = 30.0) -> None:
         await self._all("close_weights", timeout_s=timeout_s)
 
     async def train(self, rollout_id: int, shards: list[TrainBatch]) -> dict[str, float]:
         """One RL step, shard i on rank i; rank 0's metrics (already reduced over the ranks)."""
-        workers = self._runtime.workers(ROLE)
+        workers = [] if self._empty else self._runtime.workers(ROLE)
         calls = [w.call("train", shard.to_dict(), rollout_id) for w, shard in zip(workers, shards, strict=True)]
-        return (await asyncio.gather(*calls))[0]
+        return next(iter(await asyncio.gather(*calls)), {})
 
     async def save(self, path: str, extra_state: dict[str, Any]) -> None:
         """A checkpoint at `path`; a failed write (a full disk, say) is raised as its one-line reason.
@@ -79,7 +87,7 @@ class TrainerGroup:
 
     async def load(self, path: str) -> dict[str, Any]:
         """Resume from the checkpoint at `path`; rank 0's extra state (rollout id, data source, ...)."""
-        return (await self._all("load", path))[0]
+        return next(iter(await self._all("load", path)), {})
 
     async def export_hf(self, path: str) -> None:
         """The current weights as a Hugging Face directory at `path`."""

@@ -124,6 +124,24 @@ def run_rl_step(be: TrainBackend, batch: TrainBatch, rollout_id: int) -> dict[st
         teacher_log_probs=batch.teacher_log_probs,
         opd_reverse_kl=batch.opd_reverse_kl,
     )
+    _optimizer_steps(be, batch, per_token, rollout_id, n_steps, fused_old, metrics)
+    phases = [v for k, v in metrics.items() if k.startswith(PEAK_PREFIX)]  # CUDA: reset per phase
+    metrics["perf/peak_mem_gb"] = max(phases) if phases else be.peak_mem_gb()
+    metrics["train/lr"] = be.current_lr()
+    return metrics
+
+
+def _optimizer_steps(
+    be: TrainBackend,
+    batch: TrainBatch,
+    per_token: dict[str, np.ndarray],
+    rollout_id: int,
+    n_steps: int,
+    fused_old: bool,
+    metrics: dict[str, float],
+) -> None:
+    """The `n_steps` optimizer steps over consecutive slices of the shard (critic first, then the actor
+    unless still in --num-critic-only-steps); their mean losses, time and throughput go into `metrics`."""
     train_actor = rollout_id >= be.train_cfg.num_critic_only_steps or not be.has_critic
     per_rank = len(batch) // n_steps
     sums: dict[str, float] = defaultdict(float)
@@ -149,10 +167,6 @@ def run_rl_step(be: TrainBackend, batch: TrainBatch, rollout_id: int) -> dict[st
     metrics.update({k: v / n_steps for k, v in sums.items()})
     total_tokens = _sum_over_ranks(float(tokens), be)
     metrics["perf/train_tokens_per_s"] = total_tokens / max(elapsed, 1e-9)
-    phases = [v for k, v in metrics.items() if k.startswith(PEAK_PREFIX)]  # CUDA: reset per phase
-    metrics["perf/peak_mem_gb"] = max(phases) if phases else be.peak_mem_gb()
-    metrics["train/lr"] = be.current_lr()
-    return metrics
 
 
 def _old_log_probs(

@@ -146,7 +146,6 @@ class TrainerWorker(Worker):
         self,
         engine_urls: list[str],
         *,
-        mode: str | None = None,
         colocated: bool = False,
         master_address: str | None = None,
         keep_weight_mapping: bool = True,
@@ -158,8 +157,6 @@ class TrainerWorker(Worker):
         if master_address is None:  # the weight-sync group's rendezvous lives on this (source) rank's host
             multi_node = int(os.environ.get("MILES_NUM_NODES", "1")) > 1
             master_address = socket.gethostbyname(socket.gethostname()) if multi_node else "127.0.0.1"
-        if mode is not None:
-            self.weights_cfg.update_weight_transfer_mode = mode
         engines = [EngineClient(u, api_key=self.engine_api_key) for u in engine_urls]
         lora = lora_settings(self.train_cfg)  # LoRA: only the adapter moves; the engines keep their base
         self.updater = make_updater(

@@ -20,7 +20,6 @@ import os
 import re
 import subprocess
 import sys
-import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -254,7 +253,8 @@ def test_rollout_payloads(engines, model_dir):
     """A rollout sample (miles.rollout.generate) and its log-prob re-scoring (GroupRunner.recompute)."""
     from transformers import AutoTokenizer
 
-    from miles.controller.rollout_manager import GroupRunner
+    from miles.config import MilesConfig
+    from miles.controller.group_runner import GroupRunner
     from miles.rollout.generate import SamplingDefaults, generate_sample
     from miles.rollout.sample import Sample
 
@@ -272,8 +272,9 @@ def test_rollout_payloads(engines, model_dir):
         async with engines.client(0) as client:
             router = Router([client])
             sample = await generate_sample(router, Sample(prompt="What is 3+4?"), tokenizer, sampling, seed=5)
-            args = types.SimpleNamespace(group_reward_path=None, sglang_server_concurrency=2)
-            await GroupRunner(args, router, tokenizer, sampling).recompute(sample)
+            cfg = MilesConfig()
+            cfg.rollout.sglang_server_concurrency = 2
+            await GroupRunner(cfg, router, tokenizer, sampling).recompute(sample)
         return sample
 
     sample = _run(main())

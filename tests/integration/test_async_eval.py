@@ -157,7 +157,7 @@ def _fake(tmp: Path, *, mode: str, engines=(), command: str | None = None, max_i
         eval_fleet=EngineFleet(list(engines)),
         weight_version=7,
         trainers=SimpleNamespace(export_hf=export_hf),
-        _wait=wait,
+        timed=wait,
     )
     return AsyncEval(cfg, run, producer=None)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from miles.config import load_config
-from miles.controller import loop_async, rollout_manager
+from miles.controller import group_runner, loop_async
 from miles.models.resolve import resolve_model_paths
 from miles.rollout.filters import DynamicFilterOutput
 
@@ -109,7 +109,7 @@ def trained_indices(run_dir: Path) -> list[int]:
 
 def _abort_first_attempt(monkeypatch) -> None:
     """Wrap generation so the engine aborts the first attempt of ABORT_GROUP's first sample."""
-    real = rollout_manager.generate_sample
+    real = group_runner.generate_sample
 
     async def generate(router, sample, tokenizer, sampling, *, seed=None):
         if sample.group_index != ABORT_GROUP or sample.index % 2 or abort_attempts[ABORT_GROUP]:
@@ -123,9 +123,9 @@ def _abort_first_attempt(monkeypatch) -> None:
         await asyncio.gather(*(e.abort_request(rid=sample.metadata["rid"]) for e in router.engines))
         return await task
 
-    monkeypatch.setattr(rollout_manager, "generate_sample", generate)
+    monkeypatch.setattr(group_runner, "generate_sample", generate)
     # one request per sample, so the wrapper above sees (and aborts) the chosen one
-    monkeypatch.setattr(rollout_manager.GroupRunner, "_batchable", lambda self, group: False)
+    monkeypatch.setattr(group_runner.GroupRunner, "_batchable", lambda self, group: False)
 
 
 def _run(monkeypatch, args: list[str]) -> Path:

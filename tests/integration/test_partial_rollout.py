@@ -89,7 +89,7 @@ def _manager(partial: bool):
     r.partial_rollout = partial
     cfg.reward.custom_rm_path = f"{__name__}:count_rm"
     source, router = ListSource(), HoldingRouter()
-    return SyncRolloutManager(cfg.flat(), r, router, source, tokenizer=None, seed=0), source, router
+    return SyncRolloutManager(cfg, router, source, tokenizer=None, seed=0), source, router
 
 
 def _requests_for(router: HoldingRouter, index: int) -> list[dict]:

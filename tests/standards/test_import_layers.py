@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import functools
 import re
 from pathlib import Path
 
@@ -50,8 +51,9 @@ def _resolve(name: str, modules: dict[str, Path]) -> str | None:
     return name or None
 
 
+@functools.cache
 def import_graph() -> dict[str, set[str]]:
-    """module -> the modules it imports (itself left out)."""
+    """module -> the modules it imports (itself left out); parsed once for the tests that read it."""
     modules = all_modules()
     graph: dict[str, set[str]] = {}
     for module, path in modules.items():
@@ -153,6 +155,29 @@ def test_no_import_points_up() -> None:
     assert not upward, "imports that point up a layer:\n" + "\n".join(upward)
 
 
+# Rooms that share only the wire: the controller drives the workers through `miles.wire` (specs, RPC,
+# codec) and the workers answer through it; neither imports the other, whatever the layers allow.
+APART = [("miles.controller.*", "miles.workers.*")]
+
+
+def imports_across(graph: dict[str, set[str]], apart: list[tuple[str, str]]) -> list[str]:
+    """Each import from one side of a pair in `apart` into the other side, either way."""
+    return [
+        f"{m} imports {t}"
+        for a, b in apart
+        for m, targets in sorted(graph.items())
+        for t in sorted(targets)
+        if (_matches(m, a) and _matches(t, b)) or (_matches(m, b) and _matches(t, a))
+    ]
+
+
+def test_controller_and_workers_never_import_each_other() -> None:
+    found = imports_across(import_graph(), APART)
+    assert not found, (
+        "the controller and the workers talk only over miles.wire, never import each other:\n" + "\n".join(found)
+    )
+
+
 def test_the_checker_sees_a_cycle_and_an_upward_import(tmp_path: Path) -> None:
     """The check itself: a planted cycle and a planted upward edge are reported."""
     graph = {"miles.a": {"miles.b"}, "miles.b": {"miles.c"}, "miles.c": {"miles.a"}, "miles.d": set()}
@@ -166,3 +191,9 @@ def test_the_checker_sees_a_cycle_and_an_upward_import(tmp_path: Path) -> None:
     assert imported_modules(node, "miles.utils.timer", False, modules) == {"miles.controller.run"}
     node = ast.parse("from miles.controller import Runtime\n").body[0]
     assert imported_modules(node, "miles.utils.timer", False, modules) == {"miles.controller"}
+    graph = {"miles.controller.run": {"miles.workers.main"}, "miles.workers.base": {"miles.controller"}}
+    graph["miles.controller.loop"] = {"miles.wire.rpc", "miles.controller.run"}
+    assert imports_across(graph, APART) == [
+        "miles.controller.run imports miles.workers.main",
+        "miles.workers.base imports miles.controller",
+    ]

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
+from miles.controller.async_producer import GroupLedger, staleness_at_take
 from miles.controller.buffer import BufferConfig, DataBuffer, group_staleness
-from miles.controller.loop_async import GroupLedger, staleness_at_take
 from miles.rollout.sample import Sample, SampleStatus
 
 

@@ -66,7 +66,7 @@ def test_a_group_is_one_batched_call_with_a_seed_and_rid_per_sample():
     r.rollout_batch_size, r.over_sampling_batch_size, r.n_samples_per_prompt = 2, 2, N
     cfg.reward.custom_rm_path = f"{__name__}:seven_rm"
     router = BatchRouter()
-    manager = SyncRolloutManager(cfg.flat(), r, router, Source(), tokenizer=None, seed=0)
+    manager = SyncRolloutManager(cfg, router, Source(), tokenizer=None, seed=0)
     result = asyncio.run(manager.generate(0))
     assert len(router.payloads) == 2  # one call per group, not one per sample
     for payload, group in zip(router.payloads, sorted(result.groups, key=lambda g: g[0].group_index), strict=True):

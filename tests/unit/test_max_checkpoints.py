@@ -84,7 +84,7 @@ def _fake_run(save: Path, max_checkpoints: int | None) -> SimpleNamespace:
     run = SimpleNamespace(
         cfg=cfg,
         trainers=SimpleNamespace(save=save_on_trainers),
-        _wait=wait,
+        timed=wait,
         weight_version=0,
         trained_version=0,
         _saved_steps=set(),

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from miles.controller.run import resolve_offload
+from miles.controller.offload import resolve_offload
 from miles.trainer.memory_plan import activation_bytes, micro_batch_tokens, pending_state_bytes
 
 

@@ -49,7 +49,7 @@ def _cfg(*flags: str):
 
 
 def _sink(cfg, run_dir: Path) -> MetricsSink:
-    """Built as MilesRun.start builds it."""
+    """Built as setup.open_sink builds it."""
     return MetricsSink(
         str(run_dir),
         tensorboard=False,

@@ -2,9 +2,9 @@
 caches, summed by the router from SGLang's `cached_tokens` / `prompt_tokens` of every response."""
 
 import asyncio
-import types
 
-from miles.controller.rollout_manager import GroupRunner
+from miles.config import MilesConfig
+from miles.controller.group_runner import GroupRunner
 from miles.controller.router import Router
 from miles.rollout.generate import SamplingDefaults
 
@@ -21,8 +21,9 @@ class _Engine:
 
 def test_prefix_hit_rate_is_the_steps_cached_share_of_prompt_tokens():
     router = Router([_Engine([0, 90, 90, 90, 50])])
-    args = types.SimpleNamespace(group_reward_path=None, sglang_server_concurrency=2)
-    runner = GroupRunner(args, router, None, SamplingDefaults())
+    cfg = MilesConfig()
+    cfg.rollout.sglang_server_concurrency = 2
+    runner = GroupRunner(cfg, router, None, SamplingDefaults())
 
     async def calls(n: int) -> None:
         for _ in range(n):

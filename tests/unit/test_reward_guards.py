@@ -161,7 +161,7 @@ def _manager(rm: str, *, filter_path: str | None = None, limit: int | None = 12,
     r.rollout_max_consecutive_drops, r.dynamic_sampling_filter_path = limit, filter_path
     cfg.reward.custom_rm_path = f"{__name__}:{rm}"
     source, router = ListSource(4), EchoRouter()
-    return SyncRolloutManager(cfg.flat(), r, router, source, tokenizer=None, stop=stop), source, router
+    return SyncRolloutManager(cfg, router, source, tokenizer=None, stop=stop), source, router
 
 
 def test_a_reward_that_is_always_none_stops_after_the_limit_with_the_cause() -> None:

@@ -68,7 +68,7 @@ def test_every_method_reaches_every_rank_with_trainer_worker_signatures() -> Non
     async def main() -> tuple:
         await group.setup()
         await group.memory_plan()
-        await group.connect_engines(["http://e"], mode="broadcast", colocated=False, keep_weight_mapping=True)
+        await group.connect_engines(["http://e"], colocated=False, keep_weight_mapping=True)
         pushed = await group.push_weights(3, timeout_s=9.0)
         trained = await group.train(5, [_batch(1), _batch(2)])
         await group.save("/ckpt/iter_0000005", {"rollout_id": 5})
@@ -98,6 +98,8 @@ def test_every_method_reaches_every_rank_with_trainer_worker_signatures() -> Non
     trains = {rank: args for rank, m, args, _, _ in rt.calls if m == "train"}
     assert [len(TrainBatch.from_dict(trains[r][0])) for r in (0, 1)] == [1, 2]  # shard i on rank i
     assert {t for _, m, _, _, t in rt.calls if m == "push_weights"} == {9.0}
+    # the transfer mode travels once, in each rank's config at spawn: connect_engines does not send it again
+    assert all("mode" not in kw for _, m, _, kw, _ in rt.calls if m == "connect_engines")
 
 
 def test_a_failed_checkpoint_write_is_its_one_line_reason() -> None:
@@ -109,3 +111,19 @@ def test_a_failed_checkpoint_write_is_its_one_line_reason() -> None:
     other = RemoteError("trainer:0", "save", "ValueError", "something else", "tb")
     with pytest.raises(RemoteError):
         asyncio.run(TrainerGroup(Runtime(1, fail=other)).save("/c/iter_0000000", {}))
+
+
+def test_an_empty_group_calls_no_rank_and_returns_nothing() -> None:
+    """A run without trainer (--debug-rollout-only): every call is a no-op, no metrics, no resume state."""
+    rt = Runtime(2)
+    group = TrainerGroup(rt, empty=True)
+
+    async def main() -> tuple:
+        await group.setup()
+        await group.offload()
+        await group.close_weights()
+        return await group.push_weights(1, timeout_s=1.0), await group.train(0, []), await group.load("/c")
+
+    assert asyncio.run(main()) == ({}, {}, {})
+    assert rt.calls == [] and not group and group.size == 0
+    assert TrainerGroup(rt) and TrainerGroup(rt).size == 2
