@@ -96,6 +96,7 @@ def _parallelism(cfg: MilesConfig) -> list[str]:
     """Megatron's model-parallel flags: only under --train-backend megatron, and only what it runs."""
     t, a = cfg.train, cfg.algo
     tp, pp, cp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size, t.context_parallel_size
+    ep, etp = t.expert_model_parallel_size, t.expert_tensor_parallel_size
     if t.train_backend != "megatron":
         set_flags = [
             f
@@ -104,6 +105,8 @@ def _parallelism(cfg: MilesConfig) -> list[str]:
                 ("--pipeline-model-parallel-size", pp != 1),
                 ("--context-parallel-size", cp != 1),
                 ("--sequence-parallel", t.sequence_parallel),
+                ("--expert-model-parallel-size", ep != 1),
+                ("--expert-tensor-parallel-size", etp != 1),
             )
             if on
         ]
@@ -122,6 +125,7 @@ def _parallelism(cfg: MilesConfig) -> list[str]:
             f"must divide the {cfg.trainer_world_size} trainer GPUs (--actor-num-nodes x --actor-num-gpus-per-node); "
             "change one of them"
         )
+    e += _expert_parallelism(cfg.trainer_world_size, pp, ep, etp)
     if cp != 1:
         e.append(
             f"--context-parallel-size={cp}: context parallelism needs Transformer Engine's attention, which the "
@@ -142,6 +146,17 @@ def _parallelism(cfg: MilesConfig) -> list[str]:
     if t.compile:
         e.append("--compile compiles the HF model's blocks, which the megatron backend does not train; drop it")
     return e
+
+
+def _expert_parallelism(world: int, pp: int, ep: int, etp: int) -> list[str]:
+    """Megatron's MoE layout: expert ranks (EP x expert-TP) tile each pipeline stage's ranks; the expert count and
+    width are checked against the model once its config is read (mcore_moe_convert.check_expert_parallel)."""
+    if min(ep, etp) < 1 or world % pp or (world // pp) % (ep * etp):
+        return [
+            f"--expert-model-parallel-size={ep} x --expert-tensor-parallel-size={etp} must divide the "
+            f"{world // max(pp, 1)} trainer GPUs of each pipeline stage; change one of them"
+        ]
+    return []
 
 
 # Built-in rollout features a --rollout-function-path replaces: given with one, they would do nothing.
@@ -252,8 +267,16 @@ def _routing_replay(cfg: MilesConfig) -> list[str]:
         return []
     why = "--use-rollout-routing-replay" if t.use_rollout_routing_replay else "--use-routing-replay"
     e = []
-    if t.train_backend != "fsdp":
-        e.append(f"{why} replays routing in the FSDP trainer's forward; use --train-backend fsdp")
+    if t.train_backend == "megatron":
+        e += [
+            f"{why} with {flag}: {reason}; drop one"
+            for flag, on, reason in (
+                ("--pipeline-model-parallel-size > 1", t.pipeline_model_parallel_size > 1, "replay needs every layer"),
+                ("--tensor-model-parallel-size > 1", t.tensor_model_parallel_size > 1, "routers see a sequence shard"),
+                ("--gradient-checkpointing", t.gradient_checkpointing, "a recomputed router would not replay"),
+            )
+            if on
+        ]
     if t.true_on_policy_mode:
         e.append(f"{why} with --true-on-policy-mode: the reference forward routes by itself; drop one")
     if not t.use_rollout_routing_replay and cfg.algo.use_rollout_logprobs:

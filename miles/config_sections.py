@@ -268,13 +268,13 @@ class TrainConfig:
         False,
         "GRPO",
         "MoE: the training passes replay the experts the trainer's own router chose in its first (old log-prob) "
-        "forward of the step, so the policy ratio compares the same experts (FSDP)",
+        "forward of the step, so the policy ratio compares the same experts",
     )
     use_rollout_routing_replay: bool = _f(
         False,
         "GRPO",
         "MoE (R3): the engines return the experts they routed every token to, and the trainer's forward uses "
-        "them in place of its router's top-k (weights still from its router); implies --use-routing-replay (FSDP)",
+        "them in place of its router's top-k (weights still from its router); implies --use-routing-replay",
     )
     actor_num_nodes: int = _f(1, "PERF", "trainer nodes")
     actor_num_gpus_per_node: int = _f(1, "PERF", "trainer ranks per node (processes on CPU)")
@@ -284,6 +284,15 @@ class TrainConfig:
         "megatron: tensor-parallel size (divides the KV heads); data-parallel size = trainer GPUs / (TP x PP x CP)",
     )
     pipeline_model_parallel_size: int = _f(1, "PERF", "megatron: pipeline stages (divides the layers)")
+    expert_model_parallel_size: int = _f(
+        1,
+        "PERF",
+        "megatron, MoE: expert-parallel size (divides the expert count and the trainer GPUs / PP); each rank holds "
+        "experts / EP of every MoE layer, tokens reach them through an all-to-all",
+    )
+    expert_tensor_parallel_size: int = _f(
+        1, "PERF", "megatron, MoE: tensor-parallel size of each expert's MLP (divides moe_intermediate_size)"
+    )
     context_parallel_size: int = _f(
         1, "PERF", "megatron: context-parallel size (only 1: context parallelism needs Transformer Engine attention)"
     )

@@ -50,6 +50,20 @@ def moe_fields(cfg) -> dict:
     }
 
 
+def check_moe_layout(num_experts: int, *, tp: int, sequence_parallel: bool, ep: int, etp: int) -> None:
+    """What megatron-core's MoE layers need of the parallel layout, refused in one line naming the flag."""
+    if not num_experts and ep * etp > 1:
+        raise ValueError(
+            f"--expert-model-parallel-size={ep} / --expert-tensor-parallel-size={etp}: the model is dense (no "
+            "experts to split); set both to 1"
+        )
+    if num_experts and tp > 1 and not sequence_parallel:
+        raise ValueError(
+            f"--tensor-model-parallel-size={tp} on an MoE model needs --sequence-parallel (megatron-core's MoE "
+            "layer trains with tensor parallelism only over sequence-parallel activations); add it"
+        )
+
+
 def check_expert_parallel(num_experts: int, ep_size: int, moe_ffn: int, etp_size: int) -> None:
     if num_experts % ep_size:
         raise ValueError(
