@@ -4,7 +4,8 @@ The trainer world of `--actor-num-nodes x --actor-num-gpus-per-node` ranks is sp
 `parallel_state` into TP x PP x DP (`--tensor-model-parallel-size`, `--pipeline-model-parallel-size`;
 DP is what is left). The controller gives every rank of one data-parallel replica the same shard.
 The model is megatron-core's GPTModel built from the HF config (`mcore_model`), its weights converted
-from the HF checkpoint (`mcore_convert`), wrapped in megatron-core's DistributedDataParallel and
+from the HF checkpoint (`mcore_convert`; Qwen3-MoE with megatron-core's MoE layers, expert parallelism and
+routing replay: `mcore_moe`), wrapped in megatron-core's DistributedDataParallel and
 trained by its distributed optimizer (Adam states sharded over DP). Parameters stay fp32, the
 checkpoint's values, and `--dtype` is the compute dtype (autocast), as in the FSDP backend: bf16
 parameters would round every weight at load and hide updates smaller than half a bf16 step from

@@ -1,4 +1,4 @@
-"""Routing replay in the FSDP trainer's forward: `--use-rollout-routing-replay` (R3) and `--use-routing-replay`.
+"""Routing replay in the trainer's forward (FSDP here; megatron: mcore_moe.py): `--use-rollout-routing-replay` (R3) and `--use-routing-replay`.
 
 An MoE router picks each token's top-k experts; the engine that sampled a token and the trainer that
 scores it compute the router logits with different kernels, so near ties resolve differently and the
