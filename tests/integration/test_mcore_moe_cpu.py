@@ -2,7 +2,9 @@
 
 - One rank: the megatron model's logits and gradients equal the HF model's on a packed row of sequences.
 - R3: with a rollout routing given, the megatron routers use exactly those experts (routing mismatch 0,
-  while the routers' own top-k differs), and the logits equal HF's under the FSDP replay of the same routing.
+  while the routers' own top-k differs), and the logits equal HF's under the FSDP replay of the same routing;
+  the megatron backend's own `compute_log_probs` (its micro-batches and replay scope; megatron-core's schedule,
+  which allocates on 'cuda', replaced by a host loop) replays and measures the same.
 - Expert parallelism: EP=2 over two gloo ranks (each its half of the sequences, data-parallel for the
   dense weights) gives the log-probs of EP=1 on one rank, and after one step of megatron-core's DDP and
   optimizer the same weights, exported to HF names by the backend's own gather (megatron_weights).
@@ -214,7 +216,13 @@ def _replays_a_given_routing(path: str) -> dict:
         with hf_replay.scope(batch, "padded", first_pass=True):
             hf_out = hf(input_ids=padded).logits
         ref = torch.cat([hf_out[i, :n] for i, n in enumerate(lens)])
+    backend_lp, backend_counts = _backend_log_probs(path, model, s, batch)
+    ends = np.cumsum(lens)
+    predict = torch.from_numpy(np.concatenate([np.arange(e - RESP - 1, e - 1) for e in ends]))
+    ref_lp = torch.log_softmax(ref[predict], -1).gather(1, ids[predict + 1][:, None])[:, 0].numpy()
     return {
+        "backend_counts": backend_counts,
+        "backend_vs_hf": float(np.abs(backend_lp - ref_lp).max()),
         "counts": replay.counts.tolist(),  # tokens compared, used routing != rollout, own top-k != rollout
         "hf_counts": hf_replay.counts.tolist(),
         "vs_hf": float((replayed - ref).abs().max() / ref.abs().max()),
@@ -229,6 +237,41 @@ def test_rollout_routing_replay_uses_the_given_experts(one_rank):
     assert r["counts"][2] > tokens // 2  # while the router's own top-k differs for most (random routing)
     assert r["counts"] == r["hf_counts"]  # the FSDP replay of the same routing measures the same
     assert r["vs_hf"] <= 1e-5 and r["replay_moves_logits"] > 1e-2, r
+    # the megatron backend's own log-prob pass (micro-batches of 2, packed rows) replays and measures the same
+    assert r["backend_counts"] == r["counts"] and r["backend_vs_hf"] <= 1e-4, r
+
+
+def _host_schedule():
+    """megatron-core's no-pipelining schedule, forward only, on the host (its own allocates on 'cuda')."""
+
+    def run(*, forward_step_func, data_iterator, model, num_microbatches, forward_only, **_) -> list[dict]:
+        assert forward_only
+        outs = []
+        for _ in range(num_microbatches):
+            output, loss = forward_step_func(data_iterator, model[0])
+            outs.append(loss(output)[2])  # (loss, token count, the dict the backend collects)
+        return outs
+
+    return run
+
+
+def _backend_log_probs(path: str, model, s, batch) -> tuple[np.ndarray, list[float]]:
+    """The megatron backend's `compute_log_probs` under R3 (its micro-batches, replay scope and log-prob
+    assembly) on `model`, with the schedule on the host; (log-probs, the replay's counts)."""
+    from miles.config_sections import AlgoConfig, ModelConfig, RolloutConfig, TrainConfig
+    from miles.trainer import megatron
+    from miles.trainer.mcore_moe import McoreRoutingReplay
+
+    megatron.get_forward_backward_func = _host_schedule
+    train = TrainConfig(micro_batch_size=2, use_rollout_routing_replay=True, use_routing_replay=True)
+    be = megatron.MegatronBackend(
+        model=ModelConfig(hf_checkpoint=path), train=train, algo=AlgoConfig(), rollout=RolloutConfig()
+    )
+    be.actor, be.shape, be.device, be.compute_dtype = model, s, torch.device("cpu"), torch.float32
+    be.tp_size, be.pp_size, be.is_last_stage = 1, 1, True
+    be.replay = McoreRoutingReplay(model, mode="rollout")
+    be.replay.begin_step()
+    return be.compute_log_probs(batch)[0], be.replay.counts.tolist()
 
 
 def _ep_step(path: str, ep: int) -> dict:
