@@ -344,3 +344,21 @@ def test_two_expert_parallel_ranks_match_one(moe_dir, ep, etp):
         # Adam's first step is about lr * sign(g): where g is near 0, fp32 rounding of g moves the update by up
         # to ~lr, so the bound is 5% of lr (measured: 1.2e-6 here; 1.2e-5 on another batch)
         assert max(step_err.values()) <= 5e-5, (rank, step_err)
+
+
+def test_checkpoint_experts_are_read_in_either_naming(moe_dir, tmp_path):
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from miles.trainer.megatron_weights import read_hf_tensors
+    from miles.utils.moe_names import split_fused_experts
+
+    fused = {n: p.detach().contiguous() for n, p in AutoModelForCausalLM.from_pretrained(moe_dir).named_parameters()}
+    save_file(fused, str(tmp_path / "model.safetensors"))  # transformers-5 names on disk
+    want = dict(split_fused_experts(fused.items()))
+    names = {n for n in want if ".layers.1.mlp." in n}
+    for path in (str(tmp_path), moe_dir):  # fused, then the per-expert checkpoint make_tiny_model wrote
+        got = read_hf_tensors(path, names)
+        assert sorted(got) == sorted(names) and all(torch.equal(got[n], want[n]) for n in names), path
+    with pytest.raises(ValueError, match="lacks"):
+        read_hf_tensors(str(tmp_path), {"model.layers.9.mlp.experts.0.up_proj.weight"})
