@@ -96,6 +96,8 @@ NUMBER_RANGES: dict[str, tuple[str, str]] = {
     "actor_num_gpus_per_node": ("[1, 1024]", "ranks per node"),
     "tensor_model_parallel_size": ("[1, 1024]", "ranks"),
     "pipeline_model_parallel_size": ("[1, 1024]", "stages"),
+    "expert_model_parallel_size": ("[1, 1024]", "ranks"),
+    "expert_tensor_parallel_size": ("[1, 1024]", "ranks"),
     "context_parallel_size": ("[1, 1024]", "ranks"),
     "rollout_num_engines": ("[0, 4096]", "engines"),
     "rollout_num_gpus_per_engine": ("[1, 1024]", "GPUs"),
