@@ -150,7 +150,7 @@ def _parallelism(cfg: MilesConfig) -> list[str]:
 
 def _expert_parallelism(world: int, pp: int, ep: int, etp: int) -> list[str]:
     """Megatron's MoE layout: expert ranks (EP x expert-TP) tile each pipeline stage's ranks; the expert count and
-    width are checked against the model once its config is read (mcore_moe_convert.check_expert_parallel)."""
+    width are checked against the model once its config is read (moe_layout.check_megatron_model)."""
     if min(ep, etp) < 1 or world % pp or (world // pp) % (ep * etp):
         return [
             f"--expert-model-parallel-size={ep} x --expert-tensor-parallel-size={etp} must divide the "

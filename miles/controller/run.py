@@ -39,7 +39,7 @@ from miles.errors import as_run_failure
 from miles.rollout.opd_teacher import TeacherScorer
 from miles.rollout.sample import Sample
 from miles.rollout.train_data import TrainBatch, samples_to_train_batch, split_by_dp
-from miles.trainer.mcore_moe_convert import check_megatron_model
+from miles.trainer.moe_layout import check_megatron_model
 from miles.utils.metrics import MetricsSink
 from miles.utils.profiling import ProfileSchedule
 from miles.utils.sysmon import SystemMonitor
@@ -156,7 +156,7 @@ class MilesRun:
         le, machine = check_start(cfg)  # --load (or --auto-resume) checkpoint read whole here, NaN refused
         check_model_path(cfg.model)  # a directory: `miles train` resolved tiny:, smollm2: and Hub ids before
         check_routing_replay_model(cfg)
-        try:  # the megatron expert layout against the model's experts (mcore_moe_convert)
+        try:  # the megatron expert layout against the model's experts (moe_layout)
             check_megatron_model(cfg.train, cfg.model.hf_checkpoint)
         except ValueError as e:
             raise PreflightError(str(e)) from None

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from miles.trainer import mcore_moe_convert as moe
+from miles.trainer.moe_layout import check_expert_parallel
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
@@ -250,7 +251,7 @@ def to_mcore(
     if s.num_kv_heads % tp_size:
         raise ValueError(f"--tensor-model-parallel-size={tp_size} must divide the model's {s.num_kv_heads} KV heads")
     if s.num_experts:
-        moe.check_expert_parallel(s.num_experts, ep_size, s.moe_ffn_hidden_size, etp_size)
+        check_expert_parallel(s.num_experts, ep_size, s.moe_ffn_hidden_size, etp_size)
         hf = moe.per_expert_view(hf)
     out = {}
     names = stage_names(s, layers, pre=pre, post=post, fused_norms=fused_norms, ep_rank=ep_rank, ep_size=ep_size)

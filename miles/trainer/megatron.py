@@ -47,8 +47,8 @@ from miles.trainer.hf_io import resolve_compute_dtype, source_dtype, write_hf_di
 from miles.trainer.lr_schedule import LRSchedule, LRScheduler
 from miles.trainer.mcore_model import build_gpt_model, packed_seq_params, response_logits, transformer_config
 from miles.trainer.mcore_moe import McoreRoutingReplay
-from miles.trainer.mcore_moe_convert import check_moe_layout
 from miles.trainer.megatron_weights import named_hf_tensors, read_hf_tensors
+from miles.trainer.moe_layout import check_moe_layout
 from miles.trainer.offload import HostOffloader, module_tensors, optimizer_tensors
 from miles.trainer.packing import plan_micro_batches
 from miles.trainer.routing_replay import replay_scope

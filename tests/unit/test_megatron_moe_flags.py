@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from miles.config import ConfigError, load_config
-from miles.trainer.mcore_moe_convert import check_moe_layout
+from miles.trainer.moe_layout import check_moe_layout
 
 BASE = {"hf_checkpoint": "m", "prompt_data": "p.jsonl", "rm_type": "math", "rollout_batch_size": 8, "num_rollout": 1}
 MEGATRON = ("--train-backend", "megatron", "--actor-num-gpus-per-node", "4")
@@ -57,7 +57,7 @@ def test_start_up_checks_the_expert_layout_against_the_model(tmp_path):
     import json
     import types
 
-    from miles.trainer.mcore_moe_convert import check_megatron_model
+    from miles.trainer.moe_layout import check_megatron_model
 
     (tmp_path / "config.json").write_text(
         json.dumps({"model_type": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 64})
