@@ -40,6 +40,7 @@ from miles.controller.runtime import Runtime
 from miles.controller.trainers import TrainerGroup
 from miles.engines.client import EngineClient
 from miles.engines.doors import new_api_key
+from miles.trainer.moe_layout import check_megatron_model
 from miles.utils.metrics import MetricsSink
 from miles.utils.timer import StartupClock
 from miles.wire.launch_env import LaunchEnv, runtime_options
@@ -54,6 +55,7 @@ async def start_run(cfg: MilesConfig) -> MilesRun:
     le, machine = check_start(cfg)  # --load (or --auto-resume) checkpoint read whole here, NaN refused
     check_model_path(cfg.model)  # a directory: `miles train` resolved tiny:, smollm2: and Hub ids before
     check_routing_replay_model(cfg)
+    check_expert_layout(cfg)
     clear_save_dir(cfg.train)  # --overwrite-save: the old run's checkpoints go before this run saves
     cfg.engine.api_key = cfg.engine.api_key or new_api_key()  # one key per run: every engine and client
     placement = plan_run(cfg, machine, le)  # the workers' settings carry the model path and the key
@@ -175,3 +177,11 @@ async def connect_weights(cfg: MilesConfig, trainers: TrainerGroup, urls: list[s
         colocated=cfg.engine.colocate,
         keep_weight_mapping=not releases_weights,
     )
+
+
+def check_expert_layout(cfg: MilesConfig) -> None:
+    """The megatron expert layout (EP, expert-TP) against the model's experts, before any worker starts."""
+    try:
+        check_megatron_model(cfg.train, cfg.model.hf_checkpoint)
+    except ValueError as e:
+        raise PreflightError(str(e)) from None

@@ -1,4 +1,4 @@
-"""HF <-> megatron-core GPTModel weights for dense Llama / Qwen2 / Qwen3 models, in plain torch.
+"""HF <-> megatron-core GPTModel weights for Llama / Qwen2 / Qwen3 and Qwen3-MoE models, in plain torch.
 
 Megatron's layout differs from HF's in three places:
 - `linear_qkv` fuses q, k and v, grouped by KV head: for each of the `num_kv_heads` groups, that
@@ -13,7 +13,8 @@ Column-parallel weights (qkv, fc1, embedding, output layer) split along rows, ro
 (linear_proj, fc2) along columns; norms are whole on every rank. The vocabulary is padded with
 zero rows to a multiple of the tensor-parallel size (`padded_vocab_size`); the export drops them.
 Everything here works on one tensor-parallel rank's shard (`to_mcore`) or on all ranks' shards of
-one tensor (`gather_shards`), so the backend and the tests use the same code.
+one tensor (`gather_shards`), so the backend and the tests use the same code. The MoE layers'
+router and experts (expert-parallel and expert-tensor-parallel shards) are in `mcore_moe_convert`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+from miles.trainer import mcore_moe_convert as moe
+from miles.trainer.moe_layout import check_expert_parallel
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +48,10 @@ class ModelShape:
     norm_eps: float
     rope_theta: float
     max_position_embeddings: int
+    num_experts: int = 0  # 0: a dense model; else every layer's MLP is an MoE layer (mcore_moe_convert)
+    moe_ffn_hidden_size: int = 0
+    moe_topk: int = 0
+    norm_topk_prob: bool = True
 
 
 def _rope_theta(cfg) -> float:
@@ -66,7 +74,7 @@ def model_shape(cfg) -> ModelShape:
     model_type = getattr(cfg, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
-            f"model_type={model_type!r}: the megatron backend converts dense {', '.join(SUPPORTED_MODEL_TYPES)} "
+            f"model_type={model_type!r}: the megatron backend converts {', '.join(SUPPORTED_MODEL_TYPES)} "
             "models; use --train-backend fsdp for this one"
         )
     if getattr(cfg, "mlp_bias", False) or (model_type == "llama" and getattr(cfg, "attention_bias", False)):
@@ -86,10 +94,11 @@ def model_shape(cfg) -> ModelShape:
         vocab_size=int(cfg.vocab_size),
         tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         qkv_bias=model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         norm_eps=float(cfg.rms_norm_eps),
         rope_theta=_rope_theta(cfg),
         max_position_embeddings=int(cfg.max_position_embeddings),
+        **(moe.moe_fields(cfg) if model_type == "qwen3_moe" else {}),
     )
 
 
@@ -152,9 +161,10 @@ def _layer_map(s: ModelShape, fused_norms: bool) -> dict[str, tuple[str, ...]]:
     m = {
         "self_attention.linear_qkv.weight": tuple(f"self_attn.{p}_proj.weight" for p in "qkv"),
         "self_attention.linear_proj.weight": ("self_attn.o_proj.weight",),
-        "mlp.linear_fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-        "mlp.linear_fc2.weight": ("mlp.down_proj.weight",),
     }
+    if not s.num_experts:  # an MoE layer's router and experts: mcore_moe_convert
+        m["mlp.linear_fc1.weight"] = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
+        m["mlp.linear_fc2.weight"] = ("mlp.down_proj.weight",)
     if fused_norms:  # Transformer Engine's LayerNormLinear holds the norm before the linear
         m["self_attention.linear_qkv.layer_norm_weight"] = ("input_layernorm.weight",)
         m["mlp.linear_fc1.layer_norm_weight"] = ("post_attention_layernorm.weight",)
@@ -170,10 +180,19 @@ def _layer_map(s: ModelShape, fused_norms: bool) -> dict[str, tuple[str, ...]]:
 
 
 def stage_names(
-    s: ModelShape, layers: range, *, pre: bool, post: bool, fused_norms: bool = False
+    s: ModelShape,
+    layers: range,
+    *,
+    pre: bool,
+    post: bool,
+    fused_norms: bool = False,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+    export: bool = False,
 ) -> list[tuple[str, tuple[str, ...]]]:
-    """(Megatron name on this stage, HF names it is made of) for every parameter of one pipeline stage,
-    in HF order (embedding, layers, final norm, head)."""
+    """(Megatron name on this stage, HF names it is made of) for every parameter of one pipeline stage
+    (and, for MoE, of expert-parallel rank `ep_rank`), in HF order (embedding, layers, final norm, head).
+    `export`: every MoE layer's experts as two stacks of all experts (what `hf_export_names` walks)."""
     out: list[tuple[str, tuple[str, ...]]] = []
     if pre:
         out.append(("embedding.word_embeddings.weight", ("model.embed_tokens.weight",)))
@@ -181,6 +200,10 @@ def stage_names(
     for local, i in enumerate(layers):
         for mname, hnames in per_layer.items():
             out.append((f"decoder.layers.{local}.{mname}", tuple(f"model.layers.{i}.{h}" for h in hnames)))
+        if s.num_experts and export:
+            out.extend(moe.moe_export_names(s.num_experts, local, i))
+        elif s.num_experts:
+            out.extend(moe.moe_layer_names(s.num_experts, local, i, ep_rank, ep_size))
     if post:
         out.append(("decoder.final_layernorm.weight", ("model.norm.weight",)))
         if not s.tied_embeddings:
@@ -191,6 +214,9 @@ def stage_names(
 
 
 def parallel_kind(mname: str) -> str:
+    expert = moe.expert_kind(mname)
+    if expert is not None:
+        return expert
     if mname.endswith("linear_qkv.weight") or mname.endswith("linear_qkv.bias"):
         return "qkv"
     if mname.endswith("linear_fc1.weight"):
@@ -215,15 +241,26 @@ def to_mcore(
     tp_rank: int = 0,
     tp_size: int = 1,
     fused_norms: bool = False,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+    etp_rank: int = 0,
+    etp_size: int = 1,
 ) -> dict[str, torch.Tensor]:
-    """This (pipeline stage, tensor-parallel rank)'s Megatron parameters from full HF tensors."""
+    """This (pipeline stage, tensor-parallel rank, expert-parallel rank, expert-TP rank)'s Megatron parameters
+    from full HF tensors (experts in either HF naming)."""
     if s.num_kv_heads % tp_size:
         raise ValueError(f"--tensor-model-parallel-size={tp_size} must divide the model's {s.num_kv_heads} KV heads")
+    if s.num_experts:
+        check_expert_parallel(s.num_experts, ep_size, s.moe_ffn_hidden_size, etp_size)
+        hf = moe.per_expert_view(hf)
     out = {}
-    for mname, hnames in stage_names(s, layers, pre=pre, post=post, fused_norms=fused_norms):
+    names = stage_names(s, layers, pre=pre, post=post, fused_norms=fused_norms, ep_rank=ep_rank, ep_size=ep_size)
+    for mname, hnames in names:
         parts = [hf[h] for h in hnames]
         kind = parallel_kind(mname)
-        if kind == "qkv":
+        if kind.startswith("expert"):
+            out[mname] = moe.expert_shard(kind, parts, etp_rank, etp_size)
+        elif kind == "qkv":
             out[mname] = _rows(fuse_qkv(*parts, s), tp_rank, tp_size)
         elif kind == "fc1":
             gate, up = parts
@@ -245,6 +282,8 @@ def gather_shards(mname: str, shards: list[torch.Tensor]) -> torch.Tensor:
     kind = parallel_kind(mname)
     if kind == "whole" or len(shards) == 1:
         return shards[0]
+    if kind.startswith("expert"):  # stacked local experts [L, rows, cols] of every expert-TP rank
+        return moe.gather_expert_tp(kind, shards)
     if kind == "fc1":
         gates, ups = zip(*(t.chunk(2, dim=0) for t in shards), strict=True)
         return torch.cat([*gates, *ups])
@@ -256,7 +295,9 @@ def to_hf(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """HF (name, tensor) pairs of one full Megatron tensor."""
     kind = parallel_kind(mname)
-    if kind == "qkv":
+    if kind.startswith("expert"):
+        yield from moe.stack_to_hf(kind, full, hnames)
+    elif kind == "qkv":
         yield from zip(hnames, split_qkv(full, s), strict=True)
     elif kind == "fc1":
         yield from zip(hnames, full.chunk(2, dim=0), strict=True)
@@ -273,7 +314,7 @@ def hf_export_names(s: ModelShape, pp_size: int, fused_norms: bool = False) -> l
     for pp_rank in range(pp_size):
         layers = stage_layers(s.num_layers, pp_size, pp_rank)
         pre, post = pp_rank == 0, pp_rank == pp_size - 1
-        for mname, hnames in stage_names(s, layers, pre=pre, post=post, fused_norms=fused_norms):
+        for mname, hnames in stage_names(s, layers, pre=pre, post=post, fused_norms=fused_norms, export=True):
             if mname == "output_layer.weight" and s.tied_embeddings:
                 continue
             out.append((pp_rank, mname, hnames))
@@ -284,6 +325,9 @@ def hf_shape(hname: str, s: ModelShape) -> tuple[int, ...]:
     """The shape of HF tensor `hname`, known on every rank without the tensor (pipeline broadcasts)."""
     h, d, f = s.hidden_size, s.head_dim, s.ffn_hidden_size
     suffix = hname.split(".", 3)[-1] if hname.startswith("model.layers.") else hname
+    expert = moe.hf_moe_shape(suffix, s.num_experts, h, s.moe_ffn_hidden_size)
+    if expert is not None:
+        return expert
     shapes = {
         "model.embed_tokens.weight": (s.vocab_size, h),
         "lm_head.weight": (s.vocab_size, h),

@@ -1,4 +1,4 @@
-"""megatron-core GPTModel for a HF dense decoder, fed packed sequences.
+"""megatron-core GPTModel for a HF decoder (dense, or Qwen3-MoE through `mcore_moe`), fed packed sequences.
 
 The layer spec is megatron-core's local one (its own ColumnParallelLinear / RowParallelLinear)
 with torch's RMSNorm (`RMSNorm`, `HeadRMSNorm`) and the core attention replaced by
@@ -36,6 +36,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from miles.trainer.mcore_convert import ModelShape, padded_vocab_size
+from miles.trainer.mcore_moe import moe_config_fields, moe_mlp_spec
 
 
 def transformer_config(
@@ -47,8 +48,11 @@ def transformer_config(
     sequence_parallel: bool,
     on_gpu: bool,
     recompute: bool,
+    ep: int = 1,
+    etp: int = 1,
 ) -> TransformerConfig:
-    """Megatron's config for the HF shape; fused kernels that need Apex / TE stay off."""
+    """Megatron's config for the HF shape (`ep` / `etp`: expert-parallel and expert-tensor-parallel sizes of
+    an MoE model); fused kernels that need Apex / TE stay off."""
     return TransformerConfig(
         num_layers=s.num_layers,
         hidden_size=s.hidden_size,
@@ -74,7 +78,7 @@ def transformer_config(
         bf16=False,
         fp16=False,
         variable_seq_lengths=True,  # packed micro-batches differ in length; stages exchange shapes
-        moe_token_dispatcher_type="alltoall",  # dense models: only the check of variable lengths reads it
+        moe_token_dispatcher_type="alltoall",  # the only dispatcher for variable lengths; dense: only checked
         calculate_per_token_loss=True,  # losses arrive divided by step-wide denominators: no 1/num_microbatches
         use_cpu_initialization=not on_gpu,
         perform_initialization=False,  # every weight is loaded from the HF checkpoint
@@ -87,6 +91,7 @@ def transformer_config(
         recompute_granularity="full" if recompute else None,
         recompute_method="uniform" if recompute else None,
         recompute_num_layers=1 if recompute else None,
+        **moe_config_fields(s, ep=ep, etp=etp),
     )
 
 
@@ -282,6 +287,8 @@ def block_spec(s: ModelShape, num_stage_layers: int) -> TransformerBlockSubmodul
     attn.core_attention = ModuleSpec(module=PackedCoreAttention, params={"rope_theta": s.rope_theta})
     if s.qk_norm:
         attn.q_layernorm = attn.k_layernorm = HeadRMSNorm
+    if s.num_experts:
+        layer.submodules.mlp = moe_mlp_spec(s.norm_topk_prob)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_stage_layers, layer_norm=RMSNorm)
 
 

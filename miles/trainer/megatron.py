@@ -4,7 +4,8 @@ The trainer world of `--actor-num-nodes x --actor-num-gpus-per-node` ranks is sp
 `parallel_state` into TP x PP x DP (`--tensor-model-parallel-size`, `--pipeline-model-parallel-size`;
 DP is what is left). The controller gives every rank of one data-parallel replica the same shard.
 The model is megatron-core's GPTModel built from the HF config (`mcore_model`), its weights converted
-from the HF checkpoint (`mcore_convert`), wrapped in megatron-core's DistributedDataParallel and
+from the HF checkpoint (`mcore_convert`; Qwen3-MoE with megatron-core's MoE layers, expert parallelism and
+routing replay: `mcore_moe`), wrapped in megatron-core's DistributedDataParallel and
 trained by its distributed optimizer (Adam states sharded over DP). Parameters stay fp32, the
 checkpoint's values, and `--dtype` is the compute dtype (autocast), as in the FSDP backend: bf16
 parameters would round every weight at load and hide updates smaller than half a bf16 step from
@@ -45,8 +46,12 @@ from miles.trainer.forward import log_probs_and_entropy, token_index
 from miles.trainer.hf_io import resolve_compute_dtype, source_dtype, write_hf_dir
 from miles.trainer.lr_schedule import LRSchedule, LRScheduler
 from miles.trainer.mcore_model import build_gpt_model, packed_seq_params, response_logits, transformer_config
+from miles.trainer.mcore_moe import McoreRoutingReplay
+from miles.trainer.megatron_weights import named_hf_tensors, read_hf_tensors
+from miles.trainer.moe_layout import check_moe_layout
 from miles.trainer.offload import HostOffloader, module_tensors, optimizer_tensors
 from miles.trainer.packing import plan_micro_batches
+from miles.trainer.routing_replay import replay_scope
 from miles.trainer.train_loop import run_rl_step
 
 logger = logging.getLogger(__name__)
@@ -63,6 +68,7 @@ class MicroBatch:
     seq_params: object  # PackedSeqParams
     logits_index: torch.Tensor  # positions predicting a response token, TrainBatch order
     targets: torch.Tensor  # those response tokens
+    sub: TrainBatch | None = None  # the samples themselves (routing replay reads their routed experts)
 
 
 def pack_thd(batch: TrainBatch, idx: list[int], device: torch.device, multiple_of: int = 1) -> MicroBatch:
@@ -85,29 +91,8 @@ def pack_thd(batch: TrainBatch, idx: list[int], device: torch.device, multiple_o
         seq_params=packed_seq_params(lens, device),
         logits_index=torch.from_numpy(logits_index).to(device),
         targets=torch.from_numpy(tokens[logits_index + 1]).to(device),
+        sub=sub,
     )
-
-
-def read_hf_tensors(path: str, names: set[str]) -> dict[str, torch.Tensor]:
-    """The named tensors of a HF safetensors directory (one file or an index of shards)."""
-    import json
-
-    from safetensors import safe_open
-
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            where = json.load(f)["weight_map"]
-    else:
-        where = dict.fromkeys(names, "model.safetensors")
-    missing = sorted(n for n in names if n not in where)
-    if missing:
-        raise ValueError(f"{path}: the checkpoint lacks {missing[:3]} ({len(missing)} tensors)")
-    out: dict[str, torch.Tensor] = {}
-    for file in sorted({where[n] for n in names}):
-        with safe_open(os.path.join(path, file), framework="pt", device="cpu") as f:
-            out.update({n: f.get_tensor(n) for n in names if where[n] == file})
-    return out
 
 
 def _finalize_grads(model: list[torch.nn.Module], num_tokens=None, **kw) -> None:
@@ -128,6 +113,7 @@ class MegatronBackend:
         self.optimizer = None
         self.scheduler: LRScheduler | None = None
         self.ref: torch.nn.Module | None = None
+        self.replay: McoreRoutingReplay | None = None
         self._offloaders: dict[str, HostOffloader] = {}
 
     # ---- setup ------------------------------------------------------------------------------------
@@ -144,10 +130,13 @@ class MegatronBackend:
         if not (dist.is_initialized() and torch.cuda.is_available() and dist.get_backend() == "nccl"):
             raise RuntimeError("--train-backend megatron needs CUDA GPUs and an NCCL process group; use fsdp on CPU")
         tp, pp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size
+        ep, etp = t.expert_model_parallel_size, t.expert_tensor_parallel_size
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
             context_parallel_size=t.context_parallel_size,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp,
         )
         tensor_parallel.model_parallel_cuda_manual_seed(t.seed)
         torch.manual_seed(t.seed)
@@ -165,6 +154,7 @@ class MegatronBackend:
             self.model_cfg.hf_checkpoint, trust_remote_code=self.model_cfg.trust_remote_code
         )
         self.shape = mc.model_shape(self.hf_config)
+        check_moe_layout(self.shape.num_experts, tp=tp, sequence_parallel=t.sequence_parallel, ep=ep, etp=etp)
         self.layers = mc.stage_layers(self.shape.num_layers, pp, self.pp_rank)
         self.compute_dtype = resolve_compute_dtype(self.model_cfg.dtype, "cuda")
         self.config = transformer_config(
@@ -175,26 +165,35 @@ class MegatronBackend:
             sequence_parallel=t.sequence_parallel,
             on_gpu=True,
             recompute=t.gradient_checkpointing,
+            ep=ep,
+            etp=etp,
         )
         self.actor, self.optimizer, self.scheduler = self._build_trainable(self.model_cfg.hf_checkpoint)
+        if t.use_routing_replay:  # --use-(rollout-)routing-replay: the actor's routers replay (mcore_moe.py)
+            mode = "rollout" if t.use_rollout_routing_replay else "self"
+            self.replay = McoreRoutingReplay(self.actor.module, mode=mode)
         if self.algo.use_kl_loss or self.algo.kl_coef != 0.0:
             self.ref = self._build_model(self.model_cfg.ref_load or self.model_cfg.hf_checkpoint).eval()
             self.ref.requires_grad_(False)
         logger.info(
-            "megatron backend ready: tp=%d pp=%d dp=%d sp=%s compute=%s layers %d-%d on this stage, ref=%s",
-            tp, pp, self.dp_size, t.sequence_parallel, self.compute_dtype,
+            "megatron backend ready: tp=%d pp=%d dp=%d ep=%d etp=%d sp=%s compute=%s layers %d-%d here, ref=%s",
+            tp, pp, self.dp_size, ep, etp, t.sequence_parallel, self.compute_dtype,
             self.layers.start, self.layers.stop - 1, self.ref is not None,
         )  # fmt: skip
 
     def _build_model(self, path: str) -> torch.nn.Module:
         pre, post = self.pp_rank == 0, self.is_last_stage
         model = build_gpt_model(self.shape, self.config, num_stage_layers=len(self.layers), pre=pre, post=post)
-        names = mc.stage_names(self.shape, self.layers, pre=pre, post=post)
+        t, ps = self.train_cfg, parallel_state
+        ranks = dict(
+            tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=self.tp_size,
+            ep_rank=ps.get_expert_model_parallel_rank(), ep_size=t.expert_model_parallel_size,
+            etp_rank=ps.get_expert_tensor_parallel_rank(), etp_size=t.expert_tensor_parallel_size,
+        )  # fmt: skip
+        names = mc.stage_names(self.shape, self.layers, pre=pre, post=post, ep_rank=ranks["ep_rank"],
+                               ep_size=ranks["ep_size"])  # fmt: skip
         hf = read_hf_tensors(path, {h for _, hnames in names for h in hnames})
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        weights = mc.to_mcore(
-            hf, self.shape, layers=self.layers, pre=pre, post=post, tp_rank=tp_rank, tp_size=self.tp_size
-        )
+        weights = mc.to_mcore(hf, self.shape, layers=self.layers, pre=pre, post=post, **ranks)
         missing, unexpected = model.load_state_dict(weights, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
@@ -242,17 +241,21 @@ class MegatronBackend:
         return [pack_thd(batch, idx, self.device, multiple) for idx in plan]
 
     def _run_schedule(
-        self, model: torch.nn.Module, mbs: list[MicroBatch], loss: Callable, *, forward_only: bool
+        self, model: torch.nn.Module, mbs: list[MicroBatch], loss: Callable, *, forward_only: bool, replay=None
     ) -> list[dict]:
         """megatron-core's forward(/backward) over `mbs`; the per-micro-batch dicts `loss` returned
-        (on the last stage; [] elsewhere)."""
+        (on the last stage; [] elsewhere). `replay`: the routing replay of the actor's forward, in the step's
+        first pass when `forward_only` (the old log-prob pass)."""
         vocab = self.shape.vocab_size
 
         autocast = self.compute_dtype != torch.float32
 
         def forward_step(data_iterator, chunk):
             mb = next(data_iterator)
-            with torch.autocast("cuda", dtype=self.compute_dtype, enabled=autocast):
+            with (
+                replay_scope(replay, mb.sub, "row", first_pass=forward_only),
+                torch.autocast("cuda", dtype=self.compute_dtype, enabled=autocast),
+            ):
                 out = chunk(
                     mb.input_ids,
                     mb.position_ids,
@@ -299,8 +302,11 @@ class MegatronBackend:
 
         was_training = model.training
         model.eval()
+        replay = self.replay if which == "actor" else None
         with torch.no_grad(), self._onloaded(which):
-            outs = self._run_schedule(model, self._micro_batches(batch), loss, forward_only=True)
+            outs = self._run_schedule(model, self._micro_batches(batch), loss, forward_only=True, replay=replay)
+        if replay is not None:
+            replay.end_pass(first_pass=True)
         model.train(was_training)
         n_tok = int(batch.response_lengths.sum())
         log_probs, entropy = np.zeros(n_tok, np.float32), np.zeros(n_tok, np.float32)
@@ -325,7 +331,11 @@ class MegatronBackend:
 
     # ---- training ---------------------------------------------------------------------------------
     def train(self, batch: TrainBatch, rollout_id: int) -> dict[str, float]:
-        return run_rl_step(self, batch, rollout_id)
+        if self.replay is None:
+            return run_rl_step(self, batch, rollout_id)
+        self.replay.begin_step()
+        metrics = run_rl_step(self, batch, rollout_id)
+        return {**metrics, **self.replay.metrics(self.device, self.dp_group)}
 
     def forward_backward(
         self, step_batch: TrainBatch, loss_fn: MicroBatchLoss, *, critic: bool, entropy: str
@@ -340,7 +350,10 @@ class MegatronBackend:
             value, parts = loss_fn(mb.idx, lp, ent)
             return value, one, {k: float(v.detach()) for k, v in parts.items()}
 
-        outs = self._run_schedule(self.actor, self._micro_batches(step_batch), loss, forward_only=False)
+        mbs = self._micro_batches(step_batch)
+        outs = self._run_schedule(self.actor, mbs, loss, forward_only=False, replay=self.replay)
+        if self.replay is not None:
+            self.replay.end_pass(first_pass=True)  # a fused old-log-prob step measured here
         sums: dict[str, float] = {}
         for parts in outs:
             for k, v in parts.items():
@@ -368,29 +381,8 @@ class MegatronBackend:
 
     # ---- weights out --------------------------------------------------------------------------------
     def named_hf_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        params = dict(self.actor.module.named_parameters())
-        for stage, mname, hnames in mc.hf_export_names(self.shape, self.pp_size):
-            if stage == self.pp_rank:
-                full = self._gather_tp(mname, params[mname].detach())
-                pairs = mc.to_hf(mname, full, hnames, self.shape)
-                tensors = [(t.to(dtype) if dtype is not None else t).contiguous() for _, t in pairs]
-            else:  # filled by the owning stage's broadcast below
-                out_dtype = dtype or torch.float32
-                tensors = [
-                    torch.empty(mc.hf_shape(h, self.shape), dtype=out_dtype, device=self.device) for h in hnames
-                ]
-            if self.pp_size > 1:
-                owner = dist.get_global_rank(self.pp_group, stage)
-                for t in tensors:
-                    dist.broadcast(t, src=owner, group=self.pp_group)
-            yield from zip(hnames, tensors, strict=True)
-
-    def _gather_tp(self, mname: str, shard: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1 or mc.parallel_kind(mname) == "whole":
-            return shard
-        parts = [torch.empty_like(shard) for _ in range(self.tp_size)]
-        dist.all_gather(parts, shard.contiguous(), group=self.tp_group)
-        return mc.gather_shards(mname, parts)
+        """Every HF tensor, full, the same stream on every rank (megatron_weights.named_hf_tensors)."""
+        return named_hf_tensors(self.actor.module, self.shape, self.device, dtype)
 
     def export_hf(self, path: str) -> None:
         dtype = source_dtype(self.model_cfg.hf_checkpoint)

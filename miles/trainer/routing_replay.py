@@ -1,4 +1,4 @@
-"""Routing replay in the FSDP trainer's forward: `--use-rollout-routing-replay` (R3) and `--use-routing-replay`.
+"""Routing replay in the trainer's forward (FSDP here; megatron: mcore_moe.py): `--use-rollout-routing-replay` (R3) and `--use-routing-replay`.
 
 An MoE router picks each token's top-k experts; the engine that sampled a token and the trainer that
 scores it compute the router logits with different kernels, so near ties resolve differently and the
@@ -49,9 +49,15 @@ class RoutingReplay:
     MODES = ("rollout", "self", "measure")  # R3 | --use-routing-replay | no replay, mismatch measured only
 
     def __init__(self, model: nn.Module, *, mode: str) -> None:
+        self._init_state(moe_routers(model), mode)
+        for layer, router in enumerate(self.routers):
+            router.forward = types.MethodType(_replaying_forward(self, layer), router)
+
+    def _init_state(self, routers: list[nn.Module], mode: str) -> None:
+        """What every forward reads and fills; `routers` in layer order (each has `num_experts` and `weight`)."""
         if mode not in self.MODES:
             raise ValueError(f"routing replay mode {mode!r} is not one of {self.MODES}")
-        self.routers = moe_routers(model)
+        self.routers = routers
         if not self.routers:
             raise ValueError("routing replay: the model has no MoE routers (a dense model); drop the flag")
         self.mode = mode
@@ -61,8 +67,6 @@ class RoutingReplay:
         self.recorded: dict[int, np.ndarray] = {}  # --use-routing-replay: sample_index -> [seq_len - 1, layers, k]
         self.counts = np.zeros(3, np.float64)  # tokens compared, used-routing mismatches, own top-k mismatches
         self.measured = False
-        for layer, router in enumerate(self.routers):
-            router.forward = types.MethodType(_replaying_forward(self, layer), router)
 
     def begin_step(self) -> None:
         self.recorded.clear()

@@ -90,7 +90,10 @@ def test_each_unimplemented_flag_is_refused_by_name(name: str) -> None:
         (["--train-backend", "megatron", "--sequence-parallel"], ["--sequence-parallel", "> 1"]),
         (["--train-backend", "megatron", "--advantage-estimator", "ppo"], ["ppo", "--train-backend fsdp"]),
         (["--use-wandb"], ["--use-wandb", "--wandb-project"]),
-        (["--train-backend", "megatron", "--use-rollout-routing-replay"], ["--use-rollout-routing-replay", "fsdp"]),
+        (
+            ["--train-backend", "megatron", "--use-rollout-routing-replay", "--gradient-checkpointing"],
+            ["--use-rollout-routing-replay", "--gradient-checkpointing"],
+        ),
         (["--use-routing-replay", "--use-rollout-logprobs"], ["--use-routing-replay", "--use-rollout-logprobs"]),
         (["--use-rollout-routing-replay", "--true-on-policy-mode"], ["--true-on-policy-mode"]),
         (["--update-weights-interval", "0"], ["--update-weights-interval=0"]),

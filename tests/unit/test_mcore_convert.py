@@ -62,10 +62,12 @@ def test_vocab_is_padded_to_a_multiple_of_tp():
 
 
 def test_unsupported_configs_are_refused():
-    from transformers import LlamaConfig, Qwen3MoeConfig
+    from transformers import LlamaConfig, MixtralConfig, Qwen3MoeConfig
 
-    with pytest.raises(ValueError, match="model_type='qwen3_moe'"):
-        mc.model_shape(Qwen3MoeConfig())
+    with pytest.raises(ValueError, match="model_type='mixtral'"):
+        mc.model_shape(MixtralConfig())
+    with pytest.raises(ValueError, match="mlp_only_layers"):
+        mc.model_shape(Qwen3MoeConfig(mlp_only_layers=[0]))
     with pytest.raises(ValueError, match="rope type 'llama3'"):
         mc.model_shape(
             LlamaConfig(

@@ -12,6 +12,7 @@ def check_parallelism(cfg: MilesConfig) -> list[str]:
     """Megatron's model-parallel flags: only under --train-backend megatron, and only what it runs."""
     t, a = cfg.train, cfg.algo
     tp, pp, cp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size, t.context_parallel_size
+    ep, etp = t.expert_model_parallel_size, t.expert_tensor_parallel_size
     if t.train_backend != "megatron":
         set_flags = [
             f
@@ -20,6 +21,8 @@ def check_parallelism(cfg: MilesConfig) -> list[str]:
                 ("--pipeline-model-parallel-size", pp != 1),
                 ("--context-parallel-size", cp != 1),
                 ("--sequence-parallel", t.sequence_parallel),
+                ("--expert-model-parallel-size", ep != 1),
+                ("--expert-tensor-parallel-size", etp != 1),
             )
             if on
         ]
@@ -38,6 +41,7 @@ def check_parallelism(cfg: MilesConfig) -> list[str]:
             f"must divide the {cfg.trainer_world_size} trainer GPUs (--actor-num-nodes x --actor-num-gpus-per-node); "
             "change one of them"
         )
+    e += _expert_parallelism(cfg.trainer_world_size, pp, ep, etp)
     if cp != 1:
         e.append(
             f"--context-parallel-size={cp}: context parallelism needs Transformer Engine's attention, which the "
@@ -58,3 +62,14 @@ def check_parallelism(cfg: MilesConfig) -> list[str]:
     if t.compile:
         e.append("--compile compiles the HF model's blocks, which the megatron backend does not train; drop it")
     return e
+
+
+def _expert_parallelism(world: int, pp: int, ep: int, etp: int) -> list[str]:
+    """Megatron's MoE layout: expert ranks (EP x expert-TP) tile each pipeline stage's ranks; the expert count and
+    width are checked against the model once its config is read (moe_layout.check_megatron_model)."""
+    if min(ep, etp) < 1 or world % pp or (world // pp) % (ep * etp):
+        return [
+            f"--expert-model-parallel-size={ep} x --expert-tensor-parallel-size={etp} must divide the "
+            f"{world // max(pp, 1)} trainer GPUs of each pipeline stage; change one of them"
+        ]
+    return []

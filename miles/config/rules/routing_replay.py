@@ -15,8 +15,16 @@ def check_routing_replay(cfg: MilesConfig) -> list[str]:
         return []
     why = "--use-rollout-routing-replay" if t.use_rollout_routing_replay else "--use-routing-replay"
     e = []
-    if t.train_backend != "fsdp":
-        e.append(f"{why} replays routing in the FSDP trainer's forward; use --train-backend fsdp")
+    if t.train_backend == "megatron":
+        e += [
+            f"{why} with {flag}: {reason}; drop one"
+            for flag, on, reason in (
+                ("--pipeline-model-parallel-size > 1", t.pipeline_model_parallel_size > 1, "replay needs every layer"),
+                ("--tensor-model-parallel-size > 1", t.tensor_model_parallel_size > 1, "routers see a sequence shard"),
+                ("--gradient-checkpointing", t.gradient_checkpointing, "a recomputed router would not replay"),
+            )
+            if on
+        ]
     if t.true_on_policy_mode:
         e.append(f"{why} with --true-on-policy-mode: the reference forward routes by itself; drop one")
     if not t.use_rollout_routing_replay and cfg.algo.use_rollout_logprobs:

@@ -56,12 +56,12 @@ class TrainConfig:
     use_routing_replay: bool = option(
         False,
         "MoE: the training passes replay the experts the trainer's own router chose in its first (old log-prob) "
-        "forward of the step, so the policy ratio compares the same experts (FSDP)",
+        "forward of the step, so the policy ratio compares the same experts",
     )
     use_rollout_routing_replay: bool = option(
         False,
         "MoE (R3): the engines return the experts they routed every token to, and the trainer's forward uses "
-        "them in place of its router's top-k (weights still from its router); implies --use-routing-replay (FSDP)",
+        "them in place of its router's top-k (weights still from its router); implies --use-routing-replay",
     )
     actor_num_nodes: int = option(1, "trainer nodes", range="[1, 4096]", unit="nodes")
     actor_num_gpus_per_node: int = option(
@@ -75,6 +75,19 @@ class TrainConfig:
     )
     pipeline_model_parallel_size: int = option(
         1, "megatron: pipeline stages (divides the layers)", range="[1, 1024]", unit="stages"
+    )
+    expert_model_parallel_size: int = option(
+        1,
+        "megatron, MoE: expert-parallel size (divides the expert count and the trainer GPUs / PP); each rank holds "
+        "experts / EP of every MoE layer, tokens reach them through an all-to-all",
+        range="[1, 1024]",
+        unit="ranks",
+    )
+    expert_tensor_parallel_size: int = option(
+        1,
+        "megatron, MoE: tensor-parallel size of each expert's MLP (divides moe_intermediate_size)",
+        range="[1, 1024]",
+        unit="ranks",
     )
     context_parallel_size: int = option(
         1,
