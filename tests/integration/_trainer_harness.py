@@ -1,7 +1,13 @@
 """Helpers for the trainer integration tests: a tiny HF model, batches, and 2-rank gloo jobs.
 
-Rank functions run in processes spawned by torch.multiprocessing and report through files in a
+Rank functions run in fresh processes started by torch.multiprocessing and report through files in a
 result directory (torch.save of plain tensors), so the test process holds no process group.
+
+The rank processes fork from one server process per test session that has imported torch, transformers
+and the FSDP backend once (`forkserver` with a preload list): a spawned rank spent seconds of CPU on
+those imports before its first line of work, and the suite starts dozens. Each rank is still a new
+process that has run no test code and holds no state of an earlier rank; it gets the test process's
+current environment, working directory and `sys.path`, as a spawned one does.
 """
 
 from __future__ import annotations
@@ -84,7 +90,26 @@ def configs(model_dir: str, *, algo: dict | None = None, train: dict | None = No
     )
 
 
-def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple) -> None:
+# What every rank imports before its first line of work; the fork server imports it once. Nothing here
+# may start a thread or touch a device at import (a fork copies only the calling thread).
+PRELOAD = (
+    "numpy",
+    "torch",
+    "torch.distributed",
+    "torch.distributed.fsdp",
+    "transformers",
+    "transformers.models.qwen2.modeling_qwen2",
+    "safetensors.torch",
+    "pytest",
+    "miles.config_sections",
+    "miles.rollout.train_data",
+    "miles.trainer.fsdp",
+)
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, env: dict[str, str]) -> None:
+    os.environ.clear()  # the test process's environment now, not the fork server's from its start
+    os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -101,8 +126,15 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple) -> None:
 
 
 def run_ranks(fn: Callable, world: int, *args) -> None:
-    """Run fn(rank, world, *args) in `world` spawned gloo ranks; raises if any rank fails."""
-    mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True, start_method="spawn")
+    """Run fn(rank, world, *args) in `world` new gloo rank processes; raises if any rank fails."""
+    mp.get_context("forkserver").set_forkserver_preload(list(PRELOAD))  # read when the server first starts
+    mp.start_processes(
+        _entry,
+        args=(world, free_port(), fn, args, dict(os.environ)),
+        nprocs=world,
+        join=True,
+        start_method="forkserver",
+    )
 
 
 def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
