@@ -107,9 +107,22 @@ PRELOAD = (
 )
 
 
-def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, env: dict[str, str]) -> None:
+def _fresh(rank: int, fn: Callable, env: dict[str, str], args: tuple) -> None:
     os.environ.clear()  # the test process's environment now, not the fork server's from its start
     os.environ.update(env)
+    fn(rank, *args)
+
+
+def start_ranks(fn: Callable, args: tuple, nprocs: int, *, join: bool = True):
+    """`torch.multiprocessing.start_processes(fn, args, nprocs, join)` with each process forked from the
+    preloaded server (module docstring); with join=False, the context to join."""
+    mp.get_context("forkserver").set_forkserver_preload(list(PRELOAD))  # read when the server first starts
+    return mp.start_processes(
+        _fresh, args=(fn, dict(os.environ), args), nprocs=nprocs, join=join, start_method="forkserver"
+    )
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -127,14 +140,7 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, env: dic
 
 def run_ranks(fn: Callable, world: int, *args) -> None:
     """Run fn(rank, world, *args) in `world` new gloo rank processes; raises if any rank fails."""
-    mp.get_context("forkserver").set_forkserver_preload(list(PRELOAD))  # read when the server first starts
-    mp.start_processes(
-        _entry,
-        args=(world, free_port(), fn, args, dict(os.environ)),
-        nprocs=world,
-        join=True,
-        start_method="forkserver",
-    )
+    start_ranks(_entry, (world, free_port(), fn, args), world)
 
 
 def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
