@@ -3,9 +3,9 @@
 Rank functions run in fresh processes started by torch.multiprocessing and report through files in a
 result directory (torch.save of plain tensors), so the test process holds no process group.
 
-The rank processes fork from one server process per test session that has imported torch, transformers
-and the FSDP backend once (`forkserver` with a preload list): a spawned rank spent seconds of CPU on
-those imports before its first line of work, and the suite starts dozens. Each rank is still a new
+The rank processes fork from multiprocessing's fork server, which imports torch, transformers and the
+FSDP backend once a test session (the preload list in tests/conftest.py): a spawned rank spent seconds of
+CPU on those imports before its first line of work, and the suite starts dozens. Each rank is still a new
 process that has run no test code and holds no state of an earlier rank; it gets the test process's
 current environment, working directory and `sys.path`, as a spawned one does.
 """
@@ -90,23 +90,6 @@ def configs(model_dir: str, *, algo: dict | None = None, train: dict | None = No
     )
 
 
-# What every rank imports before its first line of work; the fork server imports it once. Nothing here
-# may start a thread or touch a device at import (a fork copies only the calling thread).
-PRELOAD = (
-    "numpy",
-    "torch",
-    "torch.distributed",
-    "torch.distributed.fsdp",
-    "transformers",
-    "transformers.models.qwen2.modeling_qwen2",
-    "safetensors.torch",
-    "pytest",
-    "miles.config_sections",
-    "miles.rollout.train_data",
-    "miles.trainer.fsdp",
-)
-
-
 def _fresh(rank: int, fn: Callable, env: dict[str, str], args: tuple) -> None:
     os.environ.clear()  # the test process's environment now, not the fork server's from its start
     os.environ.update(env)
@@ -115,8 +98,7 @@ def _fresh(rank: int, fn: Callable, env: dict[str, str], args: tuple) -> None:
 
 def start_ranks(fn: Callable, args: tuple, nprocs: int, *, join: bool = True):
     """`torch.multiprocessing.start_processes(fn, args, nprocs, join)` with each process forked from the
-    preloaded server (module docstring); with join=False, the context to join."""
-    mp.get_context("forkserver").set_forkserver_preload(list(PRELOAD))  # read when the server first starts
+    fork server (module docstring); with join=False, the context to join."""
     return mp.start_processes(
         _fresh, args=(fn, dict(os.environ), args), nprocs=nprocs, join=join, start_method="forkserver"
     )
