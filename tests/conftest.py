@@ -6,6 +6,7 @@ contract and gpu tests alike.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import shutil
 import subprocess
@@ -18,6 +19,27 @@ import pytest
 TESTS = Path(__file__).resolve().parent
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
+
+# What the processes the tests start through multiprocessing's fork server (trainer ranks in
+# integration/_trainer_harness.py, fake engines of miles.testing.fake_engine) import before their first
+# line of work. The server imports it once a session, when first asked for a process; each process forks
+# from it instead of importing torch and transformers again (seconds of CPU each, and the suite starts
+# dozens). Nothing here may start a Python thread or touch a device at import: a fork copies only the
+# calling thread. A name that does not import is skipped.
+FORK_SERVER_PRELOAD = [
+    "numpy",
+    "torch",
+    "torch.distributed",
+    "torch.distributed.fsdp",
+    "transformers",
+    "transformers.models.qwen2.modeling_qwen2",
+    "safetensors.torch",
+    "aiohttp",
+    "pytest",
+    "miles.trainer.fsdp",
+    "miles.testing.fake_engine",
+]
+multiprocessing.set_forkserver_preload(FORK_SERVER_PRELOAD)
 
 
 @pytest.fixture(scope="session")

@@ -166,8 +166,12 @@ def spawn_engines(
     std: float = 1.0,
     ready_timeout_s: float = 180.0,
 ) -> list[EngineProcess]:
-    """Start `count` fake engines at once (engine i seeded with seeds[i], default i + 1) and wait until all answer."""
-    ctx = mp.get_context("spawn")
+    """Start `count` fake engines at once (engine i seeded with seeds[i], default i + 1) and wait until all answer.
+
+    A CPU engine is a new process forked from multiprocessing's fork server: where the server preloads this
+    module (the test suite does), it starts without importing torch again. A CUDA engine is spawned: a fork
+    server that ever touched the driver would hand its children a CUDA they cannot initialise."""
+    ctx = mp.get_context("forkserver" if device == "cpu" else "spawn")
     handles = []
     for i in range(count):
         port = free_port()

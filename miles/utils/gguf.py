@@ -9,9 +9,13 @@ loader, the trainer and the embedded engine included, reads like a normal checkp
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import json
 import logging
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -43,14 +47,44 @@ def convert_gguf(src: str | Path, out_dir: str | Path, dtype: str = "bfloat16") 
 
     out = Path(out_dir)
     logger.info("dequantizing %s (%.1f MB) to %s", path, path.stat().st_size / 2**20, dtype)
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype))
+    with _parse_once():
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype)
+        )
     _drop_quantizer(model)
     model.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
     _check_written(out)
     logger.info("wrote %s (%s, %.1fM params)", out, type(model).__name__, model.num_parameters() / 1e6)
     return out
+
+
+@contextlib.contextmanager
+def _parse_once() -> Iterator[None]:
+    """Within the block, one `gguf.GGUFReader` per file and one tensor-name table per (arch, layers).
+
+    transformers parses the whole file (metadata, a vocabulary of 49K strings for SmolLM2) for the config,
+    again for the tokenizer and again for the weights, and rebuilds gguf's tensor-name table for every
+    module of the model (397 times for SmolLM2): most of a conversion's time. Both are read-only once built,
+    and transformers imports both names from `gguf` when it calls them, so sharing them here changes
+    nothing it reads. The originals are back when the block ends."""
+    import gguf
+
+    reader_cls, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], object] = {}
+
+    def reader(path: str | os.PathLike, mode: str = "r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = reader_cls(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.cache(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader_cls, name_map
 
 
 def _drop_quantizer(model) -> None:

@@ -1,7 +1,13 @@
 """Helpers for the trainer integration tests: a tiny HF model, batches, and 2-rank gloo jobs.
 
-Rank functions run in processes spawned by torch.multiprocessing and report through files in a
+Rank functions run in fresh processes started by torch.multiprocessing and report through files in a
 result directory (torch.save of plain tensors), so the test process holds no process group.
+
+The rank processes fork from multiprocessing's fork server, which imports torch, transformers and the
+FSDP backend once a test session (the preload list in tests/conftest.py): a spawned rank spent seconds of
+CPU on those imports before its first line of work, and the suite starts dozens. Each rank is still a new
+process that has run no test code and holds no state of an earlier rank; it gets the test process's
+current environment, working directory and `sys.path`, as a spawned one does.
 """
 
 from __future__ import annotations
@@ -84,6 +90,20 @@ def configs(model_dir: str, *, algo: dict | None = None, train: dict | None = No
     )
 
 
+def _fresh(rank: int, fn: Callable, env: dict[str, str], args: tuple) -> None:
+    os.environ.clear()  # the test process's environment now, not the fork server's from its start
+    os.environ.update(env)
+    fn(rank, *args)
+
+
+def start_ranks(fn: Callable, args: tuple, nprocs: int, *, join: bool = True):
+    """`torch.multiprocessing.start_processes(fn, args, nprocs, join)` with each process forked from the
+    fork server (module docstring); with join=False, the context to join."""
+    return mp.start_processes(
+        _fresh, args=(fn, dict(os.environ), args), nprocs=nprocs, join=join, start_method="forkserver"
+    )
+
+
 def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -101,8 +121,8 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple) -> None:
 
 
 def run_ranks(fn: Callable, world: int, *args) -> None:
-    """Run fn(rank, world, *args) in `world` spawned gloo ranks; raises if any rank fails."""
-    mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True, start_method="spawn")
+    """Run fn(rank, world, *args) in `world` new gloo rank processes; raises if any rank fails."""
+    start_ranks(_entry, (world, free_port(), fn, args), world)
 
 
 def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:

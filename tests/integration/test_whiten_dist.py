@@ -9,7 +9,8 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from _trainer_harness import start_ranks  # isort: skip
 
 # Rank 0 holds two samples, rank 1 three (one fully masked, one zero-length): the ranks' local
 # statistics differ a lot from the global ones, so a missing all-reduce cannot pass.
@@ -60,7 +61,7 @@ def _split(values, lengths):
 
 
 def test_whitening_statistics_span_both_ranks(tmp_path):
-    ctx = mp.spawn(_worker, args=(2, str(tmp_path / "rdzv"), str(tmp_path)), nprocs=2, join=False)
+    ctx = start_ranks(_worker, (2, str(tmp_path / "rdzv"), str(tmp_path)), 2, join=False)
     deadline = time.monotonic() + JOIN_TIMEOUT_S
     try:
         while not ctx.join(timeout=1.0):

@@ -165,14 +165,16 @@ def test_greedy_rows_take_the_first_argmax_across_chunks():
 
 @needs_kernels
 def test_sampled_token_frequencies_match_the_distribution():
+    """Uniforms spread evenly over [0, 1) (in shuffled row order): each token's share of the rows is its
+    probability to within one row, 1/n. 1500 random uniforms bound it only to 5 sigma (0.028 to 0.065) and
+    cost the interpreter six times as many row programs."""
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    n = 1500
+    n = 256
     logits = probs.log()[None].expand(n, -1).contiguous().to(DEVICE)
-    u = torch.rand(n, generator=_gen(4)).to(DEVICE)
+    u = ((torch.arange(n, dtype=torch.float32) + 0.5) / n)[torch.randperm(n, generator=_gen(4))].to(DEVICE)
     tokens, lps = triton_ops.sample_rows(logits, torch.ones(n, device=DEVICE), u, torch.zeros(n, device=DEVICE))
     counts = torch.bincount(tokens.cpu(), minlength=4).double() / n
-    sigma = (probs.double() * (1 - probs.double()) / n).sqrt()
-    assert torch.all((counts - probs.double()).abs() <= 5 * sigma), counts
+    assert torch.all((counts - probs.double()).abs() <= 1 / n + 1e-9), counts
     torch.testing.assert_close(lps.cpu(), probs.log()[tokens.cpu()], rtol=1e-5, atol=1e-6)
 
 
