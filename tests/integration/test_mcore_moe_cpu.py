@@ -264,7 +264,7 @@ def _host_schedule():
 def _backend_log_probs(path: str, model, s, batch) -> tuple[np.ndarray, list[float]]:
     """The megatron backend's `compute_log_probs` under R3 (its micro-batches, replay scope and log-prob
     assembly) on `model`, with the schedule on the host; (log-probs, the replay's counts)."""
-    from miles.config_sections import AlgoConfig, ModelConfig, RolloutConfig, TrainConfig
+    from miles.config import AlgoConfig, ModelConfig, RolloutConfig, TrainConfig
 
     from miles.trainer import megatron
     from miles.trainer.mcore_moe import McoreRoutingReplay
