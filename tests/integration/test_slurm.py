@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -24,11 +25,40 @@ from harness import train_env
 ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED"}
 
 
+def _slurmctld_refuses() -> str | None:
+    """Why slurmctld cannot be up: its host (slurm.conf) refuses a TCP connection on its port; else None.
+
+    `sinfo` retries a refused connection for its whole message time-out (about 10 s) before it gives up;
+    a refused connect answers the same question at once. Anything else (no conf, a name that does not
+    resolve, a connect that times out) leaves the verdict to `sinfo`."""
+    conf = Path(os.environ.get("SLURM_CONF", "/etc/slurm/slurm.conf"))
+    keys: dict[str, list[str]] = {}
+    if conf.is_file():
+        for line in conf.read_text(errors="replace").splitlines():
+            key, _, value = line.split("#", 1)[0].strip().partition("=")
+            keys.setdefault(key.strip().lower(), []).append(value.strip())
+    hosts = keys.get("slurmctldhost") or keys.get("controlmachine") or []
+    if len(hosts) != 1:  # none named, or a backup controller that may answer: ask sinfo
+        return None
+    host = hosts[0]
+    name, _, addr = host.partition("(")
+    port = int(keys.get("slurmctldport", ["6817"])[0].split("-")[0])
+    try:
+        socket.create_connection((addr.rstrip(")") or name, port), timeout=2).close()
+    except ConnectionRefusedError:
+        return f"slurmctld is not running: {host}:{port} (from {conf}) refuses connections; run .ci/slurm_setup.sh"
+    except OSError:
+        pass
+    return None
+
+
 def _slurm_problem() -> str | None:
     """None when a Slurm node is up and idle enough to take jobs, else why not."""
     for tool in ("sbatch", "scontrol", "sinfo", "scancel"):
         if shutil.which(tool) is None:
             return f"{tool} not on PATH (CI installs Slurm with .ci/slurm_setup.sh)"
+    if (refused := _slurmctld_refuses()) is not None:
+        return refused
     try:
         out = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], capture_output=True, text=True, timeout=20)
     except subprocess.TimeoutExpired:
