@@ -179,7 +179,8 @@ class WorkerHost:
         )
         self._registered = True
         self._last_seen = time.monotonic()
-        cls = self._worker_cls or load_function(self.cfg.entry)
+        # the entry's import (torch, the model code) takes seconds: off the loop, so heartbeats keep flowing
+        cls = self._worker_cls or await asyncio.to_thread(load_function, self.cfg.entry)
         if not (isinstance(cls, type) and issubclass(cls, Worker)):
             raise TypeError(f"worker entry {self.cfg.entry!r} is {cls!r}, not a miles.workers.base.Worker subclass")
         ctx = WorkerContext(

@@ -20,7 +20,10 @@ from netns_hosts import Host
 
 pytestmark = pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
 
-HEARTBEAT_TIMEOUT_S = 20.0  # above the longest stall of a worker's event loop at start-up on a loaded CI machine
+# The property is "the loss is detected and node 1 named", not "it takes N seconds": a short time-out keeps
+# the test's wait short. Workers import and build off their event loop, so a healthy worker's heartbeat holes
+# stay far below this even on a loaded 2-core machine.
+HEARTBEAT_TIMEOUT_S = 8.0
 # time for the processes to start their teardown after the time-out (a loaded 2-core CI machine)
 SLACK_S = 30.0
 # every node takes its heartbeat from the same `miles train` args (node agents included)
