@@ -42,6 +42,10 @@ class GroupUpdater(WeightUpdater):
     def _close(self) -> None:
         if self.group is None:
             return
+        if self.group.failed:
+            # engines still inside the broken collective answer destroy only when it ends: closing this end
+            # ends it at once ("connection closed by peer") instead of at their time-out
+            self.group.destroy()
         if self.is_leader:
             try:
                 self._run_engines("destroy_weights_update_group", lambda i: {"group_name": self.group_name})

@@ -46,6 +46,7 @@ class SyncGroup:
     timeout_s: float
     pg: object
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    failed: bool = False  # a collective failed: peers may still wait in theirs until this end closes
 
     def wait(self, work: object, what: str) -> None:
         """Wait for one async collective, turning a timeout or peer failure into a named error."""
@@ -56,12 +57,14 @@ class SyncGroup:
                 # NCCL's watchdog enforces the group timeout; wait() only syncs the stream.
                 ok = work.wait()
         except RuntimeError as exc:
+            self.failed = True
             raise WeightSyncTimeoutError(
                 f"weight-sync group {self.name!r} (rank {self.rank}/{self.world_size}, {self.backend}): {what} failed "
                 f"or timed out after {self.timeout_s}s: {exc}; a peer died or is too slow "
                 "(raise weight_sync_timeout_s if the transfer is legitimately slow)"
             ) from exc
         if ok is False:
+            self.failed = True
             raise WeightSyncTimeoutError(f"weight-sync group {self.name!r}: {what} did not complete")
 
     def broadcast(self, tensors: list[torch.Tensor], src: int) -> list[object]:

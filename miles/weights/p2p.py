@@ -107,6 +107,8 @@ class P2PUpdater(GroupUpdater):
     def _close(self) -> None:
         if self.group is None:
             return
+        if self.group.failed:  # end the engines' side of the broken collective now, not at their time-out
+            self.group.destroy()
         try:
             self._run_engines(
                 "destroy_weights_update_group",
