@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from miles.controller import drop_guard
 from miles.recipes.digit_copy import first_digit_reward
 
 # The `*_late` plug-ins misbehave from this sample index on (steps 0 and 1 are clean).
@@ -33,7 +34,12 @@ async def huge_reward_late(args, sample, **kw):
 
 
 async def none_reward_late(args, sample, **kw):
-    """The demo reward for the first two steps of 16 samples, then None for ever."""
+    """The demo reward for the first two steps of 16 samples, then None for ever.
+
+    The test waits for the stalled rollout's progress line: what it checks is that the line comes while
+    the drops pile up, not its 5 s period, so this run logs it every 0.5 s (this plug-in runs in the
+    controller, where the guard reads the period)."""
+    drop_guard.LOG_EVERY_S = 0.5
     if sample.index is not None and sample.index >= LATE_FROM_INDEX:
         return None
     return first_digit_reward(sample.response, sample.label)
