@@ -15,13 +15,10 @@ that fails on any rank (a full disk, say) raises `CheckpointWriteError` on every
 directory; the partial directory is removed and never gets its marker. `miles train` prints that
 one line and exits 1.
 
-Asynchronous saves (`--async-save`, the FSDP default): `BackgroundWriter` snapshots the state (every
-tensor on the training device is copied; state that already lives on the host, such as an offloaded
-optimizer's moments, is referenced and the next optimizer step waits for the write), writes meta.json
-and the RNG files, and returns. The snapshot is a device-to-device copy when the GPU has room for it
-beside what the last step reserved (milliseconds); the thread then moves it to pinned host memory on a
-stream of its own while training goes on, and `release_device()` (a colocated offload) waits for that.
-Without the room it is copied to pinned host memory before the save returns; a thread then writes the DCP shards over a gloo group
+Asynchronous saves (`--async-save`, the FSDP default): `BackgroundWriter` snapshots the state to host
+memory (every tensor on the training device is copied; state that already lives on the host, such as
+an offloaded optimizer's moments, is referenced and the next optimizer step waits for the write),
+writes meta.json and the RNG files, and returns; a thread then writes the DCP shards over a gloo group
 of its own and, once every rank's shards are durable, rank 0 writes COMPLETE. At most one save is in
 flight: the next save (and a load, and the end of the run) first waits for it, and a failure of the
 background write is raised there, on every rank, as CheckpointWriteError.
@@ -325,29 +322,6 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def _bytes_on(value: Any, device: torch.device) -> int:
-    """Bytes of the tensors in `value` (nested dicts and lists) whose local shard lives on `device`."""
-    if isinstance(value, dict):
-        return sum(_bytes_on(v, device) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_bytes_on(v, device) for v in value)
-    if not isinstance(value, torch.Tensor):
-        return 0
-    local = value._local_tensor if isinstance(value, DTensor) else value
-    return local.numel() * local.element_size() if local.device == device else 0
-
-
-def _device_has_room(device: torch.device, nbytes: int, margin: int = 2 * 2**30) -> bool:
-    """Whether `nbytes` fit on `device` beside everything the caching allocator holds (the last step's peak).
-
-    Memory the allocator has reserved stays reserved for the next step, so a snapshot in the memory that
-    is free on top of it cannot make that step run out of memory."""
-    if device.type != "cuda" or nbytes == 0:
-        return False
-    free, _ = torch.cuda.mem_get_info(device)
-    return nbytes + margin <= free
-
-
 class BackgroundWriter:
     """Writes one checkpoint's DCP shards at a time in a thread, then its COMPLETE marker (see the module doc)."""
 
@@ -360,11 +334,6 @@ class BackgroundWriter:
         self._error: str | None = None
         self._staged: dict[str, Any] | None = None
         self.references_live_state = False  # the snapshot points at host state the next optimizer step changes
-        self._on_device = False  # this save's snapshot is first copied on the device (see the module doc)
-        self._device_copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device copy, its host buffer)
-        self._copied: torch.cuda.Event | None = None
-        self._on_host = threading.Event()  # set once the device copies are on the host and freed
-        self._on_host.set()
 
     @property
     def pending(self) -> str | None:
@@ -376,29 +345,19 @@ class BackgroundWriter:
             self._group = dist.new_group(backend="gloo")
 
     def stage(self, path: str, state: dict[str, Any]) -> None:
-        """Snapshot `state` for the checkpoint at `path`; `launch()` starts writing it."""
+        """Snapshot `state` to host memory for the checkpoint at `path`; `launch()` starts writing it."""
         if self._thread is not None:
             raise RuntimeError(f"a checkpoint is still being written ({self._path}); call wait() first")
         self.references_live_state = False
-        self._on_device = _device_has_room(self.device, _bytes_on(state, self.device))
         self._staged = self._snapshot(state, ())
-        if self._on_device:
-            self._copied = torch.cuda.Event()
-            self._copied.record()  # the writer's stream starts its host copies after the device copies
-        elif self.device.type == "cuda":
+        if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._path, self._error = path, None
 
     def launch(self) -> None:
         snapshot, self._staged = self._staged, None
-        self._on_host.clear()
         self._thread = threading.Thread(target=self._write, args=(self._path, snapshot), name="checkpoint-writer")
         self._thread.start()
-
-    def release_device(self) -> None:
-        """The snapshot's device copies are on the host and freed (before the GPU is handed to an engine)."""
-        if self._thread is not None:
-            self._on_host.wait()
 
     def _snapshot(self, value: Any, key: tuple) -> Any:
         if isinstance(value, dict):
@@ -416,34 +375,15 @@ class BackgroundWriter:
             from miles.trainer.offload_optim import pin_host
 
             host = self._host[key] = pin_host(torch.empty(local.shape, dtype=local.dtype))
-        if self._on_device:
-            self._device_copies.append((local.detach().clone(), host))
-        else:
-            host.copy_(local.detach(), non_blocking=True)
+        host.copy_(local.detach(), non_blocking=True)
         if isinstance(value, DTensor):
             return DTensor.from_local(
                 host, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
             )
         return host
 
-    def _to_host(self) -> None:
-        """The device snapshot into the pinned host buffers, on a side stream; then its device memory is freed."""
-        try:
-            if self._device_copies:
-                torch.cuda.set_device(self.device)
-                stream = torch.cuda.Stream(self.device)
-                stream.wait_event(self._copied)
-                with torch.cuda.stream(stream):
-                    for copy, host in self._device_copies:
-                        host.copy_(copy, non_blocking=True)
-                stream.synchronize()
-        finally:
-            self._device_copies.clear()
-            self._on_host.set()
-
     def _write(self, path: str, snapshot: dict[str, Any]) -> None:
         try:
-            self._to_host()
             rank = dist.get_rank()
             _fsync(os.path.join(path, "rng", f"rank_{rank}.pt"))  # durable before DCP's last step, hence the marker
             dcp.save(

@@ -33,6 +33,7 @@ from miles.trainer.fsdp_shard import (  # noqa: F401 - shard_model and _own_para
     _adamw_kernels,
     _clip_grad_norm,
     _own_parameters,
+    cast_parameters,
     shard_model,
 )
 from miles.trainer.hf_io import (
@@ -161,7 +162,7 @@ class FSDPBackend:
         placement = optimizer_placement(t)
         if placement == "cpu":  # the optimizer copies the fp32 masters before the weights drop to compute dtype
             optimizer = build_adamw(trainable_parameters(model), t, lr, {})
-            shard_model(model, self.mesh, None, compile_blocks=t.compile).to(self.compute_dtype)
+            cast_parameters(shard_model(model, self.mesh, None, compile_blocks=t.compile), self.compute_dtype)
         else:
             shard_model(
                 model,
@@ -439,8 +440,6 @@ class FSDPBackend:
         The frozen reference model moves to host as well and from then on is brought back only
         for its own forward pass (`compute_log_probs(which="ref")`).
         """
-        if self._saver is not None:
-            self._saver.release_device()  # a checkpoint's device snapshot leaves before an engine takes the GPU
         self.offload_ref()
         for key, model, optim in (
             ("actor", self.actor, self.optimizer),

@@ -55,6 +55,20 @@ def shard_model(
 
 
 @torch.no_grad()
+def cast_parameters(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """The parameters of `model` in `dtype`, its buffers as they were (as a mixed-precision policy casts).
+
+    `model.to(dtype)` would also cast floating buffers, such as the rotary embedding's `inv_freq`: in bf16
+    every position's angle moves, and the forward is no longer the one the other optimizer placements run.
+    """
+    buffers = list(model.named_buffers())
+    model.to(dtype)
+    for name, buf in buffers:
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner)._buffers[leaf] = buf
+    return model
+
+
 def _own_parameters(model: nn.Module) -> nn.Module:
     """Give every parameter storage of its own, as fully_shard does: HF may load them as views of the
     memory-mapped checkpoint, which can be neither offloaded (resized) nor should be written in place."""

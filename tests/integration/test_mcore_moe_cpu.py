@@ -265,7 +265,6 @@ def _backend_log_probs(path: str, model, s, batch) -> tuple[np.ndarray, list[flo
     """The megatron backend's `compute_log_probs` under R3 (its micro-batches, replay scope and log-prob
     assembly) on `model`, with the schedule on the host; (log-probs, the replay's counts)."""
     from miles.config import AlgoConfig, ModelConfig, RolloutConfig, TrainConfig
-
     from miles.trainer import megatron
     from miles.trainer.mcore_moe import McoreRoutingReplay
 

@@ -29,13 +29,16 @@ LEVERS = {
 }
 
 
-def _backend(model_dir: str, lever: dict, disk_dir: str):
+def _backend(model_dir: str, lever: dict, disk_dir: str, dtype: str = "auto"):
+    from miles.config import ModelConfig
     from miles.trainer.backend import create_backend
 
     train = dict(CFG["train"], **lever)
     if lever.get("stream_optimizer_state_to_disk") or lever.get("offload_train_target") == "disk":
         train["offload_train_disk_dir"] = disk_dir
-    be = create_backend("fsdp", **configs(model_dir, **{**CFG, "train": train}))
+    cfg = configs(model_dir, **{**CFG, "train": train})
+    cfg["model"] = ModelConfig(hf_checkpoint=model_dir, dtype=dtype)
+    be = create_backend("fsdp", **cfg)
     be.setup()
     return be
 
@@ -67,6 +70,13 @@ def _train_each(rank: int, world: int, model_dir: str, root: str) -> None:
     be.load(os.path.join(root, "ckpt", "iter_0000002"))
     be.train(make_batch(8, seed=22), rollout_id=2)
     out["cpu-resumed"] = _params(be)
+    del be
+    be = _backend(model_dir, LEVERS["cpu"], root, dtype="bfloat16")  # weights kept in the compute dtype
+    out["bf16-dtypes"] = (
+        {p.dtype for p in be.actor.parameters()},
+        {n: b.dtype for n, b in be.actor.named_buffers()},
+        {n: b.dtype for n, b in _backend(model_dir, {}, root, dtype="bfloat16").actor.named_buffers()},
+    )
     torch.save(out, os.path.join(root, "out.pt"))
 
 
@@ -100,3 +110,12 @@ def test_checkpoint_under_cpu_step_resumes_bit_identically(weights):
 
 def test_offload_to_disk_releases_the_storages_into_files(weights):
     assert weights["released"] and weights["files"] > 0
+
+
+def test_cpu_step_keeps_buffers_as_resident_does(weights):
+    """Under bf16 compute the CPU step holds bf16 weights on the device, but buffers (the rotary inv_freq)
+    stay as resident AdamW's mixed precision leaves them: cast, they would move every position's angle."""
+    param_dtypes, cpu_buffers, resident_buffers = weights["bf16-dtypes"]
+    assert param_dtypes == {torch.bfloat16}
+    assert cpu_buffers and cpu_buffers == resident_buffers
+    assert torch.float32 in set(cpu_buffers.values())
