@@ -39,6 +39,8 @@ FORK_SERVER_PRELOAD = [
     "miles.trainer.fsdp",
     "miles.testing.fake_engine",
 ]
+if os.environ.get("MILES_MCORE_SITE"):  # megatron-core's unpacked wheel for the megatron CPU tests (.ci/run)
+    FORK_SERVER_PRELOAD.append("tests.integration._mcore_fork_preload")
 multiprocessing.set_forkserver_preload(FORK_SERVER_PRELOAD)
 
 

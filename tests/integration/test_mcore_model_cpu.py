@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _trainer_harness import start_ranks
 
 from miles.wire.ports import free_port
 
@@ -109,7 +110,7 @@ def _compare(path: str, *, tp: int, sp: bool) -> dict:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_one_rank_matches_hf(model_dirs, arch):
     out = mp.Manager().dict()
-    mp.spawn(_run, args=(1, free_port(), model_dirs[arch], False, out), nprocs=1)
+    start_ranks(_run, (1, free_port(), model_dirs[arch], False, out), 1)
     r = out[0]
     assert r["logits_scale"] > 1.0  # a model whose logits carry signal
     assert r["logits_max_diff"] <= 1e-4 * r["logits_scale"]
@@ -119,7 +120,7 @@ def test_one_rank_matches_hf(model_dirs, arch):
 @pytest.mark.parametrize(("arch", "sp"), [("qwen2", False), ("qwen3", True)])
 def test_two_tensor_parallel_ranks_match_hf(model_dirs, arch, sp):
     out = mp.Manager().dict()
-    mp.spawn(_run, args=(2, free_port(), model_dirs[arch], sp, out), nprocs=2)
+    start_ranks(_run, (2, free_port(), model_dirs[arch], sp, out), 2)
     for rank in range(2):
         r = out[rank]
         assert r["logits_max_diff"] <= 1e-4 * r["logits_scale"], rank
