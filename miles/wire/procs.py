@@ -204,6 +204,7 @@ def _alive(p: psutil.Process) -> bool:
 
 def kill_own_descendants(grace_s: float = 2.0) -> None:
     """Used by a worker on its way out: end everything it spawned itself."""
+    release_resource_tracker()
     procs = descendants(os.getpid())
     for p in procs:
         try:
@@ -216,6 +217,25 @@ def kill_own_descendants(grace_s: float = 2.0) -> None:
             p.kill()
         except psutil.Error:
             pass
+
+
+def release_resource_tracker() -> None:
+    """Close this process's end of the pipe to multiprocessing's resource tracker, if it started one.
+
+    The tracker (a child, started by shared memory or torch's tensor sharing) ignores SIGTERM: it exits,
+    unlinking whatever is still registered, once every process holding the pipe has closed it. Closed here,
+    it ends within the caller's grace period instead of waiting out all of it for the SIGKILL, which would
+    also skip that clean-up."""
+    module = sys.modules.get("multiprocessing.resource_tracker")  # never imported: no tracker was started
+    tracker = getattr(module, "_resource_tracker", None)
+    fd = getattr(tracker, "_fd", None)
+    if fd is None:
+        return
+    tracker._fd = None  # a later use starts a new tracker rather than writing to a closed descriptor
+    try:
+        os.close(fd)
+    except OSError:
+        pass
 
 
 def die_with_parent(expected_ppid: int) -> None:

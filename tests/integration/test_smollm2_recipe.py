@@ -128,6 +128,9 @@ def test_two_rl_steps_with_the_recipe_config(converted: Path, tmp_path: Path) ->
         "8",
         "--eval-interval",
         "2",
+        # the eval after the last step is the one looked at: it runs the recipe's eval set on the weights
+        # the run pushed; the one before training (the default) would only score the converted model again
+        "--skip-eval-before-train",
         "--eval-prompt-data",
         "arith",
         str(eval_file),
