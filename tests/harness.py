@@ -133,10 +133,13 @@ def free_port_run(count: int, host: str = "127.0.0.1") -> int:
 
 
 def train_command(out_dir: Path, *flags: str, config: Path | None = DEMO) -> list[str]:
-    """`miles train` on `config` (the CPU demo; None: flags only) into `out_dir`, with `flags` last (they win)."""
+    """`miles train` on `config` (the CPU demo; None: flags only) into `out_dir`, with `flags` last (they win).
+
+    No end-of-run PNG curves (a second of drawing per run that these tests do not look at; the plots of a
+    run's end are checked in tests/unit/test_cli.py)."""
     head = [sys.executable, "-m", "miles.cli", "train"]
     head += ["--config", str(config)] if config is not None else []
-    return [*head, "--output-dir", str(out_dir), "--no-progress-bar", *flags]
+    return [*head, "--output-dir", str(out_dir), "--no-progress-bar", "--no-plot-curves", *flags]
 
 
 def python_path() -> str:

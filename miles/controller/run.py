@@ -379,5 +379,6 @@ def run_driver(train: Callable[[MilesConfig], Awaitable[str]], cfg: MilesConfig)
     except ImportError:
         pass
     out_dir = asyncio.run(train(cfg))
-    print_reward_curve(out_dir, key="train/loss" if is_sft(cfg) else "rollout/reward_mean")
+    key = "train/loss" if is_sft(cfg) else "rollout/reward_mean"
+    print_reward_curve(out_dir, key=key, plots=cfg.logging.plot_curves)
     return 0

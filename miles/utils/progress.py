@@ -48,8 +48,8 @@ class StepProgress:
             self._progress.stop()
 
 
-def print_reward_curve(run_dir: str, key: str = "rollout/reward_mean") -> None:
-    """Print the reward curve in the terminal and write PNG curves next to the metrics."""
+def print_reward_curve(run_dir: str, key: str = "rollout/reward_mean", *, plots: bool = True) -> None:
+    """Print the reward curve in the terminal and (with `plots`) write PNG curves next to the metrics."""
     from miles.utils.metrics import read_metrics
     from miles.utils.plot import ascii_curve, plot_run
 
@@ -60,6 +60,8 @@ def print_reward_curve(run_dir: str, key: str = "rollout/reward_mean") -> None:
     if values:
         print(ascii_curve(values, width=60, height=12))
         print(f"first {values[0]:.3f}  last {values[-1]:.3f}  max {max(values):.3f}")
+    if not plots:
+        return
     try:
         paths = plot_run(run_dir)
         print("plots: " + ", ".join(os.path.relpath(p) for p in paths))

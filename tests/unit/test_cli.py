@@ -229,6 +229,24 @@ def test_plot_writes_pngs_for_known_keys(tmp_path, capsys):
     assert "rollout/reward_mean" in capsys.readouterr().out
 
 
+@requires("matplotlib")
+@pytest.mark.parametrize("plot_curves", [True, False])
+def test_a_run_ends_with_its_plots_unless_told_not_to(tmp_path, capsys, plot_curves):
+    from miles.config import MilesConfig
+    from miles.controller.run import run_driver
+
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "rollout/reward_mean": 0.1}) + "\n")
+    cfg = MilesConfig()
+    cfg.logging.plot_curves = plot_curves
+
+    async def train(_cfg):
+        return str(tmp_path)
+
+    assert run_driver(train, cfg) == 0
+    assert "reward curve (rollout/reward_mean, 1 steps)" in capsys.readouterr().out
+    assert (tmp_path / "plots" / "rollout_reward_mean.png").exists() == plot_curves
+
+
 def test_plot_missing_metrics_exits_2(tmp_path, capsys):
     assert main(["plot", str(tmp_path)]) == 2
     assert "metrics.jsonl not found" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""The `logs` section: tensorBoard, Weights & Biases, progress bar."""
+"""The `logs` section: tensorBoard, Weights & Biases, progress bar, end-of-run plots."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from miles.config.option import option
 
 @dataclass
 class LoggingConfig:
-    """TensorBoard, Weights & Biases, progress bar."""
+    """TensorBoard, Weights & Biases, progress bar, end-of-run plots."""
 
     use_wandb: bool = option(False, "log to Weights & Biases")
     wandb_project: str | None = option(None, "W&B project")
@@ -22,3 +22,9 @@ class LoggingConfig:
     )
     use_tensorboard: bool = option(True, "TensorBoard event files in the run directory")
     progress_bar: bool = option(True, "live progress bar")
+    plot_curves: bool = option(
+        True,
+        "PNG curves of the metrics under <output-dir>/plots when the run ends (the plot extra; `miles plot RUN_DIR` "
+        "draws them later); --no-plot-curves skips them, as sweeps of many runs may: metrics.jsonl and the "
+        "printed reward curve stay",
+    )
