@@ -37,7 +37,7 @@ def kernels_on(monkeypatch):
 
 
 @hopper
-@pytest.mark.parametrize("k", [256, 512, 640])  # K/128 = 2, 4, 5: the weight scales padded to 4 blocks or not
+@pytest.mark.parametrize("k", [256, 512, 640])  # K/128 = 2, 4, 5: K padded to 4 scale blocks or not
 @pytest.mark.parametrize("m", [1, 3, 256])
 def test_block_scaled_mm_matches_the_emulation_on_hopper(kernels_on, m, k):
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -80,11 +80,11 @@ def _cublaslt_scaled_mm(a, b, scale_a, scale_b, out_dtype):
 
 
 @pytest.mark.parametrize("k", [256, 512, 640])
-def test_the_block_scaled_gemm_hands_cublaslt_its_weight_scales_padded_to_four_blocks(monkeypatch, k):
+def test_the_block_scaled_gemm_runs_with_k_padded_to_four_scale_blocks(monkeypatch, k):
     calls = []
 
     def fake(a, b, scale_a, scale_b, out_dtype):
-        calls.append(scale_b)
+        calls.append((a.shape, b.shape, scale_a.shape, scale_a.stride(), scale_b.shape, scale_b.stride()))
         return _cublaslt_scaled_mm(a, b, scale_a, scale_b, out_dtype)
 
     monkeypatch.setattr(fp8, "_hopper", lambda device: True)
@@ -97,8 +97,10 @@ def test_the_block_scaled_gemm_hands_cublaslt_its_weight_scales_padded_to_four_b
     got, want = fp8.linear(x, weight), fp8._emulated(x, weight, torch.float32)
     assert len(calls) == 1 and not fp8._scaled_mm_ok  # cuBLASLt's path ran, nothing was refused
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # fp32 sums in another order
-    L = k // fp8.BLOCK
-    assert calls[0].shape == (L, 4) and calls[0].stride() == (1, -(-L // 4) * 4)  # what torch's stride check wants
+    L4 = -(-(k // fp8.BLOCK) // 4) * 4  # the layout the H200 ran correctly (K = 512): K/128 a multiple of 4
+    a, b, sa, sa_stride, sb, sb_stride = calls[0]
+    assert a == (8, L4 * 128) and b == (L4 * 128, 512)
+    assert sa == (8, L4) and sa_stride == (1, 8) and sb == (L4, 4) and sb_stride == (1, L4)
 
 
 def test_other_quantization_configs_are_refused_with_the_fix():

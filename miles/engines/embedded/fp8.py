@@ -28,10 +28,12 @@ import torch.nn.functional as F
 from miles.engines.embedded import fp8_triton
 
 # The CUDA kernels of this module (Triton quantization, cuBLASLt's block-scaled GEMM) gave log-probs 0.37 nats
-# (mean) away from bf16 on an H200, where the dequantizing path that CPU tests check stays close. The cause
-# found since: the weight scales were handed to cuBLASLt unpadded (see cublas_weight_scales), wrong wherever
-# K/128 % 4 != 0 (that model's K = 256). Until the fix is checked on Hopper (tests/gpu/test_fp8_gpu.py), CUDA
-# takes the dequantizing path too, and MILES_FP8_CUDA_KERNELS=1 turns the kernels on.
+# (mean) away from bf16 on an H200, where the dequantizing path that CPU tests check stays close: cuBLASLt
+# reads the weight scales with a leading dimension of K/128 rounded up to 4, so every GEMM with K/128 % 4 != 0
+# (that model's K = 256) used wrong scales. Padded scales of that shape are refused by torch 2.11, while
+# K = 512 matched the emulation on the H200; such GEMMs now run with K grown by zero blocks (pad_k_blocks).
+# Until tests/gpu/test_fp8_gpu.py passes with that, CUDA takes the dequantizing path too, and
+# MILES_FP8_CUDA_KERNELS=1 turns the kernels on.
 CUDA_KERNELS = os.environ.get("MILES_FP8_CUDA_KERNELS") == "1"
 
 logger = logging.getLogger(__name__)
@@ -150,8 +152,8 @@ class Fp8Weight:
         return dequantize_weight(self.q, self.scale_inv, dtype)
 
 
-# (device, whether the weight scales needed padding) -> torch._scaled_mm takes them: torch releases differ on
-# the padded layout (see cublas_weight_scales), so a refusal of one kind leaves the other on cuBLASLt
+# (device, whether K is grown to a multiple of 512) -> torch._scaled_mm takes the call: a refusal of one kind
+# (see pad_k_blocks) leaves the other on cuBLASLt
 _scaled_mm_ok: dict[tuple[torch.device, bool], bool] = {}
 
 
@@ -181,18 +183,28 @@ def _mm_key(device: torch.device, K: int) -> tuple[torch.device, bool]:
 
 def cublas_weight_scales(scale_inv: torch.Tensor) -> torch.Tensor:
     """`scale_b` of torch._scaled_mm for a 128x128-scaled weight [N, K] whose block scales are scale_inv
-    [NB, L] (L = K/128): the [L, NB] transpose, K-block-major, with each weight block-row's L scales at a
-    stride of L4 = L rounded up to a multiple of 4. cuBLASLt reads 128x128 scales with that leading
-    dimension whatever torch passes it; torch releases that do not check the stride took the unpadded
-    [L, NB] (stride L) and returned products with the wrong scales whenever L % 4 != 0 (K = 256, 640, ...),
-    later ones refuse it."""
-    nb, L = scale_inv.shape
+    [NB, L] (L = K/128, a multiple of 4: see `pad_k_blocks`): the [L, NB] transpose, K-block-major."""
+    return scale_inv.contiguous().t()
+
+
+def pad_k_blocks(
+    xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The operands of a block-scaled GEMM with K grown to a multiple of 512 by zero blocks (exact: they add 0).
+
+    cuBLASLt reads 128x128 weight scales with a leading dimension of K/128 rounded up to 4: torch 2.11's
+    _scaled_mm took unpadded scales and computed with the wrong ones, and refused padded scales whose shape
+    keeps K/128 (on the H200), so the product runs where it matched: K/128 % 4 == 0. xq [M, K] e4m3, xs [M, L], wq [N, K] e4m3,
+    ws [NB, L] -> xq [M, K4], xs [M, L4] outer-dim-major, wq [N, K4], ws [NB, L4]; the added scales are 1."""
+    L = xs.shape[1]
     L4 = -(-L // 4) * 4
-    if L4 == L and scale_inv.stride() == (L, 1):
-        return scale_inv.t()
-    padded = scale_inv.new_zeros((nb, L4))
-    padded[:, :L] = scale_inv
-    return padded[:, :L].t()
+    extra = (L4 - L) * BLOCK
+
+    def zero_blocks(q: torch.Tensor) -> torch.Tensor:
+        return F.pad(q.view(torch.uint8), (0, extra)).view(q.dtype)  # byte 0 is +0.0 in e4m3
+
+    xs4 = F.pad(xs, (0, L4 - L), value=1.0).t().contiguous().t()
+    return zero_blocks(xq), xs4, zero_blocks(wq), F.pad(ws, (0, L4 - L), value=1.0)
 
 
 def _block_scaled_mm(x: torch.Tensor, w: Fp8Weight, dtype: torch.dtype) -> torch.Tensor | None:
@@ -204,8 +216,11 @@ def _block_scaled_mm(x: torch.Tensor, w: Fp8Weight, dtype: torch.dtype) -> torch
     else:
         xq, xs = quantize_activation(F.pad(x, (0, 0, 0, pad)) if pad else x)
         xs = xs.t().contiguous().t()
+    wq, ws = w.q, w.scale_inv
+    if ws.shape[1] % 4:
+        xq, xs, wq, ws = pad_k_blocks(xq, xs, wq, ws)
     try:
-        out = torch._scaled_mm(xq, w.q.t(), scale_a=xs, scale_b=cublas_weight_scales(w.scale_inv), out_dtype=dtype)
+        out = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=cublas_weight_scales(ws), out_dtype=dtype)
     except (RuntimeError, ValueError, NotImplementedError) as e:
         _scaled_mm_ok[_mm_key(x.device, x.shape[1])] = False
         logger.warning(
