@@ -115,27 +115,32 @@ def fill_noise(named: Iterable[tuple[str, torch.Tensor]], seed: int = 1234) -> i
     return count
 
 
-def compare_with_digests(
-    named: Iterable[tuple[str, torch.Tensor]], expected: dict[str, str], algo: str, skip: Iterable[str] = ()
+def _compare_by_name(
+    items: Iterable[tuple], expected: dict, skip: Iterable[str], matches: Callable[..., bool]
 ) -> dict[str, list[str]]:
-    """Compare engine tensors with the trainer's digests.
-
-    Returns {"mismatched": names whose bytes differ, "not_sent": engine tensors the trainer never
-    streamed (they still hold noise), "missing": trainer names the engine does not have}.
-    """
+    """Walk the engine's (name, *values) items against the trainer's `expected` by name; `matches(name, want,
+    *values)` says whether one agrees. Returns {"mismatched", "not_sent" (engine tensors the trainer never
+    streamed: they still hold noise), "missing" (trainer names the engine does not have)}."""
     skipped = set(skip)
     mismatched, not_sent, seen = [], [], set()
-    for name, t in named:
+    for name, *values in items:
         if name in skipped:
             continue
         seen.add(name)
         want = expected.get(name)
         if want is None:
             not_sent.append(name)
-        elif tensor_digest(t, algo) != want:
+        elif not matches(name, want, *values):
             mismatched.append(name)
     missing = sorted(set(expected) - seen - skipped)
     return {"mismatched": mismatched, "not_sent": not_sent, "missing": missing}
+
+
+def compare_with_digests(
+    named: Iterable[tuple[str, torch.Tensor]], expected: dict[str, str], algo: str, skip: Iterable[str] = ()
+) -> dict[str, list[str]]:
+    """Compare engine tensors with the trainer's digests (bytes equal); the result as `_compare_by_name`'s."""
+    return _compare_by_name(named, expected, skip, lambda _name, want, t: tensor_digest(t, algo) == want)
 
 
 def compare_with_sketches(
@@ -148,24 +153,14 @@ def compare_with_sketches(
     A tensor the transport never wrote holds noise, far outside any bound."""
     import torch
 
-    skipped = set(skip)
-    mismatched, not_sent, seen = [], [], set()
-    for name, value, bound in dequantized:
-        if name in skipped:
-            continue
-        seen.add(name)
-        want = expected.get(name)
-        if want is None:
-            not_sent.append(name)
-            continue
+    def within(name: str, want: list[float], value: torch.Tensor, bound: torch.Tensor | None) -> bool:
         idx = sketch_positions(name, value.numel()).to(value.device)
         got = value.reshape(-1)[idx].float()
         ref = torch.tensor(want, dtype=torch.float32, device=got.device)
         tol = bound.reshape(-1)[idx] if bound is not None else ref.abs() * 2.0**-8
-        if not bool(((got - ref).abs() <= tol * (1 + 1e-5) + 1e-12).all()):
-            mismatched.append(name)
-    missing = sorted(set(expected) - seen - skipped)
-    return {"mismatched": mismatched, "not_sent": not_sent, "missing": missing}
+        return bool(((got - ref).abs() <= tol * (1 + 1e-5) + 1e-12).all())
+
+    return _compare_by_name(dequantized, expected, skip, within)
 
 
 def compare_with_snapshot(
