@@ -16,8 +16,9 @@ directory; the partial directory is removed and never gets its marker. `miles tr
 one line and exits 1.
 
 Asynchronous saves (`--async-save`, the FSDP default): `BackgroundWriter` snapshots the state to host
-memory (every tensor on the training device is copied; state that already lives on the host, such as
-an offloaded optimizer's moments, is referenced and the next optimizer step waits for the write),
+memory (every tensor on the training device is copied, on CUDA by copies queued on a stream of their own
+that the next optimizer step or offload waits for on the GPU; state that already lives on the host, such
+as an offloaded optimizer's moments, is referenced and the next optimizer step waits for the write),
 writes meta.json and the RNG files, and returns; a thread then writes the DCP shards over a gloo group
 of its own and, once every rank's shards are durable, rank 0 writes COMPLETE. At most one save is in
 flight: the next save (and a load, and the end of the run) first waits for it, and a failure of the
@@ -334,6 +335,11 @@ class BackgroundWriter:
         self._error: str | None = None
         self._staged: dict[str, Any] | None = None
         self.references_live_state = False  # the snapshot points at host state the next optimizer step changes
+        # CUDA: the snapshot's copies run on a stream of their own, after the work queued so far, and the
+        # event marks their end; the next change to the state waits for it on the GPU (`fence`), the writer
+        # thread on the host
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._copied: torch.cuda.Event | None = None
 
     @property
     def pending(self) -> str | None:
@@ -345,14 +351,28 @@ class BackgroundWriter:
             self._group = dist.new_group(backend="gloo")
 
     def stage(self, path: str, state: dict[str, Any]) -> None:
-        """Snapshot `state` to host memory for the checkpoint at `path`; `launch()` starts writing it."""
+        """Snapshot `state` to host memory for the checkpoint at `path`; `launch()` starts writing it.
+
+        On CUDA the copies are queued, not waited for: whatever next changes or frees the state must first
+        call `fence()` (the backend does before an optimizer step and an offload)."""
         if self._thread is not None:
             raise RuntimeError(f"a checkpoint is still being written ({self._path}); call wait() first")
         self.references_live_state = False
-        self._staged = self._snapshot(state, ())
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self._copy_stream is None:
+            self._staged = self._snapshot(state, ())
+        else:
+            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # the state as of now
+            with torch.cuda.stream(self._copy_stream):
+                self._staged = self._snapshot(state, ())
+            self._copied = torch.cuda.Event()
+            self._copied.record(self._copy_stream)
         self._path, self._error = path, None
+
+    def fence(self) -> None:
+        """Work queued after this on the current stream (an optimizer step, an offload that frees the
+        weights) runs after the snapshot's copies; the host does not wait."""
+        if self._copied is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._copied)
 
     def launch(self) -> None:
         snapshot, self._staged = self._staged, None
@@ -375,6 +395,8 @@ class BackgroundWriter:
             from miles.trainer.offload_optim import pin_host
 
             host = self._host[key] = pin_host(torch.empty(local.shape, dtype=local.dtype))
+        if self._copy_stream is not None:
+            local.record_stream(self._copy_stream)  # a temporary of the state dict is not reused before the copy
         host.copy_(local.detach(), non_blocking=True)
         if isinstance(value, DTensor):
             return DTensor.from_local(
@@ -384,6 +406,8 @@ class BackgroundWriter:
 
     def _write(self, path: str, snapshot: dict[str, Any]) -> None:
         try:
+            if self._copied is not None:
+                self._copied.synchronize()  # the snapshot's copies are in host memory
             rank = dist.get_rank()
             _fsync(os.path.join(path, "rng", f"rank_{rank}.pt"))  # durable before DCP's last step, hence the marker
             dcp.save(
@@ -408,5 +432,5 @@ class BackgroundWriter:
             return
         self.wait_local()
         path, error = self._path, self._error
-        self._thread = self._path = self._error = None
+        self._thread = self._path = self._error = self._copied = None
         _raise_first(path, error)

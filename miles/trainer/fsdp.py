@@ -323,8 +323,10 @@ class FSDPBackend:
 
     def optimizer_step(self, *, critic: bool) -> None:
         _, optimizer, scheduler = self._trainable(critic)
-        if self._saver is not None and self._saver.references_live_state:
-            self._saver.wait_local()  # the checkpoint being written reads this host state: let it finish first
+        if self._saver is not None:
+            self._saver.fence()  # the checkpoint's snapshot is copied before the step changes the weights
+            if self._saver.references_live_state:
+                self._saver.wait_local()  # the checkpoint being written reads this host state: let it finish first
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
@@ -441,6 +443,8 @@ class FSDPBackend:
         for its own forward pass (`compute_log_probs(which="ref")`).
         """
         self.offload_ref()
+        if self._saver is not None:
+            self._saver.fence()  # a checkpoint's snapshot is copied before the weights' memory is freed
         for key, model, optim in (
             ("actor", self.actor, self.optimizer),
             ("critic", self.critic, self.critic_optimizer),

@@ -56,6 +56,12 @@ class ReplayableRouter(TopKRouter):
     replay: RoutingReplay | None = None
     replay_layer: int = 0
 
+    def gating(self, input: torch.Tensor) -> torch.Tensor:
+        """The router's logits in fp32 with autocast off: megatron-core's gating function casts to fp32 itself,
+        but under bf16 autocast its matmul would run in bf16 and its backward would then mix bf16 and fp32."""
+        with torch.autocast(input.device.type, enabled=False):
+            return super().gating(input)
+
     def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
         """logits [s, b, E] -> (probs [s*b, E] with the k routing weights of each token, bool routing map)."""
         logits = logits.reshape(-1, self.config.num_moe_experts)

@@ -105,3 +105,37 @@ def test_the_fp8_cuda_kernels_score_as_the_dequantizing_path(checkpoints, kernel
     print(f"fp8 kernels vs dequantizing path: {gap:.4f} nats (mean); vs bf16: {to_bf16:.4f}")
     assert gap < 0.02 and to_bf16 < 0.1, (gap, to_bf16)
     assert len(greedy_kernels["output_ids"]) == 16
+
+
+def _captured(fn):
+    """fn's output recomputed by a CUDA graph captured after two eager warm-ups, as the engine's runner does."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        out = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return out
+
+
+@hopper
+@pytest.mark.parametrize("piece", ["quantize_activation", "linear"])
+@pytest.mark.parametrize("k", [256, 512])
+def test_the_fp8_kernels_capture_in_a_cuda_graph(kernels_on, piece, k):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = (torch.randn(1024, k, device="cuda", generator=g) / 20).to(torch.bfloat16)
+    x = torch.randn(256, k, device="cuda", generator=g, dtype=torch.bfloat16)
+    weight = fp8.Fp8Weight(*fp8.quantize_weight(w))
+    if piece == "quantize_activation":
+        from miles.engines.embedded import fp8_triton
+
+        fn = lambda: fp8_triton.quantize_activation(x, pad_to=4)[1]  # noqa: E731
+    else:
+        fn = lambda: fp8.linear(x, weight)  # noqa: E731
+    eager = fn().clone()
+    assert torch.equal(_captured(fn), eager)

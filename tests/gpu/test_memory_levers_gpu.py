@@ -63,6 +63,8 @@ def trained(tmp_path_factory):
     be = backend()
     be.train(make_batch(8, seed=40), rollout_id=0)
     out["at_save"] = {n: t.float().cpu() for n, t in be.named_hf_tensors()}
+    with torch.cuda.stream(be._saver._copy_stream):
+        torch.cuda._sleep(400_000_000)  # the snapshot's copies start ~0.2 s late: the next step must wait for them
     be.save(os.path.join(root, "save", "iter_0000001"), {"rollout_id": 0})
     be.train(make_batch(8, seed=41), rollout_id=1)  # while the checkpoint is written
     be.finish_saves()

@@ -166,12 +166,25 @@ def _matches_hf(path: str) -> dict:
     }
 
 
+def _bf16_router_backward(path: str) -> dict:
+    """The router's gating and its backward under bf16 autocast, as `--dtype bfloat16` runs it."""
+    _, s, model = _build(path, ep=1)
+    router = model.decoder.layers[0].mlp.router
+    x = torch.randn(5, s.hidden_size, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = router.gating(x)
+    logits.pow(2).sum().backward()
+    return {"logits_dtype": str(logits.dtype), "grads_finite": bool(torch.isfinite(router.weight.grad).all())}
+
+
 def _one_rank(path: str) -> dict:
     from megatron.core import parallel_state
 
     hf = _matches_hf(path)
     parallel_state.destroy_model_parallel()
-    return {"hf": hf, "replay": _replays_a_given_routing(path)}
+    bf16 = _bf16_router_backward(path)
+    parallel_state.destroy_model_parallel()
+    return {"hf": hf, "replay": _replays_a_given_routing(path), "bf16": bf16}
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +197,11 @@ def test_one_rank_matches_hf(one_rank):
     r = one_rank["hf"]
     assert r["logits"] <= 1e-5, r
     assert max(r["grads"]) <= 1e-4, r
+
+
+def test_bf16_autocast_backward_keeps_the_router_in_fp32(one_rank):
+    """megatron-core's gating matmul would run in bf16 under autocast and its backward then fail on mixed dtypes."""
+    assert one_rank["bf16"] == {"logits_dtype": "torch.float32", "grads_finite": True}
 
 
 def _batch(ids: torch.Tensor, lens: list[int], routed: list[np.ndarray]):
