@@ -29,8 +29,10 @@ Ends with one JSON line (every row).
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import shutil
 import sys
 import tempfile
@@ -244,7 +246,8 @@ def save_bench(shape: str, args: argparse.Namespace) -> dict:
     out: dict = {"shape": shape, "lever": "save-bench"}
     batch = grpo_batch(args.samples, args.seq_len, args.prompt_len, SHAPES[shape]["vocab_size"])
     root = tempfile.mkdtemp(prefix="miles-save-", dir=args.save_dir)
-    for mode, flag in (("async", True), ("sync", False)):
+    modes = [(m, m == "async") for m in args.save_modes]
+    for mode, flag in modes:
         be = build_backend(shape, "resident", args, async_save=flag)
         be.train(batch, 0)  # warm-up, and the optimizer state exists
         t0 = time.perf_counter()
@@ -254,9 +257,19 @@ def save_bench(shape: str, args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         be.train(batch, 1)
         plain = time.perf_counter() - t0
+        prof = cProfile.Profile() if args.save_profile else None
         t0 = time.perf_counter()
+        if prof:
+            prof.enable()
         be.save(checkpoint_dir(os.path.join(root, mode), 2), {"rollout_id": 1})
         blocked = time.perf_counter() - t0
+        if prof:
+            prof.disable()
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            print(f"{mode}: save returned after {blocked:.2f} s; the GPU's queue drained {time.perf_counter() - t1:.2f} s later",
+                  file=sys.stderr)  # fmt: skip
+            pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(14)
         be.train(batch, 2)  # the step during which the checkpoint is written
         during = time.perf_counter() - t0
         t1 = time.perf_counter()
@@ -290,6 +303,8 @@ def main() -> None:
     )
     ap.add_argument("--trl", action="store_true", help="also the TRL-equivalent update on each shape")
     ap.add_argument("--save-bench", action="store_true", help="also time an async vs sync save (first shape)")
+    ap.add_argument("--save-profile", action="store_true", help="--save-bench: profile the save's blocking part")
+    ap.add_argument("--save-modes", nargs="+", default=["async", "sync"], choices=["async", "sync"])
     ap.add_argument("--save-dir", default=tempfile.gettempdir(), help="where --save-bench writes checkpoints")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # SHAPE/LEVER|trl|save: one job, in this process
     args = ap.parse_args()

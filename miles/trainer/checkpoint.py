@@ -398,10 +398,8 @@ class BackgroundWriter:
         if self._copy_stream is not None:
             local.record_stream(self._copy_stream)  # a temporary of the state dict is not reused before the copy
         host.copy_(local.detach(), non_blocking=True)
-        if isinstance(value, DTensor):
-            return DTensor.from_local(
-                host, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
-            )
+        if isinstance(value, DTensor):  # DTensor.from_local would copy the host tensor back to the mesh's device
+            return DTensor(host, value._spec, requires_grad=False)
         return host
 
     def _write(self, path: str, snapshot: dict[str, Any]) -> None:

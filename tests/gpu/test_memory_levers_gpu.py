@@ -65,7 +65,10 @@ def trained(tmp_path_factory):
     out["at_save"] = {n: t.float().cpu() for n, t in be.named_hf_tensors()}
     with torch.cuda.stream(be._saver._copy_stream):
         torch.cuda._sleep(400_000_000)  # the snapshot's copies start ~0.2 s late: the next step must wait for them
+    before = torch.cuda.memory_allocated()
     be.save(os.path.join(root, "save", "iter_0000001"), {"rollout_id": 0})
+    out["save_gpu_bytes"] = torch.cuda.memory_allocated() - before
+    out["param_bytes"] = sum(p.numel() * p.element_size() for p in be.actor.parameters())
     be.train(make_batch(8, seed=41), rollout_id=1)  # while the checkpoint is written
     be.finish_saves()
     fresh = backend()
@@ -92,3 +95,8 @@ def test_cpu_step_equals_resident_rounded_to_bf16(trained):
 def test_async_checkpoint_holds_the_weights_of_its_step(trained):
     want, got = trained["at_save"], trained["loaded"]
     assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_async_checkpoint_snapshot_takes_no_gpu_memory(trained):
+    """The snapshot lives in host memory: no copy of the state is left on the GPU while it is written."""
+    assert trained["save_gpu_bytes"] < trained["param_bytes"] / 4, trained["save_gpu_bytes"]
