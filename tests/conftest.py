@@ -13,6 +13,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,6 +43,59 @@ FORK_SERVER_PRELOAD = [
 if os.environ.get("MILES_MCORE_SITE"):  # megatron-core's unpacked wheel for the megatron CPU tests (.ci/run)
     FORK_SERVER_PRELOAD.append("tests.integration._mcore_fork_preload")
 multiprocessing.set_forkserver_preload(FORK_SERVER_PRELOAD)
+
+
+# ---- the whole suite on two workers (pytest-xdist) ------------------------------------------------------
+# `python -m pytest -q` from the repository root (the README's command: the `testpaths` suite, no -n given)
+# runs on WORKERS processes when pytest-xdist is installed (the `test` extra): most of the suite's time is
+# spent in subprocesses that wait or use one core. Anything else runs as asked: files or folders named on
+# the command line (the GPU host's `-m gpu tests/gpu`), an explicit `-n N`, `-p no:xdist`, `--pdb`.
+WORKERS = 2
+
+
+def _xdist_group(item: pytest.Item) -> str | None:
+    """Tests that must share one worker: every namespace-host test (one at a time: each stops a run within a
+    heartbeat time-out), the users of the converted SmolLM2 (a session fixture, 0.5 GB each), and each module
+    with a module- or class-scoped fixture (built once, not once per worker)."""
+    if "multihost" in item.path.parts:
+        return "netns-hosts"
+    if "smollm2_hf_dir" in item.fixturenames:  # or marked so, where it comes through request.getfixturevalue
+        return "smollm2"
+    defs = getattr(item, "_fixtureinfo", None)
+    for fixturedefs in defs.name2fixturedefs.values() if defs else ():
+        if any(d.scope in ("module", "class", "package") for d in fixturedefs):
+            return item.nodeid.split("::", 1)[0]
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """Default the README's whole-suite run to WORKERS workers with `--dist loadgroup` (see above)."""
+    if hasattr(config, "workerinput"):  # a worker: it parsed the main process's command line, not its defaults
+        config.option.loadgroup = bool(config.workerinput.get("miles_loadgroup", config.option.loadgroup))
+        return
+    if not config.pluginmanager.hasplugin("xdist") or config.option.numprocesses is not None:
+        return
+    if config.option.dist != "no" or config.getoption("usepdb") or config.args_source != config.ArgsSource.TESTPATHS:
+        return
+    config.option.numprocesses = WORKERS
+    config.option.dist = "loadgroup"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """Tell each worker whether tests go out by `xdist_group` (it reads only the command line)."""
+    node.workerinput["miles_loadgroup"] = node.config.option.dist == "loadgroup"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not getattr(config.option, "loadgroup", False):  # only a worker of a `--dist loadgroup` run reads them
+        return
+    for item in items:
+        group = None if item.get_closest_marker("xdist_group") else _xdist_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session")

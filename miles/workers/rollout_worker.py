@@ -35,6 +35,18 @@ def embedded_options(sglang_args: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
+def _import_engine_modules(kind: str) -> None:
+    """Import torch and the modules that serve `kind` (the entries of `sys.modules` `on_start` then reads)."""
+    import torch  # noqa: F401
+
+    if kind == "sglang":
+        import miles.engines.sglang_engine  # noqa: F401
+    else:
+        import miles.engines.embedded.engine
+        import miles.engines.http_front
+        import miles.weights.receiver  # noqa: F401
+
+
 class RolloutWorker(Worker):
     def __init__(
         self,
@@ -85,6 +97,8 @@ class RolloutWorker(Worker):
 
     async def on_start(self) -> None:
         logger.info("importing torch, %.1f s after the process started", seconds_since_launch())
+        # seconds of imports (many more on a loaded machine): off the event loop, so heartbeats keep flowing
+        await asyncio.to_thread(_import_engine_modules, self.kind)
         import torch
 
         torch.set_num_threads(max(1, int(os.environ.get("MILES_TORCH_THREADS", "1"))))

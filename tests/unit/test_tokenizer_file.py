@@ -37,7 +37,7 @@ def _model_dirs() -> list:
 
         smollm2.find_gguf()
         if not missing_gguf_deps():  # converting the GGUF needs gguf and accelerate
-            dirs.append(pytest.param("smollm2", id="smollm2"))
+            dirs.append(pytest.param("smollm2", id="smollm2", marks=pytest.mark.xdist_group("smollm2")))
     except Exception:  # noqa: BLE001 - the wheel is an optional test dependency
         pass
     return dirs
