@@ -57,7 +57,7 @@ def _xdist_group(item: pytest.Item) -> str | None:
     """Tests that must share one worker: every namespace-host test (one at a time: each stops a run within a
     heartbeat time-out), the users of the converted SmolLM2 (a session fixture, 0.5 GB each), and each module
     with a module- or class-scoped fixture (built once, not once per worker)."""
-    if "multihost" in item.path.parts:
+    if "multihost" in item.path.parts or item.path.name == "test_slurm.py":  # the two Slurm clusters never overlap
         return "netns-hosts"
     if "smollm2_hf_dir" in item.fixturenames:  # or marked so, where it comes through request.getfixturevalue
         return "smollm2"
