@@ -239,6 +239,15 @@ def trl_equivalent(shape: str, args: argparse.Namespace) -> dict:
     return row
 
 
+def _phase_times(metrics: dict) -> dict:
+    """The train step's phase timings (`perf/train/*_time`, each read after the device's queue drained)."""
+    return {
+        k.split("/")[-1]: round(v, 2)
+        for k, v in metrics.items()
+        if k.startswith("perf/train/") and k.endswith("_time")
+    }
+
+
 def save_bench(shape: str, args: argparse.Namespace) -> dict:
     """A checkpoint written during a step: the step's added time, asynchronous vs synchronous."""
     from miles.trainer.checkpoint import checkpoint_dir
@@ -255,7 +264,7 @@ def save_bench(shape: str, args: argparse.Namespace) -> dict:
         first_blocked = time.perf_counter() - t0
         be.finish_saves()
         t0 = time.perf_counter()
-        be.train(batch, 1)
+        plain_phases = _phase_times(be.train(batch, 1))
         plain = time.perf_counter() - t0
         prof = cProfile.Profile() if args.save_profile else None
         t0 = time.perf_counter()
@@ -270,7 +279,7 @@ def save_bench(shape: str, args: argparse.Namespace) -> dict:
             print(f"{mode}: save returned after {blocked:.2f} s; the GPU's queue drained {time.perf_counter() - t1:.2f} s later",
                   file=sys.stderr)  # fmt: skip
             pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(14)
-        be.train(batch, 2)  # the step during which the checkpoint is written
+        during_phases = _phase_times(be.train(batch, 2))  # the step during which the checkpoint is written
         during = time.perf_counter() - t0
         t1 = time.perf_counter()
         be.finish_saves()
@@ -281,6 +290,8 @@ def save_bench(shape: str, args: argparse.Namespace) -> dict:
             "step_with_save_s": round(during, 2),
             "added_pct": round(100 * (during - plain) / plain, 1),
             "wait_after_s": round(time.perf_counter() - t1, 2),
+            "phases_plain_s": plain_phases,  # where the step with the write in flight loses its time
+            "phases_with_save_s": during_phases,
         }
         be = None
         torch.cuda.empty_cache()

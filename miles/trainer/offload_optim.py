@@ -78,6 +78,12 @@ class _FlatStore:
         }
 
 
+def _wait(device: torch.device) -> None:
+    """The host waits for the device's queued work (its copies into host memory)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
 def _buckets(numels: list[int], bucket_numel: int) -> list[list[int]]:
     """Consecutive parameter indices, at most `bucket_numel` elements a bucket (a larger tensor: alone)."""
     out: list[list[int]] = [[]]
@@ -132,8 +138,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
             state["step"] = torch.zeros((), dtype=torch.float32, device=step_device(p))
             for kind in kinds:
                 state[kind] = self._store.views[kind][i].view(_local(p).shape)
-        staging = max(sum(numels[i] for i in b) for b in self._buckets) if placement == "cpu" else 0
-        self._staging = pin_host(torch.empty(staging, dtype=torch.float32))
+        largest = max(sum(numels[i] for i in b) for b in self._buckets)
+        self._staging = pin_host(torch.empty(largest if placement == "cpu" else 0, dtype=torch.float32))
+        self._offsets = [0]
+        for n in numels:
+            self._offsets.append(self._offsets[-1] + n)
+        # disk: a bucket's moments pass between the mapped files and the device through page-locked buffers, one
+        # contiguous copy per kind (the files' pages cannot be page-locked: they may be more than the host holds)
+        self._io = {k: pin_host(torch.empty(largest, dtype=store_dtype)) for k in kinds} if placement == "disk" else {}
 
     def _with_fp32_masters(self, store: _FlatStore) -> _FlatStore:
         with torch.no_grad():
@@ -189,24 +201,50 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 self._step_on_cpu(bucket, hyper)
             else:
                 self._step_streamed(bucket, hyper)
+        if self.placement == "host" and self._params:
+            _wait(_local(self._params[0]).device)  # the moments' copies back to host memory have landed
 
     def _step_streamed(self, bucket: list[int], hyper: dict) -> None:
-        """Moments of one bucket to the device (fp32), torch's AdamW there, moments back."""
+        """A bucket's moments to the device in one copy per kind (fp32 there), torch's AdamW, moments back.
+
+        The bucket's parameters are consecutive, so its moments are one slice of each flat store."""
         idx = [i for i in bucket if self._params[i].grad is not None]
         if not idx:
             return
+        lo, hi = self._offsets[bucket[0]], self._offsets[bucket[-1] + 1]
+        device = _local(self._params[idx[0]]).device
+        moments = {kind: self._moments_in(kind, lo, hi, device) for kind in ("exp_avg", "exp_avg_sq")}
+
+        def views(flat: torch.Tensor) -> list[torch.Tensor]:
+            o = self._offsets
+            return [flat[o[i] - lo : o[i + 1] - lo].view(_local(self._params[i]).shape) for i in idx]
+
         params = [_local(self._params[i]) for i in idx]
-        device = params[0].device
-        states = [self.state[self._params[i]] for i in idx]
-        avg = [s["exp_avg"].to(device, torch.float32, non_blocking=True) for s in states]
-        sq = [s["exp_avg_sq"].to(device, torch.float32, non_blocking=True) for s in states]
         grads = [_local(self._params[i].grad) for i in idx]
-        steps = [s["step"] for s in states]
-        adamw(params, grads, avg, sq, [], steps, **self.kernel, **hyper)
-        for s, a, q in zip(states, avg, sq, strict=True):
-            if a is not s["exp_avg"]:  # a copy (another device or dtype): write it back
-                s["exp_avg"].copy_(a)
-                s["exp_avg_sq"].copy_(q)
+        steps = [self.state[self._params[i]]["step"] for i in idx]
+        adamw(params, grads, views(moments["exp_avg"]), views(moments["exp_avg_sq"]), [], steps,
+              **self.kernel, **hyper)  # fmt: skip
+        for kind, flat in moments.items():
+            self._moments_out(kind, lo, hi, flat)
+
+    def _moments_in(self, kind: str, lo: int, hi: int, device: torch.device) -> torch.Tensor:
+        src = self._store.flat[kind][lo:hi]
+        if kind in self._io:  # disk: the mapped file's slice into the page-locked buffer first
+            stage = self._io[kind][: hi - lo]
+            stage.copy_(src)
+            src = stage
+        return src.to(device, non_blocking=True).to(torch.float32)  # cast on the device
+
+    def _moments_out(self, kind: str, lo: int, hi: int, flat: torch.Tensor) -> None:
+        dst = self._store.flat[kind][lo:hi]
+        if kind in self._io:  # cast on the device, one copy into the page-locked buffer, then into the file
+            stage = self._io[kind][: hi - lo]
+            if flat is not stage:
+                stage.copy_(flat.to(stage.dtype), non_blocking=True)
+                _wait(flat.device)
+            dst.copy_(stage)
+        elif flat is not dst:  # host: page-locked already; step() waits for these copies at its end
+            dst.copy_(flat, non_blocking=True)
 
     def _step_on_cpu(self, bucket: list[int], hyper: dict) -> None:
         """Gradients of one bucket to host, torch's fused CPU AdamW on the masters, masters back."""

@@ -78,6 +78,24 @@ def test_bf16_moments_on_disk_round_but_stay_close(tmp_path):
         torch.testing.assert_close(g, w, rtol=0, atol=2e-3)
 
 
+class _RoundedMoments(torch.optim.AdamW):
+    """Resident AdamW whose moments are rounded to bf16 (to nearest even) after every step."""
+
+    def step(self, closure=None):
+        super().step(closure)
+        for state in self.state.values():
+            for kind in ("exp_avg", "exp_avg_sq"):
+                state[kind].copy_(state[kind].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("bucket_bytes", [40, 1 << 20], ids=["small-buckets", "one-bucket"])
+def test_bf16_moments_on_disk_equal_resident_moments_rounded_each_step(tmp_path, bucket_bytes):
+    want = _run(lambda ps: _RoundedMoments(ps, **HYPER))
+    got = _run(_offloaded("disk", {}, tmp_path, moment_dtype=torch.bfloat16, bucket_bytes=bucket_bytes))
+    for w, g in zip(want, got, strict=True):
+        assert torch.equal(w, g)
+
+
 def test_disk_moments_live_in_files_that_go_with_the_optimizer(tmp_path):
     params = _params()
     opt = OffloadedAdamW(params, **HYPER, placement="disk", kernel={}, disk_dir=str(tmp_path))
