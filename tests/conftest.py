@@ -68,6 +68,46 @@ def _xdist_group(item: pytest.Item) -> str | None:
     return None
 
 
+# Longest first: xdist hands the work units (a group, or one ungrouped test) out in the order the workers
+# collected them, one more to whichever worker runs short. A long unit handed out last leaves the other worker
+# idle until it ends, so the units below go out first, longest first (longest-processing-time-first); the rest
+# keep their collection order after them. The figures are seconds one unit took in a whole-suite run under CI
+# conditions (.ci/run: Slurm and the namespace hosts up) on 2 cores; only their order matters, and a unit missing
+# here merely goes out in collection order. Key: the xdist group's name, else the test's file.
+LONGEST_UNITS_S = {
+    "netns-hosts": 370,
+    "tests/integration/test_e2e_sync.py": 136,
+    "smollm2": 106,
+    "tests/integration/test_opd_e2e.py": 103,
+    "tests/integration/test_requeue.py": 53,
+    "tests/contract/test_sglang_contract.py": 40,
+    "tests/integration/test_sft_e2e.py": 33,
+    "tests/integration/test_e2e_vs_trl_smoke.py": 32,
+    "tests/integration/test_async_resume.py": 30,
+    "tests/integration/test_torchrun_demo.py": 29,
+    "tests/integration/test_true_on_policy.py": 28,
+    "tests/integration/test_debug_rollout.py": 27,
+    "tests/unit/test_triton_ops.py": 27,
+    "tests/integration/test_profile.py": 24,
+    "tests/integration/test_weight_transports.py": 23,
+    "tests/integration/test_agentic_e2e.py": 20,
+    "tests/integration/test_lora_e2e.py": 16,
+    "tests/integration/test_controller_imports.py": 16,
+    "tests/unit/test_moe_triton.py": 12,
+}
+
+
+def _longest_first(items: list[pytest.Item]) -> list[pytest.Item]:
+    """`items` with the units of LONGEST_UNITS_S first, longest first; ties and the rest in collection order."""
+
+    def seconds(item: pytest.Item) -> int:
+        mark = item.get_closest_marker("xdist_group")
+        key = (mark.args[0] if mark.args else mark.kwargs.get("name")) if mark else item.nodeid.split("::", 1)[0]
+        return LONGEST_UNITS_S.get(key, 0)
+
+    return sorted(items, key=lambda item: -seconds(item))  # stable
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config: pytest.Config) -> None:
     """Default the README's whole-suite run to WORKERS workers with `--dist loadgroup` (see above)."""
@@ -80,6 +120,7 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
         return
     config.option.numprocesses = WORKERS
     config.option.dist = "loadgroup"
+    config.option.loadscopereorder = False  # units go out in the order _longest_first leaves them
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -96,6 +137,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         group = None if item.get_closest_marker("xdist_group") else _xdist_group(item)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
+    items[:] = _longest_first(items)
 
 
 @pytest.fixture(scope="session")
