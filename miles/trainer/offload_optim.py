@@ -69,7 +69,7 @@ class _FlatStore:
             else:
                 flat = pin_host(torch.zeros(total, dtype=dtype))
             self.flat[kind] = flat
-        offsets = [0]
+        self.offsets = offsets = [0]  # parameter i's elements: [offsets[i], offsets[i + 1]) of each flat tensor
         for n in numels:
             offsets.append(offsets[-1] + n)
         self.views = {
@@ -140,9 +140,6 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 state[kind] = self._store.views[kind][i].view(_local(p).shape)
         largest = max(sum(numels[i] for i in b) for b in self._buckets)
         self._staging = pin_host(torch.empty(largest if placement == "cpu" else 0, dtype=torch.float32))
-        self._offsets = [0]
-        for n in numels:
-            self._offsets.append(self._offsets[-1] + n)
         # disk: a bucket's moments pass between the mapped files and the device through page-locked buffers, one
         # contiguous copy per kind (the files' pages cannot be page-locked: they may be more than the host holds)
         self._io = {k: pin_host(torch.empty(largest, dtype=store_dtype)) for k in kinds} if placement == "disk" else {}
@@ -211,12 +208,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
         idx = [i for i in bucket if self._params[i].grad is not None]
         if not idx:
             return
-        lo, hi = self._offsets[bucket[0]], self._offsets[bucket[-1] + 1]
+        lo, hi = self._store.offsets[bucket[0]], self._store.offsets[bucket[-1] + 1]
         device = _local(self._params[idx[0]]).device
         moments = {kind: self._moments_in(kind, lo, hi, device) for kind in ("exp_avg", "exp_avg_sq")}
 
         def views(flat: torch.Tensor) -> list[torch.Tensor]:
-            o = self._offsets
+            o = self._store.offsets
             return [flat[o[i] - lo : o[i + 1] - lo].view(_local(self._params[i]).shape) for i in idx]
 
         params = [_local(self._params[i]) for i in idx]
