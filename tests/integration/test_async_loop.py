@@ -119,9 +119,13 @@ def _abort_first_attempt(monkeypatch) -> None:
         task = asyncio.ensure_future(real(router, sample, tokenizer, sampling, seed=seed))
         while "rid" not in sample.metadata:
             await asyncio.sleep(0)
-        await asyncio.sleep(0.01)  # the request is in the engine (a decode step takes >= 0.05 s)
-        await asyncio.gather(*(e.abort_request(rid=sample.metadata["rid"]) for e in router.engines))
-        return await task
+        # an abort that reaches the engine before the request is a no-op, so repeat it until the
+        # request ends; it cannot finish first (four decode steps of >= 0.05 s each)
+        rid = sample.metadata["rid"]
+        while not task.done():
+            await asyncio.gather(*(e.abort_request(rid=rid) for e in router.engines))
+            await asyncio.wait([task], timeout=0.01)
+        return task.result()
 
     monkeypatch.setattr(group_runner, "generate_sample", generate)
     # one request per sample, so the wrapper above sees (and aborts) the chosen one
