@@ -20,7 +20,9 @@ memory (every tensor on the training device is copied, on CUDA by copies queued 
 that the next optimizer step or offload waits for on the GPU; state that already lives on the host, such
 as an offloaded optimizer's moments, is referenced and the next optimizer step waits for the write),
 writes meta.json and the RNG files, and returns; a thread then writes the DCP shards over a gloo group
-of its own and, once every rank's shards are durable, rank 0 writes COMPLETE. At most one save is in
+of its own and, once every rank's shards are durable, rank 0 writes COMPLETE. On CUDA the snapshot lives in
+shared memory and a process of its own serializes the shards (`shard_writer.py`), so that the write never
+holds the training loop's GIL. At most one save is in
 flight: the next save (and a load, and the end of the run) first waits for it, and a failure of the
 background write is raised there, on every rank, as CheckpointWriteError.
 """
@@ -57,6 +59,7 @@ from miles.trainer.checkpoint_layout import (  # noqa: F401 - the layout's names
     resolve_load_path,
 )
 from miles.trainer.safe_load import SafeLoadPlanner, SafeReader
+from miles.trainer.shard_writer import ShardFileWriter, ShardWriterProcess, SnapshotArena
 
 logger = logging.getLogger(__name__)
 
@@ -326,10 +329,15 @@ def _fsync(path: str) -> None:
 class BackgroundWriter:
     """Writes one checkpoint's DCP shards at a time in a thread, then its COMPLETE marker (see the module doc)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, shard_process: bool | None = None) -> None:
         self.device = device
         self._group = None  # gloo, created at the first save (collective): the thread's collectives use it
         self._host: dict[tuple, torch.Tensor] = {}  # snapshot buffers, reused by every save
+        # CUDA (or when asked): the snapshot in one shared arena whose shards a process of their own serializes,
+        # so that writing never holds this process's GIL (shard_writer.py); else they are written in the thread
+        self.shard_process = device.type == "cuda" if shard_process is None else shard_process
+        self._arena: SnapshotArena | None = None
+        self._writer_process: ShardWriterProcess | None = None
         self._thread: threading.Thread | None = None
         self._path: str | None = None
         self._error: str | None = None
@@ -358,6 +366,8 @@ class BackgroundWriter:
         if self._thread is not None:
             raise RuntimeError(f"a checkpoint is still being written ({self._path}); call wait() first")
         self.references_live_state = False
+        if self.shard_process:
+            self._use_arena(state)
         if self._copy_stream is None:
             self._staged = self._snapshot(state, ())
         else:
@@ -373,6 +383,45 @@ class BackgroundWriter:
         weights) runs after the snapshot's copies; the host does not wait."""
         if self._copied is not None:
             torch.cuda.current_stream(self.device).wait_event(self._copied)
+
+    def _use_arena(self, state: dict[str, Any]) -> None:
+        """The snapshot's buffers are the arena's views, laid out anew (with its writer process) when the
+        state's layout changes; where no arena can be made, shards are written in the thread."""
+        layout = list(self._device_tensors(state, ()))
+        if self._arena is not None and self._arena.layout == layout:
+            return
+        self.close()
+        try:
+            self._arena = SnapshotArena(layout)
+            self._writer_process = ShardWriterProcess(self._arena)
+        except OSError as e:
+            logger.warning("checkpoint shards are written in a thread of the trainer (no shared snapshot: %s)", e)
+            self.shard_process, self._arena = False, None
+            return
+        self._host = dict(self._arena.views)
+
+    def _device_tensors(self, value: Any, key: tuple):
+        """(key, shape, dtype) of every tensor of `value` on the training device, in `_snapshot`'s order."""
+        if isinstance(value, dict):
+            for k, v in value.items():
+                yield from self._device_tensors(v, (*key, k))
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                yield from self._device_tensors(v, (*key, i))
+        elif isinstance(value, torch.Tensor):
+            local = value._local_tensor if isinstance(value, DTensor) else value
+            if local.device == self.device:
+                yield key, tuple(local.shape), local.dtype
+
+    def close(self) -> None:
+        """Stop the shard writer process and free the arena (a save in flight is waited for first)."""
+        self.wait_local()
+        if self._writer_process is not None:
+            self._writer_process.close()
+        if self._arena is not None:
+            self._arena.close()
+        self._writer_process = self._arena = None
+        self._host = {}
 
     def launch(self) -> None:
         snapshot, self._staged = self._staged, None
@@ -408,9 +457,12 @@ class BackgroundWriter:
                 self._copied.synchronize()  # the snapshot's copies are in host memory
             rank = dist.get_rank()
             _fsync(os.path.join(path, "rng", f"rank_{rank}.pt"))  # durable before DCP's last step, hence the marker
-            dcp.save(
-                snapshot, checkpoint_id=os.path.join(path, "model"), process_group=self._group
-            )  # fsyncs its files
+            model_dir = os.path.join(path, "model")
+            if self._writer_process is not None:  # fsyncs its files, as DCP's own writer does
+                writer = ShardFileWriter(model_dir, self._arena, self._writer_process)
+                dcp.save(snapshot, storage_writer=writer, process_group=self._group)
+            else:
+                dcp.save(snapshot, checkpoint_id=model_dir, process_group=self._group)  # fsyncs its files
             if rank == 0:  # every rank's shards are written (DCP's last step gathers them)
                 _fsync(os.path.join(path, "meta.json"))
                 _write_marker(path)

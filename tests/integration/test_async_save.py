@@ -53,10 +53,20 @@ def _fail_shard_writes() -> None:
     """This rank's shard files cannot be written (a full disk)."""
     from torch.distributed.checkpoint import FileSystemWriter
 
+    from miles.trainer.shard_writer import ShardFileWriter
+
     def write_data(self, plan, planner):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    FileSystemWriter.write_data = write_data
+    FileSystemWriter.write_data = ShardFileWriter.write_data = write_data
+
+
+def _shards_in_a_process() -> None:
+    """Shards serialized by the writer process on CPU too (the default on CUDA only)."""
+    from miles.trainer import checkpoint
+
+    init = checkpoint.BackgroundWriter.__init__
+    checkpoint.BackgroundWriter.__init__ = lambda self, device, shard_process=None: init(self, device, True)
 
 
 def _params(be) -> dict[str, torch.Tensor]:
@@ -65,15 +75,21 @@ def _params(be) -> dict[str, torch.Tensor]:
 
 def _run(rank: int, world: int, model_dir: str, root: str, lever: dict) -> None:
     _slow_shard_writes()
+    lever = dict(lever)
+    if lever.pop("shard_process", False):
+        _shards_in_a_process()
     per = 4 // world * world
     a = _backend(model_dir, **lever)
     a.train(shard(make_batch(8, seed=30), rank, world, per), rollout_id=0)
     path = checkpoint_dir(os.path.join(root, "save"), 1)
     a.save(path, {"rollout_id": 0})
+    writer = a._saver._writer_process
+    shard_pid = writer._proc.pid if writer is not None else None
     returned_before_complete = not os.path.exists(os.path.join(path, COMPLETE_MARKER))
     a.train(shard(make_batch(8, seed=31), rank, world, per), rollout_id=1)  # runs while the write goes on
     a.finish_saves()
     out = {"early_return": returned_before_complete, "complete": os.path.exists(os.path.join(path, COMPLETE_MARKER))}
+    out["shard_pid"] = shard_pid
     out["a"] = _params(a)
     del a
     b = _backend(model_dir, **lever)
@@ -94,11 +110,18 @@ def _run(rank: int, world: int, model_dir: str, root: str, lever: dict) -> None:
     torch.save(out, os.path.join(root, f"out{rank}.pt"))
 
 
-@pytest.fixture(scope="module", params=["resident-2-ranks", "host-moments-1-rank"])
+LEVERS = {
+    "resident-2-ranks": (2, {}),
+    "host-moments-1-rank": (1, {"offload_optimizer_states": True}),
+    "shard-process-2-ranks": (2, {"shard_process": True}),
+}
+
+
+@pytest.fixture(scope="module", params=list(LEVERS))
 def outcome(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("async")
     model_dir = make_tiny_model(str(root / "model"))
-    world, lever = (2, {}) if request.param == "resident-2-ranks" else (1, {"offload_optimizer_states": True})
+    world, lever = LEVERS[request.param]
     run_ranks(_run, world, model_dir, str(root), lever)
     return [torch.load(root / f"out{r}.pt", weights_only=False) for r in range(world)]
 
@@ -106,6 +129,14 @@ def outcome(request, tmp_path_factory):
 def test_save_returns_before_the_marker_and_completes_later(outcome):
     for out in outcome:
         assert out["early_return"] and out["complete"]
+
+
+def test_shards_are_serialized_by_the_writer_process_where_asked(request, outcome):
+    in_process = request.node.callspec.params["outcome"] == "shard-process-2-ranks"
+    for out in outcome:
+        assert (out["shard_pid"] is not None) == in_process
+        if in_process:
+            assert out["shard_pid"] != os.getpid()
 
 
 def test_resuming_the_background_checkpoint_gives_identical_weights(outcome):
