@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -138,6 +139,78 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
     items[:] = _longest_first(items)
+
+
+# ---- workers forked from warm servers ---------------------------------------------------------------------
+# The suite starts hundreds of miles workers, each of which would import torch and transformers again (seconds
+# of CPU each). Each test process starts two fork servers (`miles.wire.forkserver`) once and points
+# MILES_FORKSERVER at them, so that `spawn_worker_process` forks its workers from one of them: one server with
+# this environment, one with OMP_NUM_THREADS=1, which the tests' `miles train` runs set. A worker whose
+# environment matches neither is exec'd as without them (the reason is in the spawner's log), and so is one
+# spawned before the servers have preloaded: the fixture does not wait for them. Tests marked `exec_workers`
+# (they kill process trees or need a worker to be a child of its spawner) and `gpu` tests run without them,
+# and MILES_TEST_FORKSERVER=0 turns them off. Their logs (one line per worker forked or refused) are kept in
+# the session's temporary directory, under `forkservers`.
+FORK_SERVER_ENVS = [{}, {"OMP_NUM_THREADS": "1"}]
+
+
+@pytest.fixture(scope="session")
+def fork_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The MILES_FORKSERVER value naming this process's fork servers ('' when they are turned off)."""
+    if os.environ.get("MILES_TEST_FORKSERVER") == "0":
+        yield ""
+        return
+    from miles.wire import fork_client
+
+    socket_dir = tempfile.mkdtemp(prefix="mfs-")  # short: an AF_UNIX path holds at most 107 bytes
+    log_dir = tmp_path_factory.mktemp("forkservers")
+    servers, paths = [], []
+    for i, extra in enumerate(FORK_SERVER_ENVS):
+        paths.append(os.path.join(socket_dir, f"{i}.sock"))
+        servers.append(fork_client.start(paths[-1], env={**os.environ, **extra}, log_path=log_dir / f"{i}.log"))
+    yield os.pathsep.join(paths)
+    for server in servers:
+        server.terminate()  # its workers get SIGTERM when it exits
+    for server in servers:
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+    shutil.rmtree(socket_dir, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _fork_workers(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MILES_FORKSERVER for every test but those marked `exec_workers` or `gpu`."""
+    if request.node.get_closest_marker("exec_workers") or request.node.get_closest_marker("gpu"):
+        return
+    servers = request.getfixturevalue("fork_servers")
+    if servers:
+        monkeypatch.setenv("MILES_FORKSERVER", servers)
+
+
+@pytest.fixture
+def ready_fork_servers(monkeypatch: pytest.MonkeyPatch, fork_servers: str) -> list[str]:
+    """This process's fork servers, once they serve, in MILES_FORKSERVER; skips when they are turned off."""
+    if not fork_servers:
+        pytest.skip("the suite's fork servers are off (MILES_TEST_FORKSERVER=0)")
+    from miles.wire import fork_client
+
+    paths = fork_servers.split(os.pathsep)
+    assert all(fork_client.wait_ready(p, timeout=180) for p in paths), f"a fork server of {paths} did not come up"
+    monkeypatch.setenv("MILES_FORKSERVER", fork_servers)
+    return paths
+
+
+@pytest.fixture(params=["exec", "fork"])
+def worker_start(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test twice: with workers exec'd, and with workers forked from this process's fork servers."""
+    if request.param == "fork":
+        request.getfixturevalue("ready_fork_servers")
+    else:
+        monkeypatch.delenv("MILES_FORKSERVER", raising=False)
+    return request.param
 
 
 @pytest.fixture(scope="session")

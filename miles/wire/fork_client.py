@@ -288,7 +288,7 @@ def start(
     log = open(log_path, "ab") if log_path is not None else subprocess.DEVNULL  # noqa: SIM115 - the child keeps it
     try:
         return subprocess.Popen(
-            [sys.executable, "-m", "miles.wire.forkserver", path, "--die-with-parent"],
+            [sys.executable, "-m", "miles.wire.forkserver", path, "--parent-pid", str(os.getpid())],
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=log,
