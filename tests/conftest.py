@@ -149,7 +149,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # environment matches neither is exec'd as without them (the reason is in the spawner's log), and so is one
 # spawned before the servers have preloaded: the fixture does not wait for them. Tests marked `exec_workers`
 # (they kill process trees or need a worker to be a child of its spawner) and `gpu` tests run without them,
-# and MILES_TEST_FORKSERVER=0 turns them off. Their logs (one line per worker forked or refused) are kept in
+# and MILES_TEST_FORKSERVER=0 turns them off; where MILES_FORKSERVER is set already, its servers are used. Their logs (one line per worker forked or refused) are kept in
 # the session's temporary directory, under `forkservers`.
 FORK_SERVER_ENVS = [{}, {"OMP_NUM_THREADS": "1"}]
 
@@ -157,8 +157,8 @@ FORK_SERVER_ENVS = [{}, {"OMP_NUM_THREADS": "1"}]
 @pytest.fixture(scope="session")
 def fork_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The MILES_FORKSERVER value naming this process's fork servers ('' when they are turned off)."""
-    if os.environ.get("MILES_TEST_FORKSERVER") == "0":
-        yield ""
+    if os.environ.get("MILES_TEST_FORKSERVER") == "0" or os.environ.get("MILES_FORKSERVER"):
+        yield os.environ.get("MILES_FORKSERVER", "")  # off, or a test that runs pytest passed its servers on
         return
     from miles.wire import fork_client
 

@@ -39,10 +39,11 @@ _HEADER = struct.Struct(">I")
 MAX_MESSAGE_BYTES = 16 << 20
 
 # Environment variables a preloaded module may read while it is imported (thread pools, allocators, library
-# paths, the HF caches, CUDA, and the two of miles'): a worker forked from a server that was started with other
+# paths, the HF caches, CUDA, and miles' FP8 switch): a worker forked from a server that was started with other
 # values would differ from an exec'd one. Left out: CUDA_VISIBLE_DEVICES (read when CUDA starts, which never
 # happens in the server), PYTHONPATH (compared by what it resolves to: the server's "shadowed" check),
-# TORCHELASTIC_* (read when a process group starts, from the worker's own environment) and
+# TORCHELASTIC_* and TORCH_NCCL_* (read when a process group starts, from the worker's own environment; torchrun
+# sets some for the processes it starts) and
 # TORCHINDUCTOR_CACHE_DIR (inductor writes its default back into the environment of whoever imports it).
 KEY_ENV_PREFIXES = (
     "PYTHON",
@@ -65,9 +66,9 @@ KEY_ENV_PREFIXES = (
     "MALLOC",
     "SLURM_",
 )
-KEY_ENV_NAMES = ("MILES_FP8_CUDA_KERNELS", "MILES_ENGINE_STEP_DELAY_S")
+KEY_ENV_NAMES = ("MILES_FP8_CUDA_KERNELS",)
 KEY_ENV_EXCLUDED = ("CUDA_VISIBLE_DEVICES", "PYTHONPATH", "TORCHINDUCTOR_CACHE_DIR")
-KEY_ENV_EXCLUDED_PREFIXES = ("TORCHELASTIC_",)
+KEY_ENV_EXCLUDED_PREFIXES = ("TORCHELASTIC_", "TORCH_NCCL_")
 
 # Each reason a worker was exec'd after all is logged once per process: a run starts a handful of workers,
 # a test process hundreds, and the reason is the same for all of them.

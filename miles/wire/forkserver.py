@@ -200,7 +200,7 @@ class ForkServer:
             who = f"{env.get('MILES_ROLE', '?')}:{env.get('MILES_RANK', '?')}"
             if reason is not None:
                 self.refused += 1
-                logger.info("refused %s: %s", who, reason)
+                logger.info("refused %s: %s (log=%s)", who, reason, request.get("log_path"))
                 send_message(conn, {"refused": reason})
                 conn.close()
                 return

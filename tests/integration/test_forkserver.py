@@ -34,8 +34,10 @@ def test_key_names_what_differs_and_ignores_what_a_worker_sets_after_the_fork() 
     assert key_mismatch(spawn_key(same), spawn_key(base)) is None
     why = key_mismatch(spawn_key({**base, "OMP_NUM_THREADS": "4"}), spawn_key(base))
     assert why is not None and "OMP_NUM_THREADS" in why and "'4'" in why and "'1'" in why
-    why = key_mismatch(spawn_key({**base, "MILES_ENGINE_STEP_DELAY_S": "0.05"}), spawn_key(base))
-    assert why is not None and "MILES_ENGINE_STEP_DELAY_S" in why
+    why = key_mismatch(spawn_key({**base, "MILES_FP8_CUDA_KERNELS": "1"}), spawn_key(base))
+    assert why is not None and "MILES_FP8_CUDA_KERNELS" in why
+    torchrun_sets = {"TORCHELASTIC_RUN_ID": "x", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}  # read by process groups
+    assert key_mismatch(spawn_key({**base, **torchrun_sets}), spawn_key(base)) is None
     other_ns = {**spawn_key(base), "netns": "net:[1]"}
     assert "netns" in key_mismatch(other_ns, spawn_key(base))
 
