@@ -52,20 +52,28 @@ def encode_environ(env: dict[str, str]) -> bytes:
     return b"".join(os.fsencode(k) + b"=" + os.fsencode(v) + b"\0" for k, v in env.items())
 
 
-def become_worker(request: dict, sys_path: list[str], areas: ProcAreas, ready_fd: int, close: list) -> None:
+def become_worker(
+    request: dict, sys_path: list[str], areas: ProcAreas, server_pid: int, ready_fd: int, close: list
+) -> None:
     """Turn this freshly forked process into the worker `request` describes and run it; never returns.
 
     `close` holds what the server had open (its listening socket, other workers' connections, descriptors):
-    a worker must not keep them. `ready_fd` gets one byte once the process is in its own session and shows its own
-    command line and environment, so that whoever has its pid can signal its group and find it by run id."""
+    a worker must not keep them. `ready_fd` gets one byte once the process is in its own session and shows
+    its own command line and environment, so that whoever has its pid can signal its group and find it by
+    run id. A server that dies before the child asked for its death signal leaves it to exit at once."""
     code = 1
     try:
         os.setsid()
-        set_parent_death_signal()
-        for obj in close:
-            os.close(obj) if isinstance(obj, int) else obj.close()
-        _redirect_stdio(request["log_path"])
         _reset_signals()
+        set_parent_death_signal()
+        if os.getppid() != server_pid:  # the server died before the signal was asked for
+            return
+        for obj in close:
+            if isinstance(obj, int):
+                os.close(obj)
+            else:
+                obj.close()
+        _redirect_stdio(request["log_path"])
         env = request["env"]
         _replace_environ(env)
         _show_as(areas, f"{sys.executable} -m {request['module']}", encode_environ(env))

@@ -176,12 +176,11 @@ class ForkedWorker:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise subprocess.TimeoutExpired(f"{WORKER_MODULE} (forked) pid={self.pid}", timeout)
-            sock = self._sock  # None once the server is gone: then the pid is watched
-            wait_s = 0.1 if remaining is None or sock is None else min(remaining, 0.1)
-            if sock is not None:
-                select.select([sock], [], [], wait_s)
-            else:
-                time.sleep(wait_s)
+            wait_s = 0.1 if remaining is None else min(remaining, 0.1)
+            try:
+                select.select([self._sock], [], [], wait_s)  # for the exit message
+            except (TypeError, ValueError, OSError):
+                time.sleep(wait_s)  # no connection any more (the server is gone): the pid is watched
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
@@ -257,7 +256,7 @@ def fork_worker(env: dict[str, str], log_path: str | os.PathLike) -> ForkedWorke
                 sock.close()
                 raise
         except (OSError, ValueError) as e:
-            _report_fallback(f"fork server {path} unreachable ({type(e).__name__}: {e})")
+            _report_fallback(f"fork server {path} did not answer ({type(e).__name__}: {e})")
             continue
         if reply is not None and "pid" in reply:
             return ForkedWorker(int(reply["pid"]), sock, path)
@@ -286,7 +285,7 @@ def start(
     env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH", "")) if p)
     if preload is not None:
         env["MILES_FORKSERVER_PRELOAD"] = ",".join(preload)
-    log = open(log_path, "ab") if log_path is not None else subprocess.DEVNULL  # noqa: SIM115 - the child keeps it
+    log = open(log_path, "ab") if log_path is not None else subprocess.DEVNULL  # the child keeps its own copy
     try:
         return subprocess.Popen(
             [sys.executable, "-m", "miles.wire.forkserver", path, "--parent-pid", str(os.getpid())],

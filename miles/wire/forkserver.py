@@ -208,7 +208,7 @@ class ForkServer:
             self.workers[pid] = conn
             self.forked += 1
             logger.info("forked %s pid=%d log=%s", who, pid, request["log_path"])
-        except (OSError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 - a bad request or a gone client must not end the server
             logger.warning("request failed (%s: %s)", type(e).__name__, e)
             conn.close()
             if pid is not None and pid not in self.workers:  # its spawner never learnt of it: end it
@@ -236,9 +236,11 @@ class ForkServer:
         ready_r, ready_w = os.pipe()
         sys.stdout.flush()
         sys.stderr.flush()
+        server_pid = os.getpid()
         pid = os.fork()
         if pid == 0:
-            become_worker(request, path, self.areas, ready_w, [self.listener, conn, ready_r, *self.workers.values()])
+            owned = [self.listener, conn, ready_r, *self.workers.values()]
+            become_worker(request, path, self.areas, server_pid, ready_w, owned)
         os.close(ready_w)
         try:
             readable, _, _ = select.select([ready_r], [], [], CHILD_READY_TIMEOUT_S)
