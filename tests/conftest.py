@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -125,8 +126,10 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node: Any) -> None:
-    """Tell each worker whether tests go out by `xdist_group` (it reads only the command line)."""
+    """Tell each worker whether tests go out by `xdist_group` (it reads only the command line), and where the
+    fork servers are (below)."""
     node.workerinput["miles_loadgroup"] = node.config.option.dist == "loadgroup"
+    node.workerinput["miles_fork_servers"] = node.config.stash.get(FORK_SERVERS, [])
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the marks
@@ -138,6 +141,109 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
     items[:] = _longest_first(items)
+
+
+# ---- workers forked from warm servers ---------------------------------------------------------------------
+# The suite starts hundreds of miles workers, each of which would import torch and transformers again (seconds
+# of CPU each). The process that runs the session (a pytest-xdist run's main process, before its workers are
+# up) starts two fork servers (`miles.wire.forkserver`), and every test gets MILES_FORKSERVER naming them, so
+# that `spawn_worker_process` forks its workers from one of them: one server with this environment, one with
+# OMP_NUM_THREADS=1, which the tests' `miles train` runs set. A worker whose environment matches neither is
+# exec'd as without them (the spawner's log says why), and so is one spawned before the servers have
+# preloaded: nothing waits for them. Tests marked `exec_workers` (they kill process trees, or need a worker to
+# be a child of its spawner) and `gpu` tests run without them; MILES_TEST_FORKSERVER=0 turns them off, and
+# where MILES_FORKSERVER is set already (a test that runs pytest) its servers are used.
+FORK_SERVER_ENVS = [{}, {"OMP_NUM_THREADS": "1"}]
+FORK_SERVERS = pytest.StashKey[list]()  # the sockets
+OWN_FORK_SERVERS = pytest.StashKey[tuple]()  # (their directory, their processes) where this process started them
+
+
+def _start_fork_servers(config: pytest.Config) -> list[str]:
+    if os.environ.get("MILES_TEST_FORKSERVER") == "0" or config.option.help or config.option.collectonly:
+        return []
+    if os.environ.get("MILES_FORKSERVER"):
+        return os.environ["MILES_FORKSERVER"].split(os.pathsep)
+    from miles.wire import fork_client
+
+    socket_dir = tempfile.mkdtemp(prefix="mfs-")  # short: an AF_UNIX path holds at most 107 bytes
+    paths = [os.path.join(socket_dir, f"{i}.sock") for i in range(len(FORK_SERVER_ENVS))]
+    servers = [
+        fork_client.start(path, env={**os.environ, **extra}, log_path=path.replace(".sock", ".log"))
+        for path, extra in zip(paths, FORK_SERVER_ENVS, strict=True)
+    ]
+    config.stash[OWN_FORK_SERVERS] = (socket_dir, servers)
+    return paths
+
+
+def _stop_fork_servers(config: pytest.Config) -> list[str]:
+    """End the servers this process started; their last log lines (how many workers each forked, refused)."""
+    socket_dir, servers = config.stash.get(OWN_FORK_SERVERS, (None, []))
+    if socket_dir is None:
+        return []
+    del config.stash[OWN_FORK_SERVERS]
+    for server in servers:
+        server.terminate()  # its workers get SIGTERM when it exits
+    for server in servers:
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+    tails = []
+    for log in sorted(Path(socket_dir).glob("*.log")):
+        lines = log.read_text(errors="replace").splitlines()
+        tails.append(f"{log.stem}: {lines[-1].split(': ', 1)[-1] if lines else '(no output)'}")
+    shutil.rmtree(socket_dir, ignore_errors=True)
+    return tails
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config, "workerinput"):  # an xdist worker: the main process started the servers
+        config.stash[FORK_SERVERS] = config.workerinput.get("miles_fork_servers", [])
+    else:
+        config.stash[FORK_SERVERS] = _start_fork_servers(config)
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    for line in _stop_fork_servers(config):
+        terminalreporter.write_line(f"fork server {line}")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    _stop_fork_servers(config)
+
+
+@pytest.fixture(autouse=True)
+def _fork_workers(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MILES_FORKSERVER for every test but those marked `exec_workers` or `gpu`."""
+    paths = request.config.stash.get(FORK_SERVERS, [])
+    if not paths or request.node.get_closest_marker("exec_workers") or request.node.get_closest_marker("gpu"):
+        monkeypatch.delenv("MILES_FORKSERVER", raising=False)
+    else:
+        monkeypatch.setenv("MILES_FORKSERVER", os.pathsep.join(paths))
+
+
+@pytest.fixture
+def ready_fork_servers(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The session's fork servers, once they serve, in MILES_FORKSERVER; skips when they are turned off."""
+    paths = request.config.stash.get(FORK_SERVERS, [])
+    if not paths:
+        pytest.skip("the suite's fork servers are off (MILES_TEST_FORKSERVER=0)")
+    from miles.wire import fork_client
+
+    assert all(fork_client.wait_ready(p, timeout=180) for p in paths), f"a fork server of {paths} did not come up"
+    monkeypatch.setenv("MILES_FORKSERVER", os.pathsep.join(paths))
+    return paths
+
+
+@pytest.fixture(params=["exec", "fork"])
+def worker_start(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test twice: with workers exec'd, and with workers forked from this process's fork servers."""
+    if request.param == "fork":
+        request.getfixturevalue("ready_fork_servers")
+    else:
+        monkeypatch.delenv("MILES_FORKSERVER", raising=False)
+    return request.param
 
 
 @pytest.fixture(scope="session")

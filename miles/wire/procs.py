@@ -3,6 +3,10 @@
 Every worker starts in its own session (``start_new_session``) so that a kill of its process
 group also ends whatever it spawned (engine servers, compile workers). Descendants that moved to
 yet another session are found through psutil before the kill.
+
+Where ``MILES_FORKSERVER`` names warm fork servers (`miles.wire.forkserver`), a worker is forked from
+one of them instead of exec'd, when the server accepts it; its parent is then the server, not the
+spawner, which is why a worker checks on its spawner with `parent_alive` rather than its parent pid.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from pathlib import Path
 
 import psutil
 
+from miles.wire import fork_client
+
 logger = logging.getLogger(__name__)
 
 LOG_TAIL_LINES = 20
@@ -26,11 +32,11 @@ LOG_TAIL_LINES = 20
 
 @dataclasses.dataclass(slots=True)
 class ChildProcess:
-    """A spawned worker process and where its output goes."""
+    """A spawned worker process and where its output goes (`popen` is a ForkedWorker when it was forked)."""
 
     role: str
     rank: int
-    popen: subprocess.Popen
+    popen: subprocess.Popen | fork_client.ForkedWorker
     log_path: Path
 
     @property
@@ -70,7 +76,8 @@ def visible_devices(worker_gpus: str | None, parent_visible: str | None) -> str 
 
 
 def spawn_worker_process(role: str, rank: int, env: dict[str, str], run_dir: str | os.PathLike) -> ChildProcess:
-    """Start ``python -m miles.workers.main`` with stdout/stderr appended to its per-worker log."""
+    """Start ``python -m miles.workers.main`` with stdout/stderr appended to its per-worker log: forked from a
+    warm server of ``MILES_FORKSERVER`` when one accepts it, exec'd otherwise."""
     log_path = log_path_for(run_dir, role, rank)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
@@ -81,6 +88,11 @@ def spawn_worker_process(role: str, rank: int, env: dict[str, str], run_dir: str
     # the child must import the same miles as this process, whatever its working directory
     package_root = str(Path(__file__).resolve().parents[2])
     full_env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, full_env.get("PYTHONPATH", "")) if p)
+    if os.environ.get(fork_client.SERVERS_ENV):
+        forked = fork_client.fork_worker(full_env, log_path)
+        if forked is not None:
+            logger.info("forked %s:%d pid=%d from %s log=%s", role, rank, forked.pid, forked.server_path, log_path)
+            return ChildProcess(role, rank, forked, log_path)
     with open(log_path, "ab") as log_file:  # the child keeps its own copy of the descriptor
         popen = subprocess.Popen(
             [sys.executable, "-m", "miles.workers.main"],
@@ -238,15 +250,36 @@ def release_resource_tracker() -> None:
         pass
 
 
+def set_parent_death_signal(sig: int = signal.SIGTERM) -> bool:
+    """Ask Linux to send `sig` to this process when its parent exits (PR_SET_PDEATHSIG); False where it cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return False
+    pr_set_pdeathsig = 1
+    return libc.prctl(pr_set_pdeathsig, int(sig), 0, 0, 0) == 0
+
+
+def parent_alive(pid: int) -> bool:
+    """Whether process `pid`, which started this one, still runs.
+
+    An exec'd worker's parent is its spawner; a forked one's is the fork server, so there the spawner counts
+    as alive while a process with its pid runs that is older than this one (a reused pid would be younger)."""
+    if os.getppid() == pid:
+        return True
+    try:
+        spawner = psutil.Process(pid)
+        return spawner.status() != psutil.STATUS_ZOMBIE and spawner.create_time() <= psutil.Process().create_time()
+    except psutil.Error:
+        return False
+
+
 def die_with_parent(expected_ppid: int) -> None:
-    """Ask Linux to SIGTERM this process when its parent dies; exit now if it already has."""
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            pr_set_pdeathsig = 1
-            libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
-        except OSError:
-            logger.warning("prctl(PR_SET_PDEATHSIG) unavailable; relying on the parent-pid poll")
-    if expected_ppid and os.getppid() != expected_ppid:
+    """Ask Linux to SIGTERM this process when its parent dies; exit now if `expected_ppid` is already gone."""
+    if not set_parent_death_signal():
+        logger.warning("prctl(PR_SET_PDEATHSIG) unavailable; relying on the parent-pid poll")
+    if expected_ppid and not parent_alive(expected_ppid):
         logger.error("parent pid %d is already gone; exiting", expected_ppid)
         os._exit(3)

@@ -4,7 +4,9 @@ Reads its identity from the environment (``WorkerEnv``), connects a DEALER to th
 registers (the reply carries the constructor kwargs), builds the Worker, reports ready, then
 serves calls until told to stop. It exits on its own when the controller goes silent for
 ``heartbeat_timeout_s``, when its parent process dies (PR_SET_PDEATHSIG plus a parent-pid poll),
-or on SIGTERM; on the way out it ends everything it spawned.
+or on SIGTERM; on the way out it ends everything it spawned. A worker forked from a warm server
+(`miles.wire.forkserver`) has that server as its parent: it dies with it, and watches its spawner
+(``MILES_PARENT_PID``) by pid.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 import zmq
 
 from miles.utils.misc import load_function
-from miles.wire.procs import die_with_parent, kill_own_descendants
+from miles.wire.procs import die_with_parent, kill_own_descendants, parent_alive
 from miles.wire.router_dealer import DealerEndpoint
 from miles.wire.rpc import run_event_loop
 from miles.workers.base import RpcMethod, Worker, WorkerContext, rpc_methods
@@ -147,7 +149,7 @@ class WorkerHost:
                     f"no message from the controller for {silent_s:.1f} s "
                     f"(heartbeat_timeout_s={self.cfg.heartbeat_timeout_s})",
                 )
-            if self.cfg.parent_pid and os.getppid() != self.cfg.parent_pid:
+            if self.cfg.parent_pid and not parent_alive(self.cfg.parent_pid):
                 self.request_stop(EXIT_CONTROLLER_LOST, f"parent process {self.cfg.parent_pid} died")
             await asyncio.sleep(interval)
 

@@ -135,7 +135,6 @@ def _abort_first_attempt(monkeypatch) -> None:
 def _run(monkeypatch, args: list[str]) -> Path:
     monkeypatch.setenv("MILES_TORCH_THREADS", "1")
     monkeypatch.setenv("MILES_ENGINE_STEP_DELAY_S", "0.05")
-    monkeypatch.setattr("miles.engines.embedded.scheduler.STEP_DELAY_S", 0.05)
     monkeypatch.setenv(FILTER_LOG_ENV, str(Path(args[args.index("--output-dir") + 1]).parent / "filter_calls.txt"))
     abort_attempts.clear()
     _abort_first_attempt(monkeypatch)

@@ -135,6 +135,7 @@ def _kill_after_checkpoint(proc: subprocess.Popen, tmp: Path, timeout_s: float =
 
 
 @pytest.mark.slow
+@pytest.mark.exec_workers  # the workers must be the controller's children: it checks they outlive it not
 def test_sigkill_and_resume_trains_every_prompt_once(tmp_path, monkeypatch) -> None:
     run1 = subprocess.Popen(
         _args(tmp_path, "run1"),

@@ -131,7 +131,8 @@ def test_remote_worker_death_is_reported_by_its_node_agent(tmp_path) -> None:
             infos = await rt.call_all("noop", "whoami")
             assert [i["node"] for i in infos] == [0, 1]
             remote = rt.worker("noop", 1)
-            assert psutil.Process(remote.pid).ppid() == agent.pid  # the agent spawned it, not the controller
+            # the agent spawned it (exec'd as its child, or forked by a fork server at its request), not the controller
+            assert psutil.Process(remote.pid).environ()["MILES_PARENT_PID"] == str(agent.pid)
             pending = asyncio.ensure_future(remote.call("sleep", 60))
             await asyncio.sleep(0.2)
             os.kill(remote.pid, signal.SIGKILL)

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from miles.trainer.checkpoint import latest_complete_checkpoint
 
@@ -39,6 +40,7 @@ def _train_cmd(run_dir: Path, save_dir: Path) -> list[str]:
     return train_command(run_dir, *SMALL_RUN, *flags)
 
 
+@pytest.mark.exec_workers  # the workers must be the controller's children: it checks they all ended
 def test_sigterm_checkpoints_and_the_next_run_resumes(tmp_path) -> None:
     save_dir = tmp_path / "ckpt"
     first = subprocess.Popen(

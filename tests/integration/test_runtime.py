@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from miles.controller.runtime import Runtime
+from miles.wire.fork_client import ForkedWorker
 from miles.wire.procs import run_processes
 from miles.wire.specs import WorkerDied, WorkerSpec
 
@@ -60,10 +61,17 @@ def specs(n: int, **init_kwargs) -> list[WorkerSpec]:
     return [WorkerSpec("noop", i, NOOP, init_kwargs=dict(init_kwargs)) for i in range(n)]
 
 
-def test_worker_sigkilled_mid_call_is_named_and_everything_ends(tmp_path) -> None:
+def assert_started_by(rt: Runtime, worker_start: str) -> None:
+    """Every local worker of `rt` was forked (worker_start "fork") or exec'd ("exec")."""
+    forked = [isinstance(p.child.popen, ForkedWorker) for p in rt._peers.values() if p.child is not None]
+    assert forked and all(f == (worker_start == "fork") for f in forked), forked
+
+
+def test_worker_sigkilled_mid_call_is_named_and_everything_ends(tmp_path, worker_start) -> None:
     async def main():
         rt = await Runtime.start(specs(2), run_dir=str(tmp_path))
         try:
+            assert_started_by(rt, worker_start)
             victim = rt.worker("noop", 1)
             grandchild = await victim.call("spawn_grandchild")
             pids = rt.local_pids() + [grandchild]
@@ -95,12 +103,15 @@ def test_worker_sigkilled_mid_call_is_named_and_everything_ends(tmp_path) -> Non
     run(main())
 
 
-def test_orderly_shutdown_ends_workers_and_grandchildren(tmp_path) -> None:
+def test_orderly_shutdown_ends_workers_and_grandchildren(tmp_path, worker_start) -> None:
     async def main():
         async with await Runtime.start(specs(2, tag="x"), run_dir=str(tmp_path)) as rt:
+            assert_started_by(rt, worker_start)
             assert await rt.call_all("noop", "get_tag") == ["x", "x"]
             grandchildren = await rt.call_all("noop", "spawn_grandchild")
             pids = rt.local_pids() + grandchildren
+            # the run's processes are found by its id, forked ones too (what teardown relies on after a crash)
+            assert set(pids) <= {p.pid for p in run_processes(rt.run_id)}
             children = [p.child for p in rt._peers.values()]
         assert [c.popen.returncode for c in children] == [0, 0]  # they left on request, not by force
         assert rt.failure is None
@@ -124,6 +135,7 @@ def test_hung_worker_is_detected_by_heartbeat(tmp_path) -> None:
     run(main())
 
 
+@pytest.mark.exec_workers  # its leftover check looks among this process's children; forked: test_forkserver.py
 def test_failing_constructor_fails_start_with_traceback(tmp_path) -> None:
     async def main():
         with pytest.raises(WorkerDied) as err:
@@ -179,7 +191,7 @@ CONTROLLER_SCRIPT = textwrap.dedent("""
 """)
 
 
-def start_controller(tmp_path) -> tuple[subprocess.Popen, list[int]]:
+def start_controller(tmp_path, worker_start: str = "exec") -> tuple[subprocess.Popen, list[int]]:
     script = tmp_path / "controller.py"
     script.write_text(CONTROLLER_SCRIPT)
     env = {**os.environ, "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -195,17 +207,20 @@ def start_controller(tmp_path) -> tuple[subprocess.Popen, list[int]]:
         proc.kill()
         pytest.fail("controller subprocess did not start its workers")
     info = json.loads(line)
+    parents = {psutil.Process(pid).ppid() for pid in info["workers"]}
+    assert (parents == {proc.pid}) == (worker_start == "exec"), f"workers' parents {parents}, controller {proc.pid}"
     return proc, info["workers"] + [info["grandchild"]]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
-def test_controller_signalled_leaves_no_process(tmp_path, sig: signal.Signals) -> None:
-    proc, pids = start_controller(tmp_path)
+def test_controller_signalled_leaves_no_process(tmp_path, sig: signal.Signals, worker_start) -> None:
+    proc, pids = start_controller(tmp_path, worker_start)
     try:
         assert all(psutil.pid_exists(p) for p in pids)
         proc.send_signal(sig)
         proc.wait(timeout=30)
-        # SIGKILL: the workers notice by themselves (parent-death signal / heartbeat silence);
+        # SIGKILL: the workers notice by themselves (parent-death signal, or a forked one's poll of the controller's
+        # pid, or heartbeat silence);
         # SIGTERM / Ctrl-C: the controller tears down before exiting
         assert wait_all_gone(pids, timeout_s=20.0) == []
     finally:

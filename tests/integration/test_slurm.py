@@ -22,6 +22,8 @@ from harness import REPO as REPO_ROOT
 from harness import SMALL_RUN as TINY
 from harness import train_env
 
+pytestmark = pytest.mark.exec_workers  # a Slurm step's workers belong to the step, not to a fork server
+
 ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED"}
 
 

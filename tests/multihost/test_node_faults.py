@@ -18,7 +18,10 @@ import pytest
 from multihost_run import TWO_NODE_DEMO, NodeRun, job_env, outputs, start_torchrun, train_rows, wait_all, wait_for_step
 from netns_hosts import Host
 
-pytestmark = pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
+pytestmark = [
+    pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH"),
+    pytest.mark.exec_workers,  # the hosts are network namespaces: no fork server there
+]
 
 # The property is "the loss is detected and node 1 named", not "it takes N seconds": a short time-out keeps
 # the test's wait short. Workers import and build off their event loop, so a healthy worker's heartbeat holes

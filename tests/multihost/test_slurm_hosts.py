@@ -23,6 +23,8 @@ from multihost_run import REPO, job_env, train_rows
 from netns_hosts import HostGroup
 from slurm_hosts import SlurmCluster, slurm_problem
 
+pytestmark = pytest.mark.exec_workers  # the hosts are network namespaces: no fork server there
+
 TINY = list(SMALL_RUN)
 DEMO = "launch/configs/demo_cpu.yaml"
 

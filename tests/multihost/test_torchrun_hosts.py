@@ -17,7 +17,10 @@ import pytest
 from multihost_run import TWO_NODE_DEMO, job_env, outputs, start_torchrun, train_rows, wait_all
 from netns_hosts import SUBNET
 
-pytestmark = pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
+pytestmark = [
+    pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH"),
+    pytest.mark.exec_workers,  # the hosts are network namespaces: no fork server there
+]
 
 PY_CONNECT = (
     "import socket, sys; s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3); "

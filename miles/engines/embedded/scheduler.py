@@ -45,8 +45,9 @@ from miles.true_on_policy.scoring import scaled_log_softmax
 
 logger = logging.getLogger(__name__)
 
-# Seconds slept after every engine step (0: off); set by tests and benches through the environment.
-STEP_DELAY_S = float(os.environ.get("MILES_ENGINE_STEP_DELAY_S", "0") or 0)
+# Seconds slept after every engine step (0: off); set by tests and benches through the environment, read when
+# a scheduler is built (not at import: a worker forked from a warm server imported this module long before).
+STEP_DELAY_ENV = "MILES_ENGINE_STEP_DELAY_S"
 
 
 class Scheduler:
@@ -81,6 +82,7 @@ class Scheduler:
         self._last_compute_s = 0.0
         self.lookahead = lookahead
         self._lookahead: Lookahead | None = None
+        self.step_delay_s = float(os.environ.get(STEP_DELAY_ENV, "0") or 0)
         self._sampling_cache: tuple[list[SamplingParams], SamplingBatch] | None = None
         self.lookahead_used = 0  # decode steps served by a lookahead (tests and benches read these)
         self.lookahead_dropped = 0
@@ -214,8 +216,8 @@ class Scheduler:
             await asyncio.sleep(0)  # let the loop serve other work between inline steps
         if not prefill:
             self._decode_step_s = 0.8 * self._decode_step_s + 0.2 * self._last_compute_s
-        if STEP_DELAY_S > 0:  # tests/benches: make generation dominate like on a GPU, without using CPU
-            await asyncio.sleep(STEP_DELAY_S)
+        if self.step_delay_s > 0:  # tests/benches: make generation dominate like on a GPU, without using CPU
+            await asyncio.sleep(self.step_delay_s)
         return result
 
     def _reap_aborted(self) -> None:
