@@ -161,6 +161,8 @@ OWN_FORK_SERVERS = pytest.StashKey[tuple]()  # (their directory, their processes
 def _start_fork_servers(config: pytest.Config) -> list[str]:
     if os.environ.get("MILES_TEST_FORKSERVER") == "0" or config.option.help or config.option.collectonly:
         return []
+    if (config.option.markexpr or "").strip() == "gpu":  # the GPU host's `-m gpu` runs: gpu tests never fork
+        return []
     if os.environ.get("MILES_FORKSERVER"):
         return os.environ["MILES_FORKSERVER"].split(os.pathsep)
     from miles.wire import fork_client
