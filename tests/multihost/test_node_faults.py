@@ -18,6 +18,8 @@ import pytest
 from multihost_run import TWO_NODE_DEMO, NodeRun, job_env, outputs, start_torchrun, train_rows, wait_all, wait_for_step
 from netns_hosts import Host
 
+from miles.trainer.checkpoint_layout import complete_checkpoint_steps
+
 pytestmark = [
     pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH"),
     pytest.mark.exec_workers,  # the hosts are network namespaces: no fork server there
@@ -69,6 +71,12 @@ def test_lost_node_stops_the_run_and_the_relaunch_resumes(hosts, tmp_path) -> No
     out_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
     save = ["--save", str(ckpt), "--save-interval", "1"]
     runs = _start_long_run(hosts, out_dir, *save)
+    # saves are asynchronous: a step's row can be logged while no checkpoint is complete yet, and a kill then
+    # leaves nothing to resume from; the property needs one complete checkpoint before the node is lost
+    deadline = time.monotonic() + 120
+    while not complete_checkpoint_steps(str(ckpt)):
+        assert time.monotonic() < deadline, f"no complete checkpoint in 120 s\n{outputs(runs)}"
+        time.sleep(0.1)
     killed_at = time.monotonic()
     assert h1.kill_all(), "no process on host 1 to kill"
     stop_s = _assert_stopped_naming_node1(runs, killed_at)

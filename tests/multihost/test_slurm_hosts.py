@@ -105,7 +105,9 @@ def test_requeued_job_resumes_on_the_other_host(cluster, tmp_path) -> None:
     requeues itself, starts again on the other host and resumes from the checkpoint."""
     run_dir = tmp_path / "train"
     num_rollout = 6
-    env = _env(tmp_path, MILES_RUN_DIR=str(run_dir))
+    # each engine step waits 0.1 s, so the USR1 sent after the first step lands well before the last one
+    # (on a fast machine the six tiny steps could all end before the signal made its way to the controller)
+    env = _env(tmp_path, MILES_RUN_DIR=str(run_dir), MILES_ENGINE_STEP_DELAY_S="0.1")
     job = cluster.submit(
         ["sbatch", "--parsable", "-N", "1", "slurm/train.sbatch", DEMO, *TINY, "--num-rollout", str(num_rollout)],
         env,
