@@ -276,12 +276,14 @@ def test_fp8_weight_quant_kernel_matches_the_torch_form():
 
 
 @needs_kernels
-def test_fp8_activation_quant_kernel_pads_rows_and_lays_scales_out_outer_dim_major():
-    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).to(DEVICE)
+@pytest.mark.parametrize("m", [5, 37])  # within one tile of rows; across three, the last one partial
+def test_fp8_activation_quant_kernel_pads_rows_and_lays_scales_out_outer_dim_major(m):
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).to(DEVICE)
     q, s = fp8_triton.quantize_activation(x, pad_to=4)
-    assert q.shape == (8, 256) and s.shape == (8, 2) and s.stride() == (1, 8)
+    m_pad = -(-m // 4) * 4
+    assert q.shape == (m_pad, 256) and s.shape == (m_pad, 2) and s.stride() == (1, m_pad)
     q_ref, s_ref = fp8.quantize_activation(x.cpu())
-    torch.testing.assert_close(s[:5].cpu(), s_ref, rtol=1e-6, atol=0)
+    torch.testing.assert_close(s[:m].cpu(), s_ref, rtol=1e-6, atol=0)
     if DEVICE.type == "cuda":
-        assert _fp8_agree(q[:5].cpu(), q_ref) > 0.999
-    assert (q[5:].float() == 0).all()  # padded rows carry zeros, not stale memory
+        assert _fp8_agree(q[:m].cpu(), q_ref) > 0.999
+    assert (q[m:].float() == 0).all()  # padded rows carry zeros, not stale memory

@@ -15,20 +15,24 @@ from miles.engines.embedded.triton_ops import available
 
 E4M3_MAX = 448.0
 GROUP = 128
+ACT_BLOCK_M = 16  # rows a program of the activation quantization takes
 
 if triton is not None:
 
     @triton.jit
-    def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, M_pad, K, GROUP: tl.constexpr):
-        """Row m, group g: q[m, g*128:(g+1)*128] = x / s, s[g * M_pad + m] = amax / 448 (rows >= M: zeros)."""
-        m = tl.program_id(0).to(tl.int64)
-        g = tl.program_id(1).to(tl.int64)
-        cols = g * GROUP + tl.arange(0, GROUP)
-        x = tl.load(x_ptr + m * K + cols, mask=(cols < K) & (m < M), other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / 448.0
-        q = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
-        tl.store(q_ptr + m * K + cols, q.to(q_ptr.dtype.element_ty), mask=cols < K)
-        tl.store(s_ptr + g * M_pad + m, scale)
+    def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, M_pad, K, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
+        """Rows [p*BLOCK_M, (p+1)*BLOCK_M), group g: q = x / s per row, s[g * M_pad + m] = amax / 448 (rows in
+        [M, M_pad): zeros). A tile of rows per program: one row's group is only 256 bytes, and the tile's
+        scales are one contiguous store."""
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1).to(tl.int64) * GROUP + tl.arange(0, GROUP)
+        offs = rows[:, None] * K + cols[None, :]
+        x = tl.load(x_ptr + offs, mask=(rows[:, None] < M) & (cols[None, :] < K), other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
+        q = tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0)
+        kept = rows < M_pad
+        tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=kept[:, None] & (cols[None, :] < K))
+        tl.store(s_ptr + tl.program_id(1).to(tl.int64) * M_pad + rows, scale, mask=kept)
 
     @triton.jit
     def _weight_quant_kernel(w_ptr, q_ptr, s_ptr, N, K, KB, BLOCK: tl.constexpr):
@@ -59,7 +63,8 @@ def quantize_activation(x: torch.Tensor, pad_to: int = 1) -> tuple[torch.Tensor,
     x = x.contiguous()
     q = torch.empty((M_pad, K), dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty((G, M_pad), dtype=torch.float32, device=x.device)
-    _act_quant_kernel[(M_pad, G)](x, q, scales, M, M_pad, K, GROUP=GROUP)
+    block_m = min(ACT_BLOCK_M, triton.next_power_of_2(M_pad))
+    _act_quant_kernel[(triton.cdiv(M_pad, block_m), G)](x, q, scales, M, M_pad, K, GROUP=GROUP, BLOCK_M=block_m)
     return q, scales.t()
 
 
