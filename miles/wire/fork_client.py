@@ -271,6 +271,12 @@ def _report_fallback(reason: str) -> None:
         logger.info("worker exec'd instead of forked: %s", reason)
 
 
+def with_miles_on_path(env: dict[str, str]) -> dict[str, str]:
+    """`env` with this checkout of miles first on PYTHONPATH: a worker (and a fork server standing in for one)
+    imports the same miles as its spawner, whatever its working directory."""
+    return {**env, "PYTHONPATH": os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH", "")) if p)}
+
+
 def start(
     path: str,
     env: dict[str, str] | None = None,
@@ -281,8 +287,7 @@ def start(
 
     `env` (default: this process's) is the environment it compares workers against, with this checkout of
     miles first on PYTHONPATH as `spawn_worker_process` puts it for workers; `preload` replaces its list."""
-    env = dict(os.environ if env is None else env)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH", "")) if p)
+    env = with_miles_on_path(dict(os.environ if env is None else env))
     if preload is not None:
         env["MILES_FORKSERVER_PRELOAD"] = ",".join(preload)
     log = open(log_path, "ab") if log_path is not None else subprocess.DEVNULL  # the child keeps its own copy

@@ -85,9 +85,7 @@ def spawn_worker_process(role: str, rank: int, env: dict[str, str], run_dir: str
         full_env["CUDA_VISIBLE_DEVICES"] = visible_devices(
             env["CUDA_VISIBLE_DEVICES"], os.environ.get("CUDA_VISIBLE_DEVICES")
         )
-    # the child must import the same miles as this process, whatever its working directory
-    package_root = str(Path(__file__).resolve().parents[2])
-    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, full_env.get("PYTHONPATH", "")) if p)
+    full_env = fork_client.with_miles_on_path(full_env)
     if os.environ.get(fork_client.SERVERS_ENV):
         forked = fork_client.fork_worker(full_env, log_path)
         if forked is not None:
