@@ -71,8 +71,7 @@ def test_lost_node_stops_the_run_and_the_relaunch_resumes(hosts, tmp_path) -> No
     out_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
     save = ["--save", str(ckpt), "--save-interval", "1"]
     runs = _start_long_run(hosts, out_dir, *save)
-    # saves are asynchronous: a step's row can be logged while no checkpoint is complete yet, and a kill then
-    # leaves nothing to resume from; the property needs one complete checkpoint before the node is lost
+    # the property needs a complete checkpoint to resume from before the node is lost
     deadline = time.monotonic() + 120
     while not complete_checkpoint_steps(str(ckpt)):
         assert time.monotonic() < deadline, f"no complete checkpoint in 120 s\n{outputs(runs)}"
@@ -81,16 +80,19 @@ def test_lost_node_stops_the_run_and_the_relaunch_resumes(hosts, tmp_path) -> No
     assert h1.kill_all(), "no process on host 1 to kill"
     stop_s = _assert_stopped_naming_node1(runs, killed_at)
     trained = [r["step"] for r in train_rows(out_dir)]
+    # a step is saved before its row is logged (save, push, eval, row), so the last complete checkpoint may be
+    # of a step whose row the loss cut off
+    last_saved = complete_checkpoint_steps(str(ckpt))[-1]
 
     # the relaunch (what a requeue does) resumes from the last complete checkpoint and finishes
-    total = trained[-1] + 3
+    total = max(trained[-1], last_saved) + 3
     flags = [*TWO_NODE_DEMO, *HEARTBEAT, "--num-rollout", str(total), *save, "--auto-resume"]
     runs2 = start_torchrun(hosts, out_dir, flags, job_env())
     assert wait_all(runs2, timeout_s=300) == [0, 0], outputs(runs2)
     resumed = [line for line in runs2[0].output().splitlines() if "resumed from" in line]
     assert len(resumed) == 1, outputs(runs2)
     start = int(resumed[0].rsplit("at rollout ", 1)[1])
-    assert 1 <= start <= trained[-1] + 1, resumed[0]
+    assert start == last_saved + 1 and start <= trained[-1] + 2, resumed[0]
     after = [r["step"] for r in train_rows(out_dir)][len(trained) :]
     assert after == list(range(start, total)), after
     print(f"node lost: stopped {stop_s:.1f} s after the kill (heartbeat time-out {HEARTBEAT_TIMEOUT_S} s)")
