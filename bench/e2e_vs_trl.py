@@ -18,7 +18,8 @@ The long job forces every response to exactly `--long-tokens` tokens on both sid
 The gsm job is `launch/configs/qwen25_gsm_0.5b_gpu.yaml`'s: the GSM-symbolic training variants
 (`launch/data/gsm_symbolic/train.jsonl`), up to `--long-tokens` new tokens ending at the model's own
 end-of-turn token, temperature 1.0, graded by the math rule (`\boxed{}` or `#### N`) on both sides;
-default model `qwen25-coder-0.5b:` (any spec `miles train` takes, e.g. `gguf:PATH`).
+default model `qwen25-coder-0.5b:` (any spec `miles train` takes, e.g. `gguf:PATH`). Its miles side
+trains as the recipe does: micro-batches of up to 32,768 tokens, `--compile` on CUDA.
 
 Ends with one JSON line: job, device, miles_step_s, trl_step_s, ratio (miles / TRL, medians of
 the steps after the first, over all seeds), miles_startup_s and trl_startup_s (process launch to
@@ -33,6 +34,8 @@ the short job on one H200): the learning fields then come from that file, and no
 `--stream K` reruns a seed with independent samples on the same prompts (both sides' random seeds shift),
 and `--pool FILE...` runs nothing: it pairs every stored per-seed line of both sides, each side averaged
 over its streams of a seed, and prints miles' minus TRL's last-five reward with its 95% t-interval.
+`--concurrent N` runs up to N of a call's runs at once (TRL's 100 s steps on the gsm job make three seeds
+one after the other longer than a call): the learning fields only, as the runs share the device.
 """
 
 from __future__ import annotations
@@ -41,12 +44,14 @@ import argparse
 import json
 import os
 import random
+import re
 import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,10 +62,22 @@ REWARD = {
     "long": "miles.recipes.arith.reward_steps",
     "gsm": "miles.recipes.gsm_symbolic.reward",
 }
+TIMING_FIELD = re.compile(r"step_s|startup|phases|ratio")
 TEMPERATURE = {"short": 0.8, "long": 0.8, "gsm": 1.0}
 # what only a run reads: refused beside --pool, which runs nothing
 POOL_IGNORES = (
-    *("seeds", "first_seed", "stream", "steps", "prompts", "samples", "sides", "miles_extra", "trl_rewards"),
+    *(
+        "seeds",
+        "first_seed",
+        "stream",
+        "steps",
+        "prompts",
+        "samples",
+        "sides",
+        "miles_extra",
+        "trl_rewards",
+        "concurrent",
+    ),
     *("long_tokens", "model", "work_dir", "timeout_s"),
 )
 STREAM_STRIDE = 7919  # --stream K adds STREAM_STRIDE * K to every random seed of both sides
@@ -113,6 +130,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="run nothing: pool stored per-seed lines of --job (and --device, when given) (e.g. "
         "bench/results/e2e_vs_trl_short_*_seeds.jsonl) into miles' minus TRL's last-five reward seed by seed, "
         "each side averaged over its streams, with the mean and its 95%% t-interval",
+    )
+    p.add_argument(
+        "--concurrent",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run up to N of the call's (side, seed) runs at once on the one device: for the learning fields "
+        "only (the runs share the GPU, so no step time, ratio or start-up is printed); mind the GPU's memory "
+        "(e.g. --miles-extra '--max-tokens-per-gpu 8192') and the host's (default 1: one after the other)",
     )
     p.add_argument("--work-dir", default=None)
     p.add_argument("--timeout-s", type=float, default=900.0, help="per side and seed")
@@ -248,7 +274,7 @@ def miles_command(
         "0.999",
         "--use-dynamic-batch-size",
         "--max-tokens-per-gpu",
-        "16384",
+        str(max_tokens_per_gpu(args)),
         "--rollout-num-engines",
         "1",
         "--max-running-requests",
@@ -262,7 +288,14 @@ def miles_command(
         str(out_dir),
         "--no-progress-bar",
     ]
+    if args.job == "gsm" and device == "cuda":
+        cmd.append("--compile")  # as the recipe trains (qwen25_gsm_0.5b_gpu.yaml)
     return cmd + shlex.split(args.miles_extra)
+
+
+def max_tokens_per_gpu(args: argparse.Namespace) -> int:
+    """The micro-batch bound of the update: the gsm recipe's (32,768), 16,384 for the arithmetic jobs."""
+    return 32768 if args.job == "gsm" else 16384
 
 
 def run_miles(args: argparse.Namespace, model: str, data: Path, work: Path, seed: int, device: str) -> dict:
@@ -552,6 +585,11 @@ def summary(args: argparse.Namespace, device: str, miles: list[dict], trl: list[
     return line
 
 
+def learning_fields(line: dict, concurrent: int) -> dict:
+    """A summary of runs that shared the device: their times say nothing about either side alone."""
+    return {k: v for k, v in line.items() if not TIMING_FIELD.search(k)} | {"concurrent": concurrent}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.trl_worker:
@@ -567,14 +605,23 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     model = resolve_model(args, device)
     data = job_data(args, work)
-    miles, trl = [], []
-    runners = {"miles": (run_miles, miles), "trl": (run_trl, trl)}
-    for seed in range(args.first_seed, args.first_seed + args.seeds):
-        for side in args.sides:
-            run, results = runners[side]
-            results.append(run(args, model, seed_data(args, data, work, seed), work, seed, device))
-            print(json.dumps(_seed_line(side, seed, args.stream, results[-1])), flush=True)
+    runners = {"miles": run_miles, "trl": run_trl}
+    jobs = [(side, seed) for seed in range(args.first_seed, args.first_seed + args.seeds) for side in args.sides]
+    seeded = {seed: seed_data(args, data, work, seed) for _, seed in jobs}
+
+    def one(job: tuple[str, int]) -> dict:
+        side, seed = job
+        result = runners[side](args, model, seeded[seed], work, seed, device)
+        print(json.dumps(_seed_line(side, seed, args.stream, result)), flush=True)
+        return result
+
+    with ThreadPoolExecutor(max_workers=max(1, args.concurrent)) as pool:  # one at a time unless --concurrent
+        results = dict(zip(jobs, pool.map(one, jobs), strict=True))
+    miles = [r for (side, _), r in results.items() if side == "miles"]
+    trl = [r for (side, _), r in results.items() if side == "trl"]
     line = summary(args, device, miles, trl)
+    if args.concurrent > 1:
+        line = learning_fields(line, args.concurrent)
     if stored is not None:
         line |= {"trl_rewards_from": args.trl_rewards, "trl_reward_last5": _last5(stored)} | paired_last5(
             miles, stored

@@ -109,3 +109,20 @@ def test_pool_keeps_one_device(tmp_path):
         bench.pool_lines(bench.parse_args(["--pool", str(path)]))
     kept = bench.pool_lines(bench.parse_args(["--pool", str(path), "--device", "cpu"]))
     assert bench.pooled_last5(kept)["reward_last5_diff_mean"] == pytest.approx(0.2)
+
+
+def test_runs_that_shared_the_device_report_learning_only():
+    args = bench.parse_args(["--steps", "3", "--seeds", "2"])
+    run = {"steps": [1.0, 2.0, 3.0], "rewards": [0.1, 0.2, 0.3], "startup_s": 5.0, "startup_phases": {}}
+    miles = [run | {"phases": {"generate": [1.0] * 3}, "command": "miles train"}] * 2
+    trl = [run | {"phases": {"generate": [2.0] * 3}}] * 2
+    line = bench.learning_fields(bench.summary(args, "cuda", miles, trl), 3)
+    assert line["concurrent"] == 3 and line["reward_last5_diff"] == pytest.approx([0.0, 0.0])
+    assert not [k for k in line if "step_s" in k or "startup" in k or "phases" in k or k == "ratio"]
+
+
+def test_the_gsm_jobs_miles_side_trains_as_the_recipe_does(tmp_path):
+    args = bench.parse_args(["--job", "gsm", "--steps", "3"])
+    cmd = bench.miles_command(args, "m", tmp_path / "d.jsonl", tmp_path, 0, "cuda")
+    assert cmd[cmd.index("--max-tokens-per-gpu") + 1] == "32768" and "--compile" in cmd
+    assert "--compile" not in bench.miles_command(args, "m", tmp_path / "d.jsonl", tmp_path, 0, "cpu")
