@@ -133,9 +133,8 @@ class TrainerWorker(Worker):
         if self._flops_shape is None or self._peak_flops is None:
             return {}
         gpus_per_replica = max(1, dist.get_world_size() // self.backend.dp_size)
-        flops = train_flops(
-            shard.seq_lens, self._flops_shape, head_rows=shard.response_lengths
-        )  # logits: response rows
+        # the trainer computes logits for the positions that predict a response token only
+        flops = train_flops(shard.seq_lens, self._flops_shape, head_rows=shard.response_lengths)
         mfu = update_mfu(flops, update_s, self._peak_flops, gpus_per_replica)
         return {} if mfu is None else {"perf/train/mfu": mfu}
 
