@@ -51,6 +51,7 @@ def check_start(cfg: MilesConfig, *, scan_load_weights: bool = True) -> tuple[La
         raise PreflightError(str(e)) from None
     check_resume_checkpoint(cfg.train, scan_weights=scan_load_weights)
     check_plugin_paths(cfg)  # every plug-in imports once here: a bad path costs no worker start-up
+    check_data_paths(cfg)  # the files are read while the workers start; one that is not there stops nothing
     check_train_backend(cfg, placement)
     return le, machine
 
@@ -294,6 +295,19 @@ class RunData:
 
     prompts: DataSource
     eval_sets: dict[str, JsonlDataSource]
+
+
+def check_data_paths(cfg: MilesConfig) -> None:
+    """The prompt and eval files exist: their contents are read beside the workers' start-up, but a path that
+    names no file is refused before any worker starts, as the reader would refuse it."""
+    paths: list[tuple[str, str]] = []
+    if cfg.data.prompt_data and not cfg.data.data_source_path:  # a custom source reads what it likes
+        paths.append(("prompt data", cfg.data.prompt_data))
+    if wants_eval_data(cfg) and len(cfg.eval.eval_prompt_data) % 2 == 0:  # a bad pairing is refused on reading
+        paths += [(f"eval data {name!r}:", path) for name, path in parse_eval_datasets(cfg.eval.eval_prompt_data)]
+    for what, path in paths:
+        if not Path(path).is_file():
+            raise PreflightError(f"{what} {path!r} does not exist or is not a file; check the path")
 
 
 def parse_eval_datasets(items: list[str]) -> list[tuple[str, str]]:

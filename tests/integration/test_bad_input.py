@@ -1,7 +1,8 @@
 """Bad input and faults a new user meets, each refused or reported in one line naming the fix.
 
 Refused at start-up (`miles train` exits 2): before any worker starts (no worker log exists), a
-`--load` that does not exist, a `--save` that cannot be written, a plug-in path that does not import;
+`--load` that does not exist, a `--save` that cannot be written, prompt or eval data that names no file,
+a plug-in path that does not import;
 while the workers start (data is read beside their start-up, and they are stopped: none is left),
 prompt or eval data that is not UTF-8 and a prompt over the limit with `--refuse-long-prompts`. Handled in a run: too-long prompts
 and huge rows are skipped and counted (the run goes past the step that would have drawn them),
@@ -97,6 +98,11 @@ def _refusal_case(case: str, tmp: Path) -> tuple[list[str], str]:
             "digits",
             str(data),
         ], f"{data}:1: not UTF-8 (byte 0xfe at column 1)"
+    if case == "prompt_missing":
+        return ["--prompt-data", str(tmp / "none.jsonl")], f"prompt data '{tmp / 'none.jsonl'}' does not exist"
+    if case == "eval_missing":
+        flags = ["--eval-interval", "5", "--eval-prompt-data", "digits", str(tmp / "none.jsonl")]
+        return flags, f"eval data 'digits': '{tmp / 'none.jsonl'}' does not exist or is not a file; check the path"
     if case in ("reward_plugin_missing", "loss_plugin_missing"):  # one loaded by the controller, one by the trainer
         flag = "--custom-rm-path" if case == "reward_plugin_missing" else "--custom-loss-function-path"
         return [flag, "nope.mod:fn"], f"{flag} 'nope.mod:fn' does not load: cannot import module 'nope.mod'"
@@ -116,6 +122,8 @@ DATA_CASES = ("prompt_not_utf8", "eval_not_utf8", "long_prompt_refused")
     [
         "load_missing",
         "save_not_creatable",
+        "prompt_missing",
+        "eval_missing",
         "prompt_not_utf8",
         "eval_not_utf8",
         "long_prompt_refused",

@@ -70,8 +70,11 @@ def test_train_without_loop_module(monkeypatch, capsys):
     assert "miles train: the training loop is not available yet" in capsys.readouterr().err
 
 
-def test_train_dispatches_sync_and_async(monkeypatch):
+def test_train_dispatches_sync_and_async(monkeypatch, tmp_path):
     seen = {}
+    prompts = tmp_path / "p.jsonl"  # names a file: a missing one is refused before any loop starts
+    prompts.write_text("")
+    train = ["train", *minimal_train_args(num_rollout=2, prompt_data=str(prompts))]
 
     def sync_run(cfg):
         seen["sync"] = cfg
@@ -87,13 +90,13 @@ def test_train_dispatches_sync_and_async(monkeypatch):
     monkeypatch.setattr(
         "miles.models.resolve.resolve_model_paths", lambda model, seed: seen.setdefault("model", model)
     )
-    assert main(TRAIN) == 0
+    assert main(train) == 0
     cfg = seen["sync"]
     assert seen["model"] is cfg.model
     assert cfg.rollout.rollout_batch_size == 4 and "async" not in seen
     saved = yaml.safe_load((Path(cfg.runtime.output_dir) / "config.yaml").read_text())
     assert saved["rollout"]["global_batch_size"] == 4 and saved["model"]["hf_checkpoint"] == "/m"
-    assert main([*TRAIN, "--fully-async"]) == 0
+    assert main([*train, "--fully-async"]) == 0
     assert seen["async"].async_.fully_async is True
 
 

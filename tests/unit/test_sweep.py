@@ -13,7 +13,7 @@ import yaml
 from miles.cli import main
 from miles.sweep import expand, load_sweep
 
-BASE = {"hf_checkpoint": "/m", "prompt_data": "/p.jsonl", "rm_type": "math", "num_rollout": 2, "rollout_batch_size": 4}
+BASE = {"hf_checkpoint": "/m", "prompt_data": "p.jsonl", "rm_type": "math", "num_rollout": 2, "rollout_batch_size": 4}
 
 
 def write_sweep(tmp_path, **body) -> str:
@@ -25,6 +25,7 @@ def write_sweep(tmp_path, **body) -> str:
 @pytest.fixture(autouse=True)
 def _in_tmp(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # default run directories (runs/...) land here
+    (tmp_path / "p.jsonl").write_text("")  # BASE's prompts: a path that names no file is refused at start-up
 
 
 @pytest.fixture
@@ -87,7 +88,7 @@ def test_task_id_defaults_to_slurm_array_index(tmp_path, trained, monkeypatch):
 
 
 def test_base_config_file_relative_to_the_sweep_file(tmp_path, trained, monkeypatch):
-    (tmp_path / "base.yaml").write_text(yaml.safe_dump({**BASE, "lr": 0.5}))
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump({**BASE, "prompt_data": str(tmp_path / "p.jsonl"), "lr": 0.5}))
     path = write_sweep(tmp_path, base="base.yaml", grid={"eps_clip": [0.1, 0.3]})
     monkeypatch.chdir(tmp_path.parent)  # not where the base file is
     assert main(["sweep", path, "--task-id", "1"]) == 0
