@@ -27,7 +27,9 @@ def _cfg(tmp_path: Path, *flags: str):
     model = tmp_path / "model"
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
-    base = ["--hf-checkpoint", str(model), "--prompt-data", "p.jsonl", "--rm-type", "math"]
+    prompts = tmp_path / "p.jsonl"  # a prompt file that is not there is refused by check_start
+    prompts.touch()
+    base = ["--hf-checkpoint", str(model), "--prompt-data", str(prompts), "--rm-type", "math"]
     return load_config([*base, "--num-rollout", "1", "--rollout-batch-size", "4", *flags])
 
 
