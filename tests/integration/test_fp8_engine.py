@@ -18,17 +18,22 @@ from miles.weights.receiver import WeightReceiver
 from miles.workers.rollout_worker import embedded_options
 
 torch.set_num_threads(1)
-# every projection a whole number of 128-row blocks (k/v: 2 heads x 64), as in real checkpoints
-SHAPE = {"hidden": 256, "heads": 4, "kv_heads": 2, "intermediate": 256, "layers": 2}
+SHAPES = {
+    # every projection a whole number of 128-row blocks (k/v: 2 heads x 64), as in most real checkpoints
+    "whole_blocks": {"hidden": 256, "heads": 4, "kv_heads": 2, "intermediate": 256, "layers": 2},
+    # SmolLM2's kind: q 192 rows, k and v 64, gate and up 320, hidden 192 (no part and no K in whole blocks)
+    "partial_blocks": {"hidden": 192, "heads": 3, "kv_heads": 1, "intermediate": 320, "layers": 2},
+}
 
 
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
+@pytest.fixture(scope="module", params=list(SHAPES))
+def dirs(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("fp8")
-    bf16 = make_tiny_model(str(root / "bf16"), arch="qwen2", init_std=0.02, seed=0, **SHAPE)
-    other = make_tiny_model(str(root / "other"), arch="qwen2", init_std=0.02, seed=1, **SHAPE)
+    shape = SHAPES[request.param]
+    bf16 = make_tiny_model(str(root / "bf16"), arch="qwen2", init_std=0.02, seed=0, **shape)
+    other = make_tiny_model(str(root / "other"), arch="qwen2", init_std=0.02, seed=1, **shape)
     assert miles_main(["convert", "fp8", bf16, str(root / "fp8")]) == 0
-    return {"bf16": bf16, "other": other, "fp8": str(root / "fp8")}
+    return {"bf16": bf16, "other": other, "fp8": str(root / "fp8"), "shape": shape}
 
 
 def _run(path: str, body, **kwargs):
@@ -40,10 +45,9 @@ def test_the_converted_checkpoint_holds_e4m3_blocks_and_its_config_says_so(dirs)
     assert config["quantization_config"] == fp8.QUANT_CONFIG
     tensors = dict(iter_safetensors(dirs["fp8"]))
     q = tensors["model.layers.0.self_attn.q_proj.weight"]
-    assert q.dtype == torch.float8_e4m3fn and tensors["model.layers.0.self_attn.q_proj.weight_scale_inv"].shape == (
-        2,
-        2,
-    )
+    blocks = -(-dirs["shape"]["hidden"] // 128)  # q is [hidden, hidden]: its blocks, partial ones included
+    assert q.dtype == torch.float8_e4m3fn
+    assert tensors["model.layers.0.self_attn.q_proj.weight_scale_inv"].shape == (blocks, blocks)
     assert tensors["model.embed_tokens.weight"].dtype != torch.float8_e4m3fn  # not a linear layer: kept
     assert os.path.exists(os.path.join(dirs["fp8"], "tokenizer.json"))
 

@@ -133,3 +133,37 @@ def test_the_quant_error_check_sends_sketches_not_digests_and_names_a_mismatch()
     assert good.calls[0]["sketches"] is sketches and "digests" not in good.calls[0]
     with pytest.raises(verify.WeightMismatchError, match="mismatched: w"):
         asyncio.run(verify.check_engines([bad], {}, "xxh3-128", sketches=sketches))
+
+
+def test_fused_parts_off_block_boundaries_each_own_their_blocks():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(192, 200), torch.randn(64, 200) * 5, torch.randn(64, 200) * 0.1
+    fused = torch.cat([q, k, v])
+    parts = [(0, 192), (192, 256), (256, 320)]
+    w, starts = fp8.Fp8Weight.from_parts(fused, parts)
+    assert starts == [0, 256, 384] and w.q.shape == (512, 200) and w.shape == (320, 200)
+    # each part quantizes exactly as on its own: no block mixes rows of two parts (k's scale is not q's)
+    for (a, b), start, part in zip(parts, starts, (q, k, v), strict=True):
+        alone = fp8.dequantize_weight(*fp8.quantize_weight(part))
+        assert torch.equal(w[start : start + b - a].dequantize(), alone)
+    x = torch.randn(3, 200)
+    out = fp8.linear(x, w)  # the GEMM keeps the projection's 320 outputs, in the fused order
+    assert out.shape == (3, 320)
+    exact = x @ fused.t()
+    for a, b in parts:  # every part within e4m3's few percent of its exact product
+        assert (out[:, a:b] - exact[:, a:b]).norm() < 0.05 * exact[:, a:b].norm()
+    # a push of one part requantizes its own rows and blocks and leaves the others as they were
+    before = w.dequantize()
+    w[starts[1] : starts[1] + 64].copy_(k * 2)
+    after = w.dequantize()
+    assert torch.equal(after[:192], before[:192]) and torch.equal(after[256:], before[256:])
+    assert torch.equal(after[192:256], fp8.dequantize_weight(*fp8.quantize_weight(k * 2)))
+
+
+def test_activations_with_a_partial_last_group_are_quantized_too():
+    x = torch.randn(4, 200)
+    xq, xs = fp8.quantize_activation(x)
+    assert xq.shape == (4, 200) and xs.shape == (4, 2)
+    torch.testing.assert_close(xs[:, 1], x[:, 128:].abs().amax(dim=1) / fp8.E4M3_MAX)
+    back = xq.float() * xs.repeat_interleave(128, 1)[:, :200]
+    assert (back - x).abs().max() <= x.abs().max() / 15

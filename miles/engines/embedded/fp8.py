@@ -7,10 +7,12 @@ The checkpoint format is the one Miles' FP8 rollouts read (DeepSeek-V3's): confi
 Quantized: the decoder's linear layers (q/k/v/o, gate/up/down); embeddings, norms, biases and the LM
 head stay in the model dtype.
 
-GEMM: activations are quantized per token and group of 128 channels, dynamically (scale = amax / 448).
+GEMM: activations are quantized per token and group of 128 channels, dynamically (scale = amax / 448; a K that
+is not a multiple of 128 ends in a shorter group).
 On Hopper (CUDA capability 9.x) `torch._scaled_mm` takes the 1x128 activation and 128x128 weight scales
 directly (cuBLASLt's block-scaled path, CUDA >= 12.9); elsewhere, and wherever that call is refused,
-the same W8A8 product is computed by dequantizing both operands (the CPU path CI runs). The CUDA kernels
+the same W8A8 product is computed by dequantizing both operands (the CPU path CI runs; also every GEMM whose
+K or padded N is not whole blocks). The CUDA kernels
 are off unless MILES_FP8_CUDA_KERNELS=1 (see CUDA_KERNELS below): on CUDA FP8 serving is correct, not fast.
 """
 
@@ -109,25 +111,33 @@ def error_bound(dq: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per token, per group of 128 channels: (q [M, K] e4m3, scales [M, K/128] fp32). K % 128 == 0."""
+    """Per token, per group of 128 channels: (q [M, K] e4m3, scales [M, ceil(K/128)] fp32); a last group of
+    fewer channels is scaled by its own amax (as if zero-padded: zeros change no amax)."""
     M, K = x.shape
-    groups = x.view(M, K // BLOCK, BLOCK).float()
+    G = math.ceil(K / BLOCK)
+    groups = F.pad(x.float(), (0, G * BLOCK - K)).view(M, G, BLOCK)
     scale = torch.clamp(groups.abs().amax(dim=-1), min=1e-12) / E4M3_MAX
     q = (groups / scale[..., None]).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
-    return q.view(M, K), scale
+    return q.view(M, G * BLOCK)[:, :K], scale
 
 
 # ---- the weight and its GEMM ----------------------------------------------------------------------
 @dataclass(slots=True)
 class Fp8Weight:
-    """A [N, K] linear weight as e4m3 `q` and its block scales; rows [a:b] is a view (b - a, a multiples of 128)."""
+    """A [N, K] linear weight as e4m3 `q` and its block scales; rows [a:b] is a view (a a multiple of 128).
+
+    `keep`: for a fused projection whose parts were laid out from block boundaries (zero rows between them,
+    so that each part owns its blocks), the rows of `q` that are the projection's outputs, in order; the
+    GEMM's output keeps those columns."""
 
     q: torch.Tensor
     scale_inv: torch.Tensor
+    keep: torch.Tensor | None = None
 
     @property
     def shape(self) -> torch.Size:
-        return self.q.shape
+        """The projection's [N, K] (without the rows that only pad parts to whole blocks)."""
+        return self.q.shape if self.keep is None else torch.Size((self.keep.numel(), self.q.shape[1]))
 
     @property
     def device(self) -> torch.device:
@@ -140,7 +150,8 @@ class Fp8Weight:
         return Fp8Weight(self.q[start:stop], self.scale_inv[start // BLOCK : math.ceil(stop / BLOCK)])
 
     def to(self, device: torch.device | str) -> Fp8Weight:
-        return Fp8Weight(self.q.to(device), self.scale_inv.to(device))
+        keep = None if self.keep is None else self.keep.to(device)
+        return Fp8Weight(self.q.to(device), self.scale_inv.to(device), keep)
 
     def copy_(self, w: torch.Tensor) -> None:
         """Quantize w (any float dtype) on this weight's device, per block, and store it in place (a weight
@@ -150,7 +161,29 @@ class Fp8Weight:
         self.scale_inv.copy_(scale_inv)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize_weight(self.q, self.scale_inv, dtype)
+        w = dequantize_weight(self.q, self.scale_inv, dtype)
+        return w if self.keep is None else w.index_select(0, self.keep)
+
+    @classmethod
+    def from_parts(cls, w: torch.Tensor, parts: list[tuple[int, int]]) -> tuple[Fp8Weight, list[int]]:
+        """A fused [N, K] weight whose parts (row ranges [a, b) covering the N rows once) do not all start and
+        end on 128-row block boundaries: each part is laid out from a block boundary, in row order, zero rows
+        up to the next boundary, and quantized there. Returns the weight and each part's first row in `q`."""
+        order = sorted(range(len(parts)), key=lambda i: parts[i][0])
+        if sum(b - a for a, b in parts) != w.shape[0] or any(
+            parts[i][1] != parts[j][0] for i, j in zip(order, order[1:], strict=False)
+        ):
+            raise ValueError(f"the parts {parts} do not cover the {w.shape[0]} rows of the fused weight once")
+        starts, row = [0] * len(parts), 0
+        for i in order:
+            starts[i] = row
+            row += math.ceil((parts[i][1] - parts[i][0]) / BLOCK) * BLOCK
+        padded = w.new_zeros((row, w.shape[1]))
+        keep = torch.empty(w.shape[0], dtype=torch.long, device=w.device)
+        for (a, b), start in zip(parts, starts, strict=True):
+            padded[start : start + b - a] = w[a:b]
+            keep[a:b] = torch.arange(start, start + b - a, device=w.device)
+        return cls(*quantize_weight(padded), keep=keep), starts
 
 
 # (device, whether K is grown to a multiple of 512) -> torch._scaled_mm takes the call: a refusal of one kind
@@ -167,15 +200,17 @@ def linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> t
     """x [..., K] (model dtype) @ w.T (+ bias) as a W8A8 GEMM; returns x's dtype."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
-    N, K = w.shape
+    N, K = w.q.shape
     out = None
     if K % BLOCK == 0 and N % BLOCK == 0 and _hopper(x.device) and _scaled_mm_ok.get(_mm_key(x.device, K), True):
         out = _block_scaled_mm(flat, w, x.dtype)
     if out is None:
         out = _emulated(flat, w, x.dtype)
+    if w.keep is not None:  # a fused projection's parts padded to whole blocks: its outputs only
+        out = out.index_select(1, w.keep)
     if bias is not None:
         out = out + bias
-    return out.view(*shape[:-1], N)
+    return out.view(*shape[:-1], out.shape[-1])
 
 
 def _mm_key(device: torch.device, K: int) -> tuple[torch.device, bool]:
@@ -236,13 +271,9 @@ def _block_scaled_mm(x: torch.Tensor, w: Fp8Weight, dtype: torch.dtype) -> torch
 
 def _emulated(x: torch.Tensor, w: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
     """The same W8A8 product with both operands dequantized (exact products, fp32 sums)."""
-    K = x.shape[1]
-    if K % BLOCK == 0:
-        xq, xs = quantize_activation(x)
-        xd = (xq.float().view(-1, K // BLOCK, BLOCK) * xs[..., None]).view(-1, K)
-    else:  # no whole groups: activations stay in the model dtype
-        xd = x.float()
-    return F.linear(xd, w.dequantize(torch.float32)).to(dtype)
+    xq, xs = quantize_activation(x)
+    xd = xq.float() * xs.repeat_interleave(BLOCK, 1)[:, : x.shape[1]]
+    return F.linear(xd, dequantize_weight(w.q, w.scale_inv, torch.float32)).to(dtype)
 
 
 # ---- checkpoints ------------------------------------------------------------------------------------

@@ -101,8 +101,10 @@ class CausalLM:
             self._views[name] = None
 
     def quantize_fp8(self) -> None:
-        """Keep the decoder's linear weights as e4m3 with 128x128 block scales (fp8.py); dense models only,
-        and every fused projection's parts a whole number of 128-row blocks (so each part owns its blocks)."""
+        """Keep the decoder's linear weights as e4m3 with 128x128 block scales (fp8.py); dense models only.
+        Each part of a fused projection owns whole blocks, so a push of one part requantizes its blocks alone:
+        where a part does not start and end on a 128-row boundary, the parts are laid out from block
+        boundaries (`Fp8Weight.from_parts`) and the part's view points at its new rows."""
         if self.spec.moe_layers:
             raise ValueError("FP8 serving covers dense models; this checkpoint has MoE layers")
         for key, t in list(self.storage.items()):
@@ -116,13 +118,12 @@ class CausalLM:
                 continue
             parts = [(n, v) for n, v in self._views.items() if v is not None and v[0] == key]
             rows = [(n, index[0].start, index[0].stop) for n, (_, index) in parts]  # fused parts: (slice,)
-            odd = [n for n, a, b in rows if a % fp8.BLOCK or b % fp8.BLOCK and b != t.shape[0]]
-            if odd:
-                raise ValueError(
-                    f"FP8 serving needs every fused projection's rows in whole 128-row blocks; {odd[0]} is not "
-                    "(serve this model in bf16)"
-                )
-            self.storage[key] = fp8.Fp8Weight(*fp8.quantize_weight(t))
+            if not any(a % fp8.BLOCK or b % fp8.BLOCK and b != t.shape[0] for _, a, b in rows):
+                self.storage[key] = fp8.Fp8Weight(*fp8.quantize_weight(t))
+                continue
+            self.storage[key], starts = fp8.Fp8Weight.from_parts(t, [(a, b) for _, a, b in rows])
+            for (n, a, b), start in zip(rows, starts, strict=True):
+                self._views[n] = (key, (slice(start, start + b - a),))
         self.rebuild_views()
 
     def rebuild_views(self) -> None:
