@@ -73,13 +73,16 @@ def _score(path: str, ids: list[int]) -> tuple[torch.Tensor, dict]:
     return asyncio.run(main())
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
+# hidden 256: q/k/v/o and gate/up have K/128 = 2 (weight scales padded for cuBLASLt), down 4. With one KV head,
+# k and v are 64 rows and gate/up 320: fused parts laid out from block boundaries (the GEMM keeps the real
+# outputs), and the down projection's K = 320 takes the dequantizing path.
+SHAPES = {"whole_blocks": {"kv_heads": 2, "intermediate": 512}, "partial_blocks": {"kv_heads": 1, "intermediate": 320}}
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def checkpoints(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("fp8_gpu")
-    # hidden 256: q/k/v/o and gate/up have K/128 = 2 (weight scales padded for cuBLASLt), down 4
-    src = make_tiny_model(
-        str(root / "bf16"), hidden=256, layers=2, heads=4, kv_heads=2, intermediate=512, init_std=0.02
-    )
+    src = make_tiny_model(str(root / "bf16"), hidden=256, layers=2, heads=4, init_std=0.02, **SHAPES[request.param])
     ids = torch.randint(3, 200, (64,), generator=torch.Generator().manual_seed(0)).tolist()
     return src, write_fp8_checkpoint(src, str(root / "fp8")), ids
 
