@@ -147,16 +147,27 @@ def descendants(pid: int) -> list[psutil.Process]:
 def run_processes(run_id: str) -> list[psutil.Process]:
     """Live processes of this user tagged MILES_RUN_ID=run_id (workers and whatever they spawned, even
     orphans whose worker died first and that re-parented to init)."""
-    found = []
+    found, unread = [], []
     me, uid = os.getpid(), os.getuid()
     for p in psutil.process_iter(["uids"]):
         try:
             if p.pid == me or p.info["uids"] is None or p.info["uids"].real != uid:
                 continue
-            if p.environ().get("MILES_RUN_ID") == run_id and p.status() != psutil.STATUS_ZOMBIE:
+            env = p.environ()
+            if not env:  # in the middle of an exec: the new image's environment is not laid out yet
+                unread.append(p)
+            elif env.get("MILES_RUN_ID") == run_id and p.status() != psutil.STATUS_ZOMBIE:
                 found.append(p)
         except psutil.Error:
             pass
+    if unread:
+        time.sleep(0.05)  # long enough for an exec to finish; a process with no environment at all stays out
+        for p in unread:
+            try:
+                if p.environ().get("MILES_RUN_ID") == run_id and p.status() != psutil.STATUS_ZOMBIE:
+                    found.append(p)
+            except psutil.Error:
+                pass
     return found
 
 
