@@ -4,7 +4,8 @@
 
 Prints the held-out accuracy curve (greedy, `eval/gsm_orig` and `eval/gsm_heldout` by step), the
 medians of the step's phases over the steps after the first `--skip-first`, the update's MFU, the
-largest per-phase peak GPU memory, and start-up; ends with one JSON line holding them all.
+largest per-phase peak GPU memory, start-up and the first step (its warm-up: kernels built, graphs captured,
+`--compile`'s compilation); ends with one JSON line holding them all.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ def summarize(rows: list[dict], skip_first: int) -> dict:
     out["peak_mem_gb"] = {k: round(v, 2) for k, v in sorted(peaks.items())}
     startup = next((r["perf/startup_time"] for r in steps if "perf/startup_time" in r), None)
     out["startup_s"] = None if startup is None else round(startup, 1)
+    if steps:  # warm-up left out of the medians: kernels compiled, graphs captured, `--compile`'s compilation
+        out["first_step_s"] = round(steps[0]["perf/step_time"], 1)
     for name in EVALS:
         key = f"eval/{name}/reward_mean"
         curve = [(int(r.get("step", r.get("rollout_id", -1))), round(r[key], 4)) for r in rows if key in r]

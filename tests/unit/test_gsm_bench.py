@@ -20,6 +20,7 @@ def test_the_summary_reads_the_eval_curve_and_step_medians() -> None:
     assert out["step_s"] == 4.5 and out["mfu"] == 0.25  # medians without the first step
     assert out["gsm_orig_curve"] == [(0, 0.3), (2, 0.5)] and out["gsm_orig_gain"] == 0.2
     assert out["peak_mem_gb"] == {"log_probs": 30.0, "update": 42.0} and out["startup_s"] == 25.0
+    assert out["first_step_s"] == 9.0  # the warm-up step, reported on its own
     assert out["reward_last5"] == 0.4 and "gsm_heldout_curve" not in out
 
 
