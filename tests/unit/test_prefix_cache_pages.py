@@ -9,16 +9,38 @@ from miles.engines.embedded.prefix_cache import PrefixCache
 P = 4
 
 
-def _setup(pages: int = 3):
+def _setup(pages: int = 3, kv_heads: int = 1):
     kv = KVCache(
-        num_layers=2, num_slots=2, max_seq_len=32, num_kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu"
+        num_layers=2, num_slots=2, max_seq_len=32, num_kv_heads=kv_heads, head_dim=2, dtype=torch.float32, device="cpu"
     )
     kv.k.copy_(torch.randn(kv.k.shape))
     kv.v.copy_(torch.randn(kv.v.shape))
     cache = PrefixCache(
-        page_size=P, num_pages=pages, num_layers=2, num_kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu"
+        page_size=P,
+        num_pages=pages,
+        num_layers=2,
+        num_kv_heads=kv_heads,
+        head_dim=2,
+        dtype=torch.float32,
+        device="cpu",
     )
     return kv, cache
+
+
+def test_pages_added_behind_a_cached_one_hold_the_slots_kv_at_their_positions():
+    kv, cache = _setup(pages=6, kv_heads=2)
+    ids = list(range(17))  # 4 full pages + 1 token
+    first = cache.match(ids[:5])
+    cache.extend(first, ids[:5], kv, slot=0)  # page 0 cached from slot 0
+    kv.k[:, 1, :, :P] = kv.k[:, 0, :, :P]  # slot 1 holds the same first page, its own K/V after it
+    kv.v[:, 1, :, :P] = kv.v[:, 0, :, :P]
+    lease = cache.match(ids)
+    assert lease.pages == first.pages
+    cache.extend(lease, ids, kv, slot=1)  # pages 1-3 new, copied in one go from slot 1
+    assert len(lease.pages) == 4
+    assert cache.load(lease, kv, slot=0) == 4 * P
+    assert torch.equal(kv.k[:, 0, :, : 4 * P], kv.k[:, 1, :, : 4 * P])
+    assert torch.equal(kv.v[:, 0, :, : 4 * P], kv.v[:, 1, :, : 4 * P])
 
 
 def test_a_chain_is_found_by_its_tokens_and_loads_the_slots_kv_into_another_slot():

@@ -146,17 +146,21 @@ class PrefixCache:
                 return
             P = self.page_size
             parent = lease.pages[-1] if lease.pages else -1
+            first_new, new = None, []  # a page not in the cache has no cached child: the rest are new too
             for start in range(len(lease.pages) * P, len(ids) - P + 1, P):
                 key = (parent, tuple(ids[start : start + P]))
                 pid = self._index.get(key)
                 if pid is None:
                     pid = self._new_page(key, parent)
                     if pid is None:
-                        return
-                    self._copy_from_slot(kv, slot, start, pid)
+                        break
+                    first_new = start if first_new is None else first_new
+                    new.append(pid)
                 self._ref(pid)
                 lease.pages.append(pid)
                 parent = pid
+            if new:  # one copy of K and one of V for all of them, not two per page
+                self._copy_from_slot(kv, slot, first_new, new)
 
     def release_lease(self, lease: Lease) -> None:
         """Drop a request's references (a lease from an older generation holds none)."""
@@ -218,7 +222,12 @@ class PrefixCache:
                 self._evictable.move_to_end(page.parent, last=False)  # its only extension was the coldest
         return True
 
-    def _copy_from_slot(self, kv: KVCache, slot: int, start: int, pid: int) -> None:
-        end = start + self.page_size
-        self.k[:, pid] = kv.k[:, slot, :, start:end]
-        self.v[:, pid] = kv.v[:, slot, :, start:end]
+    def _copy_from_slot(self, kv: KVCache, slot: int, start: int, pids: list[int]) -> None:
+        """Pages `pids` take the K/V of `slot` at positions [start, start + len(pids) x page_size), in order."""
+        n, P = len(pids), self.page_size
+        index = torch.tensor(pids, device=self.device)
+        for pool, cache in ((self.k, kv.k), (self.v, kv.v)):
+            pages = (
+                cache[:, slot, :, start : start + n * P].unflatten(2, (n, P)).transpose(1, 2)
+            )  # [layers, n, kvh, P, hd]
+            pool.index_copy_(1, index, pages)
