@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+from miles.wire.forkserver import TORCH_PRELOAD
+
 TESTS = Path(__file__).resolve().parent
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
@@ -29,13 +31,7 @@ if str(TESTS) not in sys.path:
 # dozens). Nothing here may start a Python thread or touch a device at import: a fork copies only the
 # calling thread. A name that does not import is skipped.
 FORK_SERVER_PRELOAD = [
-    "numpy",
-    "torch",
-    "torch.distributed",
-    "torch.distributed.fsdp",
-    "transformers",
-    "transformers.models.qwen2.modeling_qwen2",
-    "safetensors.torch",
+    *TORCH_PRELOAD,
     "aiohttp",
     "pytest",
     "miles.trainer.fsdp",

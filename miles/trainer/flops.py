@@ -47,11 +47,6 @@ def _stored_shapes(model_dir: Path) -> dict[str, list[int]]:
     return shapes
 
 
-def safetensors_params(model_dir: str | Path) -> int:
-    """Elements stored in the directory's safetensors files (read from their headers only)."""
-    return sum(prod(shape) for shape in _stored_shapes(Path(model_dir)).values())
-
-
 def model_shape(model_dir: str | Path) -> ModelShape | None:
     """The FLOPs shape of an HF checkpoint directory; None when it has no config or no safetensors weights.
 

@@ -45,7 +45,9 @@ from miles.wire.procs import set_parent_death_signal
 
 logger = logging.getLogger(__name__)
 
-PRELOAD = [
+# the seconds of import every process of a run pays: also what the test suite's multiprocessing fork server
+# preloads (tests/conftest.py)
+TORCH_PRELOAD = [
     "numpy",
     "torch",
     "torch.distributed",
@@ -53,6 +55,9 @@ PRELOAD = [
     "transformers",
     "transformers.models.qwen2.modeling_qwen2",
     "safetensors.torch",
+]
+PRELOAD = [
+    *TORCH_PRELOAD,
     "zmq",
     "msgpack",
     "aiohttp",

@@ -147,28 +147,31 @@ def descendants(pid: int) -> list[psutil.Process]:
 def run_processes(run_id: str) -> list[psutil.Process]:
     """Live processes of this user tagged MILES_RUN_ID=run_id (workers and whatever they spawned, even
     orphans whose worker died first and that re-parented to init)."""
-    found, unread = [], []
     me, uid = os.getpid(), os.getuid()
+    candidates = []
     for p in psutil.process_iter(["uids"]):
+        if p.pid != me and p.info["uids"] is not None and p.info["uids"].real == uid:
+            candidates.append(p)
+    found, unread = _tagged(candidates, run_id)
+    if unread:  # in the middle of an exec: the new image's environment is not laid out yet
+        time.sleep(0.05)  # long enough for an exec to finish; a process with no environment at all stays out
+        found += _tagged(unread, run_id)[0]
+    return found
+
+
+def _tagged(processes: list[psutil.Process], run_id: str) -> tuple[list[psutil.Process], list[psutil.Process]]:
+    """(the live ones tagged MILES_RUN_ID=run_id, those whose environment read empty)."""
+    found, unread = [], []
+    for p in processes:
         try:
-            if p.pid == me or p.info["uids"] is None or p.info["uids"].real != uid:
-                continue
             env = p.environ()
-            if not env:  # in the middle of an exec: the new image's environment is not laid out yet
+            if not env:
                 unread.append(p)
             elif env.get("MILES_RUN_ID") == run_id and p.status() != psutil.STATUS_ZOMBIE:
                 found.append(p)
         except psutil.Error:
             pass
-    if unread:
-        time.sleep(0.05)  # long enough for an exec to finish; a process with no environment at all stays out
-        for p in unread:
-            try:
-                if p.environ().get("MILES_RUN_ID") == run_id and p.status() != psutil.STATUS_ZOMBIE:
-                    found.append(p)
-            except psutil.Error:
-                pass
-    return found
+    return found, unread
 
 
 def kill_tree(children: list[ChildProcess], *, grace_s: float = 3.0, run_id: str | None = None) -> None:
