@@ -30,6 +30,7 @@ __all__ = [
     "free_port_run",
     "installed",
     "leftover_processes",
+    "make_train_batch",
     "minimal_train_args",
     "python_path",
     "read_rows",
@@ -70,6 +71,27 @@ EXTRAS = {
     "sympy": "sympy",
     "py_spy": "py-spy",
 }
+
+
+def make_train_batch(seq_lens: list[int], resp_lens: list[int], vocab: int = 1000, seed: int = 0):
+    """A TrainBatch of random tokens below `vocab` with these sequence and response lengths (no rewards)."""
+    import numpy as np
+
+    from miles.rollout.train_data import TrainBatch
+
+    rng = np.random.default_rng(seed)
+    n, t = len(seq_lens), int(sum(resp_lens))
+    return TrainBatch(
+        tokens=rng.integers(0, vocab, size=sum(seq_lens)),
+        seq_lens=np.array(seq_lens),
+        response_lengths=np.array(resp_lens),
+        loss_masks=np.ones(t, np.float32),
+        rewards=np.zeros(n, np.float32),
+        raw_rewards=np.zeros(n, np.float32),
+        group_index=np.arange(n),
+        sample_index=np.arange(n),
+        truncated=np.zeros(n, np.int8),
+    )
 
 
 def minimal_train_args(

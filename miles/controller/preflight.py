@@ -92,6 +92,23 @@ def check_routing_replay_model(cfg: MilesConfig) -> None:
         )
 
 
+def check_attention_model(cfg: MilesConfig) -> None:
+    """--attn-implementation miles_varlen names a kernel for causal-attention families only: refused, in one
+    line, for a model it cannot serve (auto falls back to SDPA by itself)."""
+    from miles.trainer import varlen_attention
+
+    if cfg.train.attn_implementation != varlen_attention.NAME or not cfg.model.hf_checkpoint:
+        return
+    path = os.path.join(cfg.model.hf_checkpoint, "config.json")
+    model_cfg = json.loads(Path(path).read_text()) if os.path.isfile(path) else {}
+    why = "remote-code model" if cfg.model.trust_remote_code else varlen_attention.unsupported(model_cfg)
+    if why is not None:
+        raise PreflightError(
+            f"--attn-implementation {varlen_attention.NAME} cannot serve {cfg.model.hf_checkpoint}: {why}; "
+            "use auto (SDPA where miles_varlen cannot run) or sdpa"
+        )
+
+
 def check_checkpoint_paths(load: str | None, save: str | None, save_hf: str | None) -> None:
     """`--load` names a complete checkpoint (or is the `--save` root of a run not saved yet); outputs are writable."""
     if load:
@@ -228,10 +245,17 @@ def check_plugin_paths(cfg: MilesConfig) -> None:
 
 
 def check_train_backend(cfg: MilesConfig, placement: Placement) -> None:
-    """`--train-backend megatron` needs megatron-core where the trainers run, and GPUs."""
+    """`--train-backend megatron` needs megatron-core where the trainers run, and GPUs;
+    `--attn-implementation flash_attention_2` needs flash-attn."""
+    import importlib.util
+
+    if cfg.train.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        raise PreflightError(
+            "--attn-implementation flash_attention_2 needs the flash-attn package, which is not installed; "
+            "use auto (torch's own varlen flash kernel where it runs) or pip install flash-attn"
+        )
     if cfg.train.train_backend != "megatron" or not placement.trainer_specs:
         return
-    import importlib.util
 
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
         raise PreflightError(

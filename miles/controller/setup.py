@@ -27,6 +27,7 @@ from miles.controller.placement import Placement
 from miles.controller.preflight import (
     PreflightError,
     RunData,
+    check_attention_model,
     check_model_path,
     check_routing_replay_model,
     check_start,
@@ -55,6 +56,7 @@ async def start_run(cfg: MilesConfig) -> MilesRun:
     le, machine = check_start(cfg)  # --load (or --auto-resume) checkpoint read whole here, NaN refused
     check_model_path(cfg.model)  # a directory: `miles train` resolved tiny:, smollm2: and Hub ids before
     check_routing_replay_model(cfg)
+    check_attention_model(cfg)
     check_expert_layout(cfg)
     clear_save_dir(cfg.train)  # --overwrite-save: the old run's checkpoints go before this run saves
     cfg.engine.api_key = cfg.engine.api_key or new_api_key()  # one key per run: every engine and client

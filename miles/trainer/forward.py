@@ -31,6 +31,7 @@ def response_logits(model: nn.Module, packed: PackedInputs) -> torch.Tensor:
         position_ids=packed.position_ids,
         logits_to_keep=packed.logits_index,
         use_cache=False,
+        **packed.attention_kwargs,
     )
     if packed.gather_is_identity:  # every kept position is a response token, in order: a view, no copy
         return out.logits.flatten(0, 1)
@@ -44,7 +45,7 @@ def model_layout(model: nn.Module) -> str:
 
 def response_values(critic: nn.Module, packed: PackedInputs) -> torch.Tensor:
     """Critic values [sum(response_lengths)] at the positions that predict each response token."""
-    out = critic(input_ids=packed.input_ids, position_ids=packed.position_ids)
+    out = critic(input_ids=packed.input_ids, position_ids=packed.position_ids, **packed.attention_kwargs)
     scores = out.logits[:, packed.logits_index, 0]
     return scores[packed.gather_rows, packed.gather_cols].float()
 

@@ -121,7 +121,17 @@ class FSDPBackend:
             else None
         )
         self.true_on_policy = self.train_cfg.true_on_policy_mode
-        self.attn_impl = ATTN_IMPLEMENTATION if self.true_on_policy else pick_attn_implementation(self.device.type)
+        self.attn_impl = (
+            ATTN_IMPLEMENTATION
+            if self.true_on_policy
+            else pick_attn_implementation(
+                self.device,
+                compute_dtype,
+                self.model_cfg.hf_checkpoint,
+                self.model_cfg.trust_remote_code,
+                self.train_cfg.attn_implementation,
+            )
+        )
         self.actor, self.optimizer, self.scheduler = self._build_trainable(
             self.model_cfg.hf_checkpoint, self.train_cfg.lr
         )

@@ -19,6 +19,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from miles.trainer import varlen_attention
+
 logger = logging.getLogger(__name__)
 
 _DTYPES = {
@@ -43,20 +45,54 @@ def resolve_compute_dtype(dtype: str, device_type: str) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def pick_attn_implementation(device_type: str) -> str:
-    """flash_attention_2 (varlen over packed rows) when the package is there on GPU, else SDPA.
+def pick_attn_implementation(
+    device: torch.device,
+    compute_dtype: torch.dtype,
+    model_path: str,
+    trust_remote_code: bool = False,
+    requested: str = "auto",
+) -> str:
+    """The trainer's attention for the model at `model_path` (`--attn-implementation`).
 
-    SDPA handles packed rows through the block-diagonal mask transformers derives from position
-    ids that restart per sequence.
+    auto: varlen attention over packed rows (no padding) where a kernel for it runs, else SDPA over padded
+    rows (miles.trainer.packing says why the layouts differ): flash_attention_2 when the flash-attn package
+    is installed on GPU; otherwise `miles_varlen` (torch's own flash kernel, miles.trainer.varlen_attention)
+    when the device, dtype and model allow it and the kernel passes a check against SDPA on this device;
+    otherwise SDPA (always for remote-code models, whose attention need not go through transformers'
+    attention interface). The choice and its reason are logged. miles_varlen asked for by name is refused
+    (ValueError) for a model it cannot serve or a kernel that fails its check; the other names are passed
+    to transformers as they are.
     """
-    if device_type == "cuda":
+    if requested not in ("auto", varlen_attention.NAME):
+        logger.info("trainer attention: %s (--attn-implementation)", requested)
+        return requested
+    if requested == "auto" and device.type == "cuda":
         try:
             import flash_attn  # noqa: F401
 
             return "flash_attention_2"
         except ImportError:
             pass
-    return "sdpa"
+    config_path = os.path.join(model_path, "config.json")
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        config = {}  # no readable config here: loading reports it
+    if requested == varlen_attention.NAME:
+        why = "remote-code model" if trust_remote_code else varlen_attention.unsupported(config)
+        if why is None and device.type == "cuda" and compute_dtype in varlen_attention.FLASH_DTYPES:
+            why = varlen_attention.check_on(device, compute_dtype, config)
+        if why is not None:
+            raise ValueError(f"--attn-implementation {varlen_attention.NAME} cannot run here: {why}; use auto or sdpa")
+        logger.info("trainer attention: %s (--attn-implementation)", varlen_attention.NAME)
+        return varlen_attention.NAME
+    use, why = (
+        (False, "remote-code model") if trust_remote_code else varlen_attention.pick(device, compute_dtype, config)
+    )
+    if device.type == "cuda":
+        logger.info("trainer attention: %s (%s)", varlen_attention.NAME if use else "sdpa, padded rows", why)
+    return varlen_attention.NAME if use else "sdpa"
 
 
 def load_causal_lm(path: str, *, attn_implementation: str, trust_remote_code: bool = False) -> nn.Module:
@@ -65,6 +101,8 @@ def load_causal_lm(path: str, *, attn_implementation: str, trust_remote_code: bo
 
     if not os.path.isdir(path):
         raise FileNotFoundError(f"HF model directory {path!r} does not exist; set --hf-checkpoint to a local HF dir")
+    if attn_implementation == varlen_attention.NAME:
+        varlen_attention.register()
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
     )
@@ -82,6 +120,8 @@ def load_value_model(path: str, *, attn_implementation: str, trust_remote_code: 
 
     config = AutoConfig.from_pretrained(path, num_labels=1, trust_remote_code=trust_remote_code)
     config.classifier_dropout = 0.0
+    if attn_implementation == varlen_attention.NAME:
+        varlen_attention.register()
     model = AutoModelForTokenClassification.from_pretrained(
         path,
         config=config,

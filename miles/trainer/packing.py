@@ -8,7 +8,9 @@ Two schedules:
 
 Two layouts of a micro-batch's sequences (`pack_sequences(batch, layout)`):
 - "row": one row of concatenated sequences whose position ids restart at 0 for every sequence;
-  varlen attention kernels (flash attention) keep the sequences apart at no extra cost;
+  varlen attention kernels (flash-attn's, or torch's through `miles_varlen`,
+  miles/trainer/varlen_attention.py) keep the sequences apart at no extra cost, told where each
+  starts by `PackedInputs.attention_kwargs`;
 - "padded": [n, L] rows, each sequence right-padded to the longest. Causal attention never lets a
   real token see the padding after it, so no mask is needed and SDPA runs its fused causal kernel.
   This is the layout for SDPA: a packed row there costs a dense [T, T] block-diagonal mask and
@@ -25,6 +27,8 @@ import numpy as np
 import torch
 
 from miles.rollout.train_data import TrainBatch
+from miles.trainer.varlen_attention import NAME as MILES_VARLEN
+from miles.trainer.varlen_attention import boundaries
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +41,7 @@ def fixed_micro_batches(num_samples: int, micro_batch_size: int) -> list[list[in
 
 
 LAYOUTS = ("row", "padded")
-VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
+VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", MILES_VARLEN)
 
 
 def layout_for(attn_implementation: str | None) -> str:
@@ -128,7 +132,8 @@ class PackedInputs:
     `input_ids`/`position_ids` are [rows, cols]. `logits_index` selects, along the column axis,
     the positions whose logits predict a response token; `gather_rows`/`gather_cols` pick, from
     the [rows, len(logits_index)] selection, each response token in TrainBatch order; `targets`
-    are those response tokens.
+    are those response tokens. In the row layout `cu_seq_lens` (int32 [n + 1]) and `max_seq_len` mark
+    where each sequence starts, for varlen attention (`attention_kwargs`).
     """
 
     input_ids: torch.Tensor
@@ -140,6 +145,8 @@ class PackedInputs:
     response_lengths: list[int]
     num_tokens: int
     gather_is_identity: bool = False  # the [rows, kept] logits flattened are already in TrainBatch order
+    cu_seq_lens: torch.Tensor | None = None
+    max_seq_len: int = 0
 
     def to(self, device: torch.device | str) -> PackedInputs:
         move = {
@@ -151,7 +158,18 @@ class PackedInputs:
             response_lengths=self.response_lengths,
             num_tokens=self.num_tokens,
             gather_is_identity=self.gather_is_identity,
+            cu_seq_lens=None if self.cu_seq_lens is None else self.cu_seq_lens.to(device, non_blocking=True),
+            max_seq_len=self.max_seq_len,
         )
+
+    @property
+    def attention_kwargs(self) -> dict:
+        """The sequence boundaries of a packed row under the names transformers passes to varlen attention
+        (its flash-attention path and `miles_varlen` read them); nothing for the padded layout."""
+        if self.cu_seq_lens is None:
+            return {}
+        cu, longest = self.cu_seq_lens, self.max_seq_len
+        return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
 def pack_sequences(batch: TrainBatch, layout: str = "row") -> PackedInputs:
@@ -205,6 +223,7 @@ def _pack_row(seqs: list[np.ndarray], seq_lens: list[int], resp_lens: list[int])
     )
     total_resp = int(sum(resp_lens))
     targets = input_ids[0, logits_index + 1]
+    cu, longest = boundaries(seq_lens)
     return PackedInputs(
         input_ids,
         position_ids,
@@ -215,6 +234,8 @@ def _pack_row(seqs: list[np.ndarray], seq_lens: list[int], resp_lens: list[int])
         resp_lens,
         int(sum(seq_lens)),
         gather_is_identity=True,
+        cu_seq_lens=cu,
+        max_seq_len=longest,
     )
 
 

@@ -96,6 +96,8 @@ def test_each_unimplemented_flag_is_refused_by_name(name: str) -> None:
         ),
         (["--use-routing-replay", "--use-rollout-logprobs"], ["--use-routing-replay", "--use-rollout-logprobs"]),
         (["--use-rollout-routing-replay", "--true-on-policy-mode"], ["--true-on-policy-mode"]),
+        (["--train-backend", "megatron", "--attn-implementation", "sdpa"], ["--attn-implementation sdpa", "megatron"]),
+        (["--true-on-policy-mode", "--attn-implementation", "miles_varlen"], ["--attn-implementation miles_varlen"]),
         (["--update-weights-interval", "0"], ["--update-weights-interval=0"]),
         (
             ["--colocate", "--update-weights-interval", "2"],

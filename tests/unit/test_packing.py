@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from harness import make_train_batch
 
-from miles.rollout.train_data import TrainBatch
 from miles.trainer.packing import (
     fixed_micro_batches,
     pack_sequences,
@@ -15,20 +15,8 @@ from miles.trainer.packing import (
 )
 
 
-def _batch(seq_lens: list[int], resp_lens: list[int], seed: int = 0) -> TrainBatch:
-    rng = np.random.default_rng(seed)
-    n, t = len(seq_lens), int(sum(resp_lens))
-    return TrainBatch(
-        tokens=rng.integers(0, 1000, size=sum(seq_lens)),
-        seq_lens=np.array(seq_lens),
-        response_lengths=np.array(resp_lens),
-        loss_masks=np.ones(t, np.float32),
-        rewards=np.zeros(n, np.float32),
-        raw_rewards=np.zeros(n, np.float32),
-        group_index=np.arange(n),
-        sample_index=np.arange(n),
-        truncated=np.zeros(n, np.int8),
-    )
+def _batch(seq_lens: list[int], resp_lens: list[int], seed: int = 0):
+    return make_train_batch(seq_lens, resp_lens, seed=seed)
 
 
 def test_fixed_micro_batches_cover_in_order():

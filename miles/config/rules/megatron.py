@@ -61,6 +61,11 @@ def check_parallelism(cfg: MilesConfig) -> list[str]:
         e.append("--dtype float16 needs a loss scaler, which the megatron backend does not run; use bfloat16")
     if t.compile:
         e.append("--compile compiles the HF model's blocks, which the megatron backend does not train; drop it")
+    if t.attn_implementation != "auto":
+        e.append(
+            f"--attn-implementation {t.attn_implementation} picks the FSDP trainer's HF attention; the megatron "
+            "backend runs megatron-core's own: drop it"
+        )
     return e
 
 

@@ -45,6 +45,11 @@ def check_true_on_policy(cfg: MilesConfig) -> list[str]:
         )
     if cfg.train.compile:
         e.append(f"{why} runs the engine's eager reference forward on the trainer too; drop --compile")
+    if cfg.train.attn_implementation != "auto":
+        e.append(
+            f"{why} scores with the reference forward's eager attention; drop "
+            f"--attn-implementation {cfg.train.attn_implementation}"
+        )
     if cfg.train.use_dynamic_batch_size and cfg.dp_size > 1:
         e.append(
             f"{why} forwards one sequence at a time and every rank must run as many forwards: with "

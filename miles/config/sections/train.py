@@ -46,6 +46,12 @@ class TrainConfig:
     compile: bool = option(
         False, "torch.compile each transformer block (fewer kernel launches; the first steps pay the compile)"
     )
+    attn_implementation: Literal["auto", "miles_varlen", "sdpa", "flash_attention_2", "eager"] = option(
+        "auto",
+        "FSDP trainer's attention; auto: varlen attention over packed rows where a kernel runs (flash-attn's, "
+        "else torch's flash kernel as miles_varlen, checked against SDPA on the device), SDPA over padded rows "
+        "elsewhere; miles_varlen on CPU or in fp32 runs one SDPA call per sequence; {choices}",
+    )
     true_on_policy_mode: bool = option(
         False,
         "engine and trainer give bit-identical log-probs for every sampled token: both score with one reference "
