@@ -208,3 +208,24 @@ def test_forced_miles_varlen_is_refused_where_it_cannot_run(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(QWEN2))
     assert pick_attn_implementation(torch.device("cpu"), torch.float32, str(tmp_path), requested=va.NAME) == va.NAME
     assert pick_attn_implementation(torch.device("cpu"), torch.float32, str(tmp_path), requested="eager") == "eager"
+
+
+def test_flash_calls_fit_the_ops_meta_kernels():
+    """`_FlashVarlen`'s forward and backward traced with fake CUDA tensors (no GPU needed): the aten ops take
+    the arguments it passes and grouped-query gradients come back in the shapes of k and v."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    class Ctx:
+        def save_for_backward(self, *tensors):
+            self.saved_tensors = tensors
+
+    ctx = Ctx()
+    with FakeTensorMode():
+        q = torch.empty(101, 14, 64, dtype=torch.bfloat16, device="cuda")
+        k, v = (torch.empty(101, 2, 64, dtype=torch.bfloat16, device="cuda") for _ in "kv")
+        cu = torch.empty(3, dtype=torch.int32, device="cuda")
+        out = va._FlashVarlen.forward(ctx, q, k, v, cu, 64, 0.125)
+        dq, dk, dv, *rest = va._FlashVarlen.backward(ctx, out)
+    assert out.shape == dq.shape == (101, 14, 64)
+    assert dk.shape == dv.shape == (101, 2, 64)
+    assert rest == [None, None, None]
