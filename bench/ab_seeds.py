@@ -1,7 +1,7 @@
 """One recipe, two sets of flags, several seeds: does B learn as A does, seed by seed?
 
-    python bench/ab_seeds.py --config launch/configs/smollm2_arith_gpu.yaml \
-        --b "--sglang-quantization fp8" --seeds 3 --out-dir runs/fp8-ab        # FP8 rollouts (TIS on) vs BF16
+    python bench/ab_seeds.py --config launch/configs/smollm2_arith_gpu.yaml --extra "--colocate" \
+        --b "--sglang-quantization fp8" --seeds 3 --out-dir runs/fp8-ab        # FP8 rollouts (TIS on) vs BF16, one GPU
     python bench/ab_seeds.py --config launch/configs/demo_cpu.yaml --a "--lr 1e-3" --b "--lr 2e-3" \
         --seeds 2 --extra "--num-rollout 2"                                     # CPU smoke
 

@@ -10,10 +10,18 @@ Weight install: the same bf16 tensors (the model's own, already on the GPU, in b
 transport: a copy into the bf16 engine, a per-block quantization on the GPU for the FP8 one. The
 transport itself (NCCL broadcast, the same bytes for both) is not part of this figure.
 
+Colocated push: the whole weight push of a colocated run (the direct path, miles/weights/colocated_direct.py)
+into each engine: the trainer-side writes into the engine's exported weight buffer (a device copy for bf16;
+for FP8, the per-block quantization of each tensor and the write of its values and scales) and the install
+call, between two device synchronisations. In a run the trainer maps the buffer from another process through
+CUDA IPC and calls install over HTTP (about a millisecond, the same for both); here both sides share one
+process, so the writer works on the engine's own buffer.
+
 GPU:  python bench/fp8.py --device cuda --batch 256 --prompt-len 128 --new-tokens 512
 CPU smoke: python bench/fp8.py --hidden 256 --layers 2 --heads 4 --kv-heads 2 --intermediate 512 \\
           --vocab 512 --batch 4 --new-tokens 8 --reps 1
-Ends with one JSON line: bf16_tok_s, fp8_tok_s, tok_s_ratio, bf16_install_s, fp8_install_s, install_ratio.
+Ends with one JSON line: bf16_tok_s, fp8_tok_s, tok_s_ratio, bf16_install_s, fp8_install_s, install_ratio,
+bf16_push_s, fp8_push_s, push_ratio (the goal: <= 1.3).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from engine_throughput import EngineSide, make_prompts, measure
 
 from miles.engines.embedded.engine import EmbeddedEngine
 from miles.models.tiny import make_tiny_model
+from miles.weights.buffer_writer import BufferWriter
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -77,6 +86,24 @@ def install_s(engine: EmbeddedEngine, chunks: list[list[tuple[str, torch.Tensor]
     return statistics.median(times[1:])
 
 
+def push_s(engine: EmbeddedEngine, source: list[tuple[str, torch.Tensor]], reps: int) -> float:
+    """Median seconds of a direct colocated push of `source` into the engine (paused), install included."""
+    export = engine.export_weight_buffer()
+    writer = BufferWriter(engine._shared.arena.flat, export)  # noqa: SLF001 - the buffer a trainer maps by IPC
+    times = []
+    for rep in range(reps + 1):  # the first is a warm-up
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        writer.write(source)
+        engine.install_weight_buffer(export["generation"], rep + 1)
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    print(f"push seconds per rep ({'fp8' if engine.fp8 else 'bf16'}): {[round(t, 4) for t in times[1:]]}")
+    return statistics.median(times[1:])
+
+
 def make_model(args: argparse.Namespace, tmp: str) -> str:
     if args.model_path:
         return args.model_path
@@ -107,15 +134,19 @@ def main(argv: list[str] | None = None) -> dict:
         engines = {"bf16": EmbeddedEngine(path, **kwargs), "fp8": EmbeddedEngine(path, quantization="fp8", **kwargs)}
     prompts = make_prompts(args.batch, args.prompt_len, engines["bf16"].model.spec.vocab_size)
     sides = {name: EngineSide(engine, prompts) for name, engine in engines.items()}
-    try:
-        rates = measure(sides, args.new_tokens, args.reps)
-    finally:
-        for side in sides.values():
-            side.close()
     # the trainer's tensors: bf16 copies of the bf16 engine's own (as a push would send them)
     source = [(n, t.to(torch.bfloat16).clone()) for n, t in engines["bf16"].model.params.items()]
     chunks = buckets(source, args.bucket_mb * 2**20)
-    installs = {name: install_s(engine, chunks, args.install_reps) for name, engine in engines.items()}
+    try:
+        rates = measure(sides, args.new_tokens, args.reps)
+        pushes, installs = {}, {}
+        for name, side in sides.items():  # while the engines live: their weights go with shutdown
+            side.loop.run_until_complete(side.engine.pause_generation("retract"))
+            pushes[name] = push_s(side.engine, source, args.install_reps)
+            installs[name] = install_s(side.engine, chunks, args.install_reps)
+    finally:
+        for side in sides.values():
+            side.close()
     result = {
         "bf16_tok_s": round(rates["bf16"], 1),
         "fp8_tok_s": round(rates["fp8"], 1),
@@ -123,6 +154,9 @@ def main(argv: list[str] | None = None) -> dict:
         "bf16_install_s": round(installs["bf16"], 4),
         "fp8_install_s": round(installs["fp8"], 4),
         "install_ratio": round(installs["fp8"] / installs["bf16"], 3),
+        "bf16_push_s": round(pushes["bf16"], 4),
+        "fp8_push_s": round(pushes["fp8"], 4),
+        "push_ratio": round(pushes["fp8"] / pushes["bf16"], 3),
         "batch": args.batch,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
@@ -131,7 +165,8 @@ def main(argv: list[str] | None = None) -> dict:
     }
     print(
         f"FP8 {rates['fp8']:,.0f} tok/s vs BF16 {rates['bf16']:,.0f} tok/s: {result['tok_s_ratio']:.2f}x; "
-        f"weight install {installs['fp8']:.3f} s vs {installs['bf16']:.3f} s: {result['install_ratio']:.2f}x"
+        f"weight install {installs['fp8']:.3f} s vs {installs['bf16']:.3f} s: {result['install_ratio']:.2f}x; "
+        f"colocated push {pushes['fp8']:.3f} s vs {pushes['bf16']:.3f} s: {result['push_ratio']:.2f}x"
     )
     print(json.dumps(result))
     return result

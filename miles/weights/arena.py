@@ -64,30 +64,33 @@ class WeightArena:
 
     def export(
         self,
-        params: Mapping[str, torch.Tensor],
+        params: Mapping[str, Any],
         aliases: Mapping[str, str] | None = None,
         known_generation: int | None = None,
         generation_word: str | None = None,
+        quantized_format: str | None = None,
     ) -> dict:
         """The JSON-able export: buffer handle, generation, and every HF name's place in the buffer.
 
-        A caller that already maps generation `known_generation` gets `{"generation", "unchanged": True}`
-        when that is still the current one."""
+        A quantized weight (an object with `q` and `scale_inv` tensors, as the FP8 engine keeps them) is
+        exported the way an FP8 checkpoint names it: `name` for its e4m3 values and `name + "_scale_inv"` for
+        its block scales, and `quantized` = {"format": quantized_format, "names": [...]} tells the writer to
+        quantize those names' tensors before writing them. A caller that already maps generation
+        `known_generation` gets `{"generation", "unchanged": True}` when that is still the current one."""
         if known_generation is not None and int(known_generation) == self.generation:
             return {"generation": self.generation, "unchanged": True}
-        base = self.flat.data_ptr()
-        entries = {}
+        entries, quantized = {}, []
         for name, t in params.items():
-            offset = t.data_ptr() - base
-            if t.numel() and not 0 <= offset <= self.nbytes - t.element_size():
-                raise ValueError(f"engine weight {name!r} is not inside the shared weight buffer; repack it")
-            entries[name] = {
-                "offset": offset,
-                "shape": list(t.shape),
-                "stride": list(t.stride()),
-                "dtype": dtype_name(t.dtype),
-            }
-        return {
+            scale_inv = getattr(t, "scale_inv", None)
+            if scale_inv is None:
+                entries[name] = self._entry(name, t)
+                continue
+            if quantized_format is None:
+                raise ValueError(f"engine weight {name!r} is quantized; export it with its quantized_format")
+            entries[name] = self._entry(name, t.q)
+            entries[name + "_scale_inv"] = self._entry(name + "_scale_inv", scale_inv)
+            quantized.append(name)
+        out = {
             "generation": self.generation,
             "nbytes": self.nbytes,
             "buffer": self._buffer_handle(),
@@ -95,6 +98,15 @@ class WeightArena:
             "aliases": dict(aliases or {}),
             "generation_word": generation_word,
         }
+        if quantized:
+            out["quantized"] = {"format": quantized_format, "names": quantized}
+        return out
+
+    def _entry(self, name: str, t: torch.Tensor) -> dict:
+        offset = t.data_ptr() - self.flat.data_ptr()
+        if t.numel() and not 0 <= offset <= self.nbytes - t.element_size():
+            raise ValueError(f"engine weight {name!r} is not inside the shared weight buffer; repack it")
+        return {"offset": offset, "shape": list(t.shape), "stride": list(t.stride()), "dtype": dtype_name(t.dtype)}
 
     def _buffer_handle(self) -> dict:
         if self._handle is None:
@@ -179,10 +191,14 @@ class SharedWeights:
             self.arena = None
 
     def export(
-        self, params: Mapping[str, torch.Tensor], aliases: Mapping[str, str] | None, known_generation: int | None
+        self,
+        params: Mapping[str, Any],
+        aliases: Mapping[str, str] | None,
+        known_generation: int | None,
+        quantized_format: str | None = None,
     ) -> dict:
         assert self.arena is not None and self._word is not None, "pack() before export()"
-        return self.arena.export(params, aliases, known_generation, self._word.name)
+        return self.arena.export(params, aliases, known_generation, self._word.name, quantized_format)
 
     def check_install(self, generation: int) -> None:
         current = self.arena.generation if self.arena is not None else None

@@ -3,7 +3,8 @@
 `MappedBuffer` opens one generation of the buffer (the shared-memory segment as a file under
 /dev/shm, or the CUDA allocation from its IPC handle) and reads the engine's published generation;
 `BufferWriter` copies (HF name, tensor) pairs into the engine's views of it, device to device,
-cast to the engine dtype, no staging buffer. The protocol as a whole: miles/weights/colocated_direct.py.
+cast to the engine dtype, no staging buffer; an FP8 engine's quantized names are quantized on the device
+first, per 128x128 block as the engine's own push does, and written as values and scales. The protocol as a whole: miles/weights/colocated_direct.py.
 """
 
 from __future__ import annotations
@@ -19,6 +20,17 @@ from miles.weights.arena import StaleWeightBufferError
 from miles.weights.bucket import NamedTensor, tensor_nbytes
 from miles.weights.groups import dtype_from_name
 from miles.weights.tensor_ipc import open_cuda_buffer, shm_path
+
+
+def _fp8_block128(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from miles.engines.embedded.fp8 import quantize_weight  # what the engine itself runs on a weight push
+
+    return quantize_weight(t)
+
+
+# How the trainer turns a tensor into what an engine stores for a quantized name (export["quantized"]["format"]):
+# (values, scale_inv), written into `name` and `name + "_scale_inv"`.
+QUANTIZERS = {"fp8_e4m3_block128": _fp8_block128}
 
 # per HF name: (view, shape, dtype, device, bytes, whether it gets a copy_ of its own)
 _Slot = tuple[torch.Tensor, torch.Size, torch.dtype, torch.device, int, bool]
@@ -46,6 +58,14 @@ class BufferWriter:
         self.flat = flat
         self.entries: dict[str, dict] = export["tensors"]
         self.aliases: dict[str, str] = export.get("aliases", {})
+        quantized = export.get("quantized") or {}
+        if quantized and quantized.get("format") not in QUANTIZERS:
+            raise ValueError(
+                f"the engine stores weights as {quantized.get('format')!r}, which this trainer cannot write "
+                f"(it writes {', '.join(QUANTIZERS)}); trainer and engine must run the same miles"
+            )
+        self._quantize = QUANTIZERS[quantized["format"]] if quantized else None
+        self.quantized: frozenset[str] = frozenset(quantized.get("names", ()))
         self._typed_views: dict[torch.dtype, torch.Tensor] = {}  # the flat buffer viewed as each dtype it holds
         self._views: dict[str, torch.Tensor] | None = None  # by export key, built on first use
         self._slots: dict[str, _Slot] = {}
@@ -132,12 +152,20 @@ class BufferWriter:
         its own copy."""
         batches = _Batches(self.BATCH_TENSORS)
         count = nbytes = 0
-        slots = self._slots
+        slots, quantized = self._slots, self.quantized
         for name, t in named:
             slot = slots.get(name) or self._slot(name)
             if t.shape != slot[1]:
                 raise ValueError(f"shape mismatch for {name!r}: trainer {tuple(t.shape)}, engine {tuple(slot[1])}")
-            batches.add(slot, t)
+            if name in quantized:  # quantized on the engine's device, then its values and scales copied in
+                assert self._quantize is not None
+                scales = slots.get(name + "_scale_inv") or self._slot(name + "_scale_inv")
+                q, scale_inv = self._quantize(t.to(slot[3], non_blocking=True))
+                slot[0].copy_(q, non_blocking=True)
+                scales[0].copy_(scale_inv, non_blocking=True)
+                nbytes += scales[4]
+            else:
+                batches.add(slot, t)
             count += 1
             nbytes += slot[4]
         batches.finish()

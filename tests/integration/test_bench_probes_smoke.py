@@ -1,5 +1,5 @@
-"""bench/sampling_fidelity.py and bench/import_cost.py on CPU with a tiny model: every side samples and scores,
-every phase is timed.
+"""bench/sampling_fidelity.py, bench/import_cost.py and bench/fp8.py on CPU with a tiny model: every side
+samples and scores, every phase is timed.
 
 The rewards of a random tiny model mean nothing; GPU figures: bench/results/e2e_vs_trl.md.
 """
@@ -31,3 +31,15 @@ def test_import_cost_reports_each_phase():
     median = json.loads(out.stdout.strip().splitlines()[-1])["median"]
     assert median["import_torch"] > 0 and median["import_transformers_model"] > 0
     assert median["from_pretrained_first"] >= 0
+
+
+def test_fp8_bench_reports_speed_install_and_colocated_push():
+    cmd = [sys.executable, "bench/fp8.py", "--hidden", "256", "--layers", "2", "--heads", "4", "--kv-heads", "2",
+           "--intermediate", "512", "--vocab", "512", "--batch", "4", "--new-tokens", "8", "--reps", "1",
+           "--install-reps", "1"]  # fmt: skip
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = json.loads(out.stdout.strip().splitlines()[-1])
+    for key in ("tok_s", "install_s", "push_s"):
+        assert line[f"bf16_{key}"] > 0 and line[f"fp8_{key}"] > 0, key
+    assert line["push_ratio"] > 0 and line["install_ratio"] > 0

@@ -137,3 +137,71 @@ def test_fp8_serving_turns_tis_on_unless_set_and_the_quant_error_flag_needs_the_
     assert online.algo.use_tis is True and embedded_options(online.engine.sglang_args) == {"quantization": "fp8"}
     with pytest.raises(ConfigError, match="serves fp8 only"):
         load_config(["--hf-checkpoint", dirs["bf16"], "--sglang-quantization", "awq", *base], for_train=False)
+
+
+def _stored(engine) -> dict[str, torch.Tensor]:
+    """The engine's weight bytes: each FP8 weight's e4m3 values and scales, every other tensor as it is."""
+    out = {}
+    for key, t in engine.model.storage.items():
+        if isinstance(t, fp8.Fp8Weight):
+            out[key + ".q"], out[key + ".scale_inv"] = t.q.view(torch.uint8).clone(), t.scale_inv.clone()
+        else:
+            out[key] = t.clone()
+    return out
+
+
+def test_a_direct_colocated_write_stores_what_a_push_stores(dirs):
+    """The trainer quantizes each FP8 name per block and writes values and scales into the engine's buffer:
+    the same bytes `load_weights` (the per-bucket handoff) leaves, fused parts laid out from block boundaries
+    included; the KV computed before is dropped."""
+    import asyncio
+
+    from miles.engines.embedded.engine import EmbeddedEngine
+    from miles.weights.buffer_writer import BufferWriter, open_export
+
+    pushed = [(n, t.to(torch.bfloat16)) for n, t in iter_safetensors(dirs["other"])]
+    engine = EmbeddedEngine(dirs["fp8"])
+    try:
+        export = engine.export_weight_buffer()
+        names = export["quantized"]["names"]
+        assert export["quantized"]["format"] == fp8.DIRECT_FORMAT
+        assert len(names) == 7 * dirs["shape"]["layers"] and all(n + "_scale_inv" in export["tensors"] for n in names)
+        epoch = engine.runner.kv_epoch
+        with open_export(export) as flat:
+            count, _ = BufferWriter(flat, export).write(pushed)
+        engine.install_weight_buffer(export["generation"], 2)
+        assert count == len(pushed) and engine.runner.kv_epoch > epoch
+        direct = _stored(engine)
+        engine.load_weights(pushed)
+        bucketed = _stored(engine)
+        assert direct.keys() == bucketed.keys()
+        for key in direct:
+            assert torch.equal(direct[key], bucketed[key]), key
+        served = {n: (value, bound) for n, value, bound in engine.dequantized_weights()}
+        for name, t in pushed:
+            value, bound = served[engine.model.canonical_name(name)]
+            assert bound is None or (value - t.float()).abs().le(bound).all(), name
+    finally:
+        asyncio.run(engine.shutdown())
+
+
+def test_a_writer_refuses_a_storage_format_it_does_not_know(dirs):
+    from miles.weights.buffer_writer import BufferWriter
+
+    export = {"tensors": {}, "quantized": {"format": "int4_awq", "names": ["x"]}}
+    with pytest.raises(ValueError, match="'int4_awq', which this trainer cannot write"):
+        BufferWriter(torch.zeros(8, dtype=torch.uint8), export)
+
+
+def test_a_colocated_fp8_run_writes_its_pushes_directly(tmp_path):
+    """The CPU demo colocated with FP8 serving: every push goes through the direct path (no per-bucket
+    `load_weights` on the engine) and passes the weight check within the quantization error."""
+    from harness import SMALL_RUN, run_train
+
+    out = tmp_path / "run"
+    rows = run_train(out, *SMALL_RUN, "--num-rollout", "2", "--colocate", "--sglang-quantization", "fp8",
+                     "--check-weight-update-equal", "--check-weight-update-allow-quant-error")  # fmt: skip
+    assert [r["step"] for r in rows if r.get("step", -1) >= 0] == [0, 1]
+    engine_log = (out / "logs" / "rollout_0.log").read_text()
+    assert "weight_version 2" in engine_log and "loaded " not in engine_log
+    assert "per-bucket" not in (out / "logs" / "trainer_0.log").read_text()

@@ -113,10 +113,6 @@ class EngineWeights:
         colocated_direct.py. A caller that maps `generation` already gets `{generation, unchanged}` if
         it is current. Refused while generating: the trainer writes without any engine lock."""
         self._require_quiet("export_weight_buffer")
-        if self.fp8:
-            raise ValueError(
-                "direct colocated updates write bf16 weights in place; this engine serves FP8 (push instead)"
-            )
         with self.runner.lock:
             self._require_full_weights("export_weight_buffer")
             if self._shared.arena is None:
@@ -124,7 +120,7 @@ class EngineWeights:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # no engine kernel still touches the weights
             aliases = {"lm_head.weight": "model.embed_tokens.weight"} if self.model.spec.tie_word_embeddings else {}
-            return self._shared.export(self.model.params, aliases, generation)
+            return self._shared.export(self.model.params, aliases, generation, fp8.DIRECT_FORMAT if self.fp8 else None)
 
     def install_weight_buffer(
         self, generation: int, weight_version: str | int, ready_event: str | None = None
@@ -145,9 +141,22 @@ class EngineWeights:
                 "call pause_generation first (a direct colocated update writes into the live weights)"
             )
 
-    def _pack_weights(self, storage: dict[str, torch.Tensor]) -> None:
-        """Storage -> views of one fresh flat buffer on the engine's device (copies from host if released)."""
-        self.model.storage = self._shared.pack(storage)
+    def _pack_weights(self, storage: dict[str, torch.Tensor | fp8.Fp8Weight]) -> None:
+        """Storage -> views of one fresh flat buffer on the engine's device (copies from host if released).
+        An FP8 weight's e4m3 values and block scales both go into the buffer (its `keep` rows stay apart)."""
+        flat: dict[str, torch.Tensor] = {}
+        for key, t in storage.items():
+            if isinstance(t, fp8.Fp8Weight):
+                flat[key + "\0q"], flat[key + "\0scale_inv"] = t.q, t.scale_inv
+            else:
+                flat[key] = t
+        views = self._shared.pack(flat)
+        self.model.storage = {
+            key: fp8.Fp8Weight(views[key + "\0q"], views[key + "\0scale_inv"], t.keep)
+            if isinstance(t, fp8.Fp8Weight)
+            else views[key]
+            for key, t in storage.items()
+        }
         self.model.rebuild_views()  # params are views into storage
         self.runner.graphs = None  # captured decode graphs hold the old weight addresses
 
