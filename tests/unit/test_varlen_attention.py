@@ -229,3 +229,30 @@ def test_flash_calls_fit_the_ops_meta_kernels():
     assert out.shape == dq.shape == (101, 14, 64)
     assert dk.shape == dv.shape == (101, 2, 64)
     assert rest == [None, None, None]
+
+
+def test_rollout_routing_replay_on_a_packed_row(tmp_path):
+    """R3 in the row layout: the engine's experts replayed at the same tokens as in the padded layout."""
+    from miles.models.tiny import make_tiny_model
+    from miles.trainer.routing_replay import RoutingReplay
+    from miles.utils.routing import routing_dtype
+
+    path = make_tiny_model(str(tmp_path / "moe"), arch="qwen3_moe", layers=2, hidden=64, heads=4, kv_heads=2)
+    models = [load_causal_lm(path, attn_implementation=a) for a in ("sdpa", va.NAME)]
+    cfg = models[0].config
+    batch = make_train_batch(SEQ_LENS, RESP_LENS, cfg.vocab_size, seed=5)
+    rows = sum(n - 1 for n in SEQ_LENS)
+    rng = np.random.default_rng(0)
+    chosen = np.argsort(rng.random((rows, cfg.num_hidden_layers, cfg.num_experts)), -1)[..., : cfg.num_experts_per_tok]
+    batch.routed_experts = chosen.astype(routing_dtype(cfg.num_experts))
+    out = []
+    for model in models:
+        replay = RoutingReplay(model, mode="rollout")
+        replay.begin_step()
+        with torch.no_grad(), replay.scope(batch, model_layout(model), first_pass=True):
+            lp, _, _ = forward_micro_batch(model, batch, torch.device("cpu"), 1.0, entropy="none")
+        out.append((lp, replay.counts.copy()))
+    (lp_a, counts_a), (lp_b, counts_b) = out
+    torch.testing.assert_close(lp_b, lp_a, rtol=1e-5, atol=1e-5)
+    assert counts_a[0] == counts_b[0] == rows and counts_a[1] == counts_b[1] == 0  # every token replayed
+    assert counts_a[2] == counts_b[2] > 0  # the routers' own choice differs from the random experts
