@@ -95,16 +95,16 @@ def check_routing_replay_model(cfg: MilesConfig) -> None:
 def check_attention_model(cfg: MilesConfig) -> None:
     """--attn-implementation miles_varlen names a kernel for causal-attention families only: refused, in one
     line, for a model it cannot serve (auto falls back to SDPA by itself)."""
-    from miles.trainer import varlen_attention
+    from miles.trainer import attention_models
 
-    if cfg.train.attn_implementation != varlen_attention.NAME or not cfg.model.hf_checkpoint:
+    if cfg.train.attn_implementation != attention_models.NAME or not cfg.model.hf_checkpoint:
         return
     path = os.path.join(cfg.model.hf_checkpoint, "config.json")
     model_cfg = json.loads(Path(path).read_text()) if os.path.isfile(path) else {}
-    why = "remote-code model" if cfg.model.trust_remote_code else varlen_attention.unsupported(model_cfg)
+    why = "remote-code model" if cfg.model.trust_remote_code else attention_models.unsupported(model_cfg)
     if why is not None:
         raise PreflightError(
-            f"--attn-implementation {varlen_attention.NAME} cannot serve {cfg.model.hf_checkpoint}: {why}; "
+            f"--attn-implementation {attention_models.NAME} cannot serve {cfg.model.hf_checkpoint}: {why}; "
             "use auto (SDPA where miles_varlen cannot run) or sdpa"
         )
 

@@ -22,14 +22,14 @@ from miles.weights.groups import dtype_from_name
 from miles.weights.tensor_ipc import open_cuda_buffer, shm_path
 
 
-def _fp8_block128(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _fp8_block128(t: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor]) -> None:
     from miles.engines.embedded.fp8 import quantize_weight  # what the engine itself runs on a weight push
 
-    return quantize_weight(t)
+    quantize_weight(t, out=out)
 
 
 # How the trainer turns a tensor into what an engine stores for a quantized name (export["quantized"]["format"]):
-# (values, scale_inv), written into `name` and `name + "_scale_inv"`.
+# quantize(tensor, out=(the view of `name`, the view of `name + "_scale_inv"`)), written in place.
 QUANTIZERS = {"fp8_e4m3_block128": _fp8_block128}
 
 # per HF name: (view, shape, dtype, device, bytes, whether it gets a copy_ of its own)
@@ -160,9 +160,7 @@ class BufferWriter:
             if name in quantized:  # quantized on the engine's device, then its values and scales copied in
                 assert self._quantize is not None
                 scales = slots.get(name + "_scale_inv") or self._slot(name + "_scale_inv")
-                q, scale_inv = self._quantize(t.to(slot[3], non_blocking=True))
-                slot[0].copy_(q, non_blocking=True)
-                scales[0].copy_(scale_inv, non_blocking=True)
+                self._quantize(t.to(slot[3], non_blocking=True), (slot[0], scales[0]))
                 nbytes += scales[4]
             else:
                 batches.add(slot, t)

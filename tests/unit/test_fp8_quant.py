@@ -167,3 +167,19 @@ def test_activations_with_a_partial_last_group_are_quantized_too():
     torch.testing.assert_close(xs[:, 1], x[:, 128:].abs().amax(dim=1) / fp8.E4M3_MAX)
     back = xq.float() * xs.repeat_interleave(128, 1)[:, :200]
     assert (back - x).abs().max() <= x.abs().max() / 15
+
+
+def test_quantize_into_a_weights_own_storage():
+    """`out=` (what a push into an engine's weight buffer uses): the same bytes as a fresh quantization,
+    written into the given rows of a larger weight and nothing else."""
+    w = torch.randn(200, 300, generator=torch.Generator().manual_seed(2)) * 0.05
+    q_want, s_want = fp8.quantize_weight(w)
+    q_all = torch.zeros((384, 300), dtype=fp8.E4M3)
+    s_all = torch.full((3, 3), -1.0)
+    got = fp8.quantize_weight(w, out=(q_all[128:328], s_all[1:3]))
+    assert got[0].data_ptr() == q_all[128:].data_ptr()
+    assert torch.equal(q_all[128:328].view(torch.uint8), q_want.view(torch.uint8)) and torch.equal(s_all[1:], s_want)
+    assert not q_all[:128].view(torch.uint8).any() and (s_all[0] == -1).all()
+    part = fp8.Fp8Weight(q_all, s_all)[128:328]
+    part.copy_(w * 2)  # an engine-side push of that part
+    assert torch.equal(part.q.view(torch.uint8), q_want.view(torch.uint8)) and torch.equal(part.scale_inv, s_want * 2)

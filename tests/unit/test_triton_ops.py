@@ -276,6 +276,19 @@ def test_fp8_weight_quant_kernel_matches_the_torch_form():
 
 
 @needs_kernels
+def test_fp8_weight_quant_kernel_writes_into_a_weights_own_rows():
+    """`out=`: the rows of a larger weight and their block scales are written in place (a push, no temporary)."""
+    w = (torch.randn(200, 300, generator=torch.Generator().manual_seed(1)) * 0.05).to(torch.bfloat16).to(DEVICE)
+    q_all = torch.zeros((384, 300), dtype=torch.float8_e4m3fn, device=DEVICE)
+    s_all = torch.full((3, 3), -1.0, device=DEVICE)
+    q_want, s_want = fp8_triton.quantize_weight(w)
+    got = fp8_triton.quantize_weight(w, out=(q_all[128:328], s_all[1:3]))
+    assert got[0].data_ptr() == q_all[128:].data_ptr()
+    assert torch.equal(q_all[128:328].view(torch.uint8), q_want.view(torch.uint8)) and torch.equal(s_all[1:], s_want)
+    assert not q_all[:128].view(torch.uint8).any() and (s_all[0] == -1).all()  # the other rows untouched
+
+
+@needs_kernels
 @pytest.mark.parametrize("m", [5, 37])  # within one tile of rows; across three, the last one partial
 def test_fp8_activation_quant_kernel_pads_rows_and_lays_scales_out_outer_dim_major(m):
     x = torch.randn(m, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).to(DEVICE)

@@ -85,18 +85,29 @@ def is_quantized_name(name: str) -> bool:
 
 
 # ---- quantization ---------------------------------------------------------------------------------
-def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight(
+    w: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(q [N, K] e4m3, scale_inv [ceil(N/128), ceil(K/128)] fp32) with w ~= q * scale_inv blockwise, on w's device
-    (on CUDA one Triton pass, fp8_triton.py)."""
+    (on CUDA one Triton pass, fp8_triton.py). `out`: the (q, scale_inv) to write into, on w's device (the Triton
+    pass stores there directly: a push writes a weight's storage with no temporary)."""
     if CUDA_KERNELS and w.is_cuda and fp8_triton.runs_on(w.device):
-        return fp8_triton.quantize_weight(w)
-    N, K = w.shape
-    nb, kb = math.ceil(N / BLOCK), math.ceil(K / BLOCK)
-    padded = F.pad(w.float(), (0, kb * BLOCK - K, 0, nb * BLOCK - N)).view(nb, BLOCK, kb, BLOCK)
-    amax = padded.abs().amax(dim=(1, 3))
-    scale_inv = torch.clamp(amax, min=1e-12) / E4M3_MAX
-    q = (padded / scale_inv[:, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
-    return q.view(nb * BLOCK, kb * BLOCK)[:N, :K].contiguous(), scale_inv
+        if out is not None and out[0].is_contiguous() and out[1].is_contiguous():
+            return fp8_triton.quantize_weight(w, out)
+        q, scale_inv = fp8_triton.quantize_weight(w)
+    else:
+        N, K = w.shape
+        nb, kb = math.ceil(N / BLOCK), math.ceil(K / BLOCK)
+        padded = F.pad(w.float(), (0, kb * BLOCK - K, 0, nb * BLOCK - N)).view(nb, BLOCK, kb, BLOCK)
+        amax = padded.abs().amax(dim=(1, 3))
+        scale_inv = torch.clamp(amax, min=1e-12) / E4M3_MAX
+        q = (padded / scale_inv[:, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
+        q = q.view(nb * BLOCK, kb * BLOCK)[:N, :K]
+        if out is None:
+            return q.contiguous(), scale_inv
+    out[0].copy_(q)
+    out[1].copy_(scale_inv)
+    return out
 
 
 def dequantize_weight(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -159,9 +170,7 @@ class Fp8Weight:
     def copy_(self, w: torch.Tensor) -> None:
         """Quantize w (any float dtype) on this weight's device, per block, and store it in place (a weight
         push: the engine's `params[name].copy_(tensor)` lands here for a quantized name)."""
-        q, scale_inv = quantize_weight(w.to(self.q.device))
-        self.q.copy_(q)
-        self.scale_inv.copy_(scale_inv)
+        quantize_weight(w.to(self.q.device), out=(self.q, self.scale_inv))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         w = dequantize_weight(self.q, self.scale_inv, dtype)

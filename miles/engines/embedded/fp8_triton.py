@@ -68,12 +68,20 @@ def quantize_activation(x: torch.Tensor, pad_to: int = 1) -> tuple[torch.Tensor,
     return q, scales.t()
 
 
-def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] -> (q [N, K] e4m3, scale_inv [ceil(N/128), ceil(K/128)] fp32), one program per block."""
+def quantize_weight(
+    w: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (q [N, K] e4m3, scale_inv [ceil(N/128), ceil(K/128)] fp32), one program per block; `out`:
+    contiguous tensors of those shapes to write into (a weight's own storage: no temporary)."""
     N, K = w.shape
     NB, KB = -(-N // GROUP), -(-K // GROUP)
     w = w.contiguous()
-    q = torch.empty((N, K), dtype=torch.float8_e4m3fn, device=w.device)
-    scale_inv = torch.empty((NB, KB), dtype=torch.float32, device=w.device)
+    if out is None:
+        q = torch.empty((N, K), dtype=torch.float8_e4m3fn, device=w.device)
+        scale_inv = torch.empty((NB, KB), dtype=torch.float32, device=w.device)
+    else:
+        q, scale_inv = out
+        if not (q.is_contiguous() and scale_inv.is_contiguous()):
+            raise ValueError("quantize_weight(out=...) writes contiguous tensors")
     _weight_quant_kernel[(NB, KB)](w, q, scale_inv, N, K, KB, BLOCK=GROUP)
     return q, scale_inv
