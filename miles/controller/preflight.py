@@ -109,6 +109,25 @@ def check_attention_model(cfg: MilesConfig) -> None:
         )
 
 
+def check_fp8_model(cfg: MilesConfig) -> None:
+    """FP8 serving in the embedded engine covers dense models: a MoE checkpoint is refused, in one line, before
+    the engines start (they would refuse it while loading)."""
+    from miles.config.rules.derive import serves_fp8
+
+    eng = cfg.engine
+    fp8 = eng.sglang_args.get("quantization") == "fp8" or serves_fp8(cfg.model.hf_checkpoint)
+    if eng.engine != "embedded" or not fp8 or not cfg.model.hf_checkpoint:
+        return
+    path = os.path.join(cfg.model.hf_checkpoint, "config.json")
+    model_cfg = json.loads(Path(path).read_text()) if os.path.isfile(path) else {}
+    if model_cfg.get("num_experts") or model_cfg.get("num_local_experts") or model_cfg.get("n_routed_experts"):
+        raise PreflightError(
+            f"FP8 serving: {cfg.model.hf_checkpoint} is a mixture-of-experts {model_cfg.get('model_type', '?')} "
+            "model and the embedded engine serves FP8 for dense models only; serve it in bf16 (drop "
+            "--sglang-quantization fp8) or with --engine sglang"
+        )
+
+
 def check_checkpoint_paths(load: str | None, save: str | None, save_hf: str | None) -> None:
     """`--load` names a complete checkpoint (or is the `--save` root of a run not saved yet); outputs are writable."""
     if load:

@@ -28,6 +28,7 @@ from miles.controller.preflight import (
     PreflightError,
     RunData,
     check_attention_model,
+    check_fp8_model,
     check_model_path,
     check_routing_replay_model,
     check_start,
@@ -57,6 +58,7 @@ async def start_run(cfg: MilesConfig) -> MilesRun:
     check_model_path(cfg.model)  # a directory: `miles train` resolved tiny:, smollm2: and Hub ids before
     check_routing_replay_model(cfg)
     check_attention_model(cfg)
+    check_fp8_model(cfg)
     check_expert_layout(cfg)
     clear_save_dir(cfg.train)  # --overwrite-save: the old run's checkpoints go before this run saves
     cfg.engine.api_key = cfg.engine.api_key or new_api_key()  # one key per run: every engine and client

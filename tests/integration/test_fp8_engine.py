@@ -205,3 +205,19 @@ def test_a_colocated_fp8_run_writes_its_pushes_directly(tmp_path):
     engine_log = (out / "logs" / "rollout_0.log").read_text()
     assert "weight_version 2" in engine_log and "loaded " not in engine_log
     assert "per-bucket" not in (out / "logs" / "trainer_0.log").read_text()
+
+
+def test_a_moe_checkpoint_is_refused_for_fp8_serving_before_any_worker(tmp_path):
+    from miles.controller.preflight import PreflightError, check_fp8_model
+
+    moe = make_tiny_model(str(tmp_path / "moe"), arch="qwen3_moe", layers=1, hidden=64, heads=4, kv_heads=2)
+    base = {
+        "hf_checkpoint": moe,
+        "prompt_data": "p.jsonl",
+        "rm_type": "math",
+        "num_rollout": 1,
+        "rollout_batch_size": 2,
+    }
+    with pytest.raises(PreflightError, match="mixture-of-experts qwen3_moe model .* dense models only"):
+        check_fp8_model(load_config(["--sglang-quantization", "fp8"], base=base))
+    check_fp8_model(load_config([], base=base))  # bf16 serving: fine

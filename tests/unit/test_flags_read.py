@@ -98,6 +98,8 @@ def test_each_unimplemented_flag_is_refused_by_name(name: str) -> None:
         (["--use-rollout-routing-replay", "--true-on-policy-mode"], ["--true-on-policy-mode"]),
         (["--train-backend", "megatron", "--attn-implementation", "sdpa"], ["--attn-implementation sdpa", "megatron"]),
         (["--true-on-policy-mode", "--attn-implementation", "miles_varlen"], ["--attn-implementation miles_varlen"]),
+        (["--sglang-quantization", "fp8", "--lora-rank", "4"], ["--sglang-quantization fp8 with --lora-rank"]),
+        (["--sglang-quantization", "fp8", "--true-on-policy-mode"], ["fp8 with --true-on-policy-mode"]),
         (["--update-weights-interval", "0"], ["--update-weights-interval=0"]),
         (
             ["--colocate", "--update-weights-interval", "2"],
