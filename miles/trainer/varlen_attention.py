@@ -52,31 +52,73 @@ def _boundaries_from_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor
     return cu.to(pos.device), longest
 
 
-class _FlashVarlen(torch.autograd.Function):
-    """Causal flash attention of packed sequences: q [T, H, d], k and v [T, KVH, d] (H a multiple of KVH)."""
+# The kernel as two custom ops (opaque to torch.compile, which traces only their fake shapes) and the
+# autograd formula between them. Dropout is 0, so the generator state the ops hand over is never read.
+def flash_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out [T, H, d], log-sum-exp [H, T] fp32, generator state) of causal attention over packed sequences."""
+    out, lse, rng, _, _ = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu, cu, max_len, max_len, 0.0, True, False, scale=scale
+    )
+    return out, lse, rng
 
-    @staticmethod
-    def forward(ctx, q, k, v, cu, max_len, scale):
-        out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu, cu, max_len, max_len, 0.0, True, False, scale=scale
-        )
-        ctx.save_for_backward(q, k, v, out, lse, cu, rng, unused)
-        ctx.max_len, ctx.scale = max_len, scale
-        return out
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, out, lse, cu, rng, unused = ctx.saved_tensors
-        dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            grad_out.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_len, ctx.max_len, 0.0, True, rng, unused,
-            scale=ctx.scale,
-        )  # fmt: skip
-        return dq, dk, dv, None, None, None
+def flash_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    rng: torch.Tensor,
+    cu: torch.Tensor,
+    max_len: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of `flash_forward` (dk and dv summed over each key head's query group)."""
+    unused = torch.empty(0, device=q.device)
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        grad_out.contiguous(), q, k, v, out, lse, cu, cu, max_len, max_len, 0.0, True, rng, unused, scale=scale
+    )
+    return dq, dk, dv
+
+
+_varlen_flash_fwd = torch.library.custom_op("miles::varlen_flash_fwd", mutates_args=())(flash_forward)
+_varlen_flash_bwd = torch.library.custom_op("miles::varlen_flash_bwd", mutates_args=())(flash_backward)
+
+
+@_varlen_flash_fwd.register_fake
+def _(q, k, v, cu, max_len, scale):
+    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return torch.empty_like(q), lse, q.new_empty((2,), dtype=torch.uint64)
+
+
+@_varlen_flash_bwd.register_fake
+def _(grad_out, q, k, v, out, lse, rng, cu, max_len, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, cu, max_len, scale = inputs
+    out, lse, rng = output
+    ctx.save_for_backward(q, k, v, out, lse, rng, cu)
+    ctx.max_len, ctx.scale = max_len, scale
+
+
+def _backward(ctx, grad_out, grad_lse, grad_rng):
+    q, k, v, out, lse, rng, cu = ctx.saved_tensors
+    dq, dk, dv = _varlen_flash_bwd(grad_out, q, k, v, out, lse, rng, cu, ctx.max_len, ctx.scale)
+    return dq, dk, dv, None, None, None
+
+
+_varlen_flash_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float):
-    """Causal attention of the sequences [cu[i], cu[i+1]) of q [T, H, d], k, v [T, KVH, d]; -> [T, H, d]."""
-    return _FlashVarlen.apply(q, k, v, cu, max_len, scale)
+    """Causal attention of the sequences [cu[i], cu[i+1]) of q [T, H, d], k, v [T, KVH, d]; -> [T, H, d]
+    (torch's flash kernel, CUDA, bf16/fp16; H a multiple of KVH)."""
+    return _varlen_flash_fwd(q, k, v, cu, max_len, scale)[0]
 
 
 def reference_varlen(

@@ -211,24 +211,43 @@ def test_forced_miles_varlen_is_refused_where_it_cannot_run(tmp_path):
 
 
 def test_flash_calls_fit_the_ops_meta_kernels():
-    """`_FlashVarlen`'s forward and backward traced with fake CUDA tensors (no GPU needed): the aten ops take
-    the arguments it passes and grouped-query gradients come back in the shapes of k and v."""
+    """The custom ops' bodies and their fakes, traced with fake CUDA tensors (no GPU needed): the aten ops take
+    the arguments the bodies pass, and the fakes promise the shapes and dtypes the aten ops give."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    class Ctx:
-        def save_for_backward(self, *tensors):
-            self.saved_tensors = tensors
-
-    ctx = Ctx()
     with FakeTensorMode():
         q = torch.empty(101, 14, 64, dtype=torch.bfloat16, device="cuda")
         k, v = (torch.empty(101, 2, 64, dtype=torch.bfloat16, device="cuda") for _ in "kv")
         cu = torch.empty(3, dtype=torch.int32, device="cuda")
-        out = va._FlashVarlen.forward(ctx, q, k, v, cu, 64, 0.125)
-        dq, dk, dv, *rest = va._FlashVarlen.backward(ctx, out)
-    assert out.shape == dq.shape == (101, 14, 64)
-    assert dk.shape == dv.shape == (101, 2, 64)
-    assert rest == [None, None, None]
+        real_fwd = va.flash_forward(q, k, v, cu, 64, 0.125)  # the body, through the aten op's meta
+        fake_fwd = va._varlen_flash_fwd(q, k, v, cu, 64, 0.125)  # the registered fake
+        out, lse, rng = real_fwd
+        real_bwd = va.flash_backward(out, q, k, v, out, lse, rng, cu, 64, 0.125)
+        fake_bwd = va._varlen_flash_bwd(out, q, k, v, out, lse, rng, cu, 64, 0.125)
+    for real, fake in zip((*real_fwd, *real_bwd), (*fake_fwd, *fake_bwd), strict=True):
+        assert (real.shape, real.dtype) == (fake.shape, fake.dtype)
+    assert out.shape == real_bwd[0].shape == (101, 14, 64)
+    assert real_bwd[1].shape == real_bwd[2].shape == (101, 2, 64)
+
+
+def test_flash_kernel_autograd_and_compile_on_meta_tensors():
+    """The CUDA path's autograd wiring and its tracing by torch.compile (dynamic shapes, as `--compile` compiles
+    the blocks), run on meta tensors: the gradients come back in the inputs' shapes and two row lengths
+    share one graph."""
+    from torch._dynamo.utils import counters
+
+    def loss(q, k, v, cu, longest):
+        return va.flash_varlen(q, k, v, cu, longest, 0.125).float().sum()
+
+    compiled = torch.compile(loss, backend="aot_eager", dynamic=True)
+    counters.clear()
+    for total in (101, 77):
+        q = torch.empty(total, 14, 64, dtype=torch.bfloat16, device="meta", requires_grad=True)
+        k, v = (torch.empty(total, 2, 64, dtype=torch.bfloat16, device="meta", requires_grad=True) for _ in "kv")
+        cu = torch.empty(3, dtype=torch.int32, device="meta")
+        grads = torch.autograd.grad(compiled(q, k, v, cu, total - 10), (q, k, v))
+        assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    assert counters["stats"]["unique_graphs"] == 1
 
 
 def test_rollout_routing_replay_on_a_packed_row(tmp_path):
