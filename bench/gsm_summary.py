@@ -5,13 +5,15 @@
 Prints the held-out accuracy curve (greedy, `eval/gsm_orig` and `eval/gsm_heldout` by step), the
 medians of the step's phases over the steps after the first `--skip-first`, the update's MFU, the
 largest per-phase peak GPU memory, start-up and the first step (its warm-up: kernels built, graphs captured,
-`--compile`'s compilation); ends with one JSON line holding them all.
+`--compile`'s compilation) and the trainer's attention (its log line: `miles_varlen`, packed rows, or SDPA over
+padded rows, with the reason); ends with one JSON line holding them all.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 from pathlib import Path
 
@@ -59,6 +61,17 @@ def summarize(rows: list[dict], skip_first: int) -> dict:
     return out
 
 
+ATTENTION_LINE = re.compile(r"trainer attention: (.+)$", re.MULTILINE)
+
+
+def trainer_attention(run_dir: Path) -> str | None:
+    """The attention the trainer chose and why, as its log's `trainer attention: ...` line says (None: not
+    logged, e.g. a CPU run that took SDPA without a choice to make)."""
+    log = run_dir / "logs" / "trainer_0.log"
+    found = ATTENTION_LINE.search(log.read_text(errors="replace")) if log.is_file() else None
+    return found.group(1).strip() if found else None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir")
@@ -67,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     path = Path(args.run_dir) / "metrics.jsonl"
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     out = summarize(rows, args.skip_first)
+    out["trainer_attention"] = trainer_attention(Path(args.run_dir))
     for name in EVALS:
         for step, acc in out.get(f"{name}_curve", []):
             print(f"{name:12s} step {step:4d}  accuracy {acc:.3f}")

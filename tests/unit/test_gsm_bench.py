@@ -24,6 +24,16 @@ def test_the_summary_reads_the_eval_curve_and_step_medians() -> None:
     assert out["reward_last5"] == 0.4 and "gsm_heldout_curve" not in out
 
 
+def test_the_summary_names_the_trainers_attention(tmp_path) -> None:
+    summary = load_bench("gsm_summary")
+    assert summary.trainer_attention(tmp_path) is None
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "trainer_0.log").write_text(
+        "2026-12-04 INFO trainer:0 miles.trainer.hf_io: trainer attention: miles_varlen (flash kernel checked)\n"
+    )
+    assert summary.trainer_attention(tmp_path) == "miles_varlen (flash kernel checked)"
+
+
 def test_the_gsm_job_takes_the_committed_data_and_its_reward() -> None:
     e2e = load_bench("e2e_vs_trl")
     args = argparse.Namespace(job="gsm", long_tokens=512)
