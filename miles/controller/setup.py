@@ -93,7 +93,7 @@ async def _connect(cfg: MilesConfig, runtime: Runtime, placement: Placement, clo
     trainers = TrainerGroup(runtime, empty=not placement.trainer_specs)
     await _set_up_trainers(runtime, trainers, clock)
     if placement.colocated and trainers:
-        await resolve_offload(cfg, trainers)
+        await resolve_offload(cfg, trainers, placement.device)
     engines = await rollout_engines(cfg, runtime)
     router = Router(engines, session_mode=bool(cfg.rollout.use_session_server)) if engines else None
     run = MilesRun(cfg, runtime, placement, router, engines, tokenizer, open_sink(cfg), data)

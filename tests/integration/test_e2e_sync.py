@@ -135,7 +135,7 @@ def test_disk_delta_gives_the_same_run(tmp_path, broadcast_rows):
 
 
 def test_colocated_gives_the_same_run(tmp_path, broadcast_rows):
-    rows = same_run(tmp_path / "run", "--colocate")
+    rows = same_run(tmp_path / "run", "--colocate", "--offload-train", "--offload-rollout")  # offload is bit-exact
     assert_same_metrics(rows, first_steps(broadcast_rows), "colocated")
 
 

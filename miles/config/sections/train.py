@@ -127,7 +127,7 @@ class TrainConfig:
     no_save_optim: bool = option(False, "do not save optimizer state")
     offload_train: bool | None = option(
         None,
-        "offload trainer state while engines generate (default, colocated: on unless the trainer fits beside the engines on each GPU, measured at start-up; always on off CUDA)",
+        "offload trainer state while engines generate (default, colocated: on unless the trainer fits beside the engines on each GPU, measured at start-up; off on CPU, where it would free nothing)",
     )
     offload_rollout: bool | None = option(
         None, "colocated engines release memory while the trainer trains (default: as --offload-train)"
