@@ -1,5 +1,5 @@
-"""bench/sampling_fidelity.py, bench/import_cost.py and bench/fp8.py on CPU with a tiny model: every side
-samples and scores, every phase is timed.
+"""bench/sampling_fidelity.py, bench/import_cost.py, bench/fp8.py and bench/packed_rows.py on CPU with a tiny
+model: every side samples and scores, every phase is timed.
 
 The rewards of a random tiny model mean nothing; GPU figures: bench/results/e2e_vs_trl.md.
 """
@@ -43,3 +43,14 @@ def test_fp8_bench_reports_speed_install_and_colocated_push():
     for key in ("tok_s", "install_s", "push_s"):
         assert line[f"bf16_{key}"] > 0 and line[f"fp8_{key}"] > 0, key
     assert line["push_ratio"] > 0 and line["install_ratio"] > 0
+
+
+def test_packed_rows_bench_counts_the_padded_layouts_extra_work():
+    cmd = [sys.executable, "bench/packed_rows.py", "--samples", "12", "--max-tokens-per-gpu", "2048", "--reps", "1"]
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = json.loads(out.stdout.strip().splitlines()[-1])
+    assert line["padded_tokens"] > line["tokens"] and 0 < line["padding_share"] < 0.5
+    assert line["head_rows_over_answers"] > 1 and 0 < line["padded_flops_waste"] < 0.5
+    assert line["padded_s"] > 0 and line["packed_s"] > 0
+    assert line["micro_batches"]["packed"] <= line["micro_batches"]["padded"]  # no padding in the packed budget
