@@ -3,8 +3,8 @@
 In the row layout (miles.trainer.packing) a micro-batch is one row of concatenated sequences whose
 position ids restart at 0. With SDPA that row would need a dense block-diagonal mask, so SDPA runs the
 padded layout instead, which computes every padded position and, through `logits_to_keep`, the LM head
-over every row's full column span. On a GRPO batch of mixed lengths that is 15-20% of the update's
-FLOPs spent on padding.
+over every row's full column span: on a GRPO batch of the GSM job's lengths, 17.5% of the update's FLOPs
+predict nothing (counted by bench/packed_rows.py, which also times both layouts).
 
 `miles_varlen` is registered with transformers' attention interface. It reads the sequence boundaries
 that `PackedInputs.attention_kwargs` passes down the model (`cu_seq_lens_q`, `max_length_q`, the names
@@ -14,8 +14,9 @@ transformers' own flash-attention path uses) and runs each sequence's causal att
 - elsewhere (CPU, fp32), one SDPA call per sequence: the same result, used by tests and the CPU trainer
   when asked for.
 
-`pick` chooses it when the device, dtype and model allow and a one-off check of the kernel against
-SDPA passes on the device (`kernel_check`); otherwise the trainer keeps SDPA and the padded layout.
+`pick` chooses it when the device, dtype and model allow (`unsupported`, in the torch-free
+attention_models.py the controller's start-up check reads) and a one-off check of the kernel against SDPA
+passes on the device (`kernel_check`); otherwise the trainer keeps SDPA and the padded layout.
 """
 
 from __future__ import annotations
@@ -26,9 +27,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from miles.trainer.attention_models import MODEL_TYPES, NAME, unsupported
-
-__all__ = ["MODEL_TYPES", "NAME", "unsupported"]
+from miles.trainer.attention_models import NAME, unsupported
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +185,8 @@ def register() -> None:
 
 
 def flash_ops_present() -> bool:
-    """The variable-length flash ops exist in this torch with the arguments `_FlashVarlen` passes."""
+    """The variable-length flash ops exist in this torch with the arguments `flash_forward` and `flash_backward`
+    pass."""
     try:
         fwd = str(torch.ops.aten._flash_attention_forward.default._schema)
         bwd = str(torch.ops.aten._flash_attention_backward.default._schema)
