@@ -35,8 +35,9 @@ class OffloadPlan:
         return cls(trainer=bool(t.offload_train) and has_trainer, engine_tags=tags)
 
 
-async def resolve_offload(cfg: MilesConfig, trainers: TrainerGroup, device: str = "cuda") -> None:
-    """Colocated offload left at its default: off when every trainer rank fits beside its engine.
+async def resolve_offload(cfg: MilesConfig, trainers: TrainerGroup, device: str) -> None:
+    """Colocated offload left at its default, for trainers on `device` (the plan's "cuda" or "cpu"): off when
+    every trainer rank fits beside its engine.
 
     On CPU it is off: "offloading" there copies host memory to host memory and frees nothing (a 0.5B
     model's trainer moved 7 GB back and forth around every step). On GPUs, when a trainer cannot tell,

@@ -20,6 +20,7 @@ from typing import Any
 
 from miles.agent.plugins import PLUGIN_CHECKS, PluginShapeError
 from miles.config import FIELDS, MilesConfig, ModelConfig, is_sft
+from miles.config.rules.derive import fp8_serving
 from miles.controller.machine import Machine, plan_run, resolve_machine
 from miles.controller.placement import Placement
 from miles.controller.run_dirs import RunDirError, check_save_reuse
@@ -76,15 +77,26 @@ def check_model_path(model: ModelConfig) -> None:
         )
 
 
+def _model_config(cfg: MilesConfig) -> dict:
+    """The resolved model's config.json (empty when there is none to read)."""
+    path = os.path.join(cfg.model.hf_checkpoint or "", "config.json")
+    return json.loads(Path(path).read_text()) if cfg.model.hf_checkpoint and os.path.isfile(path) else {}
+
+
+def _num_experts(model_cfg: dict) -> int:
+    """Routed experts per MoE layer, under any of the names configs use (0: a dense model)."""
+    return int(
+        model_cfg.get("num_experts") or model_cfg.get("num_local_experts") or model_cfg.get("n_routed_experts") or 0
+    )
+
+
 def check_routing_replay_model(cfg: MilesConfig) -> None:
     """--use-(rollout-)routing-replay needs a mixture-of-experts model: refused, in one line, for a dense one."""
     t = cfg.train
     if not t.use_routing_replay or not cfg.model.hf_checkpoint:
         return
-    path = os.path.join(cfg.model.hf_checkpoint, "config.json")
-    model_cfg = json.loads(Path(path).read_text()) if os.path.isfile(path) else {}
-    experts = model_cfg.get("num_experts") or model_cfg.get("num_local_experts") or model_cfg.get("n_routed_experts")
-    if not experts:
+    model_cfg = _model_config(cfg)
+    if not _num_experts(model_cfg):
         flag = "--use-rollout-routing-replay" if t.use_rollout_routing_replay else "--use-routing-replay"
         raise PreflightError(
             f"{flag}: {cfg.model.hf_checkpoint} is a dense {model_cfg.get('model_type', '?')} model with no experts "
@@ -99,9 +111,7 @@ def check_attention_model(cfg: MilesConfig) -> None:
 
     if cfg.train.attn_implementation != attention_models.NAME or not cfg.model.hf_checkpoint:
         return
-    path = os.path.join(cfg.model.hf_checkpoint, "config.json")
-    model_cfg = json.loads(Path(path).read_text()) if os.path.isfile(path) else {}
-    why = "remote-code model" if cfg.model.trust_remote_code else attention_models.unsupported(model_cfg)
+    why = "remote-code model" if cfg.model.trust_remote_code else attention_models.unsupported(_model_config(cfg))
     if why is not None:
         raise PreflightError(
             f"--attn-implementation {attention_models.NAME} cannot serve {cfg.model.hf_checkpoint}: {why}; "
@@ -112,15 +122,10 @@ def check_attention_model(cfg: MilesConfig) -> None:
 def check_fp8_model(cfg: MilesConfig) -> None:
     """FP8 serving in the embedded engine covers dense models: a MoE checkpoint is refused, in one line, before
     the engines start (they would refuse it while loading)."""
-    from miles.config.rules.derive import serves_fp8
-
-    eng = cfg.engine
-    fp8 = eng.sglang_args.get("quantization") == "fp8" or serves_fp8(cfg.model.hf_checkpoint)
-    if eng.engine != "embedded" or not fp8 or not cfg.model.hf_checkpoint:
+    if cfg.engine.engine != "embedded" or not fp8_serving(cfg) or not cfg.model.hf_checkpoint:
         return
-    path = os.path.join(cfg.model.hf_checkpoint, "config.json")
-    model_cfg = json.loads(Path(path).read_text()) if os.path.isfile(path) else {}
-    if model_cfg.get("num_experts") or model_cfg.get("num_local_experts") or model_cfg.get("n_routed_experts"):
+    model_cfg = _model_config(cfg)
+    if _num_experts(model_cfg):
         raise PreflightError(
             f"FP8 serving: {cfg.model.hf_checkpoint} is a mixture-of-experts {model_cfg.get('model_type', '?')} "
             "model and the embedded engine serves FP8 for dense models only; serve it in bf16 (drop "

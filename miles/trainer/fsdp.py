@@ -39,9 +39,9 @@ from miles.trainer.fsdp_shard import (  # noqa: F401 - shard_model and _own_para
 from miles.trainer.hf_io import (
     load_causal_lm,
     load_value_model,
-    pick_attn_implementation,
     resolve_compute_dtype,
     source_dtype,
+    trainer_attention,
     write_hf_dir,
 )
 from miles.trainer.lora import adapter_tensors, apply_lora, export_lora_hf, lora_settings, trainable_parameters
@@ -51,7 +51,6 @@ from miles.trainer.offload_optim import OffloadedAdamW, build_adamw, optimizer_p
 from miles.trainer.packing import layout_for, pack_sequences, plan_micro_batches
 from miles.trainer.routing_replay import RoutingReplay, replay_scope
 from miles.trainer.train_loop import run_rl_step
-from miles.true_on_policy import ATTN_IMPLEMENTATION
 from miles.utils.moe_names import per_expert_tensors
 from miles.utils.timer import PhaseClock
 
@@ -121,17 +120,7 @@ class FSDPBackend:
             else None
         )
         self.true_on_policy = self.train_cfg.true_on_policy_mode
-        self.attn_impl = (
-            ATTN_IMPLEMENTATION
-            if self.true_on_policy
-            else pick_attn_implementation(
-                self.device,
-                compute_dtype,
-                self.model_cfg.hf_checkpoint,
-                self.model_cfg.trust_remote_code,
-                self.train_cfg.attn_implementation,
-            )
-        )
+        self.attn_impl = trainer_attention(self.device, compute_dtype, self.model_cfg, self.train_cfg)
         self.actor, self.optimizer, self.scheduler = self._build_trainable(
             self.model_cfg.hf_checkpoint, self.train_cfg.lr
         )

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from miles.trainer import varlen_attention
+from miles.true_on_policy import ATTN_IMPLEMENTATION as TRUE_ON_POLICY_ATTENTION
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,16 @@ def resolve_compute_dtype(dtype: str, device_type: str) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def trainer_attention(device: torch.device, compute_dtype: torch.dtype, model_cfg, train_cfg) -> str:
+    """The FSDP trainer's attention: true-on-policy mode's eager reference attention, else
+    `pick_attn_implementation` for `--attn-implementation`."""
+    if train_cfg.true_on_policy_mode:
+        return TRUE_ON_POLICY_ATTENTION
+    return pick_attn_implementation(
+        device, compute_dtype, model_cfg.hf_checkpoint, model_cfg.trust_remote_code, train_cfg.attn_implementation
+    )
+
+
 def pick_attn_implementation(
     device: torch.device,
     compute_dtype: torch.dtype,
@@ -66,31 +77,29 @@ def pick_attn_implementation(
     if requested not in ("auto", varlen_attention.NAME):
         logger.info("trainer attention: %s (--attn-implementation)", requested)
         return requested
-    if requested == "auto" and device.type == "cuda":
+    named = requested == varlen_attention.NAME
+    if not named and device.type == "cuda":
         try:
             import flash_attn  # noqa: F401
 
             return "flash_attention_2"
         except ImportError:
             pass
-    config_path = os.path.join(model_path, "config.json")
+    if trust_remote_code and named:
+        raise ValueError(
+            f"--attn-implementation {varlen_attention.NAME} cannot run here: remote-code model; use auto or sdpa"
+        )
     try:
-        with open(config_path) as f:
+        with open(os.path.join(model_path, "config.json")) as f:
             config = json.load(f)
     except (OSError, ValueError):
         config = {}  # no readable config here: loading reports it
-    if requested == varlen_attention.NAME:
-        why = "remote-code model" if trust_remote_code else varlen_attention.unsupported(config)
-        if why is None and device.type == "cuda" and compute_dtype in varlen_attention.FLASH_DTYPES:
-            why = varlen_attention.check_on(device, compute_dtype, config)
-        if why is not None:
-            raise ValueError(f"--attn-implementation {varlen_attention.NAME} cannot run here: {why}; use auto or sdpa")
-        logger.info("trainer attention: %s (--attn-implementation)", varlen_attention.NAME)
-        return varlen_attention.NAME
     use, why = (
-        (False, "remote-code model") if trust_remote_code else varlen_attention.pick(device, compute_dtype, config)
+        (False, "remote-code model")
+        if trust_remote_code
+        else varlen_attention.pick(device, compute_dtype, config, named=named)
     )
-    if device.type == "cuda":
+    if device.type == "cuda" or named:
         logger.info("trainer attention: %s (%s)", varlen_attention.NAME if use else "sdpa, padded rows", why)
     return varlen_attention.NAME if use else "sdpa"
 

@@ -236,13 +236,20 @@ def check_on(device: torch.device, dtype: torch.dtype, config: dict) -> str | No
     return kernel_check(index, dtype, heads, kv_heads, head_dim)
 
 
-def pick(device: torch.device, dtype: torch.dtype, config: dict) -> tuple[bool, str]:
-    """(use miles_varlen, why) for a model of this config.json trained on `device` in `dtype`."""
-    if device.type != "cuda":
+def pick(device: torch.device, dtype: torch.dtype, config: dict, *, named: bool = False) -> tuple[bool, str]:
+    """(use miles_varlen, why) for a model of this config.json trained on `device` in `dtype`.
+
+    By default only where the flash kernel runs and passed its check. `named` (`--attn-implementation
+    miles_varlen`): wherever the model allows, on CPU and in fp32 through the per-sequence SDPA loop; a model
+    it cannot serve, or a kernel that fails its check, is refused (ValueError)."""
+    flash = device.type == "cuda" and dtype in FLASH_DTYPES
+    if not named and device.type != "cuda":
         return False, "not on CUDA"
-    if dtype not in FLASH_DTYPES:
+    if not named and not flash:
         return False, f"compute dtype {dtype} (the flash kernel takes bf16 or fp16)"
-    why = unsupported(config) or check_on(device, dtype, config)
+    why = unsupported(config) or (check_on(device, dtype, config) if flash else None)
+    if why is not None and named:
+        raise ValueError(f"--attn-implementation {NAME} cannot run here: {why}; use auto or sdpa")
     if why is not None:
         return False, why
-    return True, "flash kernel checked against SDPA on this device"
+    return True, "--attn-implementation" if named else "flash kernel checked against SDPA on this device"

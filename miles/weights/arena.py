@@ -24,6 +24,10 @@ from miles.weights.bucket import tensor_nbytes
 from miles.weights.groups import dtype_name
 from miles.weights.tensor_ipc import ALIGN_BYTES, share_cuda_buffer, unb64
 
+# An FP8 engine's quantized weights in its buffer: e4m3 values and one fp32 scale_inv per 128x128 block
+# (miles/engines/embedded/fp8.py), written by the trainer's `BufferWriter` after quantizing each tensor.
+FP8_BLOCK128 = "fp8_e4m3_block128"
+
 
 class StaleWeightBufferError(ValueError):
     """The engine reallocated its weight buffer after the trainer fetched the export."""

@@ -4,7 +4,8 @@
 /dev/shm, or the CUDA allocation from its IPC handle) and reads the engine's published generation;
 `BufferWriter` copies (HF name, tensor) pairs into the engine's views of it, device to device,
 cast to the engine dtype, no staging buffer; an FP8 engine's quantized names are quantized on the device
-first, per 128x128 block as the engine's own push does, and written as values and scales. The protocol as a whole: miles/weights/colocated_direct.py.
+first, per 128x128 block as the engine's own push does, and written as values and scales. The protocol as a
+whole: miles/weights/colocated_direct.py.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from miles.weights.arena import StaleWeightBufferError
+from miles.weights.arena import FP8_BLOCK128, StaleWeightBufferError
 from miles.weights.bucket import NamedTensor, tensor_nbytes
 from miles.weights.groups import dtype_from_name
 from miles.weights.tensor_ipc import open_cuda_buffer, shm_path
@@ -30,7 +31,7 @@ def _fp8_block128(t: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor]) -> No
 
 # How the trainer turns a tensor into what an engine stores for a quantized name (export["quantized"]["format"]):
 # quantize(tensor, out=(the view of `name`, the view of `name + "_scale_inv"`)), written in place.
-QUANTIZERS = {"fp8_e4m3_block128": _fp8_block128}
+QUANTIZERS = {FP8_BLOCK128: _fp8_block128}
 
 # per HF name: (view, shape, dtype, device, bytes, whether it gets a copy_ of its own)
 _Slot = tuple[torch.Tensor, torch.Size, torch.dtype, torch.device, int, bool]

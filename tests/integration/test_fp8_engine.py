@@ -157,6 +157,7 @@ def test_a_direct_colocated_write_stores_what_a_push_stores(dirs):
     import asyncio
 
     from miles.engines.embedded.engine import EmbeddedEngine
+    from miles.weights.arena import FP8_BLOCK128
     from miles.weights.buffer_writer import BufferWriter, open_export
 
     pushed = [(n, t.to(torch.bfloat16)) for n, t in iter_safetensors(dirs["other"])]
@@ -164,7 +165,7 @@ def test_a_direct_colocated_write_stores_what_a_push_stores(dirs):
     try:
         export = engine.export_weight_buffer()
         names = export["quantized"]["names"]
-        assert export["quantized"]["format"] == fp8.DIRECT_FORMAT
+        assert export["quantized"]["format"] == FP8_BLOCK128
         assert len(names) == 7 * dirs["shape"]["layers"] and all(n + "_scale_inv" in export["tensors"] for n in names)
         epoch = engine.runner.kv_epoch
         with open_export(export) as flat:

@@ -55,13 +55,13 @@ def _plan(fits: bool) -> dict:
 )
 def test_default_offload_is_off_only_when_every_rank_fits(plans, expected):
     cfg = SimpleNamespace(train=SimpleNamespace(offload_train=None, offload_rollout=None))
-    asyncio.run(resolve_offload(cfg, _Trainers(plans)))
+    asyncio.run(resolve_offload(cfg, _Trainers(plans), "cuda"))
     assert (cfg.train.offload_train, cfg.train.offload_rollout) == (expected, expected)
 
 
 def test_flags_the_user_set_are_kept():
     cfg = SimpleNamespace(train=SimpleNamespace(offload_train=True, offload_rollout=None))
-    asyncio.run(resolve_offload(cfg, _Trainers([_plan(True)])))
+    asyncio.run(resolve_offload(cfg, _Trainers([_plan(True)]), "cuda"))
     assert (cfg.train.offload_train, cfg.train.offload_rollout) == (True, False)
 
 

@@ -170,12 +170,12 @@ def test_flash_ops_present_in_this_torch():
 def test_pick_attn_implementation_logs_and_falls_back(tmp_path, monkeypatch, caplog):
     (tmp_path / "config.json").write_text(json.dumps(QWEN2))
     assert pick_attn_implementation(torch.device("cpu"), torch.float32, str(tmp_path)) == "sdpa"
-    monkeypatch.setattr(va, "pick", lambda device, dtype, config: (True, "checked"))
+    monkeypatch.setattr(va, "pick", lambda device, dtype, config, **kw: (True, "checked"))
     assert pick_attn_implementation(torch.device("cpu"), torch.float32, str(tmp_path)) == va.NAME
     assert (
         pick_attn_implementation(torch.device("cpu"), torch.float32, str(tmp_path), trust_remote_code=True) == "sdpa"
     )
-    monkeypatch.setattr(va, "pick", lambda device, dtype, config: (False, "the flash kernel failed on this device"))
+    monkeypatch.setattr(va, "pick", lambda device, dtype, config, **kw: (False, "the flash kernel failed on this device"))
     with caplog.at_level(logging.INFO, logger="miles.trainer.hf_io"):
         assert pick_attn_implementation(torch.device("cuda", 0), torch.bfloat16, str(tmp_path)) == "sdpa"
     assert "sdpa, padded rows (the flash kernel failed on this device)" in caplog.text

@@ -30,9 +30,16 @@ def apply_derivations(cfg: MilesConfig, explicit: set[str]) -> None:
         cfg.model.critic_load = cfg.model.hf_checkpoint
     if cfg.data.rollout_max_prompt_len is None and r.rollout_max_context_len is not None:
         cfg.data.rollout_max_prompt_len = r.rollout_max_context_len - 1
-    fp8_rollouts = serves_fp8(cfg.model.hf_checkpoint) or cfg.engine.sglang_args.get("quantization") == "fp8"
-    if "use_tis" not in explicit and not a.use_rollout_logprobs and fp8_rollouts:
+    if "use_tis" not in explicit and not a.use_rollout_logprobs and fp8_serving(cfg):
         a.use_tis = True  # FP8 rollouts of a bf16 policy: TIS absorbs the mismatch (--no-use-tis opts out)
+
+
+def fp8_serving(cfg: MilesConfig) -> str | None:
+    """What makes the engines serve FP8 (`--sglang-quantization fp8`, or an FP8 rollout checkpoint), for a
+    message; None when they serve the model's own dtype."""
+    if cfg.engine.sglang_args.get("quantization") == "fp8":
+        return "--sglang-quantization fp8"
+    return f"the FP8 checkpoint {cfg.model.hf_checkpoint}" if serves_fp8(cfg.model.hf_checkpoint) else None
 
 
 def serves_fp8(checkpoint: str | None) -> bool:

@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from miles.config.fields import FIELDS
-from miles.config.rules.derive import serves_fp8
 from miles.config.rules.lora_sft import is_sft
 from miles.config.sections import ENGINE_DTYPES
 
@@ -126,29 +125,12 @@ def check_sglang_engine(cfg: MilesConfig) -> list[str]:
 
 
 def check_embedded_engine(cfg: MilesConfig) -> list[str]:
-    """The embedded engine runs on one device; serving FP8 it takes no LoRA adapter and no true-on-policy mode
-    (a MoE checkpoint is refused once the model is resolved: miles/controller/preflight.py)."""
+    """The embedded engine runs on one device."""
     eng = cfg.engine
-    e = []
     if eng.engine == "embedded" and eng.rollout_num_gpus_per_engine > 1:
-        e.append(
+        return [
             f"--rollout-num-gpus-per-engine={eng.rollout_num_gpus_per_engine} with --engine embedded: the embedded "
             f"engine runs on one device and would reserve {eng.rollout_num_gpus_per_engine - 1} GPU(s) it never "
             "uses; use --engine sglang for tensor-parallel engines, or set it to 1"
-        )
-    if eng.engine == "embedded" and (
-        eng.sglang_args.get("quantization") == "fp8" or serves_fp8(cfg.model.hf_checkpoint)
-    ):
-        why = (
-            "--sglang-quantization fp8"
-            if eng.sglang_args.get("quantization") == "fp8"
-            else f"the FP8 checkpoint {cfg.model.hf_checkpoint}"
-        )
-        if cfg.train.lora_rank:
-            e.append(
-                f"{why} with --lora-rank: the embedded engine merges adapters into bf16 weights; serve bf16 (drop "
-                "the quantization) or train without LoRA"
-            )
-        if cfg.train.true_on_policy_mode:
-            e.append(f"{why} with --true-on-policy-mode: the mode scores with the trainer's exact weights; drop one")
-    return e
+        ]
+    return []

@@ -16,6 +16,7 @@ import importlib.util
 from typing import TYPE_CHECKING
 
 from miles.config.fields import FIELDS
+from miles.config.rules.derive import fp8_serving
 
 if TYPE_CHECKING:
     from miles.config.sections import MilesConfig
@@ -129,6 +130,11 @@ def check_lora(cfg: MilesConfig) -> list[str]:
             f"--lora-rank with --engine {cfg.engine.engine}: only the embedded engine applies the pushed "
             "adapter to every request (SGLang serves an adapter only to requests that name it); "
             "use --engine embedded"
+        )
+    elif fp8 := fp8_serving(cfg):
+        e.append(
+            f"{fp8} with --lora-rank: the embedded engine merges adapters into bf16 weights; serve bf16 (drop "
+            "the quantization) or train without LoRA"
         )
     if cfg.weights.check_weight_update_equal:
         e.append(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from miles.config.rules.derive import fp8_serving
 from miles.config.sections import ENGINE_DTYPES
 
 if TYPE_CHECKING:
@@ -45,6 +46,9 @@ def check_true_on_policy(cfg: MilesConfig) -> list[str]:
         )
     if cfg.train.compile:
         e.append(f"{why} runs the engine's eager reference forward on the trainer too; drop --compile")
+    fp8 = fp8_serving(cfg)
+    if fp8:
+        e.append(f"{fp8} with {why}: the mode scores with the trainer's exact weights; drop one")
     if cfg.train.attn_implementation != "auto":
         e.append(
             f"{why} scores with the reference forward's eager attention; drop "

@@ -17,7 +17,7 @@ import torch
 from miles.engines.embedded import fp8
 from miles.engines.embedded.checkpoint import iter_safetensors, read_config
 from miles.engines.embedded.lora import AdapterMerger
-from miles.weights.arena import SharedWeights, wait_for_writer
+from miles.weights.arena import FP8_BLOCK128, SharedWeights, wait_for_writer
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class EngineWeights:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # no engine kernel still touches the weights
             aliases = {"lm_head.weight": "model.embed_tokens.weight"} if self.model.spec.tie_word_embeddings else {}
-            return self._shared.export(self.model.params, aliases, generation, fp8.DIRECT_FORMAT if self.fp8 else None)
+            return self._shared.export(self.model.params, aliases, generation, FP8_BLOCK128 if self.fp8 else None)
 
     def install_weight_buffer(
         self, generation: int, weight_version: str | int, ready_event: str | None = None

@@ -50,9 +50,6 @@ QUANT_CONFIG = {
     "weight_block_size": [BLOCK, BLOCK],
     "activation_scheme": "dynamic",
 }
-# What a direct colocated update (miles/weights/colocated_direct.py) must do to a quantized name's tensor before
-# writing it into the engine's buffer: `quantize_weight` (e4m3 values, one fp32 scale_inv per 128x128 block)
-DIRECT_FORMAT = "fp8_e4m3_block128"
 QUANTIZED_SUFFIXES = (
     "self_attn.q_proj.weight",
     "self_attn.k_proj.weight",
