@@ -15,6 +15,7 @@ known peak, each side's MFU under the same useful-FLOP count. Ends with one JSON
 
     python bench/packed_rows.py --device cuda --shape qwen2-0.5b --samples 256      # the GSM job's shape
     python bench/packed_rows.py --samples 24 --max-tokens-per-gpu 4096 --reps 2     # CPU smoke
+    python bench/packed_rows.py --shape qwen2-0.5b --samples 256 --count-only       # the counts alone
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens-per-gpu", type=int, default=32768)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--count-only", action="store_true", help="count the padded layout's extra work; time nothing")
     return p.parse_args(argv)
 
 
@@ -104,6 +106,9 @@ def update_s(model, batch: TrainBatch, plan: list[list[int]], device: torch.devi
     return elapsed
 
 
+LAYOUTS = {"padded": "padded", "packed": "row"}  # side -> the layout its attention gets (model_layout)
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -111,10 +116,11 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path, cfg = build_model_dir(args.shape, tmp, 1024)
         shape = model_shape(path)
-        models = {
+        models = {} if args.count_only else {
             "padded": load_causal_lm(path, attn_implementation="sdpa").to(device, dtype),
             "packed": load_causal_lm(path, attn_implementation=VARLEN).to(device, dtype),
-        }
+        }  # fmt: skip
+    assert all(model_layout(m) == LAYOUTS[name] for name, m in models.items())
     batch = gsm_like_batch(args.samples, cfg.vocab_size, args.seed)
     plans = {
         name: plan_micro_batches(
@@ -122,22 +128,13 @@ def main(argv: list[str] | None = None) -> dict:
             micro_batch_size=1,
             use_dynamic_batch_size=True,
             max_tokens_per_gpu=args.max_tokens_per_gpu,
-            layout=model_layout(model),
+            layout=layout,
         )
-        for name, model in models.items()
+        for name, layout in LAYOUTS.items()
     }
     real_tokens = int(batch.seq_lens.sum())
-    answer_tokens = int(batch.response_lengths.sum())
     pad_tokens, head_rows, padded_flops = padded_work(batch, plans["padded"], shape)
     useful = train_flops(batch.seq_lens, shape, head_rows=batch.response_lengths)
-    times: dict[str, list[float]] = {name: [] for name in models}
-    for rep in range(args.reps + 1):  # the first round warms up (kernels, allocator)
-        for name, model in models.items():
-            t = update_s(model, batch, plans[name], device)
-            if rep:
-                times[name].append(t)
-    medians = {name: statistics.median(ts) for name, ts in times.items()}
-    peak = peak_flops(device)
     result = {
         "shape": args.shape,
         "device": args.device,
@@ -147,19 +144,34 @@ def main(argv: list[str] | None = None) -> dict:
         "tokens": real_tokens,
         "padded_tokens": pad_tokens,
         "padding_share": round(1 - real_tokens / pad_tokens, 4),
-        "head_rows_over_answers": round(head_rows / answer_tokens, 3),
+        "head_rows_over_answers": round(head_rows / int(batch.response_lengths.sum()), 3),
         "padded_flops_waste": round(1 - useful / padded_flops, 4),
-        "padded_s": round(medians["padded"], 4),
-        "packed_s": round(medians["packed"], 4),
-        "packed_over_padded": round(medians["packed"] / medians["padded"], 3),
     }
-    if peak:
-        result.update({f"{name}_mfu": round(useful / (s * peak), 4) for name, s in medians.items()})
-    print(
+    summary = (
         f"padded layout: {result['padding_share']:.1%} padding, LM head on {result['head_rows_over_answers']:.2f}x "
-        f"the answer tokens, {result['padded_flops_waste']:.1%} of its FLOPs predict nothing; update "
-        f"{medians['padded']:.3f} s padded vs {medians['packed']:.3f} s packed: {result['packed_over_padded']:.2f}x"
+        f"the answer tokens, {result['padded_flops_waste']:.1%} of its FLOPs predict nothing"
     )
+    if models:
+        times: dict[str, list[float]] = {name: [] for name in models}
+        for rep in range(args.reps + 1):  # the first round warms up (kernels, allocator)
+            for name, model in models.items():
+                t = update_s(model, batch, plans[name], device)
+                if rep:
+                    times[name].append(t)
+        medians = {name: statistics.median(ts) for name, ts in times.items()}
+        result.update(
+            padded_s=round(medians["padded"], 4),
+            packed_s=round(medians["packed"], 4),
+            packed_over_padded=round(medians["packed"] / medians["padded"], 3),
+        )
+        peak = peak_flops(device)
+        if peak:
+            result.update({f"{name}_mfu": round(useful / (s * peak), 4) for name, s in medians.items()})
+        summary += (
+            f"; update {medians['padded']:.3f} s padded vs {medians['packed']:.3f} s packed: "
+            f"{result['packed_over_padded']:.2f}x"
+        )
+    print(summary)
     print(json.dumps(result))
     return result
 

@@ -175,7 +175,9 @@ def test_pick_attn_implementation_logs_and_falls_back(tmp_path, monkeypatch, cap
     assert (
         pick_attn_implementation(torch.device("cpu"), torch.float32, str(tmp_path), trust_remote_code=True) == "sdpa"
     )
-    monkeypatch.setattr(va, "pick", lambda device, dtype, config, **kw: (False, "the flash kernel failed on this device"))
+    monkeypatch.setattr(
+        va, "pick", lambda device, dtype, config, **kw: (False, "the flash kernel failed on this device")
+    )
     with caplog.at_level(logging.INFO, logger="miles.trainer.hf_io"):
         assert pick_attn_implementation(torch.device("cuda", 0), torch.bfloat16, str(tmp_path)) == "sdpa"
     assert "sdpa, padded rows (the flash kernel failed on this device)" in caplog.text
