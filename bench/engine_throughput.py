@@ -6,11 +6,17 @@ alternate for --reps repetitions (both see the same machine load) and the median
 it also reports the decode roofline: HBM bandwidth / bytes read per decode step (all weights once + the
 batch's KV at the mean context length) x batch, and the fraction of it the decode phase reaches (decode
 tok/s = the tokens after the first over a full round's time minus a prefill-plus-one-token round's).
+The scheduler's own timeline of the timed rounds gives the decode steps directly (`decode_steps`): the wall
+time from one full-batch decode step to the next, the host's wait for the device within it, the rest
+(host work the device waited for, when it is the longer side) and the share served by a lookahead.
+--sync-debug (CUDA) runs one more round with torch's sync debug mode and counts the operations that made
+the host wait for the device, by source line.
 
 CPU:  python bench/engine_throughput.py --batch 32
 GPU:  python bench/engine_throughput.py --device cuda --batch 256 --prompt-len 128 --new-tokens 256 \
           --hidden 896 --layers 24 --heads 14 --kv-heads 2 --intermediate 4864 --vocab 151936
-      (+ --profile-step: where the graphed decode step's GPU time goes, kernel by kernel)
+      (+ --profile-step: where the graphed decode step's GPU time goes, kernel by kernel;
+       + --sync-debug: which lines synchronized with the device during a round)
 Ends with one JSON line: engine_tok_s, hf_tok_s, ratio, batch, device (+ roofline figures on CUDA).
 """
 
@@ -18,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -26,6 +34,7 @@ import time
 import torch
 
 from miles.engines.embedded.engine import EmbeddedEngine
+from miles.engines.embedded.request import StepTime, decode_step_summary
 from miles.models.tiny import make_tiny_model
 
 
@@ -64,6 +73,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="CUDA: profile replays of the graphed decode step at the mean context and print where its time goes "
         "(kernels by category: GEMM, attention, norms, RoPE/KV write, activation, other; and the idle gap)",
     )
+    p.add_argument(
+        "--sync-debug",
+        action="store_true",
+        help="CUDA: one more engine round under torch.cuda.set_sync_debug_mode('warn'); prints the lines that "
+        "synchronized with the device and how often (a decode step should have none but its result copy)",
+    )
     p.add_argument("--quantization", default=None, choices=[None, "fp8"], help="serve the model in FP8 (fp8.py)")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn prefix sharing off (prefix_cache.py)")
     p.add_argument("--hbm-gbps", type=float, default=4800.0, help="HBM bandwidth for the roofline (H200: 4800)")
@@ -71,6 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.profile_step and args.device == "cpu":
         p.error("--profile-step profiles the CUDA-graphed decode step; run it with --device cuda")
+    if args.sync_debug and args.device == "cpu":
+        p.error("--sync-debug counts host waits for a CUDA device; run it with --device cuda")
     return args
 
 
@@ -86,6 +103,7 @@ class EngineSide:
         self.engine, self.prompts = engine, prompts
         self.loop = asyncio.new_event_loop()
         self.loop.run_until_complete(engine.start())
+        self.timeline: list[StepTime] | None = None  # a list: the scheduler's steps are recorded into it
 
     async def _round(self, n_new: int) -> float:
         params = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": n_new, "ignore_eos": True}
@@ -96,7 +114,11 @@ class EngineSide:
         return sum(o["meta_info"]["completion_tokens"] for o in outs) / (time.perf_counter() - start)
 
     def round(self, n_new: int) -> float:
-        return self.loop.run_until_complete(self._round(n_new))
+        self.engine.scheduler.timeline = self.timeline
+        try:
+            return self.loop.run_until_complete(self._round(n_new))
+        finally:
+            self.engine.scheduler.timeline = None
 
     def seconds(self, n_new: int) -> float:
         """Wall time of one round of n_new tokens per prompt."""
@@ -137,17 +159,24 @@ class HFSide:
         return self.ids.shape[0] * n_new / (time.perf_counter() - start)
 
 
-def measure(sides: dict, new_tokens: int, reps: int) -> dict[str, float]:
-    """Warm every side up, then alternate their rounds so both see the same machine load; medians."""
+def measure(sides: dict, new_tokens: int, reps: int) -> tuple[dict[str, float], dict[str, list[StepTime]]]:
+    """Warm every side up, then alternate their rounds so both see the same machine load: the medians, and
+    each engine side's scheduler steps in the timed rounds."""
     for side in sides.values():
         side.round(new_tokens)  # a full-length round each: allocations, graph capture, GEMM heuristics
+    engines = {name: side for name, side in sides.items() if isinstance(side, EngineSide)}
+    for side in engines.values():
+        side.timeline = []
     rates: dict[str, list[float]] = {name: [] for name in sides}
     for _ in range(reps):
         for name, side in sides.items():
             rates[name].append(side.round(new_tokens))
+    timelines = {name: side.timeline for name, side in engines.items()}
+    for side in engines.values():
+        side.timeline = None
     for name, values in rates.items():
         print(f"{name} tok/s per rep: {[round(r) for r in values]}")
-    return {name: statistics.median(values) for name, values in rates.items()}
+    return {name: statistics.median(values) for name, values in rates.items()}, timelines
 
 
 @torch.inference_mode()
@@ -168,6 +197,32 @@ def graph_step_ms(engine: EmbeddedEngine, batch: int, context: int) -> float | N
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / 50
+
+
+def sync_census(side: EngineSide, n_new: int) -> dict:
+    """One engine round of n_new tokens with torch's CUDA sync debug mode on: {"source line": times the
+    host waited for the device there} (the round's own closing synchronize included), and the round's
+    decode steps for scale. A line whose count is about the step count waits in every decode step."""
+    import warnings
+
+    steps: list[StepTime] = []
+    side.timeline = steps
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            side.round(n_new)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            side.timeline = None
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    lines = collections.Counter(
+        f"{os.path.relpath(w.filename, root)}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)
+    )
+    print(f"sync debug: {sum(lines.values())} host waits in one round of {len(steps)} steps")
+    for line, count in lines.most_common(20):
+        print(f"{count:8d}  {line}")
+    return {"steps": len(steps), "waits": dict(lines.most_common(20))}
 
 
 def profile_round(side: EngineSide, n_new: int) -> None:
@@ -286,7 +341,7 @@ def main(argv: list[str] | None = None) -> dict:
         if not args.skip_hf:
             sides["hf"] = HFSide(model_path, device, getattr(torch, dtype_name), prompts)
         try:
-            medians = measure(sides, args.new_tokens, args.reps)
+            medians, timelines = measure(sides, args.new_tokens, args.reps)
             # decode phase alone: a full round minus a prefill-plus-one-token round, same prompts
             first_token_s = statistics.median(sides["engine"].seconds(1) for _ in range(3))
             full_s = args.batch * args.new_tokens / medians["engine"]
@@ -296,9 +351,11 @@ def main(argv: list[str] | None = None) -> dict:
             if args.profile:
                 profile_round(sides["engine"], min(args.new_tokens, 32))
             step_profile = profile_graph_step(engine, args.batch, mean_context) if args.profile_step else None
+            syncs = sync_census(sides["engine"], args.new_tokens) if args.sync_debug else None
         finally:
             sides["engine"].close()
         engine_tok_s, hf_tok_s = medians["engine"], medians.get("hf")
+        decode_steps = decode_step_summary(timelines["engine"], args.batch)
     result = {
         "engine_tok_s": round(engine_tok_s, 1),
         "hf_tok_s": None if hf_tok_s is None else round(hf_tok_s, 1),
@@ -308,6 +365,8 @@ def main(argv: list[str] | None = None) -> dict:
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "quantization": args.quantization,
+        "prefix_cache": not args.no_prefix_cache,
+        "decode_steps": decode_steps,
         "shape": {
             "arch": args.arch,
             "hidden": args.hidden,
@@ -333,6 +392,8 @@ def main(argv: list[str] | None = None) -> dict:
         }
         if step_profile is not None:
             result["step_profile_us"] = step_profile
+        if syncs is not None:
+            result["sync_waits"] = syncs
     if hf_tok_s is not None:
         print(
             f"engine {engine_tok_s:,.0f} tok/s vs transformers generate {hf_tok_s:,.0f} tok/s: "

@@ -36,6 +36,7 @@ import torch
 from engine_throughput import EngineSide, make_prompts, measure
 
 from miles.engines.embedded.engine import EmbeddedEngine
+from miles.engines.embedded.request import decode_step_summary
 from miles.models.tiny import make_tiny_model
 from miles.weights.buffer_writer import BufferWriter
 
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
     source = [(n, t.to(torch.bfloat16).clone()) for n, t in engines["bf16"].model.params.items()]
     chunks = buckets(source, args.bucket_mb * 2**20)
     try:
-        rates = measure(sides, args.new_tokens, args.reps)
+        rates, timelines = measure(sides, args.new_tokens, args.reps)
         pushes, installs = {}, {}
         for name, side in sides.items():  # while the engines live: their weights go with shutdown
             side.loop.run_until_complete(side.engine.pause_generation("retract"))
@@ -157,6 +158,8 @@ def main(argv: list[str] | None = None) -> dict:
         "bf16_push_s": round(pushes["bf16"], 4),
         "fp8_push_s": round(pushes["fp8"], 4),
         "push_ratio": round(pushes["fp8"] / pushes["bf16"], 3),
+        # each side's full-batch decode steps as the host saw them (is the step the device's or the host's?)
+        "decode_steps": {name: decode_step_summary(steps, args.batch) for name, steps in timelines.items()},
         "batch": args.batch,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,

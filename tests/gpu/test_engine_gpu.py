@@ -120,3 +120,38 @@ def test_release_and_resume_memory_keeps_serving(model_dir):
     engine.resume_memory_occupation()
     after = _generate_all(engine, prompts, GREEDY)
     assert [o["output_ids"] for o in before] == [o["output_ids"] for o in after]
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_warm_decode_steps_never_make_the_host_wait_for_the_device(model_dir, top_p):
+    """After a warm-up round (graph capture synchronizes), a second round of the same prompts with prefix
+    sharing (cache hits, pages loaded and extended) runs under torch's sync debug mode: no line may wait
+    for the device in every decode step (the result copy waits on an event, which the mode does not
+    count). Before, every truncating step and every page copy waited."""
+    import warnings
+
+    prompts = _prompts(16)
+    params = {"temperature": 1.0, "top_p": top_p, "ignore_eos": True, "max_new_tokens": 24}
+    engine = EmbeddedEngine(model_dir, device="cuda", dtype="bfloat16", max_running_requests=16, cuda_graphs=True)
+
+    async def main():
+        await engine.start()
+        try:
+            rounds = []
+            for debug in (False, True):
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    torch.cuda.set_sync_debug_mode("warn" if debug else "default")
+                    try:
+                        await asyncio.gather(*(engine.generate(input_ids=p, sampling_params=params) for p in prompts))
+                    finally:
+                        torch.cuda.set_sync_debug_mode("default")
+                rounds.append([f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)])
+            return rounds[1], engine.prefix_cache_stats()
+        finally:
+            await engine.shutdown()
+
+    waits, stats = asyncio.run(main())
+    assert stats["prefix_hit_rate"] > 0, stats  # the second round loaded cached pages
+    by_line = {line: waits.count(line) for line in set(waits)}
+    assert all(count < 8 for count in by_line.values()), by_line  # 23 decode steps in the round

@@ -1,4 +1,5 @@
-"""bench/sampling_fidelity.py, bench/import_cost.py, bench/fp8.py and bench/packed_rows.py on CPU with a tiny
+"""bench/sampling_fidelity.py, bench/import_cost.py, bench/fp8.py, bench/packed_rows.py and
+bench/engine_throughput.py on CPU with a tiny
 model: every side samples and scores, every phase is timed.
 
 The rewards of a random tiny model mean nothing; GPU figures: bench/results/e2e_vs_trl.md.
@@ -43,6 +44,21 @@ def test_fp8_bench_reports_speed_install_and_colocated_push():
     for key in ("tok_s", "install_s", "push_s"):
         assert line[f"bf16_{key}"] > 0 and line[f"fp8_{key}"] > 0, key
     assert line["push_ratio"] > 0 and line["install_ratio"] > 0
+    for side in ("bf16", "fp8"):  # 7 decode steps of the whole batch, 6 back to back in each of the timed rounds
+        assert line["decode_steps"][side]["steps"] == 6 and line["decode_steps"][side]["step_ms"] > 0, side
+
+
+def test_engine_throughput_bench_reads_its_decode_steps_from_the_scheduler():
+    cmd = [sys.executable, "bench/engine_throughput.py", "--batch", "8", "--prompt-len", "20", "--new-tokens", "12",
+           "--reps", "2", "--skip-hf", "--threads", "1"]  # fmt: skip
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = json.loads(out.stdout.strip().splitlines()[-1])
+    steps = line["decode_steps"]  # 11 decode steps a round, 10 back to back, in 2 timed rounds
+    assert steps["steps"] == 20 and steps["step_ms"] > 0 and steps["host_ms"] + steps["wait_ms"] > 0
+    assert line["engine_tok_s"] > 0 and line["prefix_cache"] is True
+    refused = subprocess.run([*cmd, "--sync-debug"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "--sync-debug counts host waits for a CUDA device" in refused.stderr
 
 
 def test_packed_rows_bench_counts_the_padded_layouts_extra_work():

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from miles.engines.embedded.engine import EmbeddedEngine
+from miles.engines.embedded.request import StepTime, decode_step_summary
 from miles.models.tiny import make_tiny_model
 
 torch.set_num_threads(1)
@@ -137,3 +138,47 @@ def test_step_counts_say_how_a_burst_was_batched(model_dirs, caplog):
         logged[0],
     ), logged
     assert (after.steps, after.prefilled) == (0, 0)
+
+
+def test_timeline_records_each_step_and_the_decode_summary_reads_it(model_dirs):
+    """With `timeline` set, every step is recorded: 8 requests of 6 tokens in 8 slots run one prefill step
+    and 5 decode steps, each served by the lookahead its previous step launched (the prefill step's
+    included); the summary covers the decode steps that follow one another (4 intervals) and splits each
+    into the wait and the rest."""
+    prompts = _prompts(8)
+
+    async def body(engine):
+        engine.scheduler.timeline = []
+        await asyncio.gather(
+            *(engine.generate(input_ids=p, sampling_params={**GREEDY, "max_new_tokens": 6}) for p in prompts)
+        )
+        return engine.scheduler.timeline
+
+    steps, _ = _run(model_dirs["old"], True, body, max_running_requests=8)
+    assert [(s.decode, s.prefill) for s in steps] == [(0, 8)] + [(8, 0)] * 5
+    assert [s.from_lookahead for s in steps] == [False] + [True] * 5
+    assert all(a.start <= a.end <= b.start for a, b in zip(steps, steps[1:], strict=False))
+    summary = decode_step_summary(steps, 8)
+    assert summary["steps"] == 4 and summary["lookahead_share"] == 1.0
+    assert summary["step_ms"] > 0 and 0 <= summary["wait_ms"] <= summary["step_ms"]
+    assert summary["host_ms"] == pytest.approx(summary["step_ms"] - summary["wait_ms"], abs=summary["step_ms"])
+    assert decode_step_summary(steps, 4) is None  # no step of that batch
+
+
+def test_decode_summary_takes_medians_over_back_to_back_full_steps():
+    def step(start, wait, decode=4, prefill=0, ahead=True):
+        return StepTime(start, start + 0.0005, wait, decode, prefill, ahead)
+
+    # a prefill step and a partial batch interrupt the run: only 0->1, 1->2 and 4->5 are intervals
+    steps = [
+        step(0.000, 0.0004),
+        step(0.001, 0.0006, ahead=False),
+        step(0.003, 0.0002),
+        step(0.004, 0, prefill=2),
+        step(0.010, 0.001),
+        step(0.012, 0.0),
+        step(0.013, 0.0, decode=3),
+    ]
+    summary = decode_step_summary(steps, 4)
+    # intervals 1, 2 and 2 ms; waits 0.4, 0.6 and 1.0 ms; the rest 0.6, 1.4 and 1.0 ms; 2 of 3 looked ahead
+    assert summary == {"steps": 3, "step_ms": 2.0, "wait_ms": 0.6, "host_ms": 1.0, "lookahead_share": 0.667}

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from miles.engines.embedded.sampler import SamplingParams, sample, token_logprobs
+from miles.engines.embedded.sampler import SamplingBatch, SamplingParams, sample, token_logprobs
+from miles.engines.embedded.transfer import to_device
 
 torch.set_num_threads(1)
 
@@ -112,3 +113,23 @@ def test_sampling_params_accept_sglang_payload():
         }
     )
     assert p.stop == ["##"] and p.stop_token_ids == [2] and p.no_stop_trim
+
+
+def test_a_batch_builds_its_truncation_limits_once_and_only_those_it_uses():
+    """The limits are device tensors made once per batch (a decode step reuses them: on CUDA each build
+    was a copy the host waited for), with None for a limit no row uses; rows without top-k keep all."""
+    batch = SamplingBatch([SamplingParams(top_k=3), SamplingParams(top_p=0.5), SamplingParams()])
+    limits = batch.truncation(torch.device("cpu"), 10)
+    assert batch.truncation(torch.device("cpu"), 10) is limits
+    assert limits.top_k.tolist() == [3, 10, 10] and limits.top_k.dtype == torch.long
+    assert limits.top_p.tolist() == [1.0, 0.5, 1.0] and limits.min_p is None
+    torch.manual_seed(0)
+    tokens, _ = sample(torch.randn(3, 10), batch, [None] * 3)
+    assert tokens.shape == (3,)
+
+
+def test_to_device_keeps_values_and_dtypes():
+    assert to_device([[1, 2], [3, 4]], "cpu").tolist() == [[1, 2], [3, 4]]
+    assert to_device([0.5, 2.0], torch.device("cpu"), torch.float32).dtype == torch.float32
+    assert to_device([True, False], "cpu", torch.bool).tolist() == [True, False]
+    assert to_device(torch.tensor([1, 2], dtype=torch.int32), "cpu").dtype == torch.long

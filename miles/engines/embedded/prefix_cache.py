@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from miles.engines.embedded.kv_cache import KVCache
+from miles.engines.embedded.transfer import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +176,7 @@ class PrefixCache:
         if lease.generation != self.generation or not lease.pages:
             return 0
         n = len(lease.pages) * self.page_size
-        index = torch.tensor(lease.pages, device=self.device)
+        index = to_device(lease.pages, self.device)
         for pool, cache in ((self.k, kv.k), (self.v, kv.v)):
             pages = pool.index_select(1, index)  # [layers, m, kvh, P, hd]
             cache[:, slot, :, :n] = pages.transpose(1, 2).flatten(2, 3)
@@ -225,7 +226,7 @@ class PrefixCache:
     def _copy_from_slot(self, kv: KVCache, slot: int, start: int, pids: list[int]) -> None:
         """Pages `pids` take the K/V of `slot` at positions [start, start + len(pids) x page_size), in order."""
         n, P = len(pids), self.page_size
-        index = torch.tensor(pids, device=self.device)
+        index = to_device(pids, self.device)
         for pool, cache in ((self.k, kv.k), (self.v, kv.v)):
             pages = (
                 cache[:, slot, :, start : start + n * P].unflatten(2, (n, P)).transpose(1, 2)

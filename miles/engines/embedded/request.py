@@ -1,9 +1,11 @@
 """The scheduler's records: a request as it waits and runs (its tokens, log-probs, KV epoch, prefix pages),
-what one step hands back to the event loop, a decode step launched ahead, and the batching counts."""
+what one step hands back to the event loop, a decode step launched ahead, the batching counts, and the
+per-step host timings a bench can ask for (and their summary over the decode steps)."""
 
 from __future__ import annotations
 
 import asyncio
+import statistics
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -12,6 +14,7 @@ import torch
 from miles.engines.embedded.logprob_extras import Extras, ExtrasRequest
 from miles.engines.embedded.prefix_cache import Lease
 from miles.engines.embedded.sampler import SamplingParams
+from miles.engines.embedded.transfer import to_device
 
 
 @dataclass(slots=True)
@@ -77,7 +80,7 @@ class Lookahead:
         """(tokens, logprobs) of those rows, on the device (a view when they lead in order)."""
         if rows == list(range(len(rows))):
             return self.tokens[: len(rows)], self.logprobs[: len(rows)]
-        index = torch.tensor(rows, device=self.tokens.device)
+        index = to_device(rows, self.tokens.device)
         return self.tokens[index], self.logprobs[index]
 
 
@@ -90,6 +93,22 @@ class StepResult:
     lookahead: Lookahead | None = None
     output_extras: dict[int, Extras] = field(default_factory=dict)  # step index -> this token's extras
     routed: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict)  # step index -> (first position, rows)
+    from_lookahead: bool = False  # the decode rows' tokens came from a step launched ahead
+    wait_s: float = 0.0  # host seconds spent waiting for the device's results
+
+
+@dataclass(slots=True)
+class StepTime:
+    """One scheduler step as the host saw it (recorded while `Scheduler.timeline` is a list): when the
+    loop began it and finished its bookkeeping (perf_counter seconds), how long it waited for the
+    device, its decode and prefill rows, and whether its decode tokens came from a lookahead."""
+
+    start: float
+    end: float
+    wait_s: float
+    decode: int
+    prefill: int
+    from_lookahead: bool
 
 
 @dataclass
@@ -113,3 +132,28 @@ def input_extras(extras: Extras, start: int) -> Extras:
     if start > 0:
         return extras
     return Extras(*(None if v is None else [[]] + v for v in (extras.top, extras.token_ids)))
+
+
+def decode_step_summary(steps: list[StepTime], batch: int) -> dict | None:
+    """How the host spent the decode steps of a full `batch` (no prefill in them), from a scheduler
+    timeline: the median wall time from one such step's start to the next's (`step_ms`), the host's wait
+    for the device within it (`wait_ms`), the rest (`host_ms`: the host's own work when it is the longer
+    side), and the share whose tokens came from a lookahead. None when no two such steps ran back to back."""
+    intervals, waits, hosts, ahead = [], [], [], 0
+    for step, following in zip(steps, steps[1:], strict=False):
+        if not (step.decode == following.decode == batch and step.prefill == following.prefill == 0):
+            continue
+        interval = following.start - step.start
+        intervals.append(interval)
+        waits.append(step.wait_s)
+        hosts.append(interval - step.wait_s)
+        ahead += step.from_lookahead
+    if not intervals:
+        return None
+    return {
+        "steps": len(intervals),
+        "step_ms": round(1e3 * statistics.median(intervals), 3),
+        "wait_ms": round(1e3 * statistics.median(waits), 3),
+        "host_ms": round(1e3 * statistics.median(hosts), 3),
+        "lookahead_share": round(ahead / len(intervals), 3),
+    }

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from miles.engines.embedded.transfer import to_device
+
 logger = logging.getLogger(__name__)
 
 # SGLang sampling fields that change nothing in this engine; accepted so SGLang payloads pass through.
@@ -111,22 +113,28 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
 
-def _truncate(probs: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
+def _truncate(probs: torch.Tensor, limits: Truncation) -> torch.Tensor:
     """Zero the probabilities that top-k, top-p (nucleus, keeping the token that crosses p) or min-p drop."""
-    device = probs.device
     sorted_p, order = probs.sort(dim=-1, descending=True)
     drop = torch.zeros_like(sorted_p, dtype=torch.bool)
-    if any(k > 0 for k in top_k):
-        k = torch.tensor([k if k > 0 else probs.shape[-1] for k in top_k], device=device)
-        drop |= torch.arange(probs.shape[-1], device=device)[None, :] >= k[:, None]
-    if any(p < 1.0 for p in top_p):
-        p = torch.tensor(top_p, device=device, dtype=sorted_p.dtype)
-        drop |= (sorted_p.cumsum(dim=-1) - sorted_p) > p[:, None]
-    if any(m > 0 for m in min_p):
-        m = torch.tensor(min_p, device=device, dtype=sorted_p.dtype)
-        drop |= sorted_p < m[:, None] * sorted_p[:, :1]
+    if limits.top_k is not None:
+        drop |= torch.arange(probs.shape[-1], device=probs.device)[None, :] >= limits.top_k[:, None]
+    if limits.top_p is not None:
+        drop |= (sorted_p.cumsum(dim=-1) - sorted_p) > limits.top_p[:, None]
+    if limits.min_p is not None:
+        drop |= sorted_p < limits.min_p[:, None] * sorted_p[:, :1]
     sorted_p = sorted_p.masked_fill(drop, 0.0)
     return torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+
+
+@dataclass(slots=True)
+class Truncation:
+    """A batch's top-k [B] (int64; rows without one keep the whole vocabulary), top-p and min-p [B] (fp32)
+    on the device; None where no row of the batch uses that limit."""
+
+    top_k: torch.Tensor | None
+    top_p: torch.Tensor | None
+    min_p: torch.Tensor | None
 
 
 def _inverse_cdf(
@@ -171,21 +179,35 @@ class SamplingBatch:
         self.unit_temps = all(t == 1.0 for t in self.temps)
         self.truncates = any(_truncates(p) for p in params)
         self._tensors: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._truncation: dict[tuple[torch.device, int], Truncation] = {}
         self._fused_inputs: tuple[torch.device, torch.Tensor] | None = None
 
     def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(temperatures [B] fp32, greedy flags [B] bool) on `device`."""
         if device not in self._tensors:
-            self._tensors[device] = (torch.tensor(self.temps, device=device), torch.tensor(self.greedy, device=device))
+            self._tensors[device] = (
+                to_device(self.temps, device, torch.float32),
+                to_device(self.greedy, device, torch.bool),
+            )
         return self._tensors[device]
+
+    def truncation(self, device: torch.device, vocab: int) -> Truncation:
+        """The batch's top-k / top-p / min-p limits on `device`, built once (not at every step)."""
+        key = (device, vocab)
+        if key not in self._truncation:
+            ks, ps, ms = self.top_k, self.top_p, self.min_p
+            self._truncation[key] = Truncation(
+                to_device([k if k > 0 else vocab for k in ks], device) if any(k > 0 for k in ks) else None,
+                to_device(ps, device, torch.float32) if any(p < 1.0 for p in ps) else None,
+                to_device(ms, device, torch.float32) if any(m > 0 for m in ms) else None,
+            )
+        return self._truncation[key]
 
     def fused_inputs(self, device: torch.device) -> torch.Tensor:
         """[2, B] fp32 on `device`: 1 / temperature, greedy flag (one pinned copy, not waited for)."""
         if self._fused_inputs is None or self._fused_inputs[0] != device:
-            host = torch.tensor([[1.0 / t for t in self.temps], [float(g) for g in self.greedy]])
-            if device.type == "cuda":
-                host = host.pin_memory()
-            self._fused_inputs = (device, host.to(device, non_blocking=True))
+            rows = [[1.0 / t for t in self.temps], [float(g) for g in self.greedy]]
+            self._fused_inputs = (device, to_device(rows, device, torch.float32))
         return self._fused_inputs[1]
 
 
@@ -216,7 +238,7 @@ def sample(
     if batch.all_greedy:
         tokens = logits.argmax(dim=-1)
     else:
-        kept = _truncate(probs, batch.top_k, batch.top_p, batch.min_p) if batch.truncates else probs
+        kept = _truncate(probs, batch.truncation(device, probs.shape[-1])) if batch.truncates else probs
         tokens = _inverse_cdf(kept, generators, batch_generator)
         if batch.any_greedy:
             tokens = torch.where(is_greedy, logits.argmax(dim=-1), tokens)

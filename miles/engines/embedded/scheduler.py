@@ -38,9 +38,10 @@ import torch
 from miles.engines.embedded.logprob_extras import Extras, extras_of
 from miles.engines.embedded.moe import Routing, routed_rows
 from miles.engines.embedded.prefix_sharing import PrefixSharing
-from miles.engines.embedded.request import Lookahead, Request, StepCounts, StepResult, input_extras
+from miles.engines.embedded.request import Lookahead, Request, StepCounts, StepResult, StepTime, input_extras
 from miles.engines.embedded.runner import ModelRunner
 from miles.engines.embedded.sampler import SamplingBatch, SamplingParams, sample, token_logprobs
+from miles.engines.embedded.transfer import to_device
 from miles.true_on_policy.scoring import scaled_log_softmax
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ class Scheduler:
         self.lookahead_used = 0  # decode steps served by a lookahead (tests and benches read these)
         self.lookahead_dropped = 0
         self.counts = StepCounts()
+        self.timeline: list[StepTime] | None = None  # a list: every step's host timings are appended (benches)
         self.sharing = PrefixSharing(runner)  # prefix sharing and the prefill token counters
 
     # ---- control (event loop thread) ---------------------------------------------------------------
@@ -170,6 +172,7 @@ class Scheduler:
 
     async def _loop(self) -> None:
         while not self._stopped:
+            start = time.perf_counter()
             self._reap_aborted()
             if self.paused or not self.runner.ready or not (self.running or self.waiting):
                 self._drop_lookahead()
@@ -197,6 +200,11 @@ class Scheduler:
             counts.step_s += self._last_compute_s
             self._lookahead = result.lookahead  # runs on the GPU while the host does the bookkeeping
             self._apply(result, n_decode)
+            if self.timeline is not None:
+                end = time.perf_counter()
+                self.timeline.append(
+                    StepTime(start, end, result.wait_s, n_decode, len(prefill), result.from_lookahead)
+                )
 
     def _drop_lookahead(self) -> None:
         if self._lookahead is not None:
@@ -296,9 +304,11 @@ class Scheduler:
                 logits.append(prefill_logits)
             reqs = decode + prefill
             tokens_dev, lps_dev, output_extras = self._sample(reqs, prefill, logits, ahead, rows)
-            tokens, lps, lookahead = self._fetch_results(reqs, tokens_dev, lps_dev, epoch, version)
+            tokens, lps, lookahead, wait_s = self._fetch_results(reqs, tokens_dev, lps_dev, epoch, version)
             routed = routed_rows(decode, prefill, decode_routing, prefill_routing)
-            return StepResult(tokens, lps, input_lps, version, lookahead, output_extras, routed)
+            return StepResult(
+                tokens, lps, input_lps, version, lookahead, output_extras, routed, ahead is not None, wait_s
+            )
 
     def _prefill(
         self, prefill: list[Request], n_decode: int, epoch: int, routing: Routing | None
@@ -354,26 +364,31 @@ class Scheduler:
 
     def _fetch_results(
         self, reqs: list[Request], tokens_dev: torch.Tensor, lps_dev: torch.Tensor, epoch: int, version: int
-    ) -> tuple[list[int], list[float], Lookahead | None]:
-        """The step's tokens and log-probs on the host, and the next decode step launched ahead where allowed
-        (on CUDA queued behind the copy of this step's results, so the host work overlaps it)."""
+    ) -> tuple[list[int], list[float], Lookahead | None, float]:
+        """The step's tokens and log-probs on the host, the next decode step launched ahead where allowed
+        (on CUDA queued behind the copy of this step's results, so the host work overlaps it), and the
+        seconds the host waited for the results (on CUDA: for the device to reach them)."""
         lookahead = None
-        if not self._may_look_ahead(reqs):
+        look_ahead = self._may_look_ahead(reqs)
+        if not look_ahead or tokens_dev.device.type != "cuda":
+            wait_start = time.perf_counter()
             tokens, lps = tokens_dev.tolist(), lps_dev.tolist()
-        elif tokens_dev.device.type != "cuda":  # nothing runs asynchronously: results, then the lookahead
-            tokens, lps = tokens_dev.tolist(), lps_dev.tolist()
-            lookahead = self._launch_lookahead(reqs, tokens_dev, epoch, version)
-        else:  # copy this step's results out first, then queue the next decode step behind the copy
-            host_tokens = torch.empty(tokens_dev.shape, dtype=tokens_dev.dtype, pin_memory=True)
-            host_lps = torch.empty(lps_dev.shape, dtype=lps_dev.dtype, pin_memory=True)
-            host_tokens.copy_(tokens_dev, non_blocking=True)
-            host_lps.copy_(lps_dev, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-            lookahead = self._launch_lookahead(reqs, tokens_dev, epoch, version)
-            copied.synchronize()
-            tokens, lps = host_tokens.tolist(), host_lps.tolist()
-        return tokens, lps, lookahead
+            wait_s = time.perf_counter() - wait_start
+            if look_ahead:  # nothing runs asynchronously here: results, then the lookahead
+                lookahead = self._launch_lookahead(reqs, tokens_dev, epoch, version)
+            return tokens, lps, lookahead, wait_s
+        # copy this step's results out first, then queue the next decode step behind the copy
+        host_tokens = torch.empty(tokens_dev.shape, dtype=tokens_dev.dtype, pin_memory=True)
+        host_lps = torch.empty(lps_dev.shape, dtype=lps_dev.dtype, pin_memory=True)
+        host_tokens.copy_(tokens_dev, non_blocking=True)
+        host_lps.copy_(lps_dev, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        lookahead = self._launch_lookahead(reqs, tokens_dev, epoch, version)
+        wait_start = time.perf_counter()
+        copied.synchronize()
+        wait_s = time.perf_counter() - wait_start
+        return host_tokens.tolist(), host_lps.tolist(), lookahead, wait_s
 
     @staticmethod
     def _output_extras(sampled: list[Request], logits: torch.Tensor, offset: int) -> dict[int, Extras]:
@@ -425,7 +440,7 @@ class Scheduler:
     def _input_logprobs(req: Request, full_logits: torch.Tensor) -> tuple[list[float | None], Extras | None]:
         """Log-prob of each prompt token given its prefix, from logprob_start_len on (first token: None), and
         the extras asked for at those positions (the first position has none: an empty list)."""
-        ids = torch.tensor(req.prompt_ids, device=full_logits.device)
+        ids = to_device(req.prompt_ids, full_logits.device)
         n, start = len(req.prompt_ids), req.logprob_start_len
         lps = token_logprobs(full_logits[: n - 1], ids[1:], req.params.temperature).tolist() if n > 1 else []
         extras = None
