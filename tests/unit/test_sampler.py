@@ -133,3 +133,23 @@ def test_to_device_keeps_values_and_dtypes():
     assert to_device([0.5, 2.0], torch.device("cpu"), torch.float32).dtype == torch.float32
     assert to_device([True, False], "cpu", torch.bool).tolist() == [True, False]
     assert to_device(torch.tensor([1, 2], dtype=torch.int32), "cpu").dtype == torch.long
+
+
+def test_the_scheduler_reuses_a_batch_and_compares_later_steps_by_identity(monkeypatch):
+    """A new round's requests carry new but equal parameters: their batch is reused, and the steps after
+    the first compare the same objects again, not 256 dataclasses field by field every step."""
+    from miles.engines.embedded.scheduler import Scheduler
+
+    compared = []
+    field_eq = SamplingParams.__eq__
+    monkeypatch.setattr(SamplingParams, "__eq__", lambda a, b: compared.append(1) or field_eq(a, b))
+    sched = Scheduler.__new__(Scheduler)
+    sched._sampling_cache = None
+    first_round = [SamplingParams(top_p=0.5) for _ in range(4)]
+    batch = sched._sampling_batch(list(first_round))
+    second_round = [SamplingParams(top_p=0.5) for _ in range(4)]
+    assert sched._sampling_batch(list(second_round)) is batch and len(compared) == 4
+    for _ in range(3):  # the decode steps of the second round
+        assert sched._sampling_batch(list(second_round)) is batch
+    assert len(compared) == 4
+    assert sched._sampling_batch([SamplingParams(top_p=0.9)] * 4) is not batch

@@ -169,7 +169,6 @@ class SamplingBatch:
     scheduler reuses it while the same requests run in the same order."""
 
     def __init__(self, params: list[SamplingParams]):
-        self.params = params
         self.temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
         self.greedy = [p.greedy for p in params]
         self.top_k = [p.top_k for p in params]

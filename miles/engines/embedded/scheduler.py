@@ -428,11 +428,14 @@ class Scheduler:
 
     def _sampling_batch(self, params: list[SamplingParams]) -> SamplingBatch:
         """The batch's sampling parameters; reused while the same requests run in the same order (the list
-        comparison checks identity first, element by element, in C)."""
+        comparison checks identity first, element by element, in C). A batch equal by value (new requests
+        with the same parameters) is reused too, and the new list is kept, so that the next steps compare
+        by identity again rather than field by field."""
         cached = self._sampling_cache
         if cached is not None and cached[0] == params:
-            return cached[1]
-        batch = SamplingBatch(params)
+            batch = cached[1]
+        else:
+            batch = SamplingBatch(params)
         self._sampling_cache = (params, batch)
         return batch
 
