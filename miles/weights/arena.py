@@ -12,6 +12,7 @@ the engine's stream after the trainer's copies. The protocol as a whole: miles/w
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from collections.abc import Mapping
@@ -53,7 +54,7 @@ class WeightArena:
         self._shm: shared_memory.SharedMemory | None = None
         if self.device.type == "cpu":
             self._shm = shared_memory.SharedMemory(create=True, size=self.nbytes)
-            self.flat = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=self.nbytes)
+            self.flat = torch.frombuffer(_own_mapping(self._shm), dtype=torch.uint8, count=self.nbytes)
         else:
             self.flat = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
         self.views: dict[str, torch.Tensor] = {}
@@ -127,7 +128,8 @@ class WeightArena:
         return self._handle
 
     def close(self) -> None:
-        """Drop the buffer (on CPU: unlink the segment; the engine's views keep the mapping alive)."""
+        """Drop the buffer (on CPU: unlink the segment's name; its memory stays mapped while any view of
+        it lives, and is freed with the last one)."""
         self.views.clear()
         self.flat = None  # type: ignore[assignment]
         if self._shm is not None:
@@ -136,6 +138,23 @@ class WeightArena:
             except FileNotFoundError:
                 pass
             self._shm = None
+
+
+def _own_mapping(shm: shared_memory.SharedMemory) -> mmap.mmap | memoryview:
+    """A mapping of `shm`'s segment that nothing closes while a tensor over it lives. The segment object's
+    own mapping is closed when that object is collected (its `close()`, run by `__del__`, unmaps it even
+    while tensors still point into it: reading an engine weight after its shutdown crashed the process);
+    a second mapping, referenced only by the tensors made from it, is unmapped with the last of them.
+    Where the segment has no path to map again (not Linux), the segment object's buffer is used."""
+    path = os.path.join("/dev/shm", shm.name.lstrip("/"))
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return shm.buf
+    try:
+        return mmap.mmap(fd, shm.size)
+    finally:
+        os.close(fd)
 
 
 class GenerationWord:
