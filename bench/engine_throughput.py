@@ -32,6 +32,7 @@ import tempfile
 import time
 
 import torch
+from trace_summary import category
 
 from miles.engines.embedded.engine import EmbeddedEngine
 from miles.engines.embedded.request import StepTime, decode_step_summary
@@ -249,11 +250,7 @@ KERNEL_CATEGORIES = (
 
 
 def kernel_category(name: str) -> str:
-    low = name.lower()
-    for category, patterns in KERNEL_CATEGORIES:
-        if any(p in low for p in patterns):
-            return category
-    return "other"
+    return category(name, KERNEL_CATEGORIES)
 
 
 @torch.inference_mode()
@@ -284,9 +281,9 @@ def profile_graph_step(engine: EmbeddedEngine, batch: int, context: int, replays
     print(f"decode step, batch {batch}, context {context}: {step_ms * 1e3:.1f} us on the GPU per replay")
     print(f"{'us/step':>9} {'calls':>6} {'%':>6}  {'category':<14} kernel")
     for us, calls, name in rows:
-        category = kernel_category(name)
-        totals[category] = totals.get(category, 0.0) + us
-        print(f"{us:9.1f} {calls:6.0f} {100 * us / (step_ms * 1e3):6.1f}  {category:<14} {name[:90]}")
+        kind = kernel_category(name)
+        totals[kind] = totals.get(kind, 0.0) + us
+        print(f"{us:9.1f} {calls:6.0f} {100 * us / (step_ms * 1e3):6.1f}  {kind:<14} {name[:90]}")
     kernels = sum(totals.values())
     print("by category: " + ", ".join(f"{k} {v:.1f} us" for k, v in sorted(totals.items(), key=lambda kv: -kv[1])))
     print(

@@ -38,9 +38,11 @@ CATEGORIES = (
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
-def category(name: str) -> str:
+def category(name: str, table: tuple = CATEGORIES) -> str:
+    """The first category of `table` ((name, substrings) pairs) with a substring in the lower-cased kernel
+    name; "other" when none has."""
     low = name.lower()
-    for cat, patterns in CATEGORIES:
+    for cat, patterns in table:
         if any(p in low for p in patterns):
             return cat
     return "other"
