@@ -37,6 +37,7 @@ from trace_summary import category
 from miles.engines.embedded.engine import EmbeddedEngine
 from miles.engines.embedded.request import StepTime, decode_step_summary
 from miles.models.tiny import make_tiny_model
+from miles.utils.gc_freeze import freeze_heap
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -104,6 +105,7 @@ class EngineSide:
         self.engine, self.prompts = engine, prompts
         self.loop = asyncio.new_event_loop()
         self.loop.run_until_complete(engine.start())
+        freeze_heap("bench engine ready")  # as the rollout worker does once its engine serves
         self.timeline: list[StepTime] | None = None  # a list: the scheduler's steps are recorded into it
 
     async def _round(self, n_new: int) -> float:

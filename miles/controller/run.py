@@ -30,6 +30,7 @@ from miles.errors import as_run_failure
 from miles.rollout.opd_teacher import TeacherScorer
 from miles.rollout.sample import Sample
 from miles.rollout.train_data import TrainBatch, samples_to_train_batch, split_by_dp
+from miles.utils.gc_freeze import freeze_heap
 from miles.utils.metrics import MetricsSink
 from miles.utils.profiling import ProfileSchedule
 from miles.utils.sysmon import SystemMonitor
@@ -345,6 +346,7 @@ class MilesRun:
         if self.startup is not None and not self.startup.done:
             self.startup.mark("first_push")  # the engines' first weights and the before-training eval
             self._startup_metrics = self.startup.finish()  # launch to the start of the first step
+            freeze_heap("controller ready")  # before the first step's clock starts
         return time.perf_counter()
 
     def log_step(self, rollout_id: int, step_start: float, *parts: dict[str, float]) -> dict[str, float]:

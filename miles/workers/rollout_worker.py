@@ -14,6 +14,7 @@ import socket
 from typing import Any
 
 from miles.engines.doors import DEFAULT_MAX_BODY_MB, is_loopback
+from miles.utils.gc_freeze import freeze_heap
 from miles.utils.profiling import WorkerProfiler
 from miles.utils.timer import seconds_since_launch
 from miles.wire.ports import free_port
@@ -147,6 +148,7 @@ class RolloutWorker(Worker):
         logger.info(
             "embedded engine serving at %s, %.1f s after its process started", self._http.url, seconds_since_launch()
         )
+        freeze_heap("rollout engine ready")  # full collections would otherwise walk the whole model's heap
 
     def url(self) -> str:
         url = self._sglang.url if self._sglang is not None else self._http.url

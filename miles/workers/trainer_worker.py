@@ -23,6 +23,7 @@ from miles.config import (
     engine_dtype,
 )
 from miles.rollout.train_data import TrainBatch
+from miles.utils.gc_freeze import freeze_heap
 from miles.utils.profiling import WorkerProfiler, nvtx_range
 from miles.utils.timer import PhaseClock, seconds_since_launch
 from miles.wire.ports import free_port
@@ -67,6 +68,7 @@ class TrainerWorker(Worker):
         self.profiler = WorkerProfiler(f"{ctx.role}_{ctx.rank}")
         self._setup_result: dict[str, Any] | None = None
         self._setup_error: BaseException | None = None
+        self._froze_after_first_step = False
 
     # ---- lifecycle -------------------------------------------------------------------
     def warm_up(self) -> None:
@@ -115,6 +117,7 @@ class TrainerWorker(Worker):
             self._flops_shape = model_shape(self.model_cfg.hf_checkpoint)
             self._peak_flops = peak_flops(torch.device("cuda", torch.cuda.current_device()))
         logger.info("trainer set up in %s, from %.1f s after its process started", clock.summary(), started)
+        freeze_heap("trainer set up")
         return {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
 
     # ---- training --------------------------------------------------------------------
@@ -123,6 +126,9 @@ class TrainerWorker(Worker):
         with nvtx_range(f"train/{rollout_id}"):
             metrics = self.backend.train(shard, rollout_id)
         metrics.update(self._mfu(shard, metrics.get("perf/train/update_time", 0.0)))
+        if not self._froze_after_first_step:  # what the first step built for good (compiled graphs, optimizer state)
+            self._froze_after_first_step = True
+            freeze_heap("trainer after its first step")
         return metrics
 
     def _mfu(self, shard: TrainBatch, update_s: float) -> dict[str, float]:
