@@ -1,6 +1,7 @@
 """FP8 on Hopper: the block-scaled torch._scaled_mm path agrees with the dequantizing emulation, and an FP8
-engine (CUDA graphs) scores close to its bf16 source, with the CUDA kernels (Triton quantization, cuBLASLt's
-block-scaled GEMM: fp8.CUDA_KERNELS) off as by default and switched on."""
+engine (CUDA graphs) scores close to its bf16 source, with the forward's CUDA kernels (Triton activation
+quantization, cuBLASLt's block-scaled GEMM: fp8.CUDA_KERNELS) off as by default and switched on. Weights
+are quantized by the Triton kernel on CUDA either way."""
 
 import asyncio
 

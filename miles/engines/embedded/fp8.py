@@ -13,7 +13,9 @@ On Hopper (CUDA capability 9.x) `torch._scaled_mm` takes the 1x128 activation an
 directly (cuBLASLt's block-scaled path, CUDA >= 12.9); elsewhere, and wherever that call is refused,
 the same W8A8 product is computed by dequantizing both operands (the CPU path CI runs; also every GEMM whose
 K or padded N is not whole blocks). The CUDA kernels
-are off unless MILES_FP8_CUDA_KERNELS=1 (see CUDA_KERNELS below): on CUDA FP8 serving is correct, not fast.
+of the forward are off unless MILES_FP8_CUDA_KERNELS=1 (see CUDA_KERNELS below): on CUDA FP8 serving is
+correct, not fast. A weight push quantizes with the Triton kernel wherever it runs (it works outside the
+forward and its CUDA graphs, and matches the torch form: tests/unit/test_triton_ops.py).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from miles.engines.embedded import fp8_triton
 # K = 512 matched the emulation on the H200; such GEMMs now run with K grown by zero blocks (pad_k_blocks).
 # tests/gpu/test_fp8_gpu.py passes with that on an H200, but one engine run with the kernels failed a CUDA-graph
 # capture once, unexplained; until it is, CUDA takes the dequantizing path too, and MILES_FP8_CUDA_KERNELS=1
-# turns the kernels on.
+# turns the kernels on. The weight quantization of a push is not part of that forward (quantize_weight).
 CUDA_KERNELS = os.environ.get("MILES_FP8_CUDA_KERNELS") == "1"
 
 logger = logging.getLogger(__name__)
@@ -86,9 +88,11 @@ def quantize_weight(
     w: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q [N, K] e4m3, scale_inv [ceil(N/128), ceil(K/128)] fp32) with w ~= q * scale_inv blockwise, on w's device
-    (on CUDA one Triton pass, fp8_triton.py). `out`: the (q, scale_inv) to write into, on w's device (the Triton
-    pass stores there directly: a push writes a weight's storage with no temporary)."""
-    if CUDA_KERNELS and w.is_cuda and fp8_triton.runs_on(w.device):
+    (on CUDA one Triton pass, fp8_triton.py, whatever CUDA_KERNELS says: the torch form reads and writes every
+    element about five times, which a weight push would pay on every tensor). `out`: the (q, scale_inv) to
+    write into, on w's device (the Triton pass stores there directly: a push writes a weight's storage with no
+    temporary)."""
+    if w.is_cuda and fp8_triton.runs_on(w.device):
         if out is not None and out[0].is_contiguous() and out[1].is_contiguous():
             return fp8_triton.quantize_weight(w, out)
         q, scale_inv = fp8_triton.quantize_weight(w)
