@@ -1,6 +1,7 @@
 """Embedded engine on CUDA: fp32 greedy equals transformers; bf16 CUDA-graph decode equals eager decode."""
 
 import asyncio
+import linecache
 
 import pytest
 import torch
@@ -153,5 +154,12 @@ def test_warm_decode_steps_never_make_the_host_wait_for_the_device(model_dir, to
 
     waits, stats = asyncio.run(main())
     assert stats["prefix_hit_rate"] > 0, stats  # the second round loaded cached pages
+    # the one intended wait, for the step's results (should the mode count event waits), is not a finding
+    waits = [w for w in waits if linecache.getline(*_file_line(w)).strip() != "copied.synchronize()"]
     by_line = {line: waits.count(line) for line in set(waits)}
     assert all(count < 8 for count in by_line.values()), by_line  # 23 decode steps in the round
+
+
+def _file_line(where: str) -> tuple[str, int]:
+    path, line = where.rsplit(":", 1)
+    return path, int(line)
