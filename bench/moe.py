@@ -202,6 +202,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine-dtype", default="bfloat16")
     p.add_argument("--trainer-dtype", default="float32")
     p.add_argument("--router-noise", type=float, default=0.0)
+    p.add_argument(
+        "--residual-dtype",
+        choices=("float32", "model"),
+        default="float32",
+        help="the engine's residual stream in its eager forward: fp32 (the engine's default for bf16 models) or "
+        "the model dtype (as before; for the side-by-side)",
+    )
     p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--skip-mismatch", action="store_true")
     p.add_argument("--train-micro-batch", type=int, default=32, help="sequences per trainer forward")
@@ -213,6 +220,7 @@ def run(a: argparse.Namespace) -> dict:
     cfg = hf_config(a)
     weights = random_weights(cfg, device, a.seed, getattr(torch, a.engine_dtype))
     engine = engine_model(cfg, weights, device, getattr(torch, a.engine_dtype))
+    engine.fp32_residual = a.residual_dtype == "float32" and engine.dtype != torch.float32
     figures: dict = {"config": {k: v for k, v in vars(a).items() if k != "device"}, "device": a.device}
     carried, miles_int32 = routing_bytes_per_token(a.layers, a.topk, a.experts)
     figures.update(routing_bytes_per_token=carried, int32_bytes_per_token=miles_int32)

@@ -46,6 +46,22 @@ def test_r3_zeroes_the_routing_mismatch_and_lowers_the_logprob_gap():
     assert on["logprob_abs_diff_max"] < off["logprob_abs_diff_max"]
 
 
+def test_an_fp32_residual_stream_narrows_what_r3_leaves_of_a_bf16_engines_gap():
+    """12 MoE layers, bf16 engine, fp32 trainer, routing replayed: with the engine's residual stream in fp32
+    (its default) the log-probs sit closer to the trainer's than with the stream in bf16 (measured 1.9x at
+    24 layers, bench/results/moe.md)."""
+    bench = load_bench("moe")
+    base = (
+        "--device cpu --layers 12 --hidden 128 --heads 4 --kv-heads 2 --experts 16 --topk 4 --moe-intermediate 64 "
+        "--vocab 1024 --batch 8 --prompt-len 16 --new-tokens 12 --skip-decode --train-micro-batch 8"
+    ).split()
+    gaps = {
+        stream: bench.run(bench.parse([*base, "--residual-dtype", stream]))["mismatch"]["on"]["logprob_abs_diff_mean"]
+        for stream in ("float32", "model")
+    }
+    assert gaps["float32"] < 0.8 * gaps["model"], gaps
+
+
 def test_routing_replay_is_refused_for_a_dense_model(tmp_path):
     with pytest.raises(AssertionError) as e:
         run_train(tmp_path / "run", "--num-rollout", "1", "--use-rollout-routing-replay", "--eval-interval", "0")

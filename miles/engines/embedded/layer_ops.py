@@ -12,6 +12,15 @@ from miles.engines.embedded import fp8
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm in the weight's dtype. An fp32 `x` with a lower-precision weight (the fp32 residual stream
+    of a bf16 model) is normalised in fp32 and rounded once, as HF rounds before its weight multiply."""
+    if x.dtype != weight.dtype and x.dtype == torch.float32:
+        y = (
+            F.rms_norm(x, (x.shape[-1],), eps=eps)
+            if x.is_cuda
+            else x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        )
+        return weight * y.to(weight.dtype)
     if x.is_cuda:  # one fused kernel (fp32 inside); bf16: last-bit differences from HF's formula
         return F.rms_norm(x, (x.shape[-1],), weight, eps=eps)
     if x.dtype == torch.float32:  # HF's formula, in fewer CPU ops than F.rms_norm's composite
@@ -41,9 +50,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor | fp8.Fp8Weight, bias: torch.Te
 def linear_residual(
     h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | fp8.Fp8Weight, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """h + F.linear(x, weight, bias), the residual add done by the GEMM's accumulate when there is no bias."""
+    """h + F.linear(x, weight, bias), the residual add done by the GEMM's accumulate when there is no bias and
+    `h` has the GEMM's dtype (an fp32 stream adds the model-dtype product)."""
     if isinstance(weight, fp8.Fp8Weight):
         return h + fp8.linear(x, weight, bias)
-    if bias is not None:
+    if bias is not None or h.dtype != x.dtype:
         return h + F.linear(x, weight, bias)
     return torch.addmm(h, x, weight.t())

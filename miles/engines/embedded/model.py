@@ -7,6 +7,12 @@ that greedy outputs and log-probs agree with `transformers` on CPU.
 Parameters live in a flat dict keyed by their HF checkpoint names, which is what weight updates
 address (`load_weights`) and what `named_weights` returns: no module tree to keep in sync. Reading the
 checkpoint is checkpoint.py's; the eager norm and linear ops are layer_ops.py's.
+
+In a bf16 (or fp16) model the eager forward keeps the residual stream in fp32: each layer's sum is then
+rounded never, not twice per layer, while every GEMM still reads model-dtype inputs (the norms round their
+outputs). Over 24 MoE layers a bf16 stream was about half of what stayed between the engine's log-probs and
+an fp32 trainer's once routing was replayed (CPU trial, bench/results/moe.md). The fused dense kernels
+(`decode_fused`, `prefill_fused`) keep their stream in the model dtype.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ class CausalLM:
         self.spec = spec
         self.device = device
         self.dtype = dtype
+        self.fp32_residual = dtype != torch.float32  # the eager forward's residual stream (see the module doc)
         check_params(spec, params)
         self._layer_names = [layer_names(i) for i in range(spec.num_layers)]
         self.storage: dict[str, torch.Tensor] = {}
@@ -209,7 +216,7 @@ class CausalLM:
 
         The residual stream is kept flat, [B * T, D], so that each residual add rides on the GEMM before
         it (`addmm` accumulates into it): at decode sizes on CPU every op's dispatch costs about as much
-        as its arithmetic.
+        as its arithmetic. In a bf16 model it is fp32 (`fp32_residual`; the module doc says why).
 
         routing: collects the top-k experts of all B * T tokens at every MoE layer (not with out_index,
         whose last layer runs for the selected tokens only).
@@ -222,6 +229,8 @@ class CausalLM:
         if routing is not None and out_index is not None:
             raise ValueError("forward: routing is recorded for every token; call it without out_index")
         h = F.embedding(tokens.reshape(-1), st["model.embed_tokens.weight"])
+        if self.fp32_residual:
+            h = h.float()
         cos, sin = self._rope_lookup(positions.reshape(-1), extend_len or (T if kv_len is None else kv_len))
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B * T, 1, hd]: the same for every head
         rows = kv.cache_rows(slot_start, write_pos)  # [B * T, kv_heads]: where this step's K/V go
