@@ -37,6 +37,10 @@ from miles.wire.specs import AGENT_ROLE, RunInterrupted, RuntimeOptions, WorkerD
 
 logger = logging.getLogger(__name__)
 
+# Seconds past the heartbeat time-out that a call whose peer's connection is gone waits for the loss to be
+# declared (the monitor polls every 0.1 s), so that it raises the failure naming the worker, not the socket's
+LOSS_GRACE_S = 2.0
+
 
 def remove_stale_sockets(run_dir: str) -> list[str]:
     """Remove the control sockets a killed controller left in `run_dir` (no one listens on them).
@@ -364,6 +368,13 @@ class Runtime:
         try:
             return await self.rpc.call(peer.identity, method, args, kwargs, timeout)
         except RpcClosed:
+            if self._failure is None and not self._closing:
+                # the connection went before the loss was declared (a lost node's peers are declared when their
+                # heartbeats time out): wait for that verdict, which names the worker and its node
+                try:
+                    await asyncio.wait_for(self.wait_failure(), self.opts.heartbeat_timeout_s + LOSS_GRACE_S)
+                except TimeoutError:
+                    pass
             if self._failure is not None:
                 raise self._failure from None
             raise

@@ -17,6 +17,7 @@ import pytest
 from miles.controller.runtime import Runtime
 from miles.wire.fork_client import ForkedWorker
 from miles.wire.procs import run_processes
+from miles.wire.rpc import RpcClosed
 from miles.wire.specs import WorkerDied, WorkerSpec
 
 NOOP = "miles.testing.noop:NoopWorker"
@@ -229,3 +230,28 @@ def test_controller_signalled_leaves_no_process(tmp_path, sig: signal.Signals, w
         for p in pids:
             if not is_gone(p):
                 os.kill(p, signal.SIGKILL)
+
+
+def test_a_call_whose_connection_is_gone_raises_the_loss_that_names_the_worker(tmp_path) -> None:
+    """The socket can report a peer gone before the loss is declared (a lost node's workers: their heartbeats
+    have yet to time out). The call then waits for the verdict and raises it, naming the worker, instead of
+    the socket's error (which reached `miles train` as a traceback)."""
+
+    async def main():
+        rt = await Runtime.start(specs(1), run_dir=str(tmp_path), heartbeat_interval_s=0.2, heartbeat_timeout_s=1.5)
+        try:
+            victim = rt.worker("noop", 0)
+            pids = rt.local_pids()
+
+            async def connection_gone(*args, **kwargs):
+                raise RpcClosed("controller: peer b'noop:0' is not connected (never registered or gone)")
+
+            rt.rpc.call = connection_gone
+            os.kill(victim.pid, signal.SIGKILL)  # noticed by the monitor's next poll, after the call has failed
+            with pytest.raises(WorkerDied, match=r"noop:0"):
+                await asyncio.wait_for(victim.call("echo", 1), timeout=5.0)
+        finally:
+            await rt.shutdown()
+        assert_nothing_left(rt, pids)
+
+    run(main())
