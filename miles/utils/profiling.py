@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -22,6 +23,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
+
+PY_SPY_ATTACH_S = 10.0  # the most a profile window's start waits for py-spy to sample
 
 
 @contextlib.contextmanager
@@ -103,6 +106,7 @@ class WorkerProfiler:
         ]
         self._py_spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self._py_spy_out = out
+        _wait_sampling(self._py_spy, PY_SPY_ATTACH_S)
         return out
 
     def _stop_py_spy(self) -> str | None:
@@ -119,6 +123,19 @@ class WorkerProfiler:
             logger.warning("%s: py-spy wrote nothing (exit %s): %s", self.name, proc.returncode, (err or "")[-500:])
             return None
         return self._py_spy_out
+
+
+def _wait_sampling(proc: subprocess.Popen, timeout_s: float) -> bool:
+    """Wait until py-spy says it samples (its first stderr line) or `timeout_s`, so that the window's first
+    steps are sampled too: attaching takes a while, and on a busy machine a short window could end first."""
+    ready, _, _ = select.select([proc.stderr], [], [], timeout_s)
+    if not ready:
+        return False
+    line = proc.stderr.readline()
+    if "Sampling" not in line:
+        logger.warning("py-spy: %s", line.strip())
+        return False
+    return True
 
 
 def _all_threads_config():
