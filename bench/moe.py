@@ -206,7 +206,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--residual-dtype",
         choices=("float32", "model"),
         default="float32",
-        help="the engine's residual stream in its eager forward: fp32 (the engine's default for bf16 models) or "
+        help="the engine's residual stream: fp32 (the engine's default for bf16 models) or "
         "the model dtype (as before; for the side-by-side)",
     )
     p.add_argument("--skip-decode", action="store_true")

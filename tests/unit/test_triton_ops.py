@@ -252,6 +252,48 @@ def test_fused_prefill_equals_the_torch_prefill(tmp_path, arch, lens):
             assert not t[:, start + b, :, n : caches[1].scratch_pos].any()
 
 
+@needs_kernels
+def test_a_half_precision_model_keeps_an_fp32_residual_stream_in_the_fused_paths(tmp_path, monkeypatch):
+    """fp16 (the interpreter has no bf16): the fused prefill and decode carry the residual stream in fp32, as
+    the eager forward does, and agree with it; the norms hand the GEMMs fp16."""
+    path = make_tiny_model(str(tmp_path / "qwen2"), arch="qwen2", init_std=0.2, seed=5)
+    model = CausalLM.from_pretrained(path, DEVICE, torch.float16)
+    assert model.fp32_residual
+    s = model.spec
+    streams = []
+    add_rms_norm = triton_ops.add_rms_norm
+
+    def recorded(x, residual, weight, eps, out=None):
+        streams.append((residual if residual is not None else x).dtype)
+        result = add_rms_norm(x, residual, weight, eps, out)
+        assert result.dtype == torch.float16
+        return result
+
+    monkeypatch.setattr(triton_ops, "add_rms_norm", recorded)
+    lens = [5, 9]
+    B, width = len(lens), max(lens)
+    g = _gen(9)
+    seqs = [torch.randint(3, s.vocab_size, (n,), generator=g).tolist() for n in lens]
+    tokens = torch.tensor([q + [0] * (width - len(q)) for q in seqs], device=DEVICE)
+    pos = torch.arange(width, device=DEVICE)[None].expand(B, width)
+    last = torch.tensor(lens, device=DEVICE) - 1
+    caches = []
+    for _ in range(2):
+        kw = dict(num_layers=s.num_layers, num_slots=B + 1, max_seq_len=40, num_kv_heads=s.num_kv_heads)
+        caches.append(KVCache(**kw, head_dim=s.head_dim, dtype=torch.float16, device=DEVICE))
+    write = torch.where(pos <= last[:, None], pos, caches[0].scratch_pos)
+    ref = model.forward(tokens, pos, caches[0], 0, write, kv_len=None, out_index=last)
+    attention = triton_ops.DecodeAttention(s.num_heads, s.num_kv_heads, s.head_dim, caches[1].capacity, 4)
+    fused = model.prefill_fused(tokens, pos, write, last, caches[1], 0, attention)
+    torch.testing.assert_close(fused, ref, rtol=2e-2, atol=2e-2)
+    step = torch.randint(3, s.vocab_size, (B,), generator=g).to(DEVICE)
+    positions = torch.tensor(lens, device=DEVICE)
+    ref_step = model.forward(step[:, None], positions[:, None], caches[0], 0, positions[:, None], width + 1)
+    fused_step = model.decode_fused(step, positions, positions + 1, caches[1], attention)
+    torch.testing.assert_close(fused_step, ref_step[:, 0], rtol=2e-2, atol=2e-2)
+    assert streams and set(streams) == {torch.float32}, streams
+
+
 # ---- FP8 (fp8_triton.py). The interpreter's fp32 -> e4m3 conversion (triton 3.6) is not the GPU's: ties go
 # away from zero (17 -> 18) and a round-up into the next power of two loses its carry (31.5 -> 16), so the
 # codes themselves are compared on CUDA only; scales, layout and padding everywhere.

@@ -8,11 +8,11 @@ Parameters live in a flat dict keyed by their HF checkpoint names, which is what
 address (`load_weights`) and what `named_weights` returns: no module tree to keep in sync. Reading the
 checkpoint is checkpoint.py's; the eager norm and linear ops are layer_ops.py's.
 
-In a bf16 (or fp16) model the eager forward keeps the residual stream in fp32: each layer's sum is then
-rounded never, not twice per layer, while every GEMM still reads model-dtype inputs (the norms round their
-outputs). Over 24 MoE layers a bf16 stream was about half of what stayed between the engine's log-probs and
-an fp32 trainer's once routing was replayed (CPU trial, bench/results/moe.md). The fused dense kernels
-(`decode_fused`, `prefill_fused`) keep their stream in the model dtype.
+In a bf16 (or fp16) model every forward (eager, and the fused `decode_fused` / `prefill_fused`) keeps the
+residual stream in fp32: the layers' sums are never rounded, not twice per layer, while every GEMM still
+reads model-dtype inputs (the norms round their outputs). Over 24 MoE layers a bf16 stream was about half of
+what stayed between the engine's log-probs and an fp32 trainer's once routing was replayed (CPU trial,
+bench/results/moe.md). `fp32_residual = False` puts the stream back in the model dtype.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class CausalLM:
         self.spec = spec
         self.device = device
         self.dtype = dtype
-        self.fp32_residual = dtype != torch.float32  # the eager forward's residual stream (see the module doc)
+        self.fp32_residual = dtype != torch.float32  # the residual stream's dtype (see the module doc)
         check_params(spec, params)
         self._layer_names = [layer_names(i) for i in range(spec.num_layers)]
         self.storage: dict[str, torch.Tensor] = {}
@@ -272,6 +272,8 @@ class CausalLM:
         B, H = tokens.shape[0], s.num_heads
         table = self._rope_table_covering(kv.k.shape[3])
         h = F.embedding(tokens, st["model.embed_tokens.weight"])  # the residual stream, updated in place
+        if self.fp32_residual:
+            h = h.float()
         x = triton_ops.add_rms_norm(h, None, st[self._layer_names[0]["ln1"]], eps)
         for i, names in enumerate(self._layer_names):
             qkv = linear(x, st[names["qkv"]], st.get(names["qkv_b"]))
@@ -317,6 +319,8 @@ class CausalLM:
         pos, wpos = positions.reshape(-1), write_pos.reshape(-1)
         keys = torch.empty((n, KVH, hd), dtype=self.dtype, device=self.device)
         h = F.embedding(tokens.reshape(-1), st["model.embed_tokens.weight"])
+        if self.fp32_residual:
+            h = h.float()
         x = triton_ops.add_rms_norm(h, None, st[self._layer_names[0]["ln1"]], eps)
         for i, names in enumerate(self._layer_names):
             last = i + 1 == s.num_layers

@@ -73,12 +73,13 @@ def _check_dense(**tensors: torch.Tensor | None) -> None:
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, out=None):
-    """RMSNorm(x + residual) * weight over the last dim; `residual` (if given) becomes x + residual."""
+    """RMSNorm(x + residual) * weight over the last dim, in the weight's dtype; `residual` (if given) becomes
+    x + residual, kept in its own dtype (an fp32 stream under bf16 GEMM outputs, or `x` itself fp32)."""
     n = x.shape[-1]
     rows = x.numel() // n
     (x, weight) = _dense(x, weight)
     _check_dense(residual=residual, out=out)
-    out = torch.empty_like(x) if out is None else out
+    out = torch.empty_like(x, dtype=weight.dtype) if out is None else out
     kernels.add_rms_norm_kernel[(rows,)](
         x, residual if residual is not None else x, weight, out, n, eps,
         HAS_RES=residual is not None, BLOCK=_next_pow2(n),
