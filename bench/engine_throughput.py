@@ -83,6 +83,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--quantization", default=None, choices=[None, "fp8"], help="serve the model in FP8 (fp8.py)")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn prefix sharing off (prefix_cache.py)")
+    p.add_argument(
+        "--residual-dtype",
+        choices=("float32", "model"),
+        default="float32",
+        help="the engine's residual stream in a bf16 model: fp32 (its default) or bf16 (what it cost, side by side)",
+    )
     p.add_argument("--hbm-gbps", type=float, default=4800.0, help="HBM bandwidth for the roofline (H200: 4800)")
     p.add_argument("--skip-hf", action="store_true", help="engine only (ratio reported as null)")
     args = p.parse_args(argv)
@@ -334,6 +340,7 @@ def main(argv: list[str] | None = None) -> dict:
             quantization=args.quantization,
             prefix_cache=not args.no_prefix_cache,
         )
+        engine.model.fp32_residual = args.residual_dtype == "float32" and engine.model.dtype != torch.float32
         prompts = make_prompts(args.batch, args.prompt_len, engine.model.spec.vocab_size)
         roofline = decode_roofline(engine, args.batch, args.prompt_len, args.new_tokens, args.hbm_gbps)
         sides = {"engine": EngineSide(engine, prompts)}
@@ -365,6 +372,7 @@ def main(argv: list[str] | None = None) -> dict:
         "new_tokens": args.new_tokens,
         "quantization": args.quantization,
         "prefix_cache": not args.no_prefix_cache,
+        "residual_dtype": args.residual_dtype,
         "decode_steps": decode_steps,
         "shape": {
             "arch": args.arch,

@@ -56,7 +56,7 @@ def test_engine_throughput_bench_reads_its_decode_steps_from_the_scheduler():
     line = json.loads(out.stdout.strip().splitlines()[-1])
     steps = line["decode_steps"]  # 11 decode steps a round, 10 back to back, in 2 timed rounds
     assert steps["steps"] == 20 and steps["step_ms"] > 0 and steps["host_ms"] + steps["wait_ms"] > 0
-    assert line["engine_tok_s"] > 0 and line["prefix_cache"] is True
+    assert line["engine_tok_s"] > 0 and line["prefix_cache"] is True and line["residual_dtype"] == "float32"
     refused = subprocess.run([*cmd, "--sync-debug"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and "--sync-debug counts host waits for a CUDA device" in refused.stderr
 
