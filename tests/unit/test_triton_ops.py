@@ -213,6 +213,21 @@ def test_fused_decode_step_equals_the_torch_decode_step(tmp_path, arch):
             torch.testing.assert_close(caches[1].v[layer, b, :, : n + 1], caches[0].v[layer, b, :, : n + 1])
 
 
+def _prefill_batch(model: CausalLM, lens: list[int], g: torch.Generator, num_slots: int):
+    """Random prompts of `lens` padded into one batch: (tokens, positions, last index, write positions) and two
+    empty KV caches in the model's dtype (one per path compared); padding writes to the scratch position."""
+    s = model.spec
+    B, width = len(lens), max(lens)
+    seqs = [torch.randint(3, s.vocab_size, (n,), generator=g).tolist() for n in lens]
+    tokens = torch.tensor([q + [0] * (width - len(q)) for q in seqs], device=DEVICE)
+    pos = torch.arange(width, device=DEVICE)[None].expand(B, width)
+    last = torch.tensor(lens, device=DEVICE) - 1
+    kw = dict(num_layers=s.num_layers, num_slots=num_slots, max_seq_len=40, num_kv_heads=s.num_kv_heads)
+    caches = [KVCache(**kw, head_dim=s.head_dim, dtype=model.dtype, device=DEVICE) for _ in range(2)]
+    write = torch.where(pos <= last[:, None], pos, caches[0].scratch_pos)
+    return tokens, pos, last, write, caches
+
+
 @needs_kernels
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 @pytest.mark.parametrize("lens", [[5, 9, 3], [9]], ids=["three_rows", "one_row"])
@@ -224,17 +239,8 @@ def test_fused_prefill_equals_the_torch_prefill(tmp_path, arch, lens):
     path = make_tiny_model(str(tmp_path / arch), arch=arch, init_std=0.2, seed=4)
     model = CausalLM.from_pretrained(path, DEVICE, torch.float32)
     s = model.spec
-    B, width, start = len(lens), max(lens), 1
-    g = _gen(8)
-    seqs = [torch.randint(3, s.vocab_size, (n,), generator=g).tolist() for n in lens]
-    tokens = torch.tensor([q + [0] * (width - len(q)) for q in seqs], device=DEVICE)
-    pos = torch.arange(width, device=DEVICE)[None].expand(B, width)
-    last = torch.tensor(lens, device=DEVICE) - 1
-    caches = []
-    for _ in range(2):
-        kw = dict(num_layers=s.num_layers, num_slots=B + 2, max_seq_len=40, num_kv_heads=s.num_kv_heads)
-        caches.append(KVCache(**kw, head_dim=s.head_dim, dtype=torch.float32, device=DEVICE))
-    write = torch.where(pos <= last[:, None], pos, caches[0].scratch_pos)
+    B, start = len(lens), 1
+    tokens, pos, last, write, caches = _prefill_batch(model, lens, _gen(8), num_slots=B + 2)
     ref = model.forward(tokens, pos, caches[0], start, write, kv_len=None, out_index=last)
     attention = triton_ops.DecodeAttention(s.num_heads, s.num_kv_heads, s.head_dim, caches[1].capacity, 4)
     fused = model.prefill_fused(tokens, pos, write, last, caches[1], start, attention)
@@ -273,15 +279,7 @@ def test_a_half_precision_model_keeps_an_fp32_residual_stream_in_the_fused_paths
     lens = [5, 9]
     B, width = len(lens), max(lens)
     g = _gen(9)
-    seqs = [torch.randint(3, s.vocab_size, (n,), generator=g).tolist() for n in lens]
-    tokens = torch.tensor([q + [0] * (width - len(q)) for q in seqs], device=DEVICE)
-    pos = torch.arange(width, device=DEVICE)[None].expand(B, width)
-    last = torch.tensor(lens, device=DEVICE) - 1
-    caches = []
-    for _ in range(2):
-        kw = dict(num_layers=s.num_layers, num_slots=B + 1, max_seq_len=40, num_kv_heads=s.num_kv_heads)
-        caches.append(KVCache(**kw, head_dim=s.head_dim, dtype=torch.float16, device=DEVICE))
-    write = torch.where(pos <= last[:, None], pos, caches[0].scratch_pos)
+    tokens, pos, last, write, caches = _prefill_batch(model, lens, g, num_slots=B + 1)
     ref = model.forward(tokens, pos, caches[0], 0, write, kv_len=None, out_index=last)
     attention = triton_ops.DecodeAttention(s.num_heads, s.num_kv_heads, s.head_dim, caches[1].capacity, 4)
     fused = model.prefill_fused(tokens, pos, write, last, caches[1], 0, attention)
