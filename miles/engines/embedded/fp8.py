@@ -96,6 +96,8 @@ def quantize_weight(
         if out is not None and out[0].is_contiguous() and out[1].is_contiguous():
             return fp8_triton.quantize_weight(w, out)
         q, scale_inv = fp8_triton.quantize_weight(w)
+        if out is None:
+            return q, scale_inv
     else:
         N, K = w.shape
         nb, kb = math.ceil(N / BLOCK), math.ceil(K / BLOCK)
