@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from miles.engines.embedded.engine import EmbeddedEngine
-from miles.engines.embedded.request import StepTime, decode_step_summary
+from miles.engines.embedded.request import Lookahead, StepTime, decode_step_summary
 from miles.models.tiny import make_tiny_model
 
 torch.set_num_threads(1)
@@ -182,3 +182,15 @@ def test_decode_summary_takes_medians_over_back_to_back_full_steps():
     summary = decode_step_summary(steps, 4)
     # intervals 1, 2 and 2 ms; waits 0.4, 0.6 and 1.0 ms; the rest 0.6, 1.4 and 1.0 ms; 2 of 3 looked ahead
     assert summary == {"steps": 3, "step_ms": 2.0, "wait_ms": 0.6, "host_ms": 1.0, "lookahead_share": 0.667}
+
+
+def test_a_lookahead_finds_its_rows_by_identity_and_by_index():
+    """The same requests in order take the lookahead's leading rows as a view; after a slot move they are
+    picked by index; a request that was not in the step voids it."""
+    a, b, c = (object() for _ in range(3))
+    tokens = torch.arange(3)
+    ahead = Lookahead([a, b, c], tokens, tokens.float(), 0, 0)
+    assert ahead.rows([a, b]) == range(2)
+    assert ahead.take(ahead.rows([a, b]))[0].data_ptr() == tokens.data_ptr()  # a view, no copy
+    assert ahead.rows([c, b]) == [2, 1] and ahead.take([2, 1])[0].tolist() == [2, 1]
+    assert ahead.rows([a, object()]) is None

@@ -5,6 +5,7 @@ per-step host timings a bench can ask for (and their summary over the decode ste
 from __future__ import annotations
 
 import asyncio
+import operator
 import statistics
 from dataclasses import dataclass, field
 
@@ -70,15 +71,19 @@ class Lookahead:
     kv_epoch: int
     weight_version: int
 
-    def rows(self, reqs: list[Request]) -> list[int] | None:
-        """The row of each of `reqs` in this step; None when one of them was not in it."""
+    def rows(self, reqs: list[Request]) -> range | list[int] | None:
+        """The row of each of `reqs` in this step; None when one of them was not in it. The usual decode step
+        (the same requests, in order: nobody left) is found by identity in C, without a per-step index."""
+        n = len(reqs)
+        if n <= len(self.reqs) and all(map(operator.is_, reqs, self.reqs)):
+            return range(n)
         index = {id(r): i for i, r in enumerate(self.reqs)}
         rows = [index.get(id(r)) for r in reqs]
         return None if None in rows else rows
 
-    def take(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def take(self, rows: range | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, logprobs) of those rows, on the device (a view when they lead in order)."""
-        if rows == list(range(len(rows))):
+        if isinstance(rows, range) or rows == list(range(len(rows))):
             return self.tokens[: len(rows)], self.logprobs[: len(rows)]
         index = to_device(rows, self.tokens.device)
         return self.tokens[index], self.logprobs[index]

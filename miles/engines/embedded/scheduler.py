@@ -334,7 +334,7 @@ class Scheduler:
         prefill: list[Request],
         logits: list[torch.Tensor],
         ahead: Lookahead | None,
-        rows: list[int] | None,
+        rows: range | list[int] | None,
     ) -> tuple[torch.Tensor, torch.Tensor, dict[int, Extras]]:
         """This step's (tokens, log-probs) on the device for `reqs` in step order: the decode rows from the
         lookahead when one is used, the rest sampled from `logits`; and the extras asked for (step index ->)."""
