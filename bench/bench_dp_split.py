@@ -19,18 +19,7 @@ from miles.rollout.train_data import TrainBatch, split_by_dp
 
 
 def _batch(lengths: np.ndarray) -> TrainBatch:
-    b, total = len(lengths), int(lengths.sum())
-    return TrainBatch(
-        tokens=np.zeros(total, np.int64),
-        seq_lens=lengths.astype(np.int64),
-        response_lengths=lengths.astype(np.int64),
-        loss_masks=np.ones(total, np.float32),
-        rewards=np.zeros(b, np.float32),
-        raw_rewards=np.zeros(b, np.float32),
-        group_index=np.arange(b) // 8,
-        sample_index=np.arange(b),
-        truncated=np.zeros(b, np.int8),
-    )
+    return TrainBatch.unscored(np.zeros(int(lengths.sum()), np.int64), lengths, lengths, group_size=8)
 
 
 def _straggler(loads: list[int]) -> float:

@@ -125,15 +125,12 @@ def rollout(model: CausalLM, a: argparse.Namespace, seed: int) -> tuple[list[lis
 def train_batch(seqs, routed: np.ndarray, new_tokens: int, num_experts: int) -> TrainBatch:
     from miles.utils.routing import routing_dtype
 
-    b = len(seqs)
-    return TrainBatch(
-        tokens=np.concatenate([np.asarray(s, np.int64) for s in seqs]),
-        seq_lens=np.array([len(s) for s in seqs]), response_lengths=np.full(b, new_tokens),
-        loss_masks=np.ones(b * new_tokens, np.float32), rewards=np.zeros(b, np.float32),
-        raw_rewards=np.zeros(b, np.float32), group_index=np.arange(b), sample_index=np.arange(b),
-        truncated=np.zeros(b, np.int8),
+    return TrainBatch.unscored(
+        np.concatenate([np.asarray(s, np.int64) for s in seqs]),
+        [len(s) for s in seqs],
+        np.full(len(seqs), new_tokens),
         routed_experts=routed.reshape(-1, *routed.shape[2:]).astype(routing_dtype(num_experts)),
-    )  # fmt: skip
+    )
 
 
 def mismatch(

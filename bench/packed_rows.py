@@ -60,18 +60,7 @@ def gsm_like_batch(samples: int, vocab: int, seed: int) -> TrainBatch:
     prompts = np.clip(rng.normal(150, 35, samples), 60, 300).astype(np.int64)
     answers = np.clip(rng.normal(294, 110, samples), 20, 512).astype(np.int64)
     seq_lens = prompts + answers
-    t = int(answers.sum())
-    return TrainBatch(
-        tokens=rng.integers(0, vocab, size=int(seq_lens.sum())),
-        seq_lens=seq_lens,
-        response_lengths=answers,
-        loss_masks=np.ones(t, np.float32),
-        rewards=np.zeros(samples, np.float32),
-        raw_rewards=np.zeros(samples, np.float32),
-        group_index=np.arange(samples) // 8,
-        sample_index=np.arange(samples),
-        truncated=np.zeros(samples, np.int8),
-    )
+    return TrainBatch.unscored(rng.integers(0, vocab, size=int(seq_lens.sum())), seq_lens, answers, group_size=8)
 
 
 def padded_work(batch: TrainBatch, plan: list[list[int]], shape) -> tuple[int, int, float]:

@@ -78,17 +78,7 @@ def make_batch(batch_size: int, seq_len: int, vocab: int) -> TrainBatch:
     rng = np.random.default_rng(0)
     n = batch_size
     resp = seq_len - 1  # every token after the first is trained on, as in the plain loop
-    return TrainBatch(
-        tokens=rng.integers(0, vocab, size=n * seq_len),
-        seq_lens=np.full(n, seq_len),
-        response_lengths=np.full(n, resp),
-        loss_masks=np.ones(n * resp, np.float32),
-        rewards=np.zeros(n, np.float32),
-        raw_rewards=np.zeros(n, np.float32),
-        group_index=np.arange(n),
-        sample_index=np.arange(n),
-        truncated=np.zeros(n, np.int8),
-    )
+    return TrainBatch.unscored(rng.integers(0, vocab, size=n * seq_len), np.full(n, seq_len), np.full(n, resp))
 
 
 class PlainLoop:

@@ -63,6 +63,26 @@ class TrainBatch:
     def from_dict(cls, d: dict[str, np.ndarray | None]) -> TrainBatch:
         return cls(**{f.name: d.get(f.name) for f in fields(cls)})
 
+    @classmethod
+    def unscored(cls, tokens, seq_lens, response_lengths, group_size: int = 1, **columns) -> TrainBatch:
+        """A batch whose every response token is trained on, with zero rewards, none truncated and samples in
+        groups of `group_size` (benches and tests of the trainer's speed or numerics, not of learning);
+        `columns` sets the optional ones (rollout log-probs, routed experts, ...)."""
+        seq_lens, response_lengths = np.asarray(seq_lens, np.int64), np.asarray(response_lengths, np.int64)
+        b = len(seq_lens)
+        return cls(
+            tokens=np.asarray(tokens, np.int64),
+            seq_lens=seq_lens,
+            response_lengths=response_lengths,
+            loss_masks=np.ones(int(response_lengths.sum()), np.float32),
+            rewards=np.zeros(b, np.float32),
+            raw_rewards=np.zeros(b, np.float32),
+            group_index=np.arange(b) // group_size,
+            sample_index=np.arange(b),
+            truncated=np.zeros(b, np.int8),
+            **columns,
+        )
+
     def sequences(self) -> list[np.ndarray]:
         """Full token sequences, one array per sample."""
         return np.split(self.tokens, np.cumsum(self.seq_lens)[:-1]) if len(self) else []

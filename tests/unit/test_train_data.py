@@ -150,3 +150,11 @@ def test_split_balances_long_tailed_lengths() -> None:
     loads = [s.num_tokens for s in split_by_dp(batch, 8)]
     assert max(loads) <= 1.001 * lengths.sum() / 8
     assert max(sum(lengths[r::8]) for r in range(8)) > 1.05 * lengths.sum() / 8
+
+
+def test_an_unscored_batch_trains_every_response_token_with_zero_rewards():
+    batch = TrainBatch.unscored(np.arange(9), [4, 5], [2, 3], group_size=2, rollout_log_probs=np.zeros(5, np.float32))
+    assert batch.tokens.dtype == np.int64 and batch.seq_lens.tolist() == [4, 5] and batch.num_tokens == 9
+    assert batch.loss_masks.tolist() == [1.0] * 5 and not batch.rewards.any() and not batch.truncated.any()
+    assert batch.group_index.tolist() == [0, 0] and batch.sample_index.tolist() == [0, 1]
+    assert batch.rollout_log_probs.shape == (5,)

@@ -49,9 +49,9 @@ import torch
 from miles.engines.embedded import engine_setup
 from miles.engines.embedded.checkpoint import read_config
 from miles.engines.embedded.engine_weights import EngineWeights
-from miles.engines.embedded.logprob_extras import Extras, ExtrasRequest, check_request, extras_of
+from miles.engines.embedded.logprob_extras import Extras, ExtrasRequest, check_request, extras_of, input_extras
 from miles.engines.embedded.moe import check_routed_request, routed_buffer
-from miles.engines.embedded.request import Request, input_extras
+from miles.engines.embedded.request import Request
 from miles.engines.embedded.responses import generate_response, scoring_response
 from miles.engines.embedded.runner import ModelRunner
 from miles.engines.embedded.sampler import SamplingParams

@@ -12,6 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
+from miles.engines.embedded.sampler import token_logprobs
+from miles.engines.embedded.transfer import to_device
+from miles.true_on_policy.scoring import scaled_log_softmax
+
 MAX_TOP_LOGPROBS = 1024  # per scored position; SGLang sets no limit (docs/engines.md)
 
 Entries = list[list]  # one position: [[logprob, token_id, None], ...]
@@ -77,4 +81,35 @@ def extras_of(log_probs: torch.Tensor, want: ExtrasRequest) -> Extras:
         out.token_ids = [
             [[v, t, None] for v, t in zip(row, want.token_ids, strict=True)] for row in log_probs[:, index].tolist()
         ]
+    return out
+
+
+def input_extras(extras: Extras, start: int) -> Extras:
+    """Extras of input positions from `start` on: position 0 predicts nothing, so it gets an empty list."""
+    if start > 0:
+        return extras
+    return Extras(*(None if v is None else [[]] + v for v in (extras.top, extras.token_ids)))
+
+
+def input_logprobs(req, full_logits: torch.Tensor) -> tuple[list[float | None], Extras | None]:
+    """A request's log-prob of each prompt token given its prefix, from its logprob_start_len on (first token:
+    None), and the extras it asked for at those positions (the first position has none: an empty list)."""
+    ids = to_device(req.prompt_ids, full_logits.device)
+    n, start = len(req.prompt_ids), req.logprob_start_len
+    lps = token_logprobs(full_logits[: n - 1], ids[1:], req.params.temperature).tolist() if n > 1 else []
+    extras = None
+    if req.extras.wanted:  # row r of the logits predicts token r + 1
+        rows = scaled_log_softmax(full_logits[max(start, 1) - 1 : n - 1], req.params.temperature)
+        extras = input_extras(extras_of(rows, req.extras), start)
+    return ([None] + lps)[start:], extras
+
+
+def output_extras(sampled: list, logits: torch.Tensor, offset: int) -> dict[int, Extras]:
+    """Top-k / token-id log-probs of the positions sampled now (row j of `logits` is `sampled[j]`'s), for the
+    requests that asked (step index `offset + j` ->)."""
+    out = {}
+    for j, req in enumerate(sampled):
+        if req.extras.wanted:
+            rows = scaled_log_softmax(logits[j : j + 1], req.params.temperature)
+            out[offset + j] = extras_of(rows, req.extras)
     return out

@@ -132,13 +132,6 @@ class StepCounts:
         )
 
 
-def input_extras(extras: Extras, start: int) -> Extras:
-    """Extras of input positions from `start` on: position 0 predicts nothing, so it gets an empty list."""
-    if start > 0:
-        return extras
-    return Extras(*(None if v is None else [[]] + v for v in (extras.top, extras.token_ids)))
-
-
 def decode_step_summary(steps: list[StepTime], batch: int) -> dict | None:
     """How the host spent the decode steps of a full `batch` (no prefill in them), from a scheduler
     timeline: the median wall time from one such step's start to the next's (`step_ms`), the host's wait

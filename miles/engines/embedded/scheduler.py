@@ -35,14 +35,12 @@ from collections.abc import Callable
 
 import torch
 
-from miles.engines.embedded.logprob_extras import Extras, extras_of
+from miles.engines.embedded.logprob_extras import Extras, input_logprobs, output_extras
 from miles.engines.embedded.moe import Routing, routed_rows
 from miles.engines.embedded.prefix_sharing import PrefixSharing
-from miles.engines.embedded.request import Lookahead, Request, StepCounts, StepResult, StepTime, input_extras
+from miles.engines.embedded.request import Lookahead, Request, StepCounts, StepResult, StepTime
 from miles.engines.embedded.runner import ModelRunner
-from miles.engines.embedded.sampler import SamplingBatch, SamplingParams, sample, token_logprobs
-from miles.engines.embedded.transfer import to_device
-from miles.true_on_policy.scoring import scaled_log_softmax
+from miles.engines.embedded.sampler import SamplingBatch, SamplingParams, sample
 
 logger = logging.getLogger(__name__)
 
@@ -323,7 +321,7 @@ class Scheduler:
         input_lps = {}
         for j, (req, full) in enumerate(zip(prefill, res.all_logits, strict=True)):
             if full is not None:
-                input_lps[n_decode + j] = self._input_logprobs(req, full)
+                input_lps[n_decode + j] = input_logprobs(req, full)
             req.kv_epoch = epoch
             req.prefill_count += 1
         return res.last_logits, input_lps
@@ -343,12 +341,12 @@ class Scheduler:
         if ahead is not None:
             self.lookahead_used += 1
             parts.append(ahead.take(rows))
-        output_extras: dict[int, Extras] = {}
+        step_extras: dict[int, Extras] = {}
         if sampled:
             batch = self._sampling_batch([r.params for r in sampled])
             step_logits = torch.cat(logits) if len(logits) > 1 else logits[0]
             if self.extras_in_use:
-                output_extras = self._output_extras(sampled, step_logits, len(reqs) - len(sampled))
+                step_extras = output_extras(sampled, step_logits, len(reqs) - len(sampled))
             parts.append(
                 sample(
                     step_logits,
@@ -360,7 +358,7 @@ class Scheduler:
             )
         tokens_dev = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
         lps_dev = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
-        return tokens_dev, lps_dev, output_extras
+        return tokens_dev, lps_dev, step_extras
 
     def _fetch_results(
         self, reqs: list[Request], tokens_dev: torch.Tensor, lps_dev: torch.Tensor, epoch: int, version: int
@@ -389,16 +387,6 @@ class Scheduler:
         copied.synchronize()
         wait_s = time.perf_counter() - wait_start
         return host_tokens.tolist(), host_lps.tolist(), lookahead, wait_s
-
-    @staticmethod
-    def _output_extras(sampled: list[Request], logits: torch.Tensor, offset: int) -> dict[int, Extras]:
-        """Top-k / token-id log-probs of the positions sampled now, for the requests that asked (step index ->)."""
-        out = {}
-        for j, req in enumerate(sampled):
-            if req.extras.wanted:
-                rows = scaled_log_softmax(logits[j : j + 1], req.params.temperature)
-                out[offset + j] = extras_of(rows, req.extras)
-        return out
 
     def _launch_lookahead(self, reqs: list[Request], tokens: torch.Tensor, epoch: int, version: int) -> Lookahead:
         """Queue the next decode step of `reqs`, fed this step's device `tokens` at their next positions."""
@@ -438,19 +426,6 @@ class Scheduler:
             batch = SamplingBatch(params)
         self._sampling_cache = (params, batch)
         return batch
-
-    @staticmethod
-    def _input_logprobs(req: Request, full_logits: torch.Tensor) -> tuple[list[float | None], Extras | None]:
-        """Log-prob of each prompt token given its prefix, from logprob_start_len on (first token: None), and
-        the extras asked for at those positions (the first position has none: an empty list)."""
-        ids = to_device(req.prompt_ids, full_logits.device)
-        n, start = len(req.prompt_ids), req.logprob_start_len
-        lps = token_logprobs(full_logits[: n - 1], ids[1:], req.params.temperature).tolist() if n > 1 else []
-        extras = None
-        if req.extras.wanted:  # row r of the logits predicts token r + 1
-            rows = scaled_log_softmax(full_logits[max(start, 1) - 1 : n - 1], req.params.temperature)
-            extras = input_extras(extras_of(rows, req.extras), start)
-        return ([None] + lps)[start:], extras
 
     # ---- bookkeeping (event loop thread) -----------------------------------------------------------------
     def _apply(self, result: StepResult, n_decode: int) -> None:
