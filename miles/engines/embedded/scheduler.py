@@ -35,6 +35,7 @@ from collections.abc import Callable
 
 import torch
 
+from miles.engines.embedded.decode_plan import DecodePlan, apply_step
 from miles.engines.embedded.logprob_extras import Extras, input_logprobs, output_extras
 from miles.engines.embedded.moe import Routing, routed_rows
 from miles.engines.embedded.prefix_sharing import PrefixSharing
@@ -83,6 +84,9 @@ class Scheduler:
         self._lookahead: Lookahead | None = None
         self.step_delay_s = float(os.environ.get(STEP_DELAY_ENV, "0") or 0)
         self._sampling_cache: tuple[list[SamplingParams], SamplingBatch] | None = None
+        self._decode_plan: DecodePlan | None = None  # the running batch's (decode_plan.py)
+        self._aborts = False  # an abort was asked for since the last reap
+        self._checked_epoch = -1  # every running request's KV was of this epoch at the last look
         self.lookahead_used = 0  # decode steps served by a lookahead (tests and benches read these)
         self.lookahead_dropped = 0
         self.counts = StepCounts()
@@ -100,6 +104,7 @@ class Scheduler:
         for req in [*self.running, *self.waiting]:
             if rids is None or req.rid in rids:
                 req.abort_requested = True
+                self._aborts = True
         if self._idle.is_set():
             self._reap_aborted()
         self._wakeup.set()
@@ -227,6 +232,9 @@ class Scheduler:
         return result
 
     def _reap_aborted(self) -> None:
+        if not self._aborts:
+            return
+        self._aborts = False
         if any(r.abort_requested for r in self.waiting):
             keep = collections.deque()
             for req in self.waiting:
@@ -241,6 +249,9 @@ class Scheduler:
 
     def _retract_stale(self) -> None:
         epoch = self.runner.kv_epoch
+        if epoch == self._checked_epoch:  # requests admitted since were prefilled in this epoch
+            return
+        self._checked_epoch = epoch
         for i in reversed(range(len(self.running))):
             req = self.running[i]
             if req.kv_epoch != epoch:
@@ -390,8 +401,9 @@ class Scheduler:
 
     def _launch_lookahead(self, reqs: list[Request], tokens: torch.Tensor, epoch: int, version: int) -> Lookahead:
         """Queue the next decode step of `reqs`, fed this step's device `tokens` at their next positions."""
-        logits = self.runner.decode(tokens, [r.seq_len for r in reqs])
-        batch = self._sampling_batch([r.params for r in reqs])
+        plan = self._plan(reqs)
+        logits = self.runner.decode(tokens, plan.positions())
+        batch = self._sampling_batch(plan.params)
         next_tokens, next_lps = sample(
             logits, batch, [None] * len(reqs), self.batch_generator, fused=self.runner.fused_kernels
         )
@@ -401,18 +413,16 @@ class Scheduler:
         """A lookahead needs no private generators and room for one more token in every request."""
         if not self.lookahead or self.paused or not reqs:
             return False
-        max_len = self.runner.max_seq_len
-        if any(
-            r.generator is not None
-            or r.seq_len + 1 >= max_len
-            or r.params.max_new_tokens == 0
-            or r.extras.wanted
-            or r.routed is not None  # the lookahead's forward records no routing
-            for r in reqs
-        ):
-            return False
-        # at least one request goes on after this step (else the lookahead is wasted work)
-        return any(len(r.output_ids) + 1 < r.params.max_new_tokens for r in reqs)
+        # the lookahead's forward records no routing and samples from the batch generator only; at least
+        # one request must go on after this step (else the lookahead is wasted work)
+        return self._plan(reqs).may_look_ahead()
+
+    def _plan(self, reqs: list[Request]) -> DecodePlan:
+        """The plan of this batch of requests (in step order), made again whenever the batch changed."""
+        plan = self._decode_plan
+        if plan is None or not plan.covers(reqs):
+            plan = self._decode_plan = DecodePlan.of(reqs, self.runner.max_seq_len)
+        return plan
 
     def _sampling_batch(self, params: list[SamplingParams]) -> SamplingBatch:
         """The batch's sampling parameters; reused while the same requests run in the same order (the list
@@ -429,36 +439,17 @@ class Scheduler:
 
     # ---- bookkeeping (event loop thread) -----------------------------------------------------------------
     def _apply(self, result: StepResult, n_decode: int) -> None:
-        # the host's share of every decode step: kept to plain list operations (it runs once per token).
-        # Stop ids and lengths are checked here; `check_stop_strings` runs for requests with stop strings.
-        finished: list[tuple[int, dict]] = []
-        input_lps, check_strings, max_len = result.input_logprobs, self.check_stop_strings, self.runner.max_seq_len
-        version = result.weight_version
-        extras, routed = result.output_extras, result.routed
-        for i, (req, token, logprob) in enumerate(zip(self.running, result.tokens, result.logprobs, strict=True)):
-            if input_lps and i in input_lps:
-                req.input_logprobs, req.input_extras = input_lps[i]
-            if routed and i in routed:
-                start, rows = routed[i]
-                req.routed[start : start + len(rows)] = rows
-            params = req.params
-            if params.max_new_tokens == 0:  # prefill-only scoring: nothing is sampled
-                finished.append((i, {"type": "length", "length": 0}))
-                continue
-            out = req.output_ids
-            out.append(token)
-            req.output_logprobs.append(logprob)
-            req.output_versions.append(version)
-            if extras and i in extras:
-                req.output_extras.extend(extras[i])
-            if token in req.stop_ids:
-                finished.append((i, {"type": "stop", "matched": token}))
-            elif params.stop and (reason := check_strings(req)) is not None:
-                finished.append((i, reason))
-            elif len(out) >= params.max_new_tokens or len(req.prompt_ids) + len(out) >= max_len:
-                finished.append((i, {"type": "length", "length": len(out)}))
+        # the host's share of every step, once per token: decode_plan.apply_step
+        finished = apply_step(
+            self.running, result, self._plan(self.running), self.check_stop_strings, self.runner.max_seq_len
+        )
+        self._retire(finished)
+
+    def _retire(self, finished: list[tuple[int, dict]]) -> None:
         for i, reason in reversed(finished):
             self._remove_running(i, reason)
+        if not self.running:
+            self._decode_plan = None  # it holds the finished requests
 
     def _remove_slot(self, i: int) -> Request:
         """Take request i out of the running batch; the last request moves into slot i."""
