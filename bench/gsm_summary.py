@@ -46,8 +46,14 @@ def summarize(rows: list[dict], skip_first: int) -> dict:
                 phase = k.rsplit("/", 1)[-1]
                 peaks[phase] = max(peaks.get(phase, 0.0), v)
     out["peak_mem_gb"] = {k: round(v, 2) for k, v in sorted(peaks.items())}
-    startup = next((r["perf/startup_time"] for r in steps if "perf/startup_time" in r), None)
-    out["startup_s"] = None if startup is None else round(startup, 1)
+    first = next((r for r in steps if "perf/startup_time" in r), {})
+    out["startup_s"] = round(first["perf/startup_time"], 1) if first else None
+    if first:  # the phases, launch to the first step: the before-training eval is the user's work, not start-up
+        phases = {
+            k.removeprefix("perf/startup/"): round(v, 1) for k, v in first.items() if k.startswith("perf/startup/")
+        }
+        out["startup_phases_s"] = phases
+        out["startup_without_eval_s"] = round(first["perf/startup_time"] - phases.get("eval_before_train", 0.0), 1)
     if steps:  # warm-up left out of the medians: kernels compiled, graphs captured, `--compile`'s compilation
         out["first_step_s"] = round(steps[0]["perf/step_time"], 1)
     for name in EVALS:

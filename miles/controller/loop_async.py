@@ -93,6 +93,7 @@ async def _produce_and_train(cfg: MilesConfig, run: MilesRun, stop: StopRequest)
     evals = AsyncEval(cfg, run, producer)
     trained_log = open(os.path.join(cfg.runtime.output_dir, "trained_prompts.jsonl"), "a", buffering=1)
     await run.push_weights(version=run.weight_version)
+    run.startup_mark("first_push")
     await evals.before_train(run.start_rollout_id)
     producer.start()
     try:

@@ -42,6 +42,7 @@ async def _steps(cfg: MilesConfig, run: MilesRun, stop: StopRequest) -> None:
         rollout = debug_rollouts(cfg.runtime, run.start_rollout_id, lambda: rollout_manager(cfg, run, stop))
     evaluator = Evaluator(cfg, run)
     await run.push_weights(version=run.weight_version)  # engines start from the trainer's weights
+    run.startup_mark("first_push")  # the engines' first weights
     await evaluator.maybe_eval(run.start_rollout_id, before_train=True)
     with StepProgress(
         cfg.rollout.num_rollout, start=run.start_rollout_id, enabled=cfg.logging.progress_bar

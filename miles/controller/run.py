@@ -341,10 +341,15 @@ class MilesRun:
         return list(await asyncio.gather(*calls))
 
     # ---- metrics ---------------------------------------------------------------------
+    def startup_mark(self, phase: str) -> None:
+        """Close a start-up phase (perf/startup/<phase>) while the run has not begun its first step."""
+        if self.startup is not None and not self.startup.done:
+            self.startup.mark(phase)
+
     def begin_step(self) -> float:
         self._worker_wait_s = 0.0
         if self.startup is not None and not self.startup.done:
-            self.startup.mark("first_push")  # the engines' first weights and the before-training eval
+            self.startup.mark("eval_before_train")  # since the first push (0 when skipped)
             self._startup_metrics = self.startup.finish()  # launch to the start of the first step
             freeze_heap("controller ready")  # before the first step's clock starts
         return time.perf_counter()

@@ -203,3 +203,13 @@ def test_engines_compute_in_sglang_dtype_and_weights_travel_in_it(tmp_path, broa
     assert len(exact) == STEPS, "the broadcast run logged no fp32 log-prob gap"
     assert min(gap) > 100 * max(exact), (gap, exact)
     assert len(rows) == 2 and not leftover_processes(str(tmp_path / "bf16"))
+
+
+def test_the_first_step_says_where_start_up_went(broadcast_rows):
+    """perf/startup_time runs from launch to the first step; its phases add up to it, and the eval before
+    training (the user's work, not start-up) is a phase of its own, after the engines' first weights."""
+    first = next(r for r in broadcast_rows if "perf/startup_time" in r)
+    phases = {k.removeprefix("perf/startup/"): v for k, v in first.items() if k.startswith("perf/startup/")}
+    assert {"data", "workers", "first_push", "eval_before_train"} <= phases.keys()
+    assert phases["eval_before_train"] > 0  # this run evaluates before training
+    assert abs(sum(phases.values()) - first["perf/startup_time"]) < 0.5

@@ -11,7 +11,8 @@ def test_the_summary_reads_the_eval_curve_and_step_medians() -> None:
     summary = load_bench("gsm_summary")
     rows = [
         {"step": 0, "perf/step_time": 9.0, "perf/train/mfu": 0.1, "rollout/reward_mean": 0.2,
-         "eval/gsm_orig/reward_mean": 0.3, "perf/peak_mem_gb/update": 40.0, "perf/startup_time": 25.0},
+         "eval/gsm_orig/reward_mean": 0.3, "perf/peak_mem_gb/update": 40.0, "perf/startup_time": 25.0,
+         "perf/startup/data": 3.0, "perf/startup/eval_before_train": 10.0},
         {"step": 1, "perf/step_time": 4.0, "perf/train/mfu": 0.3, "rollout/reward_mean": 0.4, "perf/peak_mem_gb/update": 42.0},
         {"step": 2, "perf/step_time": 5.0, "perf/train/mfu": 0.2, "rollout/reward_mean": 0.6,
          "eval/gsm_orig/reward_mean": 0.5, "perf/peak_mem_gb/log_probs": 30.0},
@@ -20,6 +21,7 @@ def test_the_summary_reads_the_eval_curve_and_step_medians() -> None:
     assert out["step_s"] == 4.5 and out["mfu"] == 0.25  # medians without the first step
     assert out["gsm_orig_curve"] == [(0, 0.3), (2, 0.5)] and out["gsm_orig_gain"] == 0.2
     assert out["peak_mem_gb"] == {"log_probs": 30.0, "update": 42.0} and out["startup_s"] == 25.0
+    assert out["startup_without_eval_s"] == 15.0 and out["startup_phases_s"]["data"] == 3.0
     assert out["first_step_s"] == 9.0  # the warm-up step, reported on its own
     assert out["reward_last5"] == 0.4 and "gsm_heldout_curve" not in out
 
