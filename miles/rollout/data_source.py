@@ -197,22 +197,36 @@ def row_from_dict(row: dict[str, Any], data: DataConfig) -> PromptRow:
     return PromptRow(prompt=prompt, label=label, metadata=_metadata_of(row, data))
 
 
-def render_prompt(row: PromptRow, data: DataConfig, tokenizer: Any) -> None:
-    """Apply the chat template (when asked) and tokenize, in place."""
-    if data.apply_chat_template:
-        if tokenizer is None:
-            raise ValueError("--apply-chat-template needs a tokenizer (from --hf-checkpoint)")
-        messages = [{"role": "user", "content": row.prompt}] if isinstance(row.prompt, str) else row.prompt
-        try:
-            row.prompt = tokenizer.apply_chat_template(
-                messages, tools=row.metadata.get("tools"), tokenize=False, add_generation_prompt=True
-            )
-        except Exception as e:  # noqa: BLE001 - templates raise jinja errors for bad roles/content
-            raise ValueError(f"the chat template rejected the messages: {type(e).__name__}: {e}") from e
-    if tokenizer is not None and isinstance(row.prompt, str):
-        # A rendered chat template already holds its special tokens; plain text gets the
-        # tokenizer's defaults (BOS), as an engine given the text would add them.
-        row.tokens = list(tokenizer(row.prompt, add_special_tokens=not data.apply_chat_template)["input_ids"])
+def render_text(row: PromptRow, data: DataConfig, tokenizer: Any) -> None:
+    """Apply the chat template in place, when asked (ValueError where it rejects the messages)."""
+    if not data.apply_chat_template:
+        return
+    if tokenizer is None:
+        raise ValueError("--apply-chat-template needs a tokenizer (from --hf-checkpoint)")
+    messages = [{"role": "user", "content": row.prompt}] if isinstance(row.prompt, str) else row.prompt
+    try:
+        row.prompt = tokenizer.apply_chat_template(
+            messages, tools=row.metadata.get("tools"), tokenize=False, add_generation_prompt=True
+        )
+    except Exception as e:  # noqa: BLE001 - templates raise jinja errors for bad roles/content
+        raise ValueError(f"the chat template rejected the messages: {type(e).__name__}: {e}") from e
+
+
+def encode_texts(tokenizer: Any, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    """Token ids of `texts`, in one call where the tokenizer takes a batch (a Rust tokenizer encodes it on
+    all cores). A rendered chat template already holds its special tokens (add_special_tokens False); plain
+    text gets the tokenizer's defaults (BOS), as an engine given the text would add them."""
+    if not texts:
+        return []
+    batch = getattr(tokenizer, "encode_batch_ids", None)  # miles' file tokenizer
+    if callable(batch):
+        return batch(texts, add_special_tokens=add_special_tokens)
+    if getattr(tokenizer, "is_fast", False) is True:  # transformers' fast tokenizers take a list
+        return [list(ids) for ids in tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]]
+    return [list(tokenizer(t, add_special_tokens=add_special_tokens)["input_ids"]) for t in texts]
+
+
+ENCODE_BATCH_ROWS = 4096  # prompts tokenised per call while a file is read
 
 
 # ---- the JSONL source ---------------------------------------------------------------------
@@ -263,16 +277,24 @@ class JsonlDataSource(DataSource):
         if not path.is_file():
             raise DataError(f"prompt data {str(path)!r} does not exist or is not a file; check the path")
         rows: list[PromptRow] = []
+        pending: list[tuple[int, PromptRow]] = []  # read and rendered, tokenised a batch at a time
         try:
             for line_no, raw in iter_prompt_rows(path):
                 try:
-                    rows.append(self._read_row(raw, tokenizer))
-                except PromptTooLong as e:
-                    self._drop_long(path, line_no, e)
-                except ValueError as e:
-                    self._bad_row(path, line_no, e)
+                    pending.append((line_no, self._read_row(raw, tokenizer)))
+                except (PromptTooLong, ValueError) as e:
+                    rows += self._tokenize(path, pending, tokenizer)  # earlier rows are judged first
+                    pending = []
+                    if isinstance(e, PromptTooLong):
+                        self._drop_long(path, line_no, e)
+                    else:
+                        self._bad_row(path, line_no, e)
+                if len(pending) >= ENCODE_BATCH_ROWS:
+                    rows += self._tokenize(path, pending, tokenizer)
+                    pending = []
         except PromptFileError as e:
             raise DataError(f"prompt data {str(path)!r} {e}") from None
+        rows += self._tokenize(path, pending, tokenizer)
         self._report_skipped(path)
         if not rows:
             raise DataError(
@@ -283,18 +305,32 @@ class JsonlDataSource(DataSource):
         return rows
 
     def _read_row(self, raw: bytes | dict[str, Any], tokenizer: Any) -> PromptRow:
-        """Decode, validate, check the length, render; ValueError for a malformed row, PromptTooLong.
-
-        `raw` is a JSONL line's bytes or a parquet row's dict."""
+        """Decode, validate, check the length in characters, render the chat template; ValueError for a
+        malformed row, PromptTooLong. `raw` is a JSONL line's bytes or a parquet row's dict."""
         row = parse_row(decode_line(raw), self.data) if isinstance(raw, bytes) else row_from_dict(raw, self.data)
         if self._max_prompt_chars is not None:  # far too long to fit: not worth tokenising
             chars = prompt_chars(row.prompt)
             if chars > self._max_prompt_chars:
                 raise PromptTooLong(chars, "characters")
-        render_prompt(row, self.data, tokenizer)
-        if self.prompt_limit is not None and len(row.tokens) > self.prompt_limit.max_tokens:
-            raise PromptTooLong(len(row.tokens), "tokens")
+        render_text(row, self.data, tokenizer)
         return row
+
+    def _tokenize(self, path: Path, pending: list[tuple[int, PromptRow]], tokenizer: Any) -> list[PromptRow]:
+        """Tokenise rendered rows in one batch; the rows that fit the prompt limit, the others dropped."""
+        if tokenizer is None:
+            return [row for _, row in pending]
+        text_rows = [(line_no, row) for line_no, row in pending if isinstance(row.prompt, str)]
+        ids = encode_texts(tokenizer, [row.prompt for _, row in text_rows], not self.data.apply_chat_template)
+        for (_, row), tokens in zip(text_rows, ids, strict=True):
+            row.tokens = tokens
+        limit = self.prompt_limit
+        kept = []
+        for line_no, row in pending:
+            if limit is not None and len(row.tokens) > limit.max_tokens:
+                self._drop_long(path, line_no, PromptTooLong(len(row.tokens), "tokens"))
+            else:
+                kept.append(row)
+        return kept
 
     def _bad_row(self, path: Path, line_no: int, error: ValueError) -> None:
         message = f"{path}:{line_no}: {error}"

@@ -105,6 +105,10 @@ class FileTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_batch_ids(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """`encode` of many texts in one call (the Rust tokenizer spreads them over the cores)."""
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
+
     def decode(self, ids: int | list[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode([ids] if isinstance(ids, int) else list(ids), skip_special_tokens=skip_special_tokens)
 

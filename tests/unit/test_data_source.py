@@ -319,3 +319,28 @@ def test_rewind_serves_the_same_groups_again(tmp_path: Path) -> None:
     again = source.get_samples(3)
     assert _prompts(again) == _prompts(first)
     assert [s.index for g in again for s in g] == [s.index for g in first for s in g] == list(range(6))
+
+
+@pytest.mark.parametrize("batch_rows", [1, 3, 4096])
+def test_prompts_tokenised_in_batches_get_the_tokens_of_one_at_a_time(tmp_path: Path, monkeypatch, batch_rows) -> None:
+    """Rows are tokenised a batch at a time (the Rust tokenizer's batch call); every row's tokens, the rows
+    kept and the long ones dropped are those of tokenising each prompt on its own."""
+    import miles.rollout.data_source as ds
+    from miles.utils.tokenizer_file import FileTokenizer
+
+    monkeypatch.setattr(ds, "ENCODE_BATCH_ROWS", batch_rows)
+    words = ["hello", "there", "a", "b", "c", "d", "e"]
+    rows = [{"input": " ".join(words[(i * 3 + k) % 7] for k in range(1 + i % 9)), "label": str(i)} for i in range(11)]
+    rows.insert(5, {"bad": "row"})  # a malformed row between batches, skipped
+    path = _write(tmp_path, rows)
+    data = DataConfig(prompt_data=str(path), label_key="label", skip_bad_rows=True)
+    fast = _tiny_tokenizer()
+    file_tok = FileTokenizer.__new__(FileTokenizer)  # the file tokenizer over the same tokenizers object
+    file_tok._tok = fast.backend_tokenizer
+    for tokenizer in (fast, file_tok, CountingTokenizer()):
+        source = JsonlDataSource(data, n_samples_per_prompt=1, tokenizer=tokenizer, prompt_limit=PromptLimit(6))
+        kept = [g[0] for g in source.get_samples(len(source))]
+        expected = [r for r in rows if "input" in r and len(fast(r["input"])["input_ids"]) <= 6]
+        assert [s.prompt for s in kept] == [r["input"] for r in expected]
+        assert [s.tokens for s in kept] == [fast(r["input"])["input_ids"] for r in expected]
+        assert source.long_prompts_dropped == 11 - len(expected) and source.bad_rows == 1
