@@ -154,6 +154,8 @@ def _uniforms(
     n: int, device: torch.device, generators: list[torch.Generator | None], batch_generator, dtype: torch.dtype
 ) -> torch.Tensor:
     u = torch.rand(n, device=device, generator=batch_generator, dtype=dtype)
+    if generators.count(None) == len(generators):  # the usual batch: no seeded request (counted in C)
+        return u
     for i, g in enumerate(generators):
         if g is not None:
             u[i] = torch.rand((), device=device, generator=g, dtype=dtype)
