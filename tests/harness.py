@@ -159,6 +159,10 @@ def train_command(out_dir: Path, *flags: str, config: Path | None = DEMO) -> lis
 
     No end-of-run PNG curves (a second of drawing per run that these tests do not look at; the plots of a
     run's end are checked in tests/unit/test_cli.py)."""
+    if config is not None and "--config" in flags:  # miles refuses two files: say which argument to use
+        raise ValueError(
+            "train_command: pass the recipe as config=..., not as a --config flag (config=None: flags only)"
+        )
     head = [sys.executable, "-m", "miles.cli", "train"]
     head += ["--config", str(config)] if config is not None else []
     return [*head, "--output-dir", str(out_dir), "--no-progress-bar", "--no-plot-curves", *flags]

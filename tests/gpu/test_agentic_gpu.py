@@ -36,10 +36,11 @@ except FileNotFoundError as e:
 def test_smollm2_calculator_agent_runs_through_the_session_server(tmp_path):
     rows = run_train(
         tmp_path / "run",
-        "--config", str(REPO / "launch/configs/smollm2_calculator_gpu.yaml"), "--colocate",
+        "--colocate",
         "--num-rollout", "3", "--rollout-batch-size", "8", "--n-samples-per-prompt", "4", "--global-batch-size", "32",
         "--eval-interval", "0",
         timeout_s=900,
+        config=REPO / "launch/configs/smollm2_calculator_gpu.yaml",
     )  # fmt: skip
     assert [r["step"] for r in rows] == [0, 1, 2]
     for row in rows:
