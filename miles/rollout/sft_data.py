@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from miles.config import DataConfig
@@ -130,6 +131,10 @@ class SupervisedDataSource(JsonlDataSource):
         if self.prompt_limit is not None and len(tokens) > self.prompt_limit.max_tokens:
             raise PromptTooLong(len(tokens), "tokens")
         return SupervisedRow(row.prompt, row.label, row.metadata, tokens, mask, response_length)
+
+    def _tokenize(self, path: Path, pending: list[tuple[int, PromptRow]], tokenizer: Any) -> list[PromptRow]:
+        """Each row was tokenised with its response, and held to the limit, as it was read."""
+        return [row for _, row in pending]
 
     def _make_group(self, row: PromptRow) -> list[Sample]:
         assert isinstance(row, SupervisedRow)
