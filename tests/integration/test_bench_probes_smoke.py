@@ -1,5 +1,5 @@
 """bench/sampling_fidelity.py, bench/import_cost.py, bench/fp8.py, bench/packed_rows.py,
-bench/engine_throughput.py and bench/residual_stream.py on CPU with a tiny
+bench/engine_throughput.py, bench/residual_stream.py and bench/decode_attention.py on CPU with a tiny
 model: every side samples and scores, every phase is timed.
 
 The rewards of a random tiny model mean nothing; GPU figures: bench/results/e2e_vs_trl.md.
@@ -8,8 +8,11 @@ The rewards of a random tiny model mean nothing; GPU figures: bench/results/e2e_
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+
+import pytest
 
 from e2e_helpers import REPO  # isort: skip
 
@@ -84,3 +87,23 @@ def test_residual_stream_bench_scores_both_streams_against_fp32():
     line = json.loads(out.stdout.strip().splitlines()[-1])
     assert line["tokens"] == 4 * 31 and 0 < line["fp32_stream"]["mean"] < line["bf16_stream"]["mean"]
     assert line["mean_ratio"] > 1.05  # 1.15 at this size; 1.40 and 1.52 at 24 layers x 256 (seeds 0, 1)
+
+
+def test_decode_attention_sweep_checks_every_setting_against_the_default():
+    """Under Triton's interpreter: every setting runs, its output is the default's (to summation order), the
+    key splits change with the settings, and the summary names the default and the best."""
+    pytest.importorskip("triton")
+    cmd = [sys.executable, "bench/decode_attention.py", "--device", "cpu", "--batch", "4", "--heads", "4",
+           "--kv-heads", "2", "--head-dim", "16", "--context", "40", "--capacity", "128", "--layers", "2",
+           "--num-warps", "4", "--num-stages", "2", "--block-n", "16,32", "--programs-per-sm", "1,4",
+           "--blocks-per-split", "1"]  # fmt: skip
+    env = dict(os.environ, TRITON_INTERPRET="1", MILES_TORCH_THREADS="1")
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [json.loads(x) for x in out.stdout.strip().splitlines()]
+    settings, summary = lines[:-1], lines[-1]
+    assert len(settings) == 5 and not summary["refused"]  # the default, then the four of the grid
+    assert {s["splits"] for s in settings} > {1}  # more programs per SM split the keys
+    assert all(s["max_diff"] < 1e-5 for s in settings)  # fp32 on CPU: the same attention
+    assert summary["default"]["block_n"] == 64 and summary["best"]["us"] <= summary["default"]["us"]
+    assert summary["timed_on_cpu"] is True

@@ -135,8 +135,6 @@ class DecodeAttention:
     cache write of the step's new token (one launch instead of two); `__call__` takes ready queries.
     """
 
-    BLOCK_N = 64
-
     def __init__(
         self,
         num_heads: int,
@@ -149,7 +147,11 @@ class DecodeAttention:
         blocks_per_split: int = 4,
         num_warps: int = 4,
         num_stages: int = 2,
+        block_n: int = 64,
     ):
+        """The launch settings (programs_per_sm, blocks_per_split, num_warps, num_stages, block_n: keys per
+        inner block) are the ones `bench/decode_attention.py` sweeps; the defaults are the engine's."""
+        self.block_n = block_n
         self.h, self.kvh, self.hd, self.cap = num_heads, num_kv_heads, head_dim, capacity
         self.group = num_heads // num_kv_heads
         self.num_sms = num_sms
@@ -160,14 +162,14 @@ class DecodeAttention:
     def splits(self, batch: int) -> int:
         """Key splits per (row, kv head): programs_per_sm x SMs programs in all, each split at least
         blocks_per_split key blocks of the capacity."""
-        most = max(1, self.cap // (self.blocks_per_split * self.BLOCK_N))
+        most = max(1, self.cap // (self.blocks_per_split * self.block_n))
         want = -(-self.programs_per_sm * self.num_sms // (batch * self.kvh))
         return min(_next_pow2(want), 1 << (most.bit_length() - 1))
 
     def _launch(self, kernel, b: int, device: torch.device, out: torch.Tensor, args: tuple, **meta) -> None:
         splits = self.splits(b)
         chunk = -(-self.cap // splits)
-        chunk = -(-chunk // self.BLOCK_N) * self.BLOCK_N
+        chunk = -(-chunk // self.block_n) * self.block_n
         if splits > 1:
             part_o = torch.empty((b, self.h, splits, self.hd), dtype=torch.float32, device=device)
             part_lse = torch.empty((b, self.h, splits), dtype=torch.float32, device=device)
@@ -176,7 +178,7 @@ class DecodeAttention:
         kernel[(b, self.kvh, splits)](
             *args, out, part_o, part_lse, self.scale_log2, *meta.pop("scalars", ()),
             H=self.h, KVH=self.kvh, G=self.group, HD=self.hd, CAP=self.cap, CHUNK=chunk, SPLITS=splits,
-            BLOCK_G=max(16, _next_pow2(self.group)), BLOCK_N=self.BLOCK_N, PIPELINE=not INTERPRET,
+            BLOCK_G=max(16, _next_pow2(self.group)), BLOCK_N=self.block_n, PIPELINE=not INTERPRET,
             NUM_STAGES=self.num_stages, num_warps=self.num_warps, **meta,
         )  # fmt: skip
         if splits > 1:

@@ -1,0 +1,149 @@
+"""The decode attention kernel's launch settings at one shape, side by side: which ones read the KV fastest.
+
+The graphed decode step of the 0.5B shape spends about a quarter of its time in the RoPE + KV-write +
+attention kernel (`DecodeAttention.rope_attend`, `bench/results/engine_throughput.md`), at about half the
+HBM rate over the KV it reads. This sweeps the kernel's launch settings (warps, pipeline stages, keys per
+inner block, programs per SM and so the key splits) over one batch of rows, each setting in a CUDA graph of
+`--layers` calls over as many distinct caches (as a decode step runs them, so the KV comes from HBM, not
+L2), and prints per setting the microseconds per call, the KV read rate, and the largest difference of its
+output from the engine's default setting's; then the best against the default.
+
+    python bench/decode_attention.py --device cuda                      # the 0.5B shape, batch 256, 256 keys
+    python bench/decode_attention.py --device cuda --num-warps 4,8 --block-n 64,128
+
+On CPU it runs under Triton's interpreter (TRITON_INTERPRET=1) for its checks only; times there mean nothing.
+Ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+
+import torch
+
+from miles.engines.embedded import triton_ops
+
+DEFAULT = {"num_warps": 4, "num_stages": 2, "block_n": 64, "programs_per_sm": 2, "blocks_per_split": 4}
+SWEPT = tuple(DEFAULT)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda")
+    for name, default in (("batch", 256), ("heads", 14), ("kv-heads", 2), ("head-dim", 64), ("context", 256),
+                          ("layers", 24), ("replays", 20), ("seed", 0)):  # fmt: skip
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--capacity", type=int, default=0, help="cache positions per slot (default: 1.5 x context)")
+    p.add_argument("--num-warps", type=_ints, default=[2, 4, 8])
+    p.add_argument("--num-stages", type=_ints, default=[2, 3])
+    p.add_argument("--block-n", type=_ints, default=[32, 64, 128])
+    p.add_argument("--programs-per-sm", type=_ints, default=[1, 2, 4])
+    p.add_argument("--blocks-per-split", type=_ints, default=[4])
+    return p.parse_args(argv)
+
+
+def settings_grid(a: argparse.Namespace) -> list[dict[str, int]]:
+    """Every combination asked for, the default first (added if the grid lacks it)."""
+    grid = [
+        dict(zip(SWEPT, values, strict=True))
+        for values in itertools.product(a.num_warps, a.num_stages, a.block_n, a.programs_per_sm, a.blocks_per_split)
+    ]
+    return [DEFAULT, *(s for s in grid if s != DEFAULT)]
+
+
+def _rope_table(positions: int, head_dim: int, device: torch.device) -> torch.Tensor:
+    """A [P, 2 x head_dim] cos | sin table, the shape the kernel reads (its values only feed the comparison)."""
+    inv = 1.0 / 10000 ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.arange(positions, device=device, dtype=torch.float32)[:, None] * inv[None]
+    return torch.cat((angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)), dim=-1)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    a = parse_args(argv)
+    device = torch.device(a.device)
+    if not triton_ops.available(device):
+        raise SystemExit(f"the Triton kernels do not run on {device} here (CUDA, or TRITON_INTERPRET=1 on CPU)")
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    cap = a.capacity or -(-(a.context * 3 // 2) // 64) * 64
+    g = torch.Generator(device="cpu").manual_seed(a.seed)
+    B, H, KVH, HD = a.batch, a.heads, a.kv_heads, a.head_dim
+    qkv = torch.randn(B, (H + 2 * KVH) * HD, generator=g).to(device, dtype)
+    caches = [
+        (torch.randn(B, KVH, cap, HD, generator=g).to(device, dtype), torch.randn(B, KVH, cap, HD, generator=g).to(device, dtype))
+        for _ in range(a.layers)
+    ]  # fmt: skip
+    positions = torch.full((B,), a.context - 1, device=device)
+    lens = positions + 1
+    table = _rope_table(cap, HD, device)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 8
+    kv_bytes = B * KVH * a.context * HD * 2 * caches[0][0].element_size()
+
+    rows, reference = [], None
+    for setting in settings_grid(a):
+        attn = triton_ops.DecodeAttention(H, KVH, HD, cap, sms, **setting)
+        try:
+            out = attn.rope_attend(qkv, positions, lens, table, *caches[0])  # compiles
+            us = _time_us(attn, qkv, positions, lens, table, caches, a.replays, cuda)
+        except Exception as e:  # noqa: BLE001 - a setting the compiler or the device refuses is reported, not fatal
+            rows.append({**setting, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            continue
+        reference = out.float() if reference is None else reference
+        diff = (out.float() - reference).abs().max().item()
+        rows.append({**setting, "splits": attn.splits(B), "us": round(us, 2),
+                     "kv_gbps": round(kv_bytes / us / 1e3, 1), "max_diff": diff})  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+    timed = [r for r in rows if "us" in r]
+    best = min(timed, key=lambda r: r["us"])
+    default = timed[0]
+    result = {
+        "device": str(device),
+        "shape": {"batch": B, "heads": H, "kv_heads": KVH, "head_dim": HD, "context": a.context, "capacity": cap},
+        "kv_mb_per_call": round(kv_bytes / 2**20, 2),
+        "default": default,
+        "best": best,
+        "default_over_best": round(default["us"] / best["us"], 3),
+        "refused": [r for r in rows if "error" in r],
+        "timed_on_cpu": not cuda,  # the interpreter: checks only, the times mean nothing
+    }
+    print(json.dumps(result))
+    return result
+
+
+def _time_us(attn, qkv, positions, lens, table, caches, replays: int, cuda: bool) -> float:
+    """Microseconds per call: CUDA graphs of one call per cache (as a decode step's layers), replayed."""
+    if not cuda:
+        start = time.perf_counter()
+        for k, v in caches:
+            attn.rope_attend(qkv, positions, lens, table, k, v)
+        return (time.perf_counter() - start) / len(caches) * 1e6
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for k, v in caches:  # warm the allocator's pool outside the capture
+            attn.rope_attend(qkv, positions, lens, table, k, v)
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        for k, v in caches:
+            attn.rope_attend(qkv, positions, lens, table, k, v)
+    graph.replay()
+    torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(end) * 1e3 / (replays * len(caches))
+
+
+if __name__ == "__main__":
+    main()
