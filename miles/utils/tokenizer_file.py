@@ -13,6 +13,14 @@ transformers' AutoTokenizer otherwise:
   the pre-tokenizer's regex);
 - every special token the config names is an added token of the file.
 
+A model-specific class or a larger vocabulary is accepted where `miles_tokenizer.json` beside the file
+says this file was checked against transformers' tokenizer of the directory, under the transformers version
+installed now, and the file is unchanged since (its sha256). `record_file_tokenizer` writes that record
+where it holds: a converted GGUF checkpoint (gguf.py) saves transformers' own pipeline as `tokenizer.json`
+(for Qwen2 it adds the NFC normalizer the class applies) and records it once the two encode and decode a
+probe text alike. Its conversion then costs one more tokenizer load, and every later load of the
+directory (engine, controller) a few hundred milliseconds instead of seconds.
+
 The controller's `ChatFileTokenizer` adds the chat template, rendered in the sandbox transformers
 renders in, and hands every other call to transformers' tokenizer, loaded on first use
 (`load_controller_tokenizer`). `tests/unit/test_tokenizer_file.py` checks both against AutoTokenizer,
@@ -21,6 +29,8 @@ token for token and template for template.
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import json
 import logging
 import re
@@ -50,13 +60,81 @@ def _read_config(path: Path) -> dict:
     return config
 
 
+VERIFIED_RECORD = "miles_tokenizer.json"
+PROBE_TEXTS = (
+    "Solve: 12 + 7 = ? Put the answer in \\boxed{}.\n\n  Two  spaces, a tab\t, a\r\nnew line.",
+    "caf\u00e9 / cafe\u0301, \u212b, \ufb01, \uff21\uff22\uff23, \u4e2d\u6587\uff0c\u6807\u70b9\u3002 \U0001f600 1234567890",
+    "def f(x):\n    return x ** 2  # comment\n",
+)
+
+
+def _installed_transformers() -> str | None:
+    try:
+        return importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _verified(path: Path, config: dict) -> bool:
+    """Whether `miles_tokenizer.json` vouches for this directory's tokenizer.json as it is now (module doc)."""
+    try:
+        record = json.loads((path / VERIFIED_RECORD).read_text())
+    except (OSError, ValueError):
+        return False
+    return (
+        record.get("tokenizer_class") == config.get("tokenizer_class")
+        and record.get("transformers") == _installed_transformers()
+        and record.get("tokenizer_json_sha256") == _sha256(path / "tokenizer.json")
+    )
+
+
+def record_file_tokenizer(model_dir: str | Path) -> str | None:
+    """Save transformers' tokenizer of `model_dir` as its `tokenizer.json` and, where the file tokenizer
+    then encodes and decodes the probe texts as transformers does, write the record that lets it stand in
+    (module doc). Returns why not (None: recorded)."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    path = Path(model_dir)
+    (path / VERIFIED_RECORD).unlink(missing_ok=True)
+    hf = AutoTokenizer.from_pretrained(str(path))
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is None:
+        return f"{type(hf).__name__} has no tokenizers pipeline to save"
+    backend.save(str(path / "tokenizer.json"))
+    hf = AutoTokenizer.from_pretrained(str(path))  # as every later load builds it, from the saved file
+    config = _read_config(path)
+    mine = FileTokenizer(path, Tokenizer.from_file(str(path / "tokenizer.json")), config)
+    texts = [*PROBE_TEXTS, "".join(t for t in (getattr(hf, k, None) for k in SPECIAL_KEYS) if isinstance(t, str))]
+    for text in texts:
+        for special in (True, False):
+            ids = hf.encode(text, add_special_tokens=special)
+            if mine.encode(text, add_special_tokens=special) != ids:
+                return f"the file encodes {text[:30]!r} otherwise than transformers"
+            for skip in (True, False):
+                if mine.decode(ids, skip_special_tokens=skip) != hf.decode(ids, skip_special_tokens=skip):
+                    return f"the file decodes {text[:30]!r} otherwise than transformers"
+    record = {
+        "tokenizer_class": config.get("tokenizer_class"),
+        "transformers": _installed_transformers(),
+        "tokenizer_json_sha256": _sha256(path / "tokenizer.json"),
+    }
+    (path / VERIFIED_RECORD).write_text(json.dumps(record, indent=1) + "\n")
+    return None
+
+
 def _examine(path: Path) -> tuple[str | None, Any, dict]:
     """(why the directory's tokenizer must go through transformers, or None; the file's tokenizer; the
     config), each file read once."""
     if not (path / "tokenizer.json").is_file() or not (path / "tokenizer_config.json").is_file():
         return "no tokenizer.json + tokenizer_config.json", None, {}
     config = _read_config(path)
-    if config.get("tokenizer_class") not in GENERIC_CLASSES:
+    verified = _verified(path, config)
+    if config.get("tokenizer_class") not in GENERIC_CLASSES and not verified:
         return f"tokenizer_class {config.get('tokenizer_class')!r}", None, config
     for key in ("auto_map", "add_bos_token", "add_eos_token", "split_special_tokens"):
         if config.get(key):
@@ -64,7 +142,7 @@ def _examine(path: Path) -> tuple[str | None, Any, dict]:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
-    if tok.get_vocab_size(with_added_tokens=False) > MAX_VOCAB:
+    if tok.get_vocab_size(with_added_tokens=False) > MAX_VOCAB and not verified:
         return f"a vocabulary above {MAX_VOCAB}", tok, config
     if config.get("clean_up_tokenization_spaces") and type(tok.model).__name__ != "BPE":
         return "clean_up_tokenization_spaces on a non-BPE model", tok, config

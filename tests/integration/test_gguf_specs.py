@@ -54,6 +54,15 @@ def test_a_gguf_path_converts_once_to_what_transformers_reads_from_the_gguf(tiny
     x = torch.tensor([ids])
     with torch.no_grad():
         torch.testing.assert_close(ours(x).logits, reference(x).logits, rtol=0, atol=1e-5)
+    # the conversion checked its tokenizer.json against transformers' Qwen2Tokenizer of the directory and
+    # recorded it: engines and the controller load it without transformers, token for token the same
+    from miles.utils.tokenizer_file import FileTokenizer, file_tokenizer_refusal, load_engine_tokenizer
+
+    assert tok.__class__.__name__ == "Qwen2Tokenizer" and file_tokenizer_refusal(out) is None
+    mine = load_engine_tokenizer(out)
+    assert isinstance(mine, FileTokenizer)
+    for text in ("the theme", "cafe\u0301 \u212b", "<|im_start|>user\nthe theme<|im_end|>", "  two  spaces\n"):
+        assert mine.encode(text, add_special_tokens=False) == tok.encode(text, add_special_tokens=False), text
 
     def no_second_conversion(*a, **k):
         raise AssertionError("converted twice")

@@ -209,3 +209,63 @@ def test_named_templates_are_transformers_own(tmp_path) -> None:
     assert isinstance(ours, ChatFileTokenizer) and ours.chat_template == theirs.chat_template
     for tools in (None, TOOLS):
         _render_both(ours, theirs, CONVERSATIONS[0], tools=tools, tokenize=False)
+
+
+def _qwen2_class_dir(tmp_path: Path) -> Path:
+    """A directory whose tokenizer_config names the model-specific `Qwen2Tokenizer` (which rebuilds its
+    pipeline, NFC normalizer included, from the file's vocabulary and merges)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
+
+    base = Tokenizer(models.BPE())
+    base.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    base.train_from_iterator([t for t in TEXTS if t] * 3, trainer)
+    raw = json.loads(base.to_str())["model"]
+    tok = Qwen2Tokenizer(vocab=raw["vocab"], merges=[tuple(m) if isinstance(m, list) else tuple(m.split()) for m in raw["merges"]],
+                         eos_token="<|im_end|>", pad_token="<|endoftext|>")  # fmt: skip
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    out = tmp_path / "qwen2-class"
+    tok.save_pretrained(str(out))
+    return out
+
+
+def test_a_recorded_check_lets_a_model_specific_class_run_from_its_file(tmp_path: Path) -> None:
+    from miles.utils import tokenizer_file
+
+    path = _qwen2_class_dir(tmp_path)
+    assert "Qwen2Tokenizer" in file_tokenizer_refusal(path)
+    assert tokenizer_file.record_file_tokenizer(path) is None
+    assert file_tokenizer_refusal(path) is None
+    ours, theirs = load_engine_tokenizer(path), AutoTokenizer.from_pretrained(str(path))
+    assert isinstance(ours, FileTokenizer)
+    for text in [*TEXTS, "cafe\u0301 \u212b \ufb01"]:  # not NFC: the class normalizes, and so does the file now
+        for special in (True, False):
+            assert ours.encode(text, add_special_tokens=special) == theirs.encode(text, add_special_tokens=special)
+
+    # the record vouches for this file under this transformers only
+    record = json.loads((path / tokenizer_file.VERIFIED_RECORD).read_text())
+    (path / tokenizer_file.VERIFIED_RECORD).write_text(json.dumps({**record, "transformers": "0.0"}))
+    assert "Qwen2Tokenizer" in file_tokenizer_refusal(path)
+    (path / tokenizer_file.VERIFIED_RECORD).write_text(json.dumps(record))
+    assert file_tokenizer_refusal(path) is None
+    spec = json.loads((path / "tokenizer.json").read_text())
+    spec["normalizer"] = None  # the file changed since it was checked
+    (path / "tokenizer.json").write_text(json.dumps(spec))
+    assert "Qwen2Tokenizer" in file_tokenizer_refusal(path)
+
+
+def test_no_record_where_the_file_cannot_match_transformers(tmp_path: Path, monkeypatch) -> None:
+    from miles.utils import tokenizer_file
+
+    path = _qwen2_class_dir(tmp_path)
+    real = tokenizer_file.FileTokenizer.encode
+
+    def off_by_one(self, text, add_special_tokens=True):
+        return [*real(self, text, add_special_tokens), 0]
+
+    monkeypatch.setattr(tokenizer_file.FileTokenizer, "encode", off_by_one)
+    why = tokenizer_file.record_file_tokenizer(path)
+    assert why is not None and "encodes" in why
+    assert not (path / tokenizer_file.VERIFIED_RECORD).exists()
+    assert "Qwen2Tokenizer" in file_tokenizer_refusal(path)
