@@ -71,6 +71,7 @@ def _drive(reqs: list[Request], admit_every: int, monkeypatch) -> tuple[dict, in
     pending, step = [r for r in reqs if r.rid != STOP_STRING_RID], 0
     sched.running.extend(r for r in reqs if r.rid == STOP_STRING_RID)  # it runs from the first step to the last
     while pending or sched.running:
+        assert step < 10 * MAX_SEQ_LEN, "requests outlived every limit"  # a broken finish check fails, not hangs
         if step % admit_every == 0 and pending:  # requests join between steps, two at a time
             sched.running.extend(pending[:2])
             del pending[:2]

@@ -22,6 +22,7 @@ step goes request by request (input log-probs, routing rows, extras, `check_stop
 from __future__ import annotations
 
 import collections
+import itertools
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -52,12 +53,12 @@ class DecodePlan:
     def of(cls, reqs: list[Request], max_seq_len: int) -> DecodePlan:
         seq_lens = [r.seq_len for r in reqs]
         budget = [r.params.max_new_tokens - len(r.output_ids) for r in reqs]
-        no_extras = all(r.generator is None and not r.extras.wanted and r.routed is None for r in reqs)
-        scoring = any(r.params.max_new_tokens == 0 for r in reqs)
+        # nothing to collect per token (top-k / token-id log-probs, routing) and nothing only scored
+        simple = all(not r.extras.wanted and r.routed is None and r.params.max_new_tokens for r in reqs)
         return cls(
             reqs=list(reqs),
-            plain=not scoring and all(not r.params.stop and not r.extras.wanted and r.routed is None for r in reqs),
-            look_ahead_ok=no_extras and not scoring,
+            plain=simple and all(not r.params.stop for r in reqs),
+            look_ahead_ok=simple and all(r.generator is None for r in reqs),
             stop_ids=frozenset().union(*(r.stop_ids for r in reqs)),
             headroom=min((min(b, max_seq_len - s) for b, s in zip(budget, seq_lens, strict=True)), default=0),
             longest=max(budget, default=0),
@@ -93,7 +94,7 @@ class DecodePlan:
         """Append one step's token, log-prob and weight version to every request (C-level loops)."""
         _consume(map(list.append, self.outputs, tokens))
         _consume(map(list.append, self.logprobs, logprobs))
-        _consume(map(list.append, self.versions, [version] * len(tokens)))
+        _consume(map(list.append, self.versions, itertools.repeat(version)))
         self.applied += 1
 
     def lengths_reached(self) -> bool:
@@ -128,36 +129,37 @@ def apply_step(
         if routed and i in routed:
             start, rows = routed[i]
             req.routed[start : start + len(rows)] = rows
-        params = req.params
-        if params.max_new_tokens == 0:  # prefill-only scoring: nothing is sampled
+        if req.params.max_new_tokens == 0:  # prefill-only scoring: nothing is sampled
             finished.append((i, {"type": "length", "length": 0}))
             continue
-        out = req.output_ids
-        out.append(token)
+        req.output_ids.append(token)
         req.output_logprobs.append(logprob)
         req.output_versions.append(version)
         if extras and i in extras:
             req.output_extras.extend(extras[i])
-        if token in req.stop_ids:
-            finished.append((i, {"type": "stop", "matched": token}))
-        elif params.stop and (reason := check_stop_strings(req)) is not None:
+        if (reason := _finish_reason(req, max_seq_len, check_stop_strings)) is not None:
             finished.append((i, reason))
-        elif len(out) >= params.max_new_tokens or len(req.prompt_ids) + len(out) >= max_seq_len:
-            finished.append((i, {"type": "length", "length": len(out)}))
     plan.applied += 1
     return finished
 
 
 def finished_plain(running: list[Request], max_seq_len: int) -> Finished:
     """The requests of a plain batch that their last token finished (a stop id, or a length limit)."""
-    finished: Finished = []
-    for i, req in enumerate(running):
-        out = req.output_ids
-        if out[-1] in req.stop_ids:
-            finished.append((i, {"type": "stop", "matched": out[-1]}))
-        elif len(out) >= req.params.max_new_tokens or len(req.prompt_ids) + len(out) >= max_seq_len:
-            finished.append((i, {"type": "length", "length": len(out)}))
-    return finished
+    return [(i, reason) for i, req in enumerate(running) if (reason := _finish_reason(req, max_seq_len)) is not None]
+
+
+def _finish_reason(
+    req: Request, max_seq_len: int, check_stop_strings: Callable[[Request], dict | None] | None = None
+) -> dict | None:
+    """Why the token just appended finishes `req` (a stop id, a stop string, a length limit), or None."""
+    out = req.output_ids
+    if out[-1] in req.stop_ids:
+        return {"type": "stop", "matched": out[-1]}
+    if req.params.stop and check_stop_strings is not None and (reason := check_stop_strings(req)) is not None:
+        return reason
+    if len(out) >= req.params.max_new_tokens or len(req.prompt_ids) + len(out) >= max_seq_len:
+        return {"type": "length", "length": len(out)}
+    return None
 
 
 def _consume(iterator) -> None:
