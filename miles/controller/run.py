@@ -93,6 +93,7 @@ class MilesRun:
             cfg, colocated=placement.colocated, has_trainer=bool(self.trainers), has_engines=bool(self.fleet)
         )
         self._engines_released = False  # released for training; given back at the next push or generation
+        self._cache_release_logged = False
         self.weights_connected = False  # the trainers' weight updaters reach the engines (set by setup)
         self.startup: StartupClock | None = None
         self._startup_metrics: dict[str, float] = {}
@@ -217,6 +218,16 @@ class MilesRun:
 
     async def _resume_engines(self) -> None:
         if self._engines_released:
+            if self.trainers:  # what training left in the allocator's cache must not stand in the engines' way
+                freed = await self.timed("offload_time", self.trainers.release_cached_memory())
+                if not self._cache_release_logged and freed and freed[0]:
+                    self._cache_release_logged = True
+                    logger.info(
+                        "before the engines resume, trainer rank 0 gave back %.1f GiB of cached memory (%.1f GiB "
+                        "still reserved)",
+                        freed[0]["released_gb"],
+                        freed[0]["reserved_gb"],
+                    )
             await self.timed("offload_time", self.fleet.resume_memory_occupation(list(self.offload.engine_tags)))
             self._engines_released = False
 

@@ -98,3 +98,7 @@ class TrainerGroup:
 
     async def onload(self) -> None:
         await self._all("onload")
+
+    async def release_cached_memory(self) -> list[dict[str, float]]:
+        """Each rank's cached, unused device memory back to the driver (before colocated engines resume)."""
+        return await self._all("release_cached_memory")

@@ -43,6 +43,7 @@ def _run(plan: OffloadPlan) -> tuple[MilesRun, list[str]]:
     run.cfg = MilesConfig()
     run.offload, run.trainers, run.fleet = plan, Recorder(calls, version), Recorder(calls, version)
     run.timers, run._worker_wait_s, run._engines_released = StepTimers(), 0.0, False
+    run._cache_release_logged = False
     run.weight_version, run.engine_versions, run._last_push_metrics = 0, [0], None
     return run, calls
 
@@ -77,6 +78,7 @@ def test_generation_hands_the_gpus_over_and_the_push_takes_them_back() -> None:
         "release_memory_occupation",
         "onload",
         "train",
+        "release_cached_memory",  # the trainer's cached activations go before the engines take memory back
         "resume_memory_occupation",
         "pause_generation",
         "push_weights",
@@ -103,6 +105,7 @@ def test_without_a_push_the_next_generation_resumes_the_engines() -> None:
     assert calls == [
         "generate",
         "release_memory_occupation",
+        "release_cached_memory",
         "resume_memory_occupation",
         "generate",
         "release_memory_occupation",
@@ -122,7 +125,11 @@ def test_a_stop_hands_the_gpus_back_and_a_failure_leaves_them() -> None:
     calls.clear()
     with pytest.raises(RuntimeError):
         asyncio.run(body(RuntimeError("engine died")))
-    assert calls == ["resume_memory_occupation", "offload"]  # no call to workers that may be gone
+    assert calls == [
+        "release_cached_memory",
+        "resume_memory_occupation",
+        "offload",
+    ]  # no call to workers that may be gone
 
 
 def test_not_colocated_nothing_moves() -> None:
