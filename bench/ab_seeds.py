@@ -8,12 +8,15 @@
 Seed k of both arms runs `miles train --config CONFIG --seed 1234+k --rollout-seed 42+k`, so both take
 the same prompts in the same order and start from the same trainer state; they differ by the arm's flags
 (`--a`, `--b`; `--extra` goes to both) and by their samples, which are independent draws unless the
-engine is made deterministic. From each run's metrics.jsonl: the mean rollout reward of the last five steps, the last held-out
-evaluation (every `eval/*/reward_mean` of the last evaluated step, averaged over the eval sets), and the
-train/rollout mismatch (`train/train_rollout_logprob_abs_diff`, `train/train_rollout_kl`, means over the
+engine is made deterministic. From each run's metrics.jsonl: the mean rollout reward of the first and the
+last five steps, the first evaluation (when the run evaluates before training) and the last one (every
+`eval/*/reward_mean` of an evaluated step, averaged over the eval sets), the gains (last minus first), and
+the train/rollout mismatch (`train/train_rollout_logprob_abs_diff`, `train/train_rollout_kl`, means over the
 steps). Prints one line per run as it ends, then one JSON line: each arm's means, and B minus A seed by
-seed for the last-five reward and the last evaluation with the mean and the half-width of its 95%
-t-interval: B learns within noise of A where the interval holds 0, or where it lies above it.
+seed for each figure with the mean and the half-width of its 95% t-interval: B learns within noise of A
+where the interval holds 0, or where it lies above it. Both arms' rewards and evaluations come from their
+own serving, so where B serves differently (FP8) `b_minus_a_eval_first` is what that costs before any
+training, and `b_minus_a_eval_gain` / `b_minus_a_reward_gain` compare what the two arms learnt.
 
 `--concurrent N` runs up to N runs at once (their step times then say nothing; none are compared).
 """
@@ -33,6 +36,9 @@ from pathlib import Path
 from e2e_vs_trl import t975
 
 REPO = Path(__file__).resolve().parents[1]
+# per run; B minus A of each, seed by seed. Each arm's rewards and evaluations come from its own serving:
+# the first evaluation (before training) is what B's serving costs untrained, the gains are what each learnt.
+FIELDS = ("reward_last5", "eval_last", "eval_first", "reward_gain", "eval_gain")
 MISMATCH = {"logprob_abs_diff": "train/train_rollout_logprob_abs_diff", "kl": "train/train_rollout_kl"}
 
 
@@ -71,21 +77,31 @@ def command(args: argparse.Namespace, arm: str, seed: int, out_dir: Path) -> lis
     ]
 
 
+def _eval_mean(row: dict) -> float:
+    return statistics.fmean(v for k, v in row.items() if k.startswith("eval/") and k.endswith("/reward_mean"))
+
+
+def _gain(last: float | None, first: float | None) -> float | None:
+    return None if last is None or first is None else last - first
+
+
 def read_run(out_dir: Path) -> dict:
     """The figures of one finished run, from its metrics.jsonl."""
     rows = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steps = [r for r in rows if "rollout/reward_mean" in r]
     evals = [r for r in rows if any(k.startswith("eval/") and k.endswith("/reward_mean") for k in r)]
-    last_eval = None
-    if evals:
-        values = [v for k, v in evals[-1].items() if k.startswith("eval/") and k.endswith("/reward_mean")]
-        last_eval = statistics.fmean(values)
+    rewards = [r["rollout/reward_mean"] for r in steps]
     out = {
         "steps": len(steps),
-        "rewards": [r["rollout/reward_mean"] for r in steps],
-        "reward_last5": statistics.fmean(r["rollout/reward_mean"] for r in steps[-5:]) if steps else None,
-        "eval_last": last_eval,
+        "rewards": rewards,
+        "reward_first5": statistics.fmean(rewards[:5]) if rewards else None,
+        "reward_last5": statistics.fmean(rewards[-5:]) if rewards else None,
+        # the first evaluation is the one before training when the run makes it (the served model untrained)
+        "eval_first": _eval_mean(evals[0]) if evals and evals[0].get("step", 0) < 0 else None,
+        "eval_last": _eval_mean(evals[-1]) if evals else None,
     }
+    out["reward_gain"] = _gain(out["reward_last5"], out["reward_first5"])
+    out["eval_gain"] = _gain(out["eval_last"], out["eval_first"])
     for name, key in MISMATCH.items():
         values = [r[key] for r in steps if key in r]
         out[name] = statistics.fmean(values) if values else None
@@ -125,7 +141,7 @@ def summary(args: argparse.Namespace, a: list[dict], b: list[dict]) -> dict:
         return float(f"{statistics.fmean(values):.4g}") if values else None
 
     arms = {
-        arm: {f: mean(runs, f) for f in ("reward_last5", "eval_last", *MISMATCH)} | {"flags": flags}
+        arm: {f: mean(runs, f) for f in (*FIELDS, *MISMATCH)} | {"flags": flags}
         for arm, runs, flags in (("a", a, args.a), ("b", b, args.b))
     }
     return {
@@ -133,8 +149,7 @@ def summary(args: argparse.Namespace, a: list[dict], b: list[dict]) -> dict:
         "seeds": [r["seed"] for r in a],
         "steps": a[0]["steps"] if a else None,
         "arms": arms,
-        "b_minus_a_reward_last5": paired(a, b, "reward_last5"),
-        "b_minus_a_eval_last": paired(a, b, "eval_last"),
+        **{f"b_minus_a_{f}": paired(a, b, f) for f in FIELDS},
     }
 
 

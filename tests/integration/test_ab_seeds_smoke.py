@@ -48,3 +48,24 @@ def test_two_arms_over_two_seeds_are_paired_seed_by_seed(tmp_path):
         config = (tmp_path / f"{arm}-1" / "config.yaml").read_text()
         assert "rollout_seed: 43" in config and "seed: 1235" in config
         assert ("lr: 0.003" if arm == "b" else "lr: 0.001") in config
+
+
+def test_a_run_reads_its_first_and_last_evaluation_and_the_gains(tmp_path):
+    sys.path.insert(0, str(REPO / "bench"))
+    from ab_seeds import read_run
+
+    rows = [
+        {"step": -1, "eval/x/reward_mean": 0.2, "eval/y/reward_mean": 0.4},  # before training
+        *({"step": i, "rollout/reward_mean": 0.1 * i} for i in range(8)),
+        {"step": 7, "eval/x/reward_mean": 0.5, "eval/y/reward_mean": 0.7},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    out = read_run(tmp_path)
+    assert out["steps"] == 8 and out["eval_first"] == pytest.approx(0.3) and out["eval_last"] == pytest.approx(0.6)
+    assert out["eval_gain"] == pytest.approx(0.3)
+    assert out["reward_first5"] == pytest.approx(0.2) and out["reward_last5"] == pytest.approx(0.5)
+    assert out["reward_gain"] == pytest.approx(0.3)
+    later = [*rows[1:5], {"step": 3, "eval/x/reward_mean": 0.1}, *rows[5:]]  # no eval before training
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in later))
+    out = read_run(tmp_path)
+    assert out["eval_first"] is None and out["eval_gain"] is None and out["eval_last"] == pytest.approx(0.6)
