@@ -115,12 +115,15 @@ def one_line(exc: BaseException) -> str | None:
     keep the traceback). A dead worker is named with how it died and where its log is; an engine
     that stopped answering is named with its address."""
     from miles.engines.client import EngineConnectionError
-    from miles.errors import as_run_failure
+    from miles.errors import as_run_failure, out_of_memory_line
     from miles.wire.specs import WorkerDied
 
     failure = as_run_failure(exc)
     if failure is not None:
         return str(failure)
+    oom = out_of_memory_line(exc)
+    if oom is not None:
+        return oom
     if isinstance(exc, WorkerDied):
         how = (
             f"killed by {exc.signal}"

@@ -8,6 +8,8 @@ carrying its type name; `as_run_failure` turns it back into the same kind.
 
 from __future__ import annotations
 
+import re
+
 
 class RunFailed(RuntimeError):
     """The run cannot go on; the message says why and what to change."""
@@ -30,3 +32,26 @@ def as_run_failure(exc: BaseException) -> RunFailed | None:
         return exc
     kind = _KINDS.get(getattr(exc, "exc_type", None))
     return kind(getattr(exc, "remote_message", str(exc))) if kind is not None else None
+
+
+_OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory")
+_OOM_ACCOUNT = ("Tried to allocate", "is free", "memory in use")  # torch's sentences worth the line
+_OOM_HINT = (
+    "to fit: lower --max-tokens-per-gpu or turn on --gradient-checkpointing (the trainer's activations), give "
+    "the engine a smaller KV cache (--max-running-requests, --rollout-max-context-len), or with --colocate "
+    "pass --offload-train and --offload-rollout"
+)
+
+
+def out_of_memory_line(exc: BaseException) -> str | None:
+    """One line for a worker or an engine that ran out of GPU memory: who, doing what, torch's own account
+    (how much it tried, how much was free, who held the rest) and what to change; else None."""
+    if getattr(exc, "exc_type", None) == "OutOfMemoryError":  # a worker's RPC error
+        who, message = f"{exc.peer}.{exc.method}()", exc.remote_message
+    elif hasattr(exc, "endpoint") and any(m in getattr(exc, "body", "") for m in _OOM_MARKERS):  # an engine's answer
+        who, message = f"engine {exc.url} on {exc.endpoint}", str(exc).split(f"{exc.endpoint}: ", 1)[-1]
+    else:
+        return None
+    sentences = re.split(r"(?<=\.)\s+", message.replace("\n", " "))
+    account = "; ".join(s.rstrip(".") for s in sentences if any(k in s for k in _OOM_ACCOUNT))
+    return f"{who} ran out of GPU memory ({account or message[:200]}); {_OOM_HINT}"

@@ -283,3 +283,44 @@ def test_ascii_curve_buckets_long_series():
     assert text.splitlines()[-1].split("|")[0].strip() == "4.5"
     assert ascii_curve([], 10, 3) == ""
     assert all(len(r) == 1 for r in _grid(ascii_curve([2.0], 10, 3)))  # flat series: no division by zero
+
+
+TORCH_OOM = (
+    "CUDA out of memory. Tried to allocate 5.30 GiB. GPU 0 has a total capacity of 139.80 GiB of which 4.82 GiB is "
+    "free. Process 1800 has 118.12 GiB memory in use. Of the allocated memory 15.92 GiB is allocated by PyTorch."
+)
+
+
+@pytest.mark.parametrize("where", ["engine", "trainer"])
+def test_out_of_gpu_memory_ends_the_run_with_one_line_saying_what_to_change(monkeypatch, tmp_path, capsys, where):
+    from miles.cli import EXIT_RUN_FAILED
+    from miles.engines.client import EngineHTTPError
+    from miles.wire.rpc import RemoteError
+
+    if where == "engine":
+        body = json.dumps({"error": f"OutOfMemoryError: {TORCH_OOM}"})
+        error = EngineHTTPError(500, "http://10.0.0.2:30000", "/resume_memory_occupation", body)
+    else:
+        error = RemoteError("trainer:0", "train", "OutOfMemoryError", TORCH_OOM, "Traceback ...")
+
+    def sync_run(cfg):
+        raise error
+
+    fake_module(monkeypatch, "miles.controller.loop_sync", run=sync_run)
+    monkeypatch.setattr("miles.models.resolve.resolve_model_paths", lambda model, seed: None)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("")
+    assert main(["train", *minimal_train_args(num_rollout=2, prompt_data=str(prompts))]) == EXIT_RUN_FAILED
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    who = "engine http://10.0.0.2:30000 on /resume_memory_occupation" if where == "engine" else "trainer:0.train()"
+    assert lines[0].startswith(f"miles train: {who} ran out of GPU memory (Tried to allocate 5.30 GiB; ")
+    assert "Process 1800 has 118.12 GiB memory in use" in lines[0] and "--max-tokens-per-gpu" in lines[0]
+
+
+def test_an_error_that_is_not_out_of_memory_keeps_its_traceback():
+    from miles.cli import one_line
+    from miles.engines.client import EngineHTTPError
+
+    assert one_line(EngineHTTPError(500, "http://h:1", "/generate", '{"error": "KeyError: x"}')) is None
+    assert one_line(ValueError("CUDA out of memory")) is None  # not an engine's answer nor a worker's error
