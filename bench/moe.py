@@ -7,7 +7,8 @@ medians of `--reps` timed steps each, side by side. Prints the ratio.
 
 Mismatch: the engine (in `--engine-dtype`) prefills random prompts and samples `--new-tokens` tokens each,
 recording the experts of every token (what `return_routed_experts` returns) and each sampled token's
-log-prob. The trainer's model (transformers' Qwen3MoeForCausalLM in `--trainer-dtype`, the same weights)
+log-prob. The trainer's model (transformers' Qwen3MoeForCausalLM in `--trainer-dtype`, the same weights; its
+residual stream in fp32 with `--trainer-residual-dtype float32`, as `--fp32-residual-connection` keeps it)
 scores the sequences through the FSDP trainer's own forward (`forward_micro_batch`) with routing replay off,
 then with R3 (`RoutingReplay`, the engine's routing). Reported per mode: the share of routed tokens whose
 experts in the trainer's forward differ from the engine's (any MoE layer), and mean / max |Δ log-prob| over
@@ -37,6 +38,7 @@ from miles.engines.embedded.moe import Routing
 from miles.engines.embedded.runner import ModelRunner
 from miles.rollout.train_data import TrainBatch
 from miles.trainer.forward import forward_micro_batch, model_layout
+from miles.trainer.residual_stream import keep_fp32_residual
 from miles.trainer.routing_replay import RoutingReplay
 from miles.utils.routing import routing_bytes_per_token
 
@@ -206,6 +208,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="the engine's residual stream: fp32 (the engine's default for bf16 models) or "
         "the model dtype (as before; for the side-by-side)",
     )
+    p.add_argument(
+        "--trainer-residual-dtype",
+        choices=("float32", "model"),
+        default="model",
+        help="the trainer's residual stream: fp32 (--fp32-residual-connection; with a bf16 --trainer-dtype) or "
+        "the model dtype (transformers' own, the default)",
+    )
     p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--skip-mismatch", action="store_true")
     p.add_argument("--train-micro-batch", type=int, default=32, help="sequences per trainer forward")
@@ -234,6 +243,8 @@ def run(a: argparse.Namespace) -> dict:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         hf = trainer_model(cfg, weights, getattr(torch, a.trainer_dtype), a.router_noise, a.seed)
+        if a.trainer_residual_dtype == "float32":
+            keep_fp32_residual(hf, getattr(torch, a.trainer_dtype))
         figures["mismatch"] = mismatch(hf, seqs, routed, lps, a, device)
     return figures
 

@@ -49,6 +49,7 @@ from miles.trainer.lr_schedule import LRSchedule, LRScheduler
 from miles.trainer.offload import DiskOffloader, HostOffloader, module_tensors, optimizer_tensors
 from miles.trainer.offload_optim import OffloadedAdamW, build_adamw, optimizer_placement
 from miles.trainer.packing import layout_for, pack_sequences, plan_micro_batches
+from miles.trainer.residual_stream import keep_fp32_residual
 from miles.trainer.routing_replay import RoutingReplay, replay_scope
 from miles.trainer.train_loop import run_rl_step
 from miles.utils.moe_names import per_expert_tensors
@@ -114,8 +115,12 @@ class FSDPBackend:
             self._saver = ckpt.BackgroundWriter(self.device)
         torch.manual_seed(self.train_cfg.seed)
         self.compute_dtype = compute_dtype = resolve_compute_dtype(self.model_cfg.dtype, self.device.type)
+        # --fp32-residual-connection: the blocks take the fp32 stream as it comes (FSDP would cast it down)
+        self.fp32_residual = self.train_cfg.fp32_residual_connection and compute_dtype != torch.float32
         self.mp_policy = (
-            MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+            MixedPrecisionPolicy(
+                param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=not self.fp32_residual
+            )
             if compute_dtype != torch.float32
             else None
         )
@@ -147,7 +152,10 @@ class FSDPBackend:
 
     def _load(self, path: str, critic: bool = False) -> nn.Module:
         load = load_value_model if critic else load_causal_lm
-        return load(path, attn_implementation=self.attn_impl, trust_remote_code=self.model_cfg.trust_remote_code)
+        model = load(path, attn_implementation=self.attn_impl, trust_remote_code=self.model_cfg.trust_remote_code)
+        if self.fp32_residual and not critic:  # the policy and its reference score as the engine does
+            keep_fp32_residual(model, self.compute_dtype)
+        return model
 
     def _build_trainable(self, path: str, lr: float, critic: bool = False):
         clock = PhaseClock()

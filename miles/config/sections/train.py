@@ -52,6 +52,13 @@ class TrainConfig:
         "else torch's flash kernel as miles_varlen, checked against SDPA on the device), SDPA over padded rows "
         "elsewhere; miles_varlen on CPU or in fp32 runs one SDPA call per sequence; {choices}",
     )
+    fp32_residual_connection: bool = option(
+        False,
+        "FSDP trainer computing in bf16/fp16: keep the decoder's residual stream in fp32, as the embedded engine "
+        "does (every norm and GEMM still reads compute-dtype inputs), so the trainer's log-probs follow the "
+        "engine's arithmetic (Qwen2, Qwen3, Qwen3-MoE, Llama, Mistral); the megatron backend's stream is fp32 "
+        "always (autocast over fp32 parameters)",
+    )
     true_on_policy_mode: bool = option(
         False,
         "engine and trainer give bit-identical log-probs for every sampled token: both score with one reference "
