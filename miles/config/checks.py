@@ -49,6 +49,7 @@ RULES: tuple[Callable[[MilesConfig], list[str]], ...] = (
     true_on_policy.check_true_on_policy,
     routing_replay.check_routing_replay,
     residual.check_fp32_residual,
+    residual.check_fp8_forward,
     engines.check_sglang_engine,
     engines.check_embedded_engine,
     megatron.check_parallelism,

@@ -29,6 +29,7 @@ from miles.rollout.train_data import TrainBatch
 from miles.trainer import checkpoint as ckpt
 from miles.trainer.backend import MicroBatchLoss, register_backend
 from miles.trainer.forward import dummy_batch, forward_micro_batch, model_layout, response_values, token_index
+from miles.trainer.fp8_forward import use_fp8_forward
 from miles.trainer.fsdp_shard import (  # noqa: F401 - shard_model and _own_parameters: used by tests and benches
     _adamw_kernels,
     _clip_grad_norm,
@@ -153,8 +154,11 @@ class FSDPBackend:
     def _load(self, path: str, critic: bool = False) -> nn.Module:
         load = load_value_model if critic else load_causal_lm
         model = load(path, attn_implementation=self.attn_impl, trust_remote_code=self.model_cfg.trust_remote_code)
-        if self.fp32_residual and not critic:  # the policy and its reference score as the engine does
-            keep_fp32_residual(model, self.compute_dtype)
+        if not critic:  # the policy and its reference score as the engine does, where asked
+            if self.fp32_residual:
+                keep_fp32_residual(model, self.compute_dtype)
+            if self.train_cfg.fp8_format is not None:
+                use_fp8_forward(model)
         return model
 
     def _build_trainable(self, path: str, lr: float, critic: bool = False):

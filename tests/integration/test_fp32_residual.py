@@ -1,6 +1,6 @@
-"""--fp32-residual-connection end to end on CPU, bf16 trainer and engine: the FSDP trainer's log-probs of the
-sampled tokens follow the engine's (whose residual stream is fp32) to float precision, where its own bf16 stream
-leaves a gap; on a tiny qwen3_moe with R3 as well."""
+"""--fp32-residual-connection and --fp8-format end to end on CPU, bf16 trainer and engine: the FSDP trainer's
+log-probs of the sampled tokens follow the engine's (whose residual stream is fp32) to float precision, where its
+own bf16 stream leaves a gap; on a tiny qwen3_moe with R3, and beside FP8 rollouts with the quantized forward."""
 
 from __future__ import annotations
 
@@ -36,3 +36,11 @@ def test_a_moe_policy_with_r3_scores_as_the_engine_samples(tmp_path):
     )
     assert max(_gaps(rows)) < 1e-5
     assert all(r["train/routing_mismatch"] == 0.0 for r in rows if "train/routing_mismatch" in r)
+
+
+def test_with_fp8_rollouts_the_quantized_forward_scores_as_the_engine_samples(tmp_path):
+    fp8 = (*BF16, "--hf-checkpoint", "tiny:qwen2:4x256", "--sglang-quantization", "fp8")
+    plain = _gaps(run_train(tmp_path / "bf16", *fp8))
+    matched = _gaps(run_train(tmp_path / "fp8", *fp8, "--fp8-format", "e4m3", "--fp32-residual-connection"))
+    assert min(plain) > 1e-3, plain  # a bf16 trainer against FP8 samples
+    assert max(matched) < 1e-5, (matched, plain)

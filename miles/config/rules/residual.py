@@ -1,4 +1,4 @@
-"""--fp32-residual-connection: where the trainer cannot keep its residual stream in fp32 as asked."""
+"""The trainer computing as the engine does: --fp32-residual-connection and --fp8-format, where they cannot."""
 
 from __future__ import annotations
 
@@ -17,3 +17,27 @@ def check_fp32_residual(cfg: MilesConfig) -> list[str]:
             "trainer's with one reference forward, whose stream must be the same on both sides; drop one"
         ]
     return []
+
+
+def check_fp8_forward(cfg: MilesConfig) -> list[str]:
+    """--fp8-format quantizes the FSDP trainer's forward as an FP8 rollout does: only beside FP8 rollouts."""
+    from miles.config.rules.derive import fp8_serving
+
+    t = cfg.train
+    if t.fp8_format is None:
+        return []
+    why, e = f"--fp8-format {t.fp8_format}", []
+    if fp8_serving(cfg) is None:
+        e.append(
+            f"{why} quantizes the trainer's forward as FP8 rollouts do, but the engines serve the model's dtype: "
+            "a trainer and a rollout that quantize differently drift apart; add --sglang-quantization fp8 (or "
+            "serve an FP8 checkpoint), or drop --fp8-format"
+        )
+    for flag, on in (
+        ("--train-backend megatron", t.train_backend == "megatron"),
+        ("--true-on-policy-mode", t.true_on_policy_mode),
+        ("--lora-rank > 0", t.lora_rank > 0),
+    ):
+        if on:
+            e.append(f"{why} with {flag}: the FP8 forward is the FSDP trainer's full-weight projections'; drop one")
+    return e

@@ -59,6 +59,14 @@ class TrainConfig:
         "engine's arithmetic (Qwen2, Qwen3, Qwen3-MoE, Llama, Mistral); the megatron backend's stream is fp32 "
         "always (autocast over fp32 parameters)",
     )
+    fp8_format: Literal["e4m3"] | None = option(
+        None,
+        "FSDP trainer: its decoder projections compute as the FP8 rollout's GEMMs do (e4m3, the engine's own "
+        "quantizer: 128x128 weight blocks, 1x128 activation groups, fp32 sums), with a straight-through backward "
+        "in fp32; the forward contract of FP8 rollouts, not FP8 speed; needs FP8 serving (--sglang-quantization "
+        "fp8 or an FP8 checkpoint)",
+    )
+    fp8_recipe: Literal["blockwise"] = option("blockwise", "scaling of --fp8-format: {choices}")
     true_on_policy_mode: bool = option(
         False,
         "engine and trainer give bit-identical log-probs for every sampled token: both score with one reference "

@@ -1,0 +1,82 @@
+"""The FSDP trainer's forward with the FP8 rollout's quantization (`--fp8-format e4m3 --fp8-recipe blockwise`).
+
+Quantizing the rollout alone makes the two sides compute differently from the same weights: on the SmolLM2
+recipe an FP8-served run's train/rollout gap is 0.11 nats a token against bf16's 0.025 (bench/results/fp8.md).
+Here the trainer's decoder projections compute as the engine's FP8 GEMMs do, with the engine's own quantizer
+(miles/engines/embedded/fp8.py, bit for bit): the weight, as the trainer holds it in its compute dtype (the
+bytes a weight push sends), quantized to e4m3 with one fp32 scale per 128x128 block; the input quantized per
+token and group of 128 channels; their dequantized product summed in fp32 and rounded to the compute dtype,
+as the engine's W8A8 product is computed wherever it dequantizes (every GEMM on CPU, and on CUDA unless its
+FP8 kernels are switched on). The same projections are quantized as the engine's (q/k/v/o, gate/up/down);
+embeddings, norms, the LM head and MoE experts stay as they are, as the engine keeps them.
+
+The backward is straight through: each operand's gradient is that of its dequantized value (the quantizer is
+taken as the identity), with the GEMMs in fp32. This is not FP8 training for speed (no FP8 GEMM runs here,
+and the fp32 products cost more than bf16 ones): it is the forward contract, which makes the log-probs the
+trainer optimizes those of the policy the engine samples from.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from miles.engines.embedded import fp8
+
+# the decoder projections the engine serves in FP8 (fp8.QUANTIZED_SUFFIXES without ".weight")
+_TARGET = re.compile(
+    r"(^|\.)layers\.\d+\.(self_attn\.(q_proj|k_proj|v_proj|o_proj)|mlp\.(gate_proj|up_proj|down_proj))$"
+)
+
+
+def _dequantized_weight(w: torch.Tensor) -> torch.Tensor:
+    return fp8.dequantize_weight(*fp8.quantize_weight(w), torch.float32)
+
+
+def _dequantized_activation(x: torch.Tensor) -> torch.Tensor:
+    q, scale = fp8.quantize_activation(x)
+    return q.float() * scale.repeat_interleave(fp8.BLOCK, 1)[:, : x.shape[1]]
+
+
+class _StraightThrough(torch.autograd.Function):
+    """`dequantized(t)` (fp32) in the forward, exactly; the identity's gradient to `t` in the backward."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, dequantized) -> torch.Tensor:
+        return dequantized(t.detach())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None  # autograd casts it to t's dtype
+
+
+class Fp8BlockwiseLinear(nn.Linear):
+    """nn.Linear whose product is the engine's FP8 one (see the module doc); the parameters are unchanged."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        xq = _StraightThrough.apply(flat, _dequantized_activation)
+        wq = _StraightThrough.apply(self.weight, _dequantized_weight)
+        out = F.linear(xq, wq).to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def use_fp8_forward(model: nn.Module) -> int:
+    """Give the decoder projections of `model` (a transformers causal LM, before sharding) the FP8 product;
+    returns how many. Refuses a model where none matches the engine's quantized names."""
+    count = 0
+    for name, module in model.named_modules():
+        if _TARGET.search(name) and type(module) is nn.Linear:
+            module.__class__ = Fp8BlockwiseLinear
+            count += 1
+    if not count:
+        raise ValueError(
+            f"--fp8-format: {type(model).__name__} has none of the projections the engine serves in FP8 "
+            "(model.layers.N.self_attn.q_proj ... mlp.down_proj as nn.Linear); drop --fp8-format"
+        )
+    return count
