@@ -13,6 +13,7 @@ a plain module, since fully_shard would have nothing to shard or cast.
     python bench/train_throughput.py --device cuda --model qwen2-0.5b --seq-len 2048 --batch-size 8 \
         --gradient-checkpointing
     python bench/train_throughput.py --device cuda --backend megatron   # + megatron_tok_s, megatron_mfu
+    python bench/train_throughput.py --device cuda --compile --fp32-residual  # + what --fp32-residual-connection costs
 
 MFU (GPU) = tokens/s x (6 N + 12 L d s) / peak, N = parameters (embeddings included),
 L layers, d hidden size, s sequence length; peak 989 TFLOP/s (H200/H100 dense bf16).
@@ -105,7 +106,7 @@ class PlainLoop:
         self.opt.zero_grad(set_to_none=True)
 
 
-def build_backend(name: str, path: str, batch_size: int, args: argparse.Namespace):
+def build_backend(name: str, path: str, batch_size: int, args: argparse.Namespace, fp32_residual: bool = False):
     """A 1-rank trainer backend (`fsdp` or `megatron`) training with the SFT loss through `train()`."""
     from miles.trainer.backend import create_backend
 
@@ -118,6 +119,7 @@ def build_backend(name: str, path: str, batch_size: int, args: argparse.Namespac
             micro_batch_size=args.micro_batch_size or batch_size,
             gradient_checkpointing=args.gradient_checkpointing,
             compile=args.compile and name == "fsdp",
+            fp32_residual_connection=fp32_residual,
             train_backend=name,
         ),
         algo=AlgoConfig(loss_type="sft_loss", calculate_per_token_loss=True),
@@ -186,6 +188,11 @@ def main() -> None:
         choices=["fsdp", "megatron"],
         help="megatron: also time the megatron-core backend (CUDA, megatron extra) beside FSDP in the same run",
     )
+    ap.add_argument(
+        "--fp32-residual",
+        action="store_true",
+        help="also time the FSDP backend with --fp32-residual-connection, side by side (fsdp_fp32_residual_tok_s)",
+    )
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
@@ -219,6 +226,9 @@ def main() -> None:
         steps = {"plain": lambda: plain.step(input_ids), "fsdp": lambda: fsdp.train(batch, next(rid))}
         if mega is not None:
             steps["megatron"] = lambda: mega.train(batch, next(rid))
+        if args.fp32_residual:
+            fsdp32 = build_backend("fsdp", path, batch_size, args, fp32_residual=True)
+            steps["fsdp_fp32_residual"] = lambda: fsdp32.train(batch, next(rid))
         for _ in range(args.warmup):
             for step in steps.values():
                 step()
@@ -249,6 +259,9 @@ def main() -> None:
         result["mfu"] = round(fsdp_tok_s * fpt / PEAK_FLOPS["cuda"], 4)
         result["plain_mfu"] = round(plain_tok_s * fpt / PEAK_FLOPS["cuda"], 4)
         result["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    if args.fp32_residual:
+        result["fsdp_fp32_residual_tok_s"] = round(tok_s["fsdp_fp32_residual"], 1)
+        result["fp32_residual_vs_fsdp"] = round(tok_s["fsdp_fp32_residual"] / fsdp_tok_s, 3)
     if mega is not None:
         result["megatron_tok_s"] = round(tok_s["megatron"], 1)
         result["megatron_vs_fsdp"] = round(tok_s["megatron"] / fsdp_tok_s, 3)
