@@ -33,7 +33,8 @@ _TARGET = re.compile(
 
 
 def _dequantized_weight(w: torch.Tensor) -> torch.Tensor:
-    return fp8.dequantize_weight(*fp8.quantize_weight(w), torch.float32)
+    # the torch form of the engine's quantizer (bit-equal to its Triton pass), which compiled blocks can trace
+    return fp8.dequantize_weight(*fp8.quantize_weight_torch(w), torch.float32)
 
 
 def _dequantized_activation(x: torch.Tensor) -> torch.Tensor:
@@ -66,9 +67,12 @@ class Fp8BlockwiseLinear(nn.Linear):
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def use_fp8_forward(model: nn.Module) -> int:
-    """Give the decoder projections of `model` (a transformers causal LM, before sharding) the FP8 product;
-    returns how many. Refuses a model where none matches the engine's quantized names."""
+def use_fp8_forward(model: nn.Module, recipe: str = "blockwise") -> int:
+    """Give the decoder projections of `model` (a transformers causal LM, before sharding) the FP8 product of
+    `recipe` (--fp8-recipe; blockwise, the engine's scaling, is the one there is); returns how many. Refuses a
+    model where none matches the engine's quantized names."""
+    if recipe != "blockwise":
+        raise ValueError(f"--fp8-recipe {recipe!r}: the FP8 rollout scales 128x128 weight blocks; use blockwise")
     count = 0
     for name, module in model.named_modules():
         if _TARGET.search(name) and type(module) is nn.Linear:

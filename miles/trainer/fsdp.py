@@ -158,7 +158,7 @@ class FSDPBackend:
             if self.fp32_residual:
                 keep_fp32_residual(model, self.compute_dtype)
             if self.train_cfg.fp8_format is not None:
-                use_fp8_forward(model)
+                use_fp8_forward(model, self.train_cfg.fp8_recipe)
         return model
 
     def _build_trainable(self, path: str, lr: float, critic: bool = False):

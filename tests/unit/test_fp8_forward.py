@@ -67,6 +67,8 @@ def test_refusals():
 
     with pytest.raises(ValueError, match="none of the projections"):
         use_fp8_forward(nn.Sequential(nn.Linear(4, 4)))
+    with pytest.raises(ValueError, match="--fp8-recipe 'tensorwise'"):
+        use_fp8_forward(nn.Sequential(nn.Linear(4, 4)), "tensorwise")
     base = [*minimal_train_args(), "--fp8-format", "e4m3"]
     with pytest.raises(ConfigError, match="the engines serve the model's dtype"):
         load_config(base)

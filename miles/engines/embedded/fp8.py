@@ -99,18 +99,23 @@ def quantize_weight(
         if out is None:
             return q, scale_inv
     else:
-        N, K = w.shape
-        nb, kb = math.ceil(N / BLOCK), math.ceil(K / BLOCK)
-        padded = F.pad(w.float(), (0, kb * BLOCK - K, 0, nb * BLOCK - N)).view(nb, BLOCK, kb, BLOCK)
-        amax = padded.abs().amax(dim=(1, 3))
-        scale_inv = torch.clamp(amax, min=1e-12) / E4M3_MAX
-        q = (padded / scale_inv[:, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
-        q = q.view(nb * BLOCK, kb * BLOCK)[:N, :K]
+        q, scale_inv = quantize_weight_torch(w)
         if out is None:
-            return q.contiguous(), scale_inv
+            return q, scale_inv
     out[0].copy_(q)
     out[1].copy_(scale_inv)
     return out
+
+
+def quantize_weight_torch(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_weight` in torch ops on any device (the same bytes as the Triton pass; what torch.compile traces)."""
+    N, K = w.shape
+    nb, kb = math.ceil(N / BLOCK), math.ceil(K / BLOCK)
+    padded = F.pad(w.float(), (0, kb * BLOCK - K, 0, nb * BLOCK - N)).view(nb, BLOCK, kb, BLOCK)
+    amax = padded.abs().amax(dim=(1, 3))
+    scale_inv = torch.clamp(amax, min=1e-12) / E4M3_MAX
+    q = (padded / scale_inv[:, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return q.view(nb * BLOCK, kb * BLOCK)[:N, :K].contiguous(), scale_inv
 
 
 def dequantize_weight(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
