@@ -42,16 +42,11 @@ def _dequantized_activation(x: torch.Tensor) -> torch.Tensor:
     return q.float() * scale.repeat_interleave(fp8.BLOCK, 1)[:, : x.shape[1]]
 
 
-class _StraightThrough(torch.autograd.Function):
-    """`dequantized(t)` (fp32) in the forward, exactly; the identity's gradient to `t` in the backward."""
-
-    @staticmethod
-    def forward(ctx, t: torch.Tensor, dequantized) -> torch.Tensor:
-        return dequantized(t.detach())
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None  # autograd casts it to t's dtype
+def _straight_through(t: torch.Tensor, quantized: torch.Tensor) -> torch.Tensor:
+    """`quantized` (fp32) in the forward, exactly (t - t is exactly 0); the identity's gradient to `t`. Plain
+    ops rather than an autograd.Function, which compiled blocks could not trace."""
+    t32 = t.float()
+    return quantized + (t32 - t32.detach())
 
 
 class Fp8BlockwiseLinear(nn.Linear):
@@ -59,8 +54,8 @@ class Fp8BlockwiseLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        xq = _StraightThrough.apply(flat, _dequantized_activation)
-        wq = _StraightThrough.apply(self.weight, _dequantized_weight)
+        xq = _straight_through(flat, _dequantized_activation(flat.detach()))
+        wq = _straight_through(self.weight, _dequantized_weight(self.weight.detach()))
         out = F.linear(xq, wq).to(x.dtype)
         if self.bias is not None:
             out = out + self.bias
