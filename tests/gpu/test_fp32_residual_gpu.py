@@ -33,7 +33,7 @@ def test_the_flag_trains_compiled_on_cuda_and_narrows_the_gap(tmp_path):
 
 
 def test_fp8_rollouts_with_the_quantized_forward_on_cuda(tmp_path):
-    fp8 = (*FLAGS[:-1], "--sglang-quantization", "fp8")  # eager blocks: the quantizer's Triton pass uncompiled
+    fp8 = (*FLAGS, "--sglang-quantization", "fp8")
     plain = _gap(run_train(tmp_path / "bf16", *fp8, timeout_s=600))
     matched = _gap(
         run_train(tmp_path / "fp8", *fp8, "--fp8-format", "e4m3", "--fp32-residual-connection", timeout_s=600)
