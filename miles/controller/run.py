@@ -196,12 +196,13 @@ class MilesRun:
     async def generation_phase(self) -> AsyncIterator[None]:
         """The engines hold the GPUs while the body generates (the colocated hand-over, per `self.offload`).
 
-        Before: the engines get back memory released for training, the trainer is offloaded. After, and
+        Before: the trainer is offloaded, then the engines get back memory released for training (in that
+        order: the trainer's state and the engines' memory need not fit on the GPU together). After, and
         when a stop signal ends the body: the engines release their memory and the trainer is onloaded.
         Any other error leaves the workers as they are (the run is ending)."""
-        await self._resume_engines()
         if self.offload.trainer:
             await self.timed("offload_time", self.trainers.offload())
+        await self._resume_engines()
         try:
             yield
         except StopRequested:  # the trainer still takes the GPUs back to save the last finished step

@@ -112,6 +112,31 @@ def test_without_a_push_the_next_generation_resumes_the_engines() -> None:
     ]
 
 
+def test_without_a_push_the_trainer_leaves_before_the_engines_come_back() -> None:
+    """Two generations with no push between (--update-weights-interval > 1): the trainer's state is offloaded
+    before the engines resume, so the two need not fit on the GPU together."""
+    run, calls = _run(OffloadPlan(trainer=True, engine_tags=("kv_cache", "weights")))
+
+    async def two_steps() -> None:
+        for _ in range(2):
+            async with run.generation_phase():
+                calls.append("generate")
+
+    asyncio.run(two_steps())
+    assert calls == [
+        "offload",
+        "generate",
+        "release_memory_occupation",
+        "onload",
+        "offload",
+        "release_cached_memory",
+        "resume_memory_occupation",
+        "generate",
+        "release_memory_occupation",
+        "onload",
+    ]
+
+
 def test_a_stop_hands_the_gpus_back_and_a_failure_leaves_them() -> None:
     run, calls = _run(OffloadPlan(trainer=True, engine_tags=("kv_cache",)))
 
@@ -126,9 +151,9 @@ def test_a_stop_hands_the_gpus_back_and_a_failure_leaves_them() -> None:
     with pytest.raises(RuntimeError):
         asyncio.run(body(RuntimeError("engine died")))
     assert calls == [
+        "offload",  # the trainer's state leaves before the engines take their memory back
         "release_cached_memory",
         "resume_memory_occupation",
-        "offload",
     ]  # no call to workers that may be gone
 
 
