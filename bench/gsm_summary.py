@@ -27,6 +27,7 @@ PHASES = {
     "train_tokens_per_s": "perf/train_tokens_per_s",
     "response_len": "rollout/response_len_mean",
     "truncated_frac": "rollout/truncated_frac",
+    "train_rollout_logprob_abs_diff": "train/train_rollout_logprob_abs_diff",  # what --fp32-residual-connection narrows
 }
 EVALS = ("gsm_orig", "gsm_heldout")
 
