@@ -18,28 +18,16 @@ trainer optimizes those of the policy the engine samples from.
 
 from __future__ import annotations
 
-import re
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from miles.engines.embedded import fp8
 
-# the decoder projections the engine serves in FP8 (fp8.QUANTIZED_SUFFIXES without ".weight")
-_TARGET = re.compile(
-    r"(^|\.)layers\.\d+\.(self_attn\.(q_proj|k_proj|v_proj|o_proj)|mlp\.(gate_proj|up_proj|down_proj))$"
-)
-
 
 def _dequantized_weight(w: torch.Tensor) -> torch.Tensor:
     # the torch form of the engine's quantizer (bit-equal to its Triton pass), which compiled blocks can trace
     return fp8.dequantize_weight(*fp8.quantize_weight_torch(w), torch.float32)
-
-
-def _dequantized_activation(x: torch.Tensor) -> torch.Tensor:
-    q, scale = fp8.quantize_activation(x)
-    return q.float() * scale.repeat_interleave(fp8.BLOCK, 1)[:, : x.shape[1]]
 
 
 def _straight_through(t: torch.Tensor, quantized: torch.Tensor) -> torch.Tensor:
@@ -54,7 +42,7 @@ class Fp8BlockwiseLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        xq = _straight_through(flat, _dequantized_activation(flat.detach()))
+        xq = _straight_through(flat, fp8.dequantize_activation(flat.detach()))
         wq = _straight_through(self.weight, _dequantized_weight(self.weight.detach()))
         out = F.linear(xq, wq).to(x.dtype)
         if self.bias is not None:
@@ -70,7 +58,7 @@ def use_fp8_forward(model: nn.Module, recipe: str = "blockwise") -> int:
         raise ValueError(f"--fp8-recipe {recipe!r}: the FP8 rollout scales 128x128 weight blocks; use blockwise")
     count = 0
     for name, module in model.named_modules():
-        if _TARGET.search(name) and type(module) is nn.Linear:
+        if fp8.is_quantized_name(f"{name}.weight") and type(module) is nn.Linear:  # the engine's FP8 names
             module.__class__ = Fp8BlockwiseLinear
             count += 1
     if not count:

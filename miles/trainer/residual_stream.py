@@ -45,8 +45,7 @@ def _stream_class(cls: type) -> type:
     return globals()[name]
 
 
-def _decoder_norms(model: nn.Module) -> list[nn.Module]:
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+def _decoder_norms(decoder: nn.Module | None, model: nn.Module) -> list[nn.Module]:
     layers = getattr(decoder, "layers", None)
     if decoder is None or layers is None or not hasattr(decoder, "norm"):
         raise ValueError(
@@ -71,8 +70,8 @@ def keep_fp32_residual(model: nn.Module, compute_dtype: torch.dtype) -> None:
     fp32 while computing in `compute_dtype`. A no-op when that is fp32 already."""
     if compute_dtype == torch.float32:
         return
-    norms = _decoder_norms(model)
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    norms = _decoder_norms(decoder, model)
     decoder.get_input_embeddings().register_forward_hook(lambda _m, _a, out: out.float())
     rotary = getattr(decoder, "rotary_emb", None)
     if rotary is not None:

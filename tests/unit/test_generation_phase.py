@@ -48,6 +48,17 @@ def _run(plan: OffloadPlan) -> tuple[MilesRun, list[str]]:
     return run, calls
 
 
+def _generate_twice(run: MilesRun, calls: list[str]) -> None:
+    """Two generations with no push between (--update-weights-interval > 1)."""
+
+    async def two_steps() -> None:
+        for _ in range(2):
+            async with run.generation_phase():
+                calls.append("generate")
+
+    asyncio.run(two_steps())
+
+
 def test_plan_offloads_only_on_a_colocated_run_and_only_what_exists() -> None:
     cfg = MilesConfig()
     cfg.train.offload_train, cfg.train.offload_rollout = True, True
@@ -95,13 +106,7 @@ def test_generation_hands_the_gpus_over_and_the_push_takes_them_back() -> None:
 
 def test_without_a_push_the_next_generation_resumes_the_engines() -> None:
     run, calls = _run(OffloadPlan(engine_tags=("kv_cache",)))
-
-    async def two_steps() -> None:
-        for _ in range(2):
-            async with run.generation_phase():
-                calls.append("generate")
-
-    asyncio.run(two_steps())
+    _generate_twice(run, calls)
     assert calls == [
         "generate",
         "release_memory_occupation",
@@ -116,13 +121,7 @@ def test_without_a_push_the_trainer_leaves_before_the_engines_come_back() -> Non
     """Two generations with no push between (--update-weights-interval > 1): the trainer's state is offloaded
     before the engines resume, so the two need not fit on the GPU together."""
     run, calls = _run(OffloadPlan(trainer=True, engine_tags=("kv_cache", "weights")))
-
-    async def two_steps() -> None:
-        for _ in range(2):
-            async with run.generation_phase():
-                calls.append("generate")
-
-    asyncio.run(two_steps())
+    _generate_twice(run, calls)
     assert calls == [
         "offload",
         "generate",

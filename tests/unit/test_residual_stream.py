@@ -8,23 +8,13 @@ import pytest
 import torch
 from torch import nn
 
-from miles.engines.embedded.kv_cache import KVCache
 from miles.engines.embedded.model import CausalLM
 from miles.models.tiny import make_tiny_model
 from miles.trainer.residual_stream import keep_fp32_residual
 
+from bench_modules import load_bench  # isort: skip  (same folder, rootdir on sys.path)
 
-@torch.no_grad()
-def engine_logprobs(model: CausalLM, seqs: torch.Tensor) -> torch.Tensor:
-    """log p(token t+1 | tokens <= t), [B, T - 1], through the engine's eager forward (teacher-forced)."""
-    s, (B, T) = model.spec, seqs.shape
-    kv = KVCache(
-        num_layers=s.num_layers, num_slots=B, max_seq_len=T + 2, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
-        dtype=model.dtype, device=model.device,
-    )  # fmt: skip
-    pos = torch.arange(T)[None].expand(B, T)
-    logits = model.logits(model.forward(seqs, pos, kv, 0, pos, kv_len=None).reshape(B * T, -1)).float()
-    return torch.log_softmax(logits.view(B, T, -1)[:, :-1], -1).gather(-1, seqs[:, 1:, None]).squeeze(-1)
+engine_logprobs = load_bench("residual_stream").token_logprobs  # teacher-forced, the engine's eager forward
 
 
 @torch.no_grad()

@@ -289,11 +289,15 @@ def _block_scaled_mm(x: torch.Tensor, w: Fp8Weight, dtype: torch.dtype) -> torch
     return out[:M] if pad else out
 
 
+def dequantize_activation(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] after its per-token, per-128-channel e4m3 round trip, in fp32 (what the W8A8 product reads)."""
+    xq, xs = quantize_activation(x)
+    return xq.float() * xs.repeat_interleave(BLOCK, 1)[:, : x.shape[1]]
+
+
 def _emulated(x: torch.Tensor, w: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
     """The same W8A8 product with both operands dequantized (exact products, fp32 sums)."""
-    xq, xs = quantize_activation(x)
-    xd = xq.float() * xs.repeat_interleave(BLOCK, 1)[:, : x.shape[1]]
-    return F.linear(xd, dequantize_weight(w.q, w.scale_inv, torch.float32)).to(dtype)
+    return F.linear(dequantize_activation(x), dequantize_weight(w.q, w.scale_inv, torch.float32)).to(dtype)
 
 
 # ---- checkpoints ------------------------------------------------------------------------------------
