@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from miles.config import AlgoConfig, ModelConfig, RolloutConfig, TrainConfig
@@ -29,32 +29,17 @@ from miles.rollout.train_data import TrainBatch
 from miles.trainer import checkpoint as ckpt
 from miles.trainer.backend import MicroBatchLoss, register_backend
 from miles.trainer.forward import dummy_batch, forward_micro_batch, model_layout, response_values, token_index
-from miles.trainer.fp8_forward import use_fp8_forward
-from miles.trainer.fsdp_shard import (  # noqa: F401 - shard_model and _own_parameters: used by tests and benches
-    _adamw_kernels,
-    _clip_grad_norm,
-    _own_parameters,
-    cast_parameters,
-    shard_model,
-)
-from miles.trainer.hf_io import (
-    load_causal_lm,
-    load_value_model,
-    resolve_compute_dtype,
-    source_dtype,
-    trainer_attention,
-    write_hf_dir,
-)
-from miles.trainer.lora import adapter_tensors, apply_lora, export_lora_hf, lora_settings, trainable_parameters
-from miles.trainer.lr_schedule import LRSchedule, LRScheduler
+from miles.trainer.fsdp_build import ModelBuilder
+from miles.trainer.fsdp_shard import _clip_grad_norm
+from miles.trainer.hf_io import resolve_compute_dtype, source_dtype, trainer_attention, write_hf_dir
+from miles.trainer.lora import adapter_tensors, export_lora_hf, lora_settings
+from miles.trainer.lr_schedule import LRScheduler
 from miles.trainer.offload import DiskOffloader, HostOffloader, module_tensors, optimizer_tensors
-from miles.trainer.offload_optim import OffloadedAdamW, build_adamw, optimizer_placement
+from miles.trainer.offload_optim import OffloadedAdamW
 from miles.trainer.packing import layout_for, pack_sequences, plan_micro_batches
-from miles.trainer.residual_stream import keep_fp32_residual
 from miles.trainer.routing_replay import RoutingReplay, replay_scope
 from miles.trainer.train_loop import run_rl_step
 from miles.utils.moe_names import per_expert_tensors
-from miles.utils.timer import PhaseClock
 
 logger = logging.getLogger(__name__)
 
@@ -115,25 +100,13 @@ class FSDPBackend:
         if self.train_cfg.async_save is not False:
             self._saver = ckpt.BackgroundWriter(self.device)
         torch.manual_seed(self.train_cfg.seed)
-        self.compute_dtype = compute_dtype = resolve_compute_dtype(self.model_cfg.dtype, self.device.type)
-        # --fp32-residual-connection: the blocks take the fp32 stream as it comes (FSDP would cast it down)
-        self.fp32_residual = self.train_cfg.fp32_residual_connection and compute_dtype != torch.float32
-        if self.train_cfg.compile and (self.fp32_residual or self.train_cfg.fp8_format):
-            # compiled blocks round where the eager ops (and the engine) round, instead of fusing the casts away:
-            # on CPU that took the stream's train/rollout gap from 1.3e-3 back to 4e-5
-            import torch._inductor.config as inductor_config
-
-            inductor_config.emulate_precision_casts = True
-        self.mp_policy = (
-            MixedPrecisionPolicy(
-                param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=not self.fp32_residual
-            )
-            if compute_dtype != torch.float32
-            else None
-        )
+        self.compute_dtype = resolve_compute_dtype(self.model_cfg.dtype, self.device.type)
         self.true_on_policy = self.train_cfg.true_on_policy_mode
-        self.attn_impl = trainer_attention(self.device, compute_dtype, self.model_cfg, self.train_cfg)
-        self.actor, self.optimizer, self.scheduler = self._build_trainable(
+        self.attn_impl = trainer_attention(self.device, self.compute_dtype, self.model_cfg, self.train_cfg)
+        self.build = ModelBuilder(
+            self.model_cfg, self.train_cfg, self.lora, self.mesh, self.device, self.compute_dtype, self.attn_impl
+        )
+        self.actor, self.optimizer, self.scheduler = self.build.trainable(
             self.model_cfg.hf_checkpoint, self.train_cfg.lr
         )
         self.replay = (  # --use-(rollout-)routing-replay: the actor's MoE routers replay (routing_replay.py)
@@ -142,70 +115,20 @@ class FSDPBackend:
             else None
         )
         if self.needs_ref:
-            self.ref = self._build_frozen(self.model_cfg.ref_load or self.model_cfg.hf_checkpoint)
+            self.ref = self.build.frozen(self.model_cfg.ref_load or self.model_cfg.hf_checkpoint)
         if self.needs_critic:
             path = self.model_cfg.critic_load or self.model_cfg.hf_checkpoint
             lr = self.train_cfg.critic_lr if self.train_cfg.critic_lr is not None else self.train_cfg.lr
-            self.critic, self.critic_optimizer, self.critic_scheduler = self._build_trainable(path, lr, critic=True)
+            self.critic, self.critic_optimizer, self.critic_scheduler = self.build.trainable(path, lr, critic=True)
         logger.info(
             "FSDP backend ready: dp=%d device=%s compute=%s attn=%s ref=%s critic=%s",
             self.dp_size,
             self.device,
-            compute_dtype,
+            self.compute_dtype,
             self.attn_impl,
             self.ref is not None,
             self.critic is not None,
         )
-
-    def _load(self, path: str, critic: bool = False) -> nn.Module:
-        load = load_value_model if critic else load_causal_lm
-        model = load(path, attn_implementation=self.attn_impl, trust_remote_code=self.model_cfg.trust_remote_code)
-        if not critic:  # the policy and its reference score as the engine does, where asked
-            if self.fp32_residual:
-                keep_fp32_residual(model, self.compute_dtype)
-            if self.train_cfg.fp8_format is not None:
-                use_fp8_forward(model, self.train_cfg.fp8_recipe)
-        return model
-
-    def _build_trainable(self, path: str, lr: float, critic: bool = False):
-        clock = PhaseClock()
-        model = self._load(path, critic)
-        clock.mark("checkpoint")
-        if self.lora is not None and not critic:
-            apply_lora(model, self.lora)  # in place: only the adapter trains
-        if self.train_cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        t = self.train_cfg
-        placement = optimizer_placement(t)
-        if placement == "cpu":  # the optimizer copies the fp32 masters before the weights drop to compute dtype
-            optimizer = build_adamw(trainable_parameters(model), t, lr, {})
-            cast_parameters(shard_model(model, self.mesh, None, compile_blocks=t.compile), self.compute_dtype)
-        else:
-            shard_model(
-                model,
-                self.mesh,
-                self.mp_policy,
-                compile_blocks=t.compile,
-                reshard_after_forward=True if placement else None,
-            )
-            optimizer = build_adamw(trainable_parameters(model), t, lr, _adamw_kernels(model, self.device))
-        model.train()
-        clock.mark("shard+optimizer")
-        logger.info("%s built in %s", "critic" if critic else "actor", clock.summary())
-        schedule = LRSchedule(
-            lr=lr,
-            min_lr=t.min_lr,
-            warmup_iters=t.lr_warmup_iters,
-            decay_style=t.lr_decay_style,
-            decay_iters=t.lr_decay_iters,
-        )
-        return model, optimizer, LRScheduler(optimizer, schedule)
-
-    def _build_frozen(self, path: str) -> nn.Module:
-        model = self._load(path)
-        model.requires_grad_(False)
-        shard_model(model, self.mesh, self.mp_policy)
-        return model.eval()
 
     # ---- forward-only -----------------------------------------------------------------------------
     def _schedule(self, batch: TrainBatch) -> list[list[int] | None]:

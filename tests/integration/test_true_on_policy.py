@@ -20,7 +20,7 @@ from e2e_helpers import run_train
 from miles.engines.embedded.engine import EmbeddedEngine
 from miles.models.tiny import make_tiny_model
 from miles.rollout.train_data import TrainBatch
-from miles.trainer.fsdp import _own_parameters
+from miles.trainer.fsdp_shard import _own_parameters
 from miles.trainer.hf_io import load_causal_lm
 from miles.trainer.true_on_policy import forward_sequences
 from miles.true_on_policy import ATTN_IMPLEMENTATION
