@@ -56,8 +56,9 @@ class TrainConfig:
         False,
         "FSDP trainer computing in bf16/fp16: keep the decoder's residual stream in fp32, as the embedded engine "
         "does (every norm and GEMM still reads compute-dtype inputs), so the trainer's log-probs follow the "
-        "engine's arithmetic (Qwen2, Qwen3, Qwen3-MoE, Llama, Mistral); the megatron backend's stream is fp32 "
-        "always (autocast over fp32 parameters)",
+        "engine's arithmetic (Qwen2, Qwen3, Qwen3-MoE, Llama, Mistral); SGLang keeps its stream in the model "
+        "dtype, so beside --engine sglang the flag moves the trainer away from it; the megatron backend's stream "
+        "is fp32 always (autocast over fp32 parameters)",
     )
     fp8_format: Literal["e4m3"] | None = option(
         None,
