@@ -26,7 +26,7 @@ from miles.controller.placement import Placement
 from miles.controller.run_dirs import RunDirError, check_save_reuse
 from miles.rollout.data_source import DataError, DataSource, JsonlDataSource, PromptLimit, load_data_source
 from miles.rollout.sft_data import SupervisedDataSource
-from miles.utils.misc import PluginError, load_function
+from miles.utils.misc import PluginError, load_function, missing_file_line
 from miles.wire.launch_env import LaunchEnv, launch_env, with_controller_flags
 
 logger = logging.getLogger(__name__)
@@ -355,7 +355,7 @@ def check_data_paths(cfg: MilesConfig) -> None:
         paths += [(f"eval data {name!r}:", path) for name, path in parse_eval_datasets(cfg.eval.eval_prompt_data)]
     for what, path in paths:
         if not Path(path).is_file():
-            raise PreflightError(f"{what} {path!r} does not exist or is not a file; check the path")
+            raise PreflightError(missing_file_line(what, path))
 
 
 def parse_eval_datasets(items: list[str]) -> list[tuple[str, str]]:

@@ -27,7 +27,7 @@ import numpy as np
 from miles.config import DataConfig
 from miles.rollout.prompt_files import PromptFileError, is_parquet, iter_prompt_rows
 from miles.rollout.sample import Sample
-from miles.utils.misc import load_function
+from miles.utils.misc import load_function, missing_file_line
 
 logger = logging.getLogger(__name__)
 
@@ -275,7 +275,7 @@ class JsonlDataSource(DataSource):
 
     def _load(self, path: Path, tokenizer: Any) -> list[PromptRow]:
         if not path.is_file():
-            raise DataError(f"prompt data {str(path)!r} does not exist or is not a file; check the path")
+            raise DataError(missing_file_line("prompt data", path))
         rows: list[PromptRow] = []
         pending: list[tuple[int, PromptRow]] = []  # read and rendered, tokenised a batch at a time
         try:

@@ -1,8 +1,9 @@
-"""Small shared helpers: plug-in loading."""
+"""Small shared helpers: plug-in loading, the line for a missing file."""
 
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -36,3 +37,10 @@ def load_function(path: str | None) -> Callable[..., Any] | Any | None:
         except AttributeError as e:
             raise PluginError(f"module {module_name!r} has no attribute {attr!r} (plug-in {path!r})") from e
     return obj
+
+
+def missing_file_line(what: str, path: str | os.PathLike) -> str:
+    """One line for a path that names no file; a relative one says where it was looked for (the working
+    directory), since configs written for the project root name their data relative to it."""
+    where = "" if os.path.isabs(path) else f" (relative to the working directory {os.getcwd()})"
+    return f"{what} {str(path)!r}{where} does not exist or is not a file; check the path"

@@ -344,3 +344,17 @@ def test_prompts_tokenised_in_batches_get_the_tokens_of_one_at_a_time(tmp_path: 
         assert [s.prompt for s in kept] == [r["input"] for r in expected]
         assert [s.tokens for s in kept] == [fast(r["input"])["input_ids"] for r in expected]
         assert source.long_prompts_dropped == 11 - len(expected) and source.bad_rows == 1
+
+
+def test_a_missing_relative_path_says_where_it_was_looked_for(tmp_path: Path, monkeypatch) -> None:
+    from miles.rollout.data_source import DataError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError) as info:
+        JsonlDataSource(DataConfig(prompt_data="launch/data/x.jsonl"), n_samples_per_prompt=1)
+    assert str(info.value) == (
+        f"prompt data 'launch/data/x.jsonl' (relative to the working directory {tmp_path}) does not exist or is "
+        "not a file; check the path"
+    )
+    with pytest.raises(DataError, match=r"^prompt data '/x\.jsonl' does not exist"):  # an absolute one needs no note
+        JsonlDataSource(DataConfig(prompt_data="/x.jsonl"), n_samples_per_prompt=1)

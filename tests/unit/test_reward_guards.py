@@ -299,6 +299,8 @@ BASE = minimal_train_args(num_rollout=2)
             ["--rollout-max-consecutive-drops", "0"],
             "config error: --rollout-max-consecutive-drops=0 is outside [1, inf)",
         ),
+        # a batch knob below 1 is the batch rule's one line, not that and its range as well
+        (["--rollout-batch-size", "0"], "config error: --rollout-batch-size=0 must be a positive integer"),
     ],
 )
 def test_bad_numbers_are_refused_with_one_line(flags, message) -> None:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from miles.config.fields import FIELDS, flag
 from miles.config.option import MAX_SAMPLES_PER_STEP
 from miles.config.ranges import CHECKED_ELSEWHERE, MACHINE_LIMITS, NUMBER_RANGES, in_range, machine_errors
+from miles.config.rules.batch import KNOBS
 
 if TYPE_CHECKING:
     from miles.config.sections import MilesConfig
@@ -58,6 +59,7 @@ def check_numbers(cfg: MilesConfig, explicit: set[str]) -> list[str]:
                 or name not in NUMBER_RANGES
                 or name in CHECKED_ELSEWHERE
                 or in_range(v, NUMBER_RANGES[name][0])
+                or (name in KNOBS and v <= 0)  # one line already, from the batch rule
             ):
                 continue
             if isinstance(v, float) and not math.isfinite(v):
