@@ -11,9 +11,11 @@ FP8 kernels are switched on). The same projections are quantized as the engine's
 embeddings, norms, the LM head and MoE experts stay as they are, as the engine keeps them.
 
 The backward is straight through: each operand's gradient is that of its dequantized value (the quantizer is
-taken as the identity), with the GEMMs in fp32. This is not FP8 training for speed (no FP8 GEMM runs here,
-and the fp32 products cost more than bf16 ones): it is the forward contract, which makes the log-probs the
-trainer optimizes those of the policy the engine samples from.
+taken as the identity at the quantized point), with the GEMMs in the compute dtype, as a plain linear's. The
+product is an op of its own (`miles::fp8_blockwise_product`) that keeps only its bf16 input and weight for the
+backward, as a plain linear does, and quantizes them again there. This is not FP8 training for speed (no FP8
+GEMM runs here, and the forward's fp32 product costs more than a bf16 one): it is the forward contract, which
+makes the log-probs the trainer optimizes those of the policy the engine samples from.
 """
 
 from __future__ import annotations
@@ -25,16 +27,38 @@ from torch import nn
 from miles.engines.embedded import fp8
 
 
-def _dequantized_weight(w: torch.Tensor) -> torch.Tensor:
+def _dequantized_weight(w: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     # the torch form of the engine's quantizer (bit-equal to its Triton pass), which compiled blocks can trace
-    return fp8.dequantize_weight(*fp8.quantize_weight_torch(w), torch.float32)
+    return fp8.dequantize_weight(*fp8.quantize_weight_torch(w), dtype)
 
 
-def _straight_through(t: torch.Tensor, quantized: torch.Tensor) -> torch.Tensor:
-    """`quantized` (fp32) in the forward, exactly (t - t is exactly 0); the identity's gradient to `t`. Plain
-    ops rather than an autograd.Function, which compiled blocks could not trace."""
-    t32 = t.float()
-    return quantized + (t32 - t32.detach())
+@torch.library.custom_op("miles::fp8_blockwise_product", mutates_args=())
+def fp8_blockwise_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ w.T as the engine's W8A8 product, in x's dtype. An op of its own, so that compiled blocks keep
+    its roundings (and trace its straight-through backward) without an autograd.Function, which they could not."""
+    return F.linear(fp8.dequantize_activation(x), _dequantized_weight(w)).to(x.dtype)
+
+
+@fp8_blockwise_product.register_fake
+def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], w.shape[0]))
+
+
+def _save(ctx, inputs: tuple[torch.Tensor, torch.Tensor], output: torch.Tensor) -> None:
+    ctx.save_for_backward(*inputs)  # what a plain linear keeps anyway; the backward quantizes them again
+
+
+def _straight_through(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of a plain GEMM of the dequantized operands, in x's dtype (the quantizer taken as the
+    identity at the quantized point)."""
+    x, w = ctx.saved_tensors
+    grad = grad.to(x.dtype)
+    grad_x = grad @ _dequantized_weight(w, x.dtype)
+    grad_w = grad.t() @ fp8.dequantize_activation(x).to(x.dtype)
+    return grad_x, grad_w.to(w.dtype)
+
+
+fp8_blockwise_product.register_autograd(_straight_through, setup_context=_save)
 
 
 class Fp8BlockwiseLinear(nn.Linear):
@@ -42,9 +66,7 @@ class Fp8BlockwiseLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        xq = _straight_through(flat, fp8.dequantize_activation(flat.detach()))
-        wq = _straight_through(self.weight, _dequantized_weight(self.weight.detach()))
-        out = F.linear(xq, wq).to(x.dtype)
+        out = fp8_blockwise_product(flat, self.weight)
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], out.shape[-1])

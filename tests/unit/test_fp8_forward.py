@@ -60,6 +60,29 @@ def test_the_backward_is_straight_through():
     torch.testing.assert_close(layer.bias.grad, grad.sum(0))
 
 
+def test_a_bf16_layer_keeps_only_its_input_and_weight_for_the_backward():
+    """No fp32 copy of the weight or the activation waits for the backward (a plain linear keeps the same
+    two), and the bf16 gradients are the straight-through ones to bf16 precision."""
+    torch.manual_seed(0)
+    layer = nn.Linear(256, 384, bias=False).to(torch.bfloat16)
+    layer.__class__ = Fp8BlockwiseLinear
+    x = torch.randn(7, 256, dtype=torch.bfloat16, requires_grad=True)
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = layer(x)
+    assert out.dtype == torch.bfloat16
+    assert sorted((tuple(t.shape), t.dtype) for t in saved) == [
+        ((7, 256), torch.bfloat16),
+        ((384, 256), torch.bfloat16),
+    ]
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    xd = fp8.dequantize_activation(x.detach())
+    wd = fp8.dequantize_weight(*fp8.quantize_weight(layer.weight.detach()))
+    torch.testing.assert_close(x.grad.float(), grad.float() @ wd, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(layer.weight.grad.float(), grad.float().t() @ xd, rtol=2e-2, atol=2e-2)
+
+
 def test_refusals():
     from miles.config import ConfigError, load_config
 
