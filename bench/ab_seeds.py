@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from e2e_vs_trl import t975
+from miles_runs import metrics_rows, train_command
 
 REPO = Path(__file__).resolve().parents[1]
 # per run; B minus A of each, seed by seed. Each arm's rewards and evaluations come from its own serving:
@@ -58,23 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def command(args: argparse.Namespace, arm: str, seed: int, out_dir: Path) -> list[str]:
     flags = args.a if arm == "a" else args.b
-    return [
-        sys.executable,
-        "-m",
-        "miles.cli",
-        "train",
-        "--config",
-        args.config,
-        "--seed",
-        str(1234 + seed),
-        "--rollout-seed",
-        str(42 + seed),
-        "--output-dir",
-        str(out_dir),
-        "--no-progress-bar",
-        *shlex.split(args.extra),
-        *shlex.split(flags),
-    ]
+    seeds = ["--seed", str(1234 + seed), "--rollout-seed", str(42 + seed)]
+    return train_command(["--config", args.config, *seeds, *shlex.split(args.extra), *shlex.split(flags)], out_dir)
 
 
 def _eval_mean(row: dict) -> float:
@@ -87,7 +73,7 @@ def _gain(last: float | None, first: float | None) -> float | None:
 
 def read_run(out_dir: Path) -> dict:
     """The figures of one finished run, from its metrics.jsonl."""
-    rows = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rows = metrics_rows(out_dir)
     steps = [r for r in rows if "rollout/reward_mean" in r]
     evals = [r for r in rows if any(k.startswith("eval/") and k.endswith("/reward_mean") for k in r)]
     rewards = [r["rollout/reward_mean"] for r in steps]

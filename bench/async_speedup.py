@@ -29,6 +29,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from miles_runs import metrics_rows
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -108,7 +109,7 @@ def train_args(a: argparse.Namespace, data: Path, out: Path, *, fully_async: boo
 
 def measure(run_dir: Path) -> tuple[float, float]:
     """(steps/s after the first step, mean response length of the trained samples)."""
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rows = metrics_rows(run_dir)
     steps = [r for r in rows if r["step"] >= 1]
     return len(steps) / sum(r["perf/step_time"] for r in steps), statistics.mean(
         r["rollout/response_len_mean"] for r in rows if r["step"] >= 0

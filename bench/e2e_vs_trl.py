@@ -54,6 +54,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from miles_runs import metrics_rows, train_command
+
 REPO = Path(__file__).resolve().parents[1]
 SHORT_DATA = REPO / "launch/data/arith_train.jsonl"
 GSM_DATA = REPO / "launch/data/gsm_symbolic/train.jsonl"
@@ -232,11 +234,7 @@ def miles_command(
     args: argparse.Namespace, model: str, data: Path, out_dir: Path, seed: int, device: str
 ) -> list[str]:
     n = args.prompts * args.samples
-    cmd = [
-        sys.executable,
-        "-m",
-        "miles.cli",
-        "train",
+    flags = [
         "--hf-checkpoint",
         model,
         "--prompt-data",
@@ -284,13 +282,10 @@ def miles_command(
         str(1234 + seed + STREAM_STRIDE * args.stream),
         "--rollout-seed",
         str(42 + seed + STREAM_STRIDE * args.stream),
-        "--output-dir",
-        str(out_dir),
-        "--no-progress-bar",
     ]
     if args.job == "gsm" and device == "cuda":
-        cmd.append("--compile")  # as the recipe trains (qwen25_gsm_0.5b_gpu.yaml)
-    return cmd + shlex.split(args.miles_extra)
+        flags.append("--compile")  # as the recipe trains (qwen25_gsm_0.5b_gpu.yaml)
+    return train_command(flags + shlex.split(args.miles_extra), out_dir)
 
 
 def max_tokens_per_gpu(args: argparse.Namespace) -> int:
@@ -306,11 +301,7 @@ def run_miles(args: argparse.Namespace, model: str, data: Path, work: Path, seed
     with log.open("w") as f:
         rc = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout_s).returncode
     wall = time.perf_counter() - start
-    rows = (
-        [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-        if (out_dir / "metrics.jsonl").exists()
-        else []
-    )
+    rows = metrics_rows(out_dir)
     rows = [r for r in rows if "perf/step_time" in r]
     if rc != 0 or len(rows) != args.steps:
         raise SystemExit(

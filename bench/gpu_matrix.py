@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from miles_runs import metrics_rows, train_command
+
 REPO = Path(__file__).resolve().parents[1]
 DEMO = ["--config", "launch/configs/demo_cpu.yaml", "--eval-interval", "0", "--num-rollout", "40"]
 SMOLLM2 = ["--config", "launch/configs/smollm2_arith_gpu.yaml"]
@@ -190,17 +192,10 @@ def _long_answer_data(work: Path) -> Path:
 
 def command(run: Run, out_dir: Path, work: Path, extra: list[str]) -> list[str]:
     flags = [f.replace("{work}", str(work)) for f in run.flags]
-    cmd = [sys.executable, "-m", "miles.cli", "train", *flags, "--output-dir", str(out_dir), "--no-progress-bar"]
+    cmd = train_command(flags, out_dir)
     if run.long_answers:
         cmd += ["--prompt-data", str(_long_answer_data(work)), "--rollout-stop"]
     return cmd + extra
-
-
-def _metrics(out_dir: Path) -> list[dict]:
-    path = out_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def summarise(
@@ -213,10 +208,10 @@ def summarise(
     parallel: int,
     tag: str = "",
 ) -> dict:
-    rows = [r for r in _metrics(out_dir) if "rollout/reward_mean" in r]
+    rows = [r for r in metrics_rows(out_dir) if "rollout/reward_mean" in r]
     rewards = [r["rollout/reward_mean"] for r in rows]
     steps = [r["perf/step_time"] for r in rows if "perf/step_time" in r]
-    heldout = [r[k] for r in _metrics(out_dir) for k in r if k.startswith("eval/") and k.endswith("/reward_mean")]
+    heldout = [r[k] for r in metrics_rows(out_dir) for k in r if k.startswith("eval/") and k.endswith("/reward_mean")]
     expected = _num_rollout(out_dir)
     line = {
         "run": run.name + tag,
@@ -231,7 +226,7 @@ def summarise(
         "rc": rc,
         "command": shlex.join(["miles", *cmd[3:]]),
     }
-    last = _metrics(out_dir)[-1:] or [{}]
+    last = metrics_rows(out_dir)[-1:] or [{}]
     line["sys_gpu_metrics"] = sorted(k for k in last[0] if k.startswith("sys/gpu"))
     if heldout:
         line["heldout_first"], line["heldout_best"], line["heldout_last"] = heldout[0], max(heldout), heldout[-1]

@@ -14,9 +14,10 @@ import argparse
 import json
 import statistics
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+from miles_runs import metrics_rows, train_command
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -27,22 +28,8 @@ def main() -> None:
     ap.add_argument("--config", default=str(REPO / "launch" / "configs" / "demo_cpu.yaml"))
     args, extra = ap.parse_known_args()
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [
-            sys.executable,
-            "-m",
-            "miles.cli",
-            "train",
-            "--config",
-            args.config,
-            "--num-rollout",
-            str(args.steps),
-            "--output-dir",
-            tmp,
-            "--no-progress-bar",
-            "--eval-interval",
-            "0",
-            *extra,
-        ]
+        flags = ["--config", args.config, "--num-rollout", str(args.steps), "--eval-interval", "0", *extra]
+        cmd = train_command(flags, tmp)
         subprocess.run(
             cmd,
             check=True,
@@ -50,7 +37,7 @@ def main() -> None:
             env={"MILES_TORCH_THREADS": "1", **__import__("os").environ},
             stdout=subprocess.DEVNULL,
         )
-        rows = [json.loads(line) for line in open(Path(tmp) / "metrics.jsonl") if line.strip()]
+        rows = metrics_rows(tmp)
     rows = [r for r in rows if "perf/step_time" in r][2:]  # skip warm-up steps
     frac = sorted(r["perf/controller_overhead_fraction"] for r in rows)
     overhead_ms = statistics.median(r["perf/controller_overhead"] for r in rows) * 1e3

@@ -18,12 +18,12 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import yaml
+from miles_runs import metrics_rows, train_command
 
 REPO = Path(__file__).resolve().parents[1]
 PRESETS = {
@@ -34,13 +34,12 @@ MODES = {"default": [], "true_on_policy": ["--true-on-policy-mode"]}
 
 
 def run_once(flags: list[str], out_dir: Path, timeout_s: float) -> list[dict]:
-    cmd = [sys.executable, "-m", "miles.cli", "train", *flags, "--output-dir", str(out_dir), "--no-progress-bar"]
+    cmd = train_command(flags, out_dir)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    with open(out_dir / "metrics.jsonl") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    rows = metrics_rows(out_dir)
     samples = _samples_per_step(out_dir)
     return [dict(r, samples=samples) for r in rows if "perf/step_time" in r]
 

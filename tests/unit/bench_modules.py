@@ -9,6 +9,8 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 def load_bench(name: str) -> ModuleType:
+    if str(BENCH) not in sys.path:  # a bench imports its siblings (miles_runs, ...), as when run as a script
+        sys.path.insert(0, str(BENCH))
     spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod  # dataclasses and pickling look the module up by name
