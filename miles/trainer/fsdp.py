@@ -30,7 +30,7 @@ from miles.trainer import checkpoint as ckpt
 from miles.trainer.backend import MicroBatchLoss, register_backend
 from miles.trainer.forward import dummy_batch, forward_micro_batch, model_layout, response_values, token_index
 from miles.trainer.fsdp_build import ModelBuilder
-from miles.trainer.fsdp_shard import _clip_grad_norm
+from miles.trainer.fsdp_shard import clip_sharded_grad_norm
 from miles.trainer.hf_io import resolve_compute_dtype, source_dtype, trainer_attention, write_hf_dir
 from miles.trainer.lora import adapter_tensors, export_lora_hf, lora_settings
 from miles.trainer.lr_schedule import LRScheduler
@@ -259,7 +259,7 @@ class FSDPBackend:
     def clip_grad_norm(self, *, critic: bool) -> float:
         model, optimizer, _ = self._trainable(critic)
         grads = optimizer.grad_tensors() if isinstance(optimizer, OffloadedAdamW) else None
-        return _clip_grad_norm(model, self.train_cfg.clip_grad, self.device, grads)
+        return clip_sharded_grad_norm(model, self.train_cfg.clip_grad, self.device, grads)
 
     def optimizer_step(self, *, critic: bool) -> None:
         _, optimizer, scheduler = self._trainable(critic)

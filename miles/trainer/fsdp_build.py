@@ -19,7 +19,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from miles.config import ModelConfig, TrainConfig
 from miles.trainer.fp8_forward import use_fp8_forward
-from miles.trainer.fsdp_shard import _adamw_kernels, cast_parameters, shard_model
+from miles.trainer.fsdp_shard import adamw_kernels, cast_parameters, shard_model
 from miles.trainer.hf_io import load_causal_lm, load_value_model
 from miles.trainer.lora import LoraSettings, apply_lora, trainable_parameters
 from miles.trainer.lr_schedule import LRSchedule, LRScheduler
@@ -93,7 +93,7 @@ class ModelBuilder:
         else:
             reshard = True if placement else None
             shard_model(model, self.mesh, self.mp_policy, compile_blocks=t.compile, reshard_after_forward=reshard)
-            optimizer = build_adamw(trainable_parameters(model), t, lr, _adamw_kernels(model, self.device))
+            optimizer = build_adamw(trainable_parameters(model), t, lr, adamw_kernels(model, self.device))
         model.train()
         clock.mark("shard+optimizer")
         logger.info("%s built in %s", "critic" if critic else "actor", clock.summary())

@@ -37,7 +37,7 @@ def shard_model(
         for block in blocks:
             block.compile(dynamic=True)
     if mesh.size() == 1 and mp_policy is None:
-        return _own_parameters(model.to(mesh.device_type))
+        return own_parameters(model.to(mesh.device_type))
     reshard = mesh.size() > 1 if reshard_after_forward is None else reshard_after_forward
     kw = {"mesh": mesh, "reshard_after_forward": reshard} | ({"mp_policy": mp_policy} if mp_policy else {})
     for block in blocks:
@@ -69,7 +69,7 @@ def cast_parameters(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return model
 
 
-def _own_parameters(model: nn.Module) -> nn.Module:
+def own_parameters(model: nn.Module) -> nn.Module:
     """Give every parameter storage of its own, as fully_shard does: HF may load them as views of the
     memory-mapped checkpoint, which can be neither offloaded (resized) nor should be written in place."""
     for p in model.parameters():  # tied weights are one Parameter, so they stay tied
@@ -77,7 +77,7 @@ def _own_parameters(model: nn.Module) -> nn.Module:
     return model
 
 
-def _clip_grad_norm(
+def clip_sharded_grad_norm(
     model: nn.Module, max_norm: float, device: torch.device, grads: list[torch.Tensor] | None = None
 ) -> float:
     """Global grad norm over all shards, and clipping, on the local shards.
@@ -104,7 +104,7 @@ def _clip_grad_norm(
     return float(norm.item())
 
 
-def _adamw_kernels(model: nn.Module, device: torch.device) -> dict[str, bool]:
+def adamw_kernels(model: nn.Module, device: torch.device) -> dict[str, bool]:
     """Fused AdamW (one pass over each tensor) for plain parameters: on GPU, and on a single CPU rank.
 
     FSDP's sharded parameters on CPU take the foreach path instead: one DTensor dispatch per op for

@@ -20,7 +20,7 @@ from e2e_helpers import run_train
 from miles.engines.embedded.engine import EmbeddedEngine
 from miles.models.tiny import make_tiny_model
 from miles.rollout.train_data import TrainBatch
-from miles.trainer.fsdp_shard import _own_parameters
+from miles.trainer.fsdp_shard import own_parameters
 from miles.trainer.hf_io import load_causal_lm
 from miles.trainer.true_on_policy import forward_sequences
 from miles.true_on_policy import ATTN_IMPLEMENTATION
@@ -96,7 +96,7 @@ def trainer_log_probs(model: torch.nn.Module, samples) -> tuple[np.ndarray, np.n
 @pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3", "qwen3_moe"])
 def test_engine_rescoring_equals_the_trainer_bit_for_bit(tmp_path, arch):
     path = make_tiny_model(str(tmp_path / arch), arch=arch, init_std=0.2, seed=0)
-    trainer = _own_parameters(load_causal_lm(path, attn_implementation=ATTN_IMPLEMENTATION))
+    trainer = own_parameters(load_causal_lm(path, attn_implementation=ATTN_IMPLEMENTATION))
     update = {n: p.detach() + 0.01 * torch.randn_like(p) for n, p in trainer.named_parameters()}
 
     async def main():
