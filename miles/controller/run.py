@@ -81,6 +81,7 @@ class MilesRun:
         self.engine_versions: list[int] = [0] * len(engines)
         self._last_push_metrics: dict[str, float] | None = None  # the newest weight push, logged with its step
         self._worker_wait_s = 0.0
+        self._step_end: float | None = None  # where the last logged step's clock stopped
         # fully async runs save the prompts of buffered and in-flight groups with each checkpoint
         self.pending_state_fn = None
         self.eval_fleet = EngineFleet([])  # dedicated eval engines (--eval-mode dedicated), never updated by pushes
@@ -359,15 +360,18 @@ class MilesRun:
             self.startup.mark(phase)
 
     def begin_step(self) -> float:
+        """The step's clock start: where the previous step's stopped, so that logging a step (its metrics, the
+        system sample, the progress line) counts in the next one's time and overhead, as it delays it."""
         self._worker_wait_s = 0.0
         if self.startup is not None and not self.startup.done:
             self.startup.mark("eval_before_train")  # since the first push (0 when skipped)
             self._startup_metrics = self.startup.finish()  # launch to the start of the first step
             freeze_heap("controller ready")  # before the first step's clock starts
-        return time.perf_counter()
+        return self._step_end if self._step_end is not None else time.perf_counter()
 
     def log_step(self, rollout_id: int, step_start: float, *parts: dict[str, float]) -> dict[str, float]:
-        step_time = time.perf_counter() - step_start
+        self._step_end = time.perf_counter()
+        step_time = self._step_end - step_start
         metrics: dict[str, float] = {}
         for p in parts:
             metrics.update(p)
