@@ -14,6 +14,7 @@ a plain module, since fully_shard would have nothing to shard or cast.
         --gradient-checkpointing
     python bench/train_throughput.py --device cuda --backend megatron   # + megatron_tok_s, megatron_mfu
     python bench/train_throughput.py --device cuda --compile --fp32-residual  # + what --fp32-residual-connection costs
+    python bench/train_throughput.py --device cuda --compile --fp8-forward    # + what --fp8-format e4m3 costs with it
 
 MFU (GPU) = tokens/s x (6 N + 12 L d s) / peak, N = parameters (embeddings included),
 L layers, d hidden size, s sequence length; peak 989 TFLOP/s (H200/H100 dense bf16).
@@ -106,8 +107,9 @@ class PlainLoop:
         self.opt.zero_grad(set_to_none=True)
 
 
-def build_backend(name: str, path: str, batch_size: int, args: argparse.Namespace, fp32_residual: bool = False):
-    """A 1-rank trainer backend (`fsdp` or `megatron`) training with the SFT loss through `train()`."""
+def build_backend(name: str, path: str, batch_size: int, args: argparse.Namespace, **train: object):
+    """A 1-rank trainer backend (`fsdp` or `megatron`) training with the SFT loss through `train()`; `train`: more
+    TrainConfig fields (the alignment flags timed beside the plain backend)."""
     from miles.trainer.backend import create_backend
 
     be = create_backend(
@@ -119,8 +121,8 @@ def build_backend(name: str, path: str, batch_size: int, args: argparse.Namespac
             micro_batch_size=args.micro_batch_size or batch_size,
             gradient_checkpointing=args.gradient_checkpointing,
             compile=args.compile and name == "fsdp",
-            fp32_residual_connection=fp32_residual,
             train_backend=name,
+            **train,
         ),
         algo=AlgoConfig(loss_type="sft_loss", calculate_per_token_loss=True),
         rollout=RolloutConfig(global_batch_size=batch_size),
@@ -193,6 +195,12 @@ def main() -> None:
         action="store_true",
         help="also time the FSDP backend with --fp32-residual-connection, side by side (fsdp_fp32_residual_tok_s)",
     )
+    ap.add_argument(
+        "--fp8-forward",
+        action="store_true",
+        help="also time it with --fp8-format e4m3 --fp32-residual-connection, the FP8 rollouts' forward contract "
+        "(fsdp_fp8_forward_tok_s)",
+    )
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
@@ -227,8 +235,11 @@ def main() -> None:
         if mega is not None:
             steps["megatron"] = lambda: mega.train(batch, next(rid))
         if args.fp32_residual:
-            fsdp32 = build_backend("fsdp", path, batch_size, args, fp32_residual=True)
+            fsdp32 = build_backend("fsdp", path, batch_size, args, fp32_residual_connection=True)
             steps["fsdp_fp32_residual"] = lambda: fsdp32.train(batch, next(rid))
+        if args.fp8_forward:  # the FP8 rollouts' forward contract, as the FP8 A/B trains it (both flags)
+            fsdp8 = build_backend("fsdp", path, batch_size, args, fp32_residual_connection=True, fp8_format="e4m3")
+            steps["fsdp_fp8_forward"] = lambda: fsdp8.train(batch, next(rid))
         for _ in range(args.warmup):
             for step in steps.values():
                 step()
@@ -262,6 +273,9 @@ def main() -> None:
     if args.fp32_residual:
         result["fsdp_fp32_residual_tok_s"] = round(tok_s["fsdp_fp32_residual"], 1)
         result["fp32_residual_vs_fsdp"] = round(tok_s["fsdp_fp32_residual"] / fsdp_tok_s, 3)
+    if args.fp8_forward:
+        result["fsdp_fp8_forward_tok_s"] = round(tok_s["fsdp_fp8_forward"], 1)
+        result["fp8_forward_vs_fsdp"] = round(tok_s["fsdp_fp8_forward"] / fsdp_tok_s, 3)
     if mega is not None:
         result["megatron_tok_s"] = round(tok_s["megatron"], 1)
         result["megatron_vs_fsdp"] = round(tok_s["megatron"] / fsdp_tok_s, 3)
