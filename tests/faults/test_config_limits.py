@@ -30,7 +30,7 @@ def test_every_numeric_flag_states_a_range_its_default_lies_in():
         (["--save-interval", "0"], "--save-interval=0 is outside [1, inf)"),
         (["--eval-interval", "-1"], "--eval-interval=-1 is outside [0, inf)"),
         (["--heartbeat-interval-s", "0"], "--heartbeat-interval-s=0.0 is outside (0, 3600]"),
-        (["--n-samples-per-prompt", "0"], "--n-samples-per-prompt=0 is outside"),
+        (["--n-samples-per-prompt", "0"], "config error: --n-samples-per-prompt=0 must be a positive integer"),
         (["--update-weights-interval", "0"], "--update-weights-interval=0 is outside"),
         (["--micro-batch-size", "-2"], "--micro-batch-size=-2 is outside"),
         (["--profile-steps", "3", "-1"], "--profile-steps=-1 is outside [0, inf)"),
