@@ -21,7 +21,7 @@ from miles.config import ModelConfig, TrainConfig
 from miles.trainer.fp8_forward import use_fp8_forward
 from miles.trainer.fsdp_shard import adamw_kernels, cast_parameters, shard_model
 from miles.trainer.hf_io import load_causal_lm, load_value_model
-from miles.trainer.lora import LoraSettings, apply_lora, trainable_parameters
+from miles.trainer.lora import LoraSettings, apply_lora, trainable_parameters, use_merged_forward
 from miles.trainer.lr_schedule import LRSchedule, LRScheduler
 from miles.trainer.offload_optim import build_adamw, optimizer_placement
 from miles.trainer.residual_stream import keep_fp32_residual
@@ -83,6 +83,8 @@ class ModelBuilder:
         clock.mark("checkpoint")
         if self.lora is not None and not critic:
             apply_lora(model, self.lora)  # in place: only the adapter trains
+            if self.train_cfg.lora_merged_forward:
+                use_merged_forward(model)
         t = self.train_cfg
         if t.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -16,6 +16,7 @@ What leaves the trainer is the adapter only:
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -24,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from miles.config import TrainConfig
@@ -192,3 +194,35 @@ def save_adapter(path: str, tensors: list[tuple[str, torch.Tensor]], settings: L
     }
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
         json.dump(config, f, indent=2)
+
+
+def use_merged_forward(model: nn.Module) -> int:
+    """--lora-merged-forward: every adapted linear layer of `model` computes with the weight the embedded engine
+    serves, `W0 + (alpha / r) * B A` summed in fp32 (the engine's merge, `engines/embedded/lora.py`) and rounded
+    to the input's dtype, instead of `W0 x + (alpha / r) * B A x`. Gradients reach A and B through the merge; the
+    backward forms each adapted weight's full gradient, as full fine-tuning does. Returns how many layers."""
+    from peft.tuners.lora import Linear
+
+    merged = _merged_linear_class()
+    count = 0
+    for module in model.modules():
+        if type(module) is Linear:
+            module.__class__ = merged
+            count += 1
+    return count
+
+
+@functools.cache
+def _merged_linear_class() -> type:
+    from peft.tuners.lora import Linear
+
+    class MergedLoraLinear(Linear):
+        """peft's LoRA linear layer computing with the engine's merged weight (see `use_merged_forward`)."""
+
+        def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            base = self.get_base_layer()
+            a, b = self.lora_A[ADAPTER_NAME].weight, self.lora_B[ADAPTER_NAME].weight
+            merged = torch.addmm(base.weight.float(), b.float(), a.float(), alpha=self.scaling[ADAPTER_NAME])
+            return F.linear(x, merged.to(x.dtype), base.bias)
+
+    return MergedLoraLinear

@@ -1,9 +1,13 @@
 """--fp32-residual-connection and --fp8-format end to end on CPU, bf16 trainer and engine: the FSDP trainer's
 log-probs of the sampled tokens follow the engine's (whose residual stream is fp32) to float precision, where its
-own bf16 stream leaves a gap; on a tiny qwen3_moe with R3, and beside FP8 rollouts with the quantized forward."""
+own bf16 stream leaves a gap; on a tiny qwen3_moe with R3, beside FP8 rollouts with the quantized forward, and
+with LoRA computed on the engine's merged weight (--lora-merged-forward)."""
 
 from __future__ import annotations
 
+import importlib.util
+
+import pytest
 from e2e_helpers import run_train
 
 BF16 = (
@@ -52,3 +56,13 @@ def test_compiled_blocks_keep_the_engines_roundings(tmp_path):
     flags = (*BF16, "--hf-checkpoint", "tiny:qwen2:4x256", "--sglang-quantization", "fp8", "--compile")
     gaps = _gaps(run_train(tmp_path / "compiled", *flags, "--fp8-format", "e4m3", "--fp32-residual-connection"))
     assert max(gaps) < 2e-4, gaps
+
+
+@pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="needs peft (the lora extra)")
+def test_lora_with_the_merged_forward_scores_as_the_engine_samples(tmp_path):
+    """The engine serves W0 + s B A merged in fp32; peft's W0 x + s B A x rounds otherwise once B moves."""
+    lora = (*BF16, "--lora-rank", "4", "--lora-alpha", "16", "--lr", "0.02", "--fp32-residual-connection")
+    plain = _gaps(run_train(tmp_path / "unmerged", *lora))
+    merged = _gaps(run_train(tmp_path / "merged", *lora, "--lora-merged-forward"))
+    assert plain[1] > 1e-4, plain  # step 0 agrees (B = 0); after the first update the forms part
+    assert max(merged) < 1e-5, (merged, plain)

@@ -52,6 +52,8 @@ def test_lora_config_is_accepted_and_read():
         (["--lora-rank", "4", "--check-weight-update-equal"], "drop --check-weight-update-equal"),
         (["--lora-rank", "4", "--advantage-estimator", "ppo"], "--advantage-estimator=ppo with --lora-rank"),
         (["--lora-rank", "4", "--train-backend", "megatron"], "LoRA is implemented for the FSDP backend only"),
+        (["--lora-merged-forward"], "--lora-merged-forward without --lora-rank does nothing"),
+        (["--lora-rank", "4", "--lora-merged-forward", "--lora-dropout", "0.1"], "the merged weight sees the adapter"),
     ],
 )
 def test_lora_combinations_refused_at_start_up(flags, needle):
@@ -162,3 +164,41 @@ def test_supervised_source_serves_tokenised_samples_in_epochs(tmp_path, tokenize
         s.validate()
         assert s.reward == 0.0 and s.response_length == 2 and s.loss_mask == [1, 1]
         assert tokenizer.decode(s.tokens[-2:-1]) == str(d)
+
+
+@requires("peft")
+def test_the_merged_forward_computes_with_the_engines_merged_weight_and_trains_the_adapter():
+    """--lora-merged-forward: the layer's output is the engine's merge (W0 + s B A in fp32, as
+    engines/embedded/lora.py writes it) rounded to bf16, then one GEMM; A and B get that expression's gradients."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from miles.engines.embedded.lora import AdapterMerger
+    from miles.trainer.lora import LoraSettings, apply_lora, use_merged_forward
+
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("proj", nn.Linear(64, 48, bias=True))
+    model = model.to(torch.bfloat16)
+    apply_lora(model, LoraSettings(rank=4, alpha=16, dropout=0.0, target_modules=("proj",)))
+    assert use_merged_forward(model) == 1
+    layer = model.proj
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    with torch.no_grad():
+        b.normal_(0, 0.05)  # peft starts B at 0, where any form agrees
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    out = model(x)
+
+    served = {"proj.weight": layer.base_layer.weight.detach().clone()}  # the engine's copy, merged in place
+    AdapterMerger(served).load([("proj.lora_A.weight", a.detach()), ("proj.lora_B.weight", b.detach())],
+                               {"r": 4, "lora_alpha": 16}, "step-1")  # fmt: skip
+    assert torch.equal(out, F.linear(x, served["proj.weight"], layer.base_layer.bias))  # bit for bit
+
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    a2, b2 = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    w0 = layer.base_layer.weight.detach()
+    F.linear(x, torch.addmm(w0.float(), b2.float(), a2.float(), alpha=4.0).to(x.dtype)).backward(grad)
+    assert torch.equal(a.grad, a2.grad) and torch.equal(b.grad, b2.grad) and a.grad.abs().sum() > 0
+    assert layer.base_layer.weight.grad is None  # the base stays frozen

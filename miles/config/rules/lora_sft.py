@@ -21,7 +21,7 @@ from miles.config.rules.derive import fp8_serving
 if TYPE_CHECKING:
     from miles.config.sections import MilesConfig
 
-LORA_FLAGS = ("lora_alpha", "lora_dropout", "target_modules")
+LORA_FLAGS = ("lora_alpha", "lora_dropout", "lora_merged_forward", "target_modules")
 
 # Flags an SFT run would ignore, refused when they differ from their default.
 SFT_UNUSED: dict[str, str] = {
@@ -114,6 +114,11 @@ def check_lora(cfg: MilesConfig) -> list[str]:
         e.append(f"--lora-alpha={t.lora_alpha} must be positive (the adapter is scaled by alpha / rank)")
     if not 0.0 <= t.lora_dropout < 1.0:
         e.append(f"--lora-dropout={t.lora_dropout} must lie in [0, 1)")
+    elif t.lora_merged_forward and t.lora_dropout > 0:
+        e.append(
+            f"--lora-merged-forward with --lora-dropout {t.lora_dropout}: the merged weight sees the adapter's input "
+            "undropped, as the engine does; drop one"
+        )
     if t.target_modules is not None and not [m for m in t.target_modules.split(",") if m.strip()]:
         e.append(f"--target-modules={t.target_modules!r} names no module; use all-linear or e.g. q_proj,v_proj")
     if cfg.train.train_backend != "fsdp":

@@ -205,6 +205,13 @@ class TrainConfig:
         range="[0, 1)",
         unit="a probability",
     )
+    lora_merged_forward: bool = option(
+        False,
+        "LoRA: the adapted layers compute with the merged weight the embedded engine serves (W0 + alpha/r * B A "
+        "summed in fp32, rounded to the compute dtype) instead of W0 x + alpha/r * B A x, so the trainer's "
+        "log-probs follow the engine's (with --fp32-residual-connection, exactly); the backward forms each adapted "
+        "weight's full gradient, as full fine-tuning does; needs --lora-dropout 0",
+    )
     target_modules: str | None = option(
         None,
         "modules that get an adapter: all-linear (default: every linear layer of the decoder, not lm_head) or comma-separated module names, e.g. q_proj,v_proj",
