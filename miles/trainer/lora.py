@@ -212,6 +212,49 @@ def use_merged_forward(model: nn.Module) -> int:
     return count
 
 
+def _merge(w0: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float, dtype: torch.dtype) -> torch.Tensor:
+    return torch.addmm(w0.float(), b.float(), a.float(), alpha=scaling).to(dtype)  # AdapterMerger's formula
+
+
+@torch.library.custom_op("miles::lora_merged_linear", mutates_args=())
+def lora_merged_linear(
+    x: torch.Tensor, w0: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, scaling: float
+) -> torch.Tensor:
+    """F.linear(x, merged, bias) with the engine's merged weight. An op of its own so that the merged weight is
+    not kept for the backward (it is formed again there, from tensors that are kept anyway)."""
+    return F.linear(x, _merge(w0, a, b, scaling, x.dtype), bias)
+
+
+@lora_merged_linear.register_fake
+def _(x, w0, a, b, bias, scaling):
+    return x.new_empty((*x.shape[:-1], w0.shape[0]))
+
+
+def _keep(ctx, inputs, output) -> None:
+    x, w0, a, b, bias, scaling = inputs
+    ctx.save_for_backward(x, w0, a, b)
+    ctx.scaling = scaling
+
+
+def _merged_backward(ctx, grad: torch.Tensor):
+    """The gradients autograd gives `F.linear(x, addmm(w0.float(), b.float(), a.float(), alpha=s).to(dtype), bias)`,
+    in the same operations (so the same roundings)."""
+    x, w0, a, b = ctx.saved_tensors
+    s = ctx.scaling
+    need_x, need_w0, need_a, need_b, need_bias = ctx.needs_input_grad[:5]
+    grad_x = grad @ _merge(w0, a, b, s, x.dtype) if need_x else None
+    flat = grad.reshape(-1, grad.shape[-1])
+    weight_grad = (flat.t() @ x.reshape(-1, x.shape[-1])).float()  # the merged weight's, back through the cast
+    grad_a = (b.float().t() @ weight_grad * s).to(a.dtype) if need_a else None
+    grad_b = (weight_grad @ a.float().t() * s).to(b.dtype) if need_b else None
+    grad_w0 = weight_grad.to(w0.dtype) if need_w0 else None
+    grad_bias = flat.sum(0) if need_bias else None
+    return grad_x, grad_w0, grad_a, grad_b, grad_bias, None
+
+
+lora_merged_linear.register_autograd(_merged_backward, setup_context=_keep)
+
+
 @functools.cache
 def _merged_linear_class() -> type:
     from peft.tuners.lora import Linear
@@ -222,7 +265,6 @@ def _merged_linear_class() -> type:
         def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
             base = self.get_base_layer()
             a, b = self.lora_A[ADAPTER_NAME].weight, self.lora_B[ADAPTER_NAME].weight
-            merged = torch.addmm(base.weight.float(), b.float(), a.float(), alpha=self.scaling[ADAPTER_NAME])
-            return F.linear(x, merged.to(x.dtype), base.bias)
+            return lora_merged_linear(x, base.weight, a, b, base.bias, float(self.scaling[ADAPTER_NAME]))
 
     return MergedLoraLinear

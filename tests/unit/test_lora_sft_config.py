@@ -188,7 +188,11 @@ def test_the_merged_forward_computes_with_the_engines_merged_weight_and_trains_t
     with torch.no_grad():
         b.normal_(0, 0.05)  # peft starts B at 0, where any form agrees
     x = torch.randn(5, 64, dtype=torch.bfloat16)
-    out = model(x)
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = model(x)
+    kept = {t.data_ptr() for t in (x, layer.base_layer.weight, a, b)}
+    assert {t.data_ptr() for t in saved} == kept  # no merged weight waits for the backward
 
     served = {"proj.weight": layer.base_layer.weight.detach().clone()}  # the engine's copy, merged in place
     AdapterMerger(served).load([("proj.lora_A.weight", a.detach()), ("proj.lora_B.weight", b.detach())],
