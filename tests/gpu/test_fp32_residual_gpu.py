@@ -1,6 +1,7 @@
 """--fp32-residual-connection and --fp8-format on CUDA: the colocated bf16 run trains with the stream flag under
 compiled blocks and the packed-row attention, its train/rollout log-prob gap below the same run's without it;
-beside FP8 rollouts the quantized forward narrows the gap at least 4x."""
+beside FP8 rollouts the quantized forward narrows the gap at least 4x; a LoRA run computing on the engine's merged
+weight (--lora-merged-forward) stays closer to the engine than one computing W0 x + s B A x."""
 
 from __future__ import annotations
 
@@ -40,3 +41,12 @@ def test_fp8_rollouts_with_the_quantized_forward_on_cuda(tmp_path):
     )
     print(f"FP8 rollouts, train/rollout |dlogp|: bf16 trainer {plain:.3e}, quantized forward {matched:.3e}")
     assert matched < plain / 4, (matched, plain)
+
+
+def test_lora_with_the_merged_forward_on_cuda(tmp_path):
+    pytest.importorskip("peft")
+    lora = (*FLAGS, "--lora-rank", "8", "--lora-alpha", "16", "--lr", "1e-3", "--fp32-residual-connection")
+    plain = _gap(run_train(tmp_path / "unmerged", *lora, timeout_s=600))
+    merged = _gap(run_train(tmp_path / "merged", *lora, "--lora-merged-forward", timeout_s=600))
+    print(f"LoRA, train/rollout |dlogp|: unmerged {plain:.3e}, merged forward {merged:.3e}")
+    assert merged < plain, (merged, plain)
