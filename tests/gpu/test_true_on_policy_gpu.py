@@ -172,3 +172,18 @@ def test_smollm2_colocated_logprob_diff_is_exactly_zero(tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     diffs = [r["train/train_rollout_logprob_abs_diff"] for r in rows if "train/train_rollout_logprob_abs_diff" in r]
     assert diffs == [0.0, 0.0, 0.0]
+
+
+def test_lora_on_the_merged_weight_is_exactly_on_policy_on_cuda(tmp_path):
+    """--lora-merged-forward: the trainer's adapted layers form the weight the engine merged (cuBLAS addmm on
+    both sides), so a colocated bf16 LoRA run in the mode is bit-exact on CUDA too."""
+    pytest.importorskip("peft")
+    from e2e_helpers import run_train
+
+    rows = run_train(
+        tmp_path / "run", "--hf-checkpoint", "tiny:qwen2:4x256", "--colocate", "--true-on-policy-mode",
+        "--dtype", "bfloat16", "--lora-rank", "8", "--lora-alpha", "16", "--lr", "1e-3", "--lora-merged-forward",
+        "--num-rollout", "3", "--eval-interval", "0", timeout_s=600,
+    )  # fmt: skip
+    diffs = [r["train/train_rollout_logprob_abs_diff"] for r in rows if "train/train_rollout_logprob_abs_diff" in r]
+    assert diffs == [0.0, 0.0, 0.0]

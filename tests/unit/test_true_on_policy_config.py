@@ -7,6 +7,8 @@ import pytest
 from miles.config import ConfigError, load_config
 from miles.controller.placement import plan_placement
 
+from harness import installed  # isort: skip
+
 BASE = (
     "--hf-checkpoint /m --prompt-data /p.jsonl --rm-type math --num-rollout 2 --rollout-batch-size 4 "
     "--n-samples-per-prompt 2 --true-on-policy-mode"
@@ -31,7 +33,7 @@ def test_the_mode_rescores_every_sample_by_prefill():
         (["--fully-async"], "drop --fully-async"),
         (["--compile"], "drop --compile"),
         (["--rollout-function-path", "m.f"], "which --rollout-function-path replaces"),
-        (["--lora-rank", "4"], "--lora-rank: the engine merges the adapter"),
+        (["--lora-rank", "4"], "add --lora-merged-forward (the trainer then computes with the merged weight)"),
         (["--loss-type", "sft_loss"], "SFT has no rollout"),
         (["--sglang-dtype", "float32"], "runs the engine in the trainer's --dtype=auto; drop --sglang-dtype=float32"),
         (
@@ -42,6 +44,12 @@ def test_the_mode_rescores_every_sample_by_prefill():
 )
 def test_what_the_mode_cannot_make_exact_is_refused(argv, needle):
     assert needle in errors_of(*argv)
+
+
+@pytest.mark.skipif(not installed("peft"), reason="--lora-rank needs peft")
+def test_lora_is_accepted_where_the_trainer_computes_on_the_merged_weight():
+    cfg = load_config([*BASE, "--lora-rank", "4", "--lora-merged-forward"])
+    assert cfg.train.true_on_policy_mode and cfg.train.lora_merged_forward
 
 
 def test_one_rank_may_keep_dynamic_micro_batches():

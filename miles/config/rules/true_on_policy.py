@@ -39,10 +39,11 @@ def check_true_on_policy(cfg: MilesConfig) -> list[str]:
             f"{why} runs the engine in the trainer's --dtype={cfg.model.dtype}; drop --sglang-dtype={given} "
             "(or give --dtype the same value)"
         )
-    if cfg.train.lora_rank:
+    if cfg.train.lora_rank and not cfg.train.lora_merged_forward:
         e.append(
             f"{why} with --lora-rank: the engine merges the adapter into its weights while the trainer adds it "
-            "as a separate low-rank path, which round differently; drop one"
+            "as a separate low-rank path, which round differently; add --lora-merged-forward (the trainer then "
+            "computes with the merged weight) or drop one"
         )
     if cfg.train.compile:
         e.append(f"{why} runs the engine's eager reference forward on the trainer too; drop --compile")
