@@ -64,8 +64,8 @@ class TrainConfig:
         None,
         "FSDP trainer: its decoder projections compute as the FP8 rollout's GEMMs do (e4m3, the engine's own "
         "quantizer: 128x128 weight blocks, 1x128 activation groups, fp32 sums), with a straight-through backward "
-        "in the compute dtype; the forward contract of FP8 rollouts, not FP8 speed; needs FP8 serving (--sglang-quantization "
-        "fp8 or an FP8 checkpoint)",
+        "in the compute dtype; the forward contract of FP8 rollouts, not FP8 speed; needs FP8 serving "
+        "(--sglang-quantization fp8 or an FP8 checkpoint)",
     )
     fp8_recipe: Literal["blockwise"] = option("blockwise", "scaling of --fp8-format: {choices}")
     true_on_policy_mode: bool = option(
