@@ -15,7 +15,8 @@ from miles.controller.preflight import parse_eval_datasets
 from miles.controller.router import Router
 from miles.controller.run import MilesRun
 from miles.rollout.data_source import JsonlDataSource
-from miles.rollout.sample import SampleStatus
+from miles.rollout.debug_data import save_debug_rollout
+from miles.rollout.sample import Sample, SampleStatus
 from miles.rollout.train_data import reward_value
 
 logger = logging.getLogger(__name__)
@@ -67,21 +68,40 @@ class Evaluator:
 
     async def _eval_all(self, step: int, before_train: bool) -> dict[str, float]:
         out: dict[str, float] = {}
+        kept: list[list[Sample]] | None = [] if self.cfg.runtime.save_debug_rollout_data else None
         for name, path in self.datasets:
             try:
-                out.update(await self.run.timed("eval_time", self.evaluate(name, path)))
+                out.update(await self.run.timed("eval_time", self.evaluate(name, path, keep=kept)))
             except Exception as e:  # noqa: BLE001 - a failed eval is reported and training goes on
                 logger.warning("eval %s at step %d failed, skipped: %s", name, step, e)
                 out[f"eval/{name}/skipped"] = 1.0
+        if kept:
+            await self._save(kept, out)
         if before_train and out:
             self.run.sink.log(step - 1 if step > 0 else -1, out)
             return {}
         return out
 
+    async def _save(self, groups: list[list[Sample]], metrics: dict[str, float]) -> None:
+        """--save-debug-rollout-data: the evaluation's samples (each with its set's name in `eval_dataset`) beside
+        the rollouts, as `eval_<weight version>` in place of the step (Miles' `eval_` prefix)."""
+        rollout_id = f"eval_{self.run.weight_version}"
+        path = await asyncio.to_thread(
+            save_debug_rollout, self.cfg.runtime.save_debug_rollout_data, rollout_id, groups, metrics
+        )
+        logger.info("saved the evaluation of weight version %d to %s", self.run.weight_version, path)
+
     async def evaluate(
-        self, name: str, path: str, *, router: Router | None = None, version: int | None = None
+        self,
+        name: str,
+        path: str,
+        *,
+        router: Router | None = None,
+        version: int | None = None,
+        keep: list[list[Sample]] | None = None,
     ) -> dict[str, float]:
-        """Scores of one dataset on `router`'s engines (default: the rollout fleet at the run's version)."""
+        """Scores of one dataset on `router`'s engines (default: the rollout fleet at the run's version); `keep`
+        receives its groups."""
         source = self.run.eval_sets.get(name)  # read and checked at start-up
         if source is None or source.path != path:
             data_cfg = replace(self.cfg.data, prompt_data=path, rollout_shuffle=False)
@@ -101,6 +121,10 @@ class Evaluator:
         version = self.run.weight_version if version is None else version
         done = await asyncio.gather(*(runner.run(g) for g in groups))
         samples = [s for g in done for s in g]
+        if keep is not None:
+            for s in samples:
+                s.metadata["eval_dataset"] = name
+            keep.extend(done)
         scored = [s for s in samples if s.status != SampleStatus.FAILED and s.reward is not None]
         rewards = np.array([reward_value(s, self.cfg.reward.reward_key) for s in scored], dtype=np.float64)
         versions = [v for s in samples for v in s.weight_versions]

@@ -1,7 +1,7 @@
 """Saved rollouts for the debug modes (`--save-debug-rollout-data`, `--load-debug-rollout-data`).
 
-One file per step, at the path template with `{rollout_id}` replaced by the step, as Miles writes
-them: `torch.save({"rollout_id": int, "samples": [Sample.to_dict(), ...]})`, plus `"metrics"` (the
+One file per step, at the path template with `{rollout_id}` replaced by the step (and one per evaluation,
+with `eval_<weight version>` in its place), as Miles writes them: `torch.save({"rollout_id": int, "samples": [Sample.to_dict(), ...]})`, plus `"metrics"` (the
 step's rollout metrics, replayed into metrics.jsonl). Samples are in the order the trainer got
 them: consecutive samples with one `group_index` form a group. Every value is a plain container,
 string or number, so a file loads with `torch.load(weights_only=True)`: no pickle of arbitrary
@@ -17,13 +17,14 @@ from miles.rollout.sample import Sample
 FORMAT_VERSION = 1
 
 
-def debug_rollout_path(template: str, rollout_id: int) -> str:
-    """The file of step `rollout_id`: `template` with `{rollout_id}` filled in."""
+def debug_rollout_path(template: str, rollout_id: int | str) -> str:
+    """The file of step `rollout_id`: `template` with `{rollout_id}` filled in (`eval_<version>` for an
+    evaluation's samples)."""
     return template.format(rollout_id=rollout_id)
 
 
 def save_debug_rollout(
-    template: str, rollout_id: int, groups: list[list[Sample]], metrics: dict[str, float] | None = None
+    template: str, rollout_id: int | str, groups: list[list[Sample]], metrics: dict[str, float] | None = None
 ) -> str:
     """Write one step's groups; written beside the target, then renamed: a reader never sees half a file."""
     path = debug_rollout_path(template, rollout_id)

@@ -67,6 +67,21 @@ def test_rollout_only_starts_no_trainer_and_saves_every_step(tmp_path) -> None:
             assert s["weight_versions"] == [0] * n, "weights changed in a rollout-only run"
 
 
+def test_dump_details_writes_every_rollout_and_every_evaluation(tmp_path) -> None:
+    """--dump-details DIR: the steps' rollouts as --save-debug-rollout-data writes them, and each evaluation's
+    samples as eval_<weight version>, their set named in each sample's metadata and their scores beside them."""
+    rows = run_train(tmp_path / "run", *SMALL, "--eval-interval", "2", "--dump-details", str(tmp_path / "dd"))
+    saved = tmp_path / "dd" / "rollout_data"
+    assert sorted(p.name for p in saved.iterdir()) == ["0.pt", "1.pt", "2.pt", "eval_0.pt", "eval_2.pt", "eval_3.pt"]
+    logged = {r["step"]: r["eval/digit_copy/reward_mean"] for r in rows if "eval/digit_copy/reward_mean" in r}
+    for version, step in ((0, -1), (2, 1), (3, 2)):  # an eval of weight version v is logged at step v - 1
+        payload = torch.load(saved / f"eval_{version}.pt", weights_only=True)
+        assert payload["rollout_id"] == f"eval_{version}" and len(payload["samples"]) == 50
+        assert {s["metadata"]["eval_dataset"] for s in payload["samples"]} == {"digit_copy"}
+        assert payload["metrics"]["eval/digit_copy/reward_mean"] == logged[step]
+        assert all(set(s["weight_versions"]) == {version} for s in payload["samples"])
+
+
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [

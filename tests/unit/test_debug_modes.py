@@ -99,6 +99,7 @@ def test_load_implies_train_only_and_the_first_file_must_exist(tmp_path) -> None
         (["--debug-train-only", "--debug-rollout-only"], "pick one"),
         (["--debug-rollout-only", "--fully-async"], "--debug-rollout-only is supported by the sync loop only"),
         (["--save-debug-rollout-data", "r/{rollout_id}.pt", "--fully-async"], "sync loop only; drop --fully-async"),
+        (["--dump-details", "d", "--fully-async"], "--dump-details is supported by the sync loop only"),
         (["--save-debug-rollout-data", "r/rollout.pt"], "needs '{rollout_id}' in the path"),
         (["--save-debug-rollout-data", "r/{step}.pt"], "needs '{rollout_id}' in the path"),
         (["--debug-rollout-only", "--save", "ckpt"], "--debug-rollout-only starts no trainer"),
@@ -119,6 +120,15 @@ def test_load_implies_train_only_and_the_first_file_must_exist(tmp_path) -> None
 )
 def test_refused_combinations(argv, expected) -> None:
     assert expected in _errors(*argv)
+
+
+def test_dump_details_sets_the_rollout_dump_unless_it_is_given() -> None:
+    assert (
+        load_config([*REQUIRED, "--dump-details", "d"]).runtime.save_debug_rollout_data
+        == "d/rollout_data/{rollout_id}.pt"
+    )
+    given = load_config([*REQUIRED, "--dump-details", "d", "--save-debug-rollout-data", "x/{rollout_id}.pt"])
+    assert given.runtime.save_debug_rollout_data == "x/{rollout_id}.pt"
 
 
 def test_each_mode_plans_one_side_only(tmp_path) -> None:

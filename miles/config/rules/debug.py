@@ -30,7 +30,8 @@ def check_debug_modes(cfg: MilesConfig) -> list[str]:
     if mode and cfg.async_.fully_async:
         e.append(f"{mode} is supported by the sync loop only; drop --fully-async")
     if rt.save_debug_rollout_data and cfg.async_.fully_async:
-        e.append("--save-debug-rollout-data is supported by the sync loop only; drop --fully-async")
+        given = "--dump-details" if rt.dump_details else "--save-debug-rollout-data"
+        e.append(f"{given} is supported by the sync loop only; drop --fully-async")
     for name in ("save_debug_rollout_data", "load_debug_rollout_data"):
         template = getattr(rt, name)
         if template and not _has_rollout_id(template):

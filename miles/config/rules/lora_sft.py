@@ -82,7 +82,13 @@ SFT_UNUSED: dict[str, str] = {
         "SFT starts no rollout engine and pushes no weights",
     ),
     **dict.fromkeys(
-        ("debug_rollout_only", "debug_train_only", "load_debug_rollout_data", "save_debug_rollout_data"),
+        (
+            "debug_rollout_only",
+            "debug_train_only",
+            "load_debug_rollout_data",
+            "save_debug_rollout_data",
+            "dump_details",
+        ),
         "SFT reads its samples from --prompt-data",
     ),
 }
@@ -161,7 +167,7 @@ def check_sft(cfg: MilesConfig) -> list[str]:
     e = [
         f"{FIELDS[n].flag}={cfg.get(n)!r} with --loss-type sft_loss: {why}; drop it"
         for n, why in SFT_UNUSED.items()
-        if _set(cfg, n)
+        if _set(cfg, n) and not (n == "save_debug_rollout_data" and cfg.runtime.dump_details)  # named once, as given
     ]
     if cfg.rollout.n_samples_per_prompt != 1:
         e.append(

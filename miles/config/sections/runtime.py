@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -56,7 +57,13 @@ class RuntimeConfig:
     )
     save_debug_rollout_data: str | None = option(
         None,
-        "write each step's rollout (samples with tokens, rewards, log-probs, loss masks, weight versions, metadata) to this path; {rollout_id} in it is replaced by the step",
+        "write each step's rollout (samples with tokens, rewards, log-probs, loss masks, weight versions, metadata) to this path; {rollout_id} in it is replaced by the step (by eval_<weight version> for each evaluation's samples)",
+    )
+    dump_details: str | None = option(
+        None,
+        "write the run's debug dumps under this directory: every step's rollout and every evaluation's samples, "
+        "as --save-debug-rollout-data writes them, to DIR/rollout_data/{rollout_id}.pt (sets "
+        "--save-debug-rollout-data when that is not given)",
     )
     load_debug_rollout_data: str | None = option(
         None,
@@ -67,3 +74,5 @@ class RuntimeConfig:
         """The values this section derives from its own flags (an explicit value stays)."""
         if self.output_dir is None:
             self.output_dir = f"runs/{self.run_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        if self.dump_details and self.save_debug_rollout_data is None:  # Miles: --dump-details sets the dump paths
+            self.save_debug_rollout_data = os.path.join(self.dump_details, "rollout_data", "{rollout_id}.pt")
