@@ -21,6 +21,7 @@ READ_BY_CONFIG = {
     "num_epoch": "derive_num_rollout turns it into --num-rollout once the dataset length is known",
     "rollout_num_gpus": "resolve_rollout_engines turns it into --rollout-num-engines",
     "opd_type": "check_opd holds it to the teacher flags given (sglang: --opd-teacher-urls, megatron: --opd-teacher-load)",
+    "dump_details": "RuntimeConfig.derive turns it into --save-debug-rollout-data DIR/rollout_data/{rollout_id}.pt",
 }
 
 
