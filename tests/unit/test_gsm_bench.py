@@ -45,3 +45,32 @@ def test_the_gsm_job_takes_the_committed_data_and_its_reward() -> None:
 
     assert score("so \\boxed{18}<|im_end|>", "18") == 1.0 and score("18 apples", "17") == 0.0
     assert e2e.REWARD["gsm"] == "miles.recipes.gsm_symbolic.reward"
+
+
+def test_the_eval_dump_reader_scores_versions_and_compares_templates(tmp_path) -> None:
+    from miles.rollout.debug_data import save_debug_rollout
+    from miles.rollout.sample import Sample, SampleStatus
+
+    dump = load_bench("eval_dump")
+
+    def sample(template: str, text: str, reward: float, truncated: bool = False) -> Sample:
+        status = SampleStatus.TRUNCATED if truncated else SampleStatus.COMPLETED
+        meta = {"template": template, "eval_dataset": "gsm_heldout"}
+        return Sample(response=text, response_length=10, reward=reward, status=status, metadata=meta)
+
+    template = str(tmp_path / "rollout_data" / "{rollout_id}.pt")
+    before = [sample("0001", "so \\boxed{3}", 1.0), sample("0001", "it is 4", 0.0, truncated=True),
+              sample("0002", "\\boxed{5}", 0.0), sample("0002", "#### 6", 0.0)]  # fmt: skip
+    after = [sample("0001", "\\boxed{3}", 1.0), sample("0001", "\\boxed{4}", 0.0),
+             sample("0002", "\\boxed{5}", 1.0), sample("0002", "The answer is 6", 1.0)]  # fmt: skip
+    save_debug_rollout(template, "eval_0", [before])
+    save_debug_rollout(template, "eval_20", [after])
+    save_debug_rollout(template, 3, [before])  # a step's rollout beside them is not an evaluation
+
+    out = dump.summarize(dump.load_evals(tmp_path / "rollout_data"), None, top=5)["gsm_heldout"]
+    assert out["by_version"][0] == {"n": 4, "accuracy": 0.25, "truncated": 0.25, "unmarked": 0.25, "response_len": 10}
+    assert out["by_version"][20]["accuracy"] == 0.75 and out["by_version"][20]["unmarked"] == 0.0
+    t = out["templates"]
+    assert (t["templates"], t["gained"], t["lost"], t["unchanged"]) == (2, 1, 0, 1)
+    assert t["largest_gains"] == [{"template": "0002", "change": 1.0}]
+    assert dump.main([str(tmp_path)]) == 0  # DIR or DIR/rollout_data

@@ -90,7 +90,10 @@ def test_sft_needs_no_reward_and_plans_no_engine():
         (["--eval-interval", "5", "--eval-prompt-data", "e", "/e.jsonl"], "--eval-interval with --loss-type sft_loss"),
         (["--debug-rollout-only"], "--debug-rollout-only=True with --loss-type sft_loss"),
         (["--rollout-function-path", "pkg.mod.fn"], "--rollout-function-path='pkg.mod.fn' with --loss-type sft_loss"),
-        (["--dump-details", "d"], "config error: --dump-details='d' with --loss-type sft_loss"),  # not the path it sets
+        (
+            ["--dump-details", "d"],
+            "config error: --dump-details='d' with --loss-type sft_loss",
+        ),  # not the path it sets
     ],
 )
 def test_sft_refuses_flags_it_would_ignore(flags, needle):
