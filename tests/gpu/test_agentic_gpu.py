@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "integration"))
-from e2e_helpers import REPO, run_train  # noqa: E402
+from harness import REPO, run_train  # noqa: E402
 
 try:
     from miles.recipes import smollm2

@@ -24,7 +24,7 @@ pytest.importorskip("megatron.core")
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "integration"))
 from _trainer_harness import configs, free_port  # noqa: E402
-from e2e_helpers import run_train  # noqa: E402
+from harness import run_train  # noqa: E402
 
 from miles.rollout.train_data import TrainBatch  # noqa: E402
 

@@ -23,7 +23,7 @@ pytest.importorskip("megatron.core")
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "integration"))
-from e2e_helpers import run_train  # noqa: E402
+from harness import run_train  # noqa: E402
 from test_megatron_gpu import _backend, _batch, _hf_log_probs, _spawn, _vocab  # noqa: E402
 
 from miles.rollout.train_data import TrainBatch  # noqa: E402

@@ -178,7 +178,7 @@ def test_lora_on_the_merged_weight_is_exactly_on_policy_on_cuda(tmp_path):
     """--lora-merged-forward: the trainer's adapted layers form the weight the engine merged (cuBLAS addmm on
     both sides), so a colocated bf16 LoRA run in the mode is bit-exact on CUDA too."""
     pytest.importorskip("peft")
-    from e2e_helpers import run_train
+    from harness import run_train
 
     rows = run_train(
         tmp_path / "run", "--hf-checkpoint", "tiny:qwen2:4x256", "--colocate", "--true-on-policy-mode",
