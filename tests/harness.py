@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import json
 import os
 import signal
 import socket
@@ -204,8 +203,9 @@ def run_train(
 
 def read_rows(out_dir: Path) -> list[dict]:
     """The rows of `out_dir/metrics.jsonl`."""
-    with open(out_dir / "metrics.jsonl") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    from miles.utils.metrics import read_metrics
+
+    return read_metrics(str(out_dir))
 
 
 def leftover_processes(marker: str) -> list[str]:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from miles.config import TrainConfig
+from miles.engines.embedded.lora import merged_weight
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +160,7 @@ def merged_hf_tensors(
             name = f"{m['module']}.{m['leaf']}"
             if m["leaf"] == "weight":
                 pair = adapter[m["module"]]
-                full = torch.addmm(full, pair["B"], pair["A"], alpha=settings.scaling)
+                full = merged_weight(full, pair["A"], pair["B"], settings.scaling)
         yield name, full.to(dtype) if dtype is not None else full
 
 
@@ -213,7 +214,7 @@ def use_merged_forward(model: nn.Module) -> int:
 
 
 def _merge(w0: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float, dtype: torch.dtype) -> torch.Tensor:
-    return torch.addmm(w0.float(), b.float(), a.float(), alpha=scaling).to(dtype)  # AdapterMerger's formula
+    return merged_weight(w0, a, b, scaling).to(dtype)  # the engine's own merge, rounded as it serves it
 
 
 @torch.library.custom_op("miles::lora_merged_linear", mutates_args=())

@@ -68,6 +68,12 @@ def group_adapter(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, dict[s
     return modules
 
 
+def merged_weight(w0: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """`W0 + scaling * B A`, summed in fp32: the weight an adapter makes. One formula for the engine's merge, the
+    trainer's `--lora-merged-forward` and its merged HF export, so that all three round alike."""
+    return torch.addmm(w0.float(), b.float(), a.float(), alpha=scaling)
+
+
 class AdapterMerger:
     """Applies one adapter at a time to `params` (HF name -> live weight tensor, written in place)."""
 
@@ -92,9 +98,8 @@ class AdapterMerger:
             live = self.params[weight]
             if weight not in self.base:
                 self.base[weight] = live.detach().to("cpu", copy=True)
-            base = self.base[weight].to(device=live.device, dtype=torch.float32)
-            a32, b32 = (t.to(device=live.device, dtype=torch.float32) for t in (a, b))
-            live.copy_(torch.addmm(base, b32, a32, alpha=cfg.scaling))
+            base, a, b = (t.to(live.device) for t in (self.base[weight], a, b))
+            live.copy_(merged_weight(base, a, b, cfg.scaling))
         self.name = name
         logger.info(
             "LoRA adapter %r (r=%d, scaling %.4g) merged into %d weights", name, cfg.rank, cfg.scaling, len(weights)
