@@ -1,5 +1,5 @@
 """bench/sampling_fidelity.py, bench/import_cost.py, bench/fp8.py, bench/packed_rows.py,
-bench/engine_throughput.py, bench/residual_stream.py and bench/decode_attention.py on CPU with a tiny
+bench/engine_throughput.py, bench/residual_stream.py, bench/decode_attention.py and bench/forward_alignment.py on CPU with a tiny
 model: every side samples and scores, every phase is timed.
 
 The rewards of a random tiny model mean nothing; GPU figures: bench/results/e2e_vs_trl.md.
@@ -107,3 +107,15 @@ def test_decode_attention_sweep_checks_every_setting_against_the_default():
     assert all(s["max_diff"] < 1e-5 for s in settings)  # fp32 on CPU: the same attention
     assert summary["default"]["block_n"] == 64 and summary["best"]["us"] <= summary["default"]["us"]
     assert summary["timed_on_cpu"] is True
+
+
+def test_forward_alignment_bench_finds_the_aligned_trainer_exact_on_cpu(tmp_path):
+    env = {**os.environ, "MILES_CACHE": str(tmp_path / "cache"), "MILES_TORCH_THREADS": "1"}
+    cmd = [sys.executable, "bench/forward_alignment.py", "--device", "cpu", "--specs", "tiny:qwen2:2x128"]
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = json.loads(out.stdout.strip().splitlines()[-1])["tiny:qwen2:2x128"]
+    forms = line["forms"]
+    assert forms["fp8+stream"]["vs_fp8_mean"] == 0.0 < forms["plain"]["vs_fp8_mean"]  # bit for bit on CPU
+    assert forms["stream"]["vs_bf16_mean"] == 0.0
+    assert line["layer0"] == {"weights_max_diff": 0.0, "product_max_diff": 0.0, "product_mean_diff": 0.0}
