@@ -8,7 +8,12 @@ final answer (no `\\boxed{}`, "the answer is" or `#### N`: a formatting failure 
 and the mean response length. With a `template` in the samples' metadata (the GSM-symbolic data), it then
 compares the first and the last evaluation template by template: how many templates gained, lost or stayed, and
 the largest moves, which tells a gain spread over the held-out problem structures from one carried by a few.
-Ends with one JSON line.
+
+Each later evaluation's gain over the first is taken question by question (the same questions, matched by
+their index in the set) with two 95% intervals: over questions (paired t) and over templates (each template's
+mean change one observation). The second is the one to read when the questions are variants of a few
+templates: variants of one template succeed or fail together, so 500 questions from 20 templates hold far
+fewer independent observations than 500. Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import re
 import statistics
 from collections import defaultdict
 from pathlib import Path
+
+from e2e_vs_trl import t975
 
 from miles.rollout.rm_hub.math_utils import extract_answer_phrase, extract_boxed, extract_hash_answer
 
@@ -85,6 +92,37 @@ def compare_templates(first: list[dict], last: list[dict], top: int) -> dict | N
     }
 
 
+def _half_width(values: list[float]) -> float:
+    return t975(len(values) - 1) * statistics.stdev(values) / len(values) ** 0.5
+
+
+def gain(first: list[dict], last: list[dict]) -> dict | None:
+    """The last evaluation's accuracy minus the first's on the questions both hold (matched by their index in
+    the set), with the half-widths of its 95% intervals over questions and, with templates, over templates;
+    None with fewer than two common questions."""
+    a = {s.get("index"): s for s in first if s.get("index") is not None}
+    b = {s.get("index"): s for s in last if s.get("index") is not None}
+    common = sorted(set(a) & set(b))
+    if len(common) < 2:
+        return None
+    changes = [_reward(b[i]) - _reward(a[i]) for i in common]
+    out = {
+        "questions": len(common),
+        "gain": round(statistics.fmean(changes), 4),
+        "ci95_questions": round(_half_width(changes), 4),
+    }
+    groups: dict[str, list[float]] = defaultdict(list)
+    for i, c in zip(common, changes, strict=True):
+        template = (a[i].get("metadata") or {}).get("template")
+        if template is not None:
+            groups[str(template)].append(c)
+    if len(groups) > 1:
+        per_template = [statistics.fmean(v) for v in groups.values()]
+        out["templates"] = len(groups)
+        out["ci95_templates"] = round(_half_width(per_template), 4)
+    return out
+
+
 def summarize(evals: dict[int, list[dict]], only: str | None, top: int) -> dict:
     sets: dict[str, dict[int, list[dict]]] = defaultdict(dict)
     for version, samples in evals.items():
@@ -100,6 +138,7 @@ def summarize(evals: dict[int, list[dict]], only: str | None, top: int) -> dict:
             "templates": compare_templates(per_version[versions[0]], per_version[versions[-1]], top)
             if len(versions) > 1
             else None,
+            "gains": {v: gain(per_version[versions[0]], per_version[v]) for v in versions[1:]},
         }
     return out
 
@@ -119,6 +158,16 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{name:14s} version {version:4d}  accuracy {f['accuracy']:.3f}  truncated {f['truncated']:.3f}  "
                 f"no marked answer {f['unmarked']:.3f}  response {f['response_len']:.0f} tokens  (n={f['n']})"
+            )
+        for version, g in s["gains"].items():
+            if g is None:
+                continue
+            over_templates = (
+                f", +-{g['ci95_templates']:.3f} over {g['templates']} templates" if "templates" in g else ""
+            )
+            print(
+                f"{name:14s} version {version:4d}  gain over version {min(s['by_version'])}: {g['gain']:+.3f} "
+                f"(95%: +-{g['ci95_questions']:.3f} over {g['questions']} questions{over_templates})"
             )
         t = s["templates"]
         if t:

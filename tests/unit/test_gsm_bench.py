@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from bench_modules import load_bench  # isort: skip  (same folder, rootdir on sys.path)
 
 
@@ -53,24 +55,31 @@ def test_the_eval_dump_reader_scores_versions_and_compares_templates(tmp_path) -
 
     dump = load_bench("eval_dump")
 
-    def sample(template: str, text: str, reward: float, truncated: bool = False) -> Sample:
+    def sample(index: int, template: str, text: str, reward: float, truncated: bool = False) -> Sample:
         status = SampleStatus.TRUNCATED if truncated else SampleStatus.COMPLETED
         meta = {"template": template, "eval_dataset": "gsm_heldout"}
-        return Sample(response=text, response_length=10, reward=reward, status=status, metadata=meta)
+        return Sample(response=text, response_length=10, reward=reward, status=status, metadata=meta, index=index)
 
     template = str(tmp_path / "rollout_data" / "{rollout_id}.pt")
-    before = [sample("0001", "so \\boxed{3}", 1.0), sample("0001", "it is 4", 0.0, truncated=True),
-              sample("0002", "\\boxed{5}", 0.0), sample("0002", "#### 6", 0.0)]  # fmt: skip
-    after = [sample("0001", "\\boxed{3}", 1.0), sample("0001", "\\boxed{4}", 0.0),
-             sample("0002", "\\boxed{5}", 1.0), sample("0002", "The answer is 6", 1.0)]  # fmt: skip
+    before = [sample(0, "0001", "so \\boxed{3}", 1.0), sample(1, "0001", "it is 4", 0.0, truncated=True),
+              sample(2, "0002", "\\boxed{5}", 0.0), sample(3, "0002", "#### 6", 0.0)]  # fmt: skip
+    after = [sample(0, "0001", "\\boxed{3}", 1.0), sample(1, "0001", "\\boxed{4}", 0.0),
+             sample(2, "0002", "\\boxed{5}", 1.0), sample(3, "0002", "The answer is 6", 1.0)]  # fmt: skip
     save_debug_rollout(template, "eval_0", [before])
     save_debug_rollout(template, "eval_20", [after])
     save_debug_rollout(template, 3, [before])  # a step's rollout beside them is not an evaluation
 
-    out = dump.summarize(dump.load_evals(tmp_path / "rollout_data"), None, top=5)["gsm_heldout"]
+    evals = dump.load_evals(tmp_path / "rollout_data")
+    out = dump.summarize(evals, None, top=5)["gsm_heldout"]
     assert out["by_version"][0] == {"n": 4, "accuracy": 0.25, "truncated": 0.25, "unmarked": 0.25, "response_len": 10}
     assert out["by_version"][20]["accuracy"] == 0.75 and out["by_version"][20]["unmarked"] == 0.0
     t = out["templates"]
     assert (t["templates"], t["gained"], t["lost"], t["unchanged"]) == (2, 1, 0, 1)
     assert t["largest_gains"] == [{"template": "0002", "change": 1.0}]
+    # question by question: changes 0, 0, +1, +1; over templates 0 and +1 (two observations, t at 1 df)
+    g = out["gains"][20]
+    assert (g["questions"], g["gain"], g["templates"]) == (4, 0.5, 2)
+    assert g["ci95_questions"] == pytest.approx(3.182 * 0.57735 / 2, abs=1e-3)
+    assert g["ci95_templates"] == pytest.approx(12.706 * 0.70711 / 2**0.5, abs=1e-3)
+    assert dump.gain(evals[0], evals[20][:1]) is None  # one common question: no interval
     assert dump.main([str(tmp_path)]) == 0  # DIR or DIR/rollout_data

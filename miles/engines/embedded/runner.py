@@ -137,6 +137,7 @@ class ModelRunner:
             )
         self.graphs: DecodeGraphs | None = None
         self.weights_on_device = True
+        self._logged_residual: int | None = None  # bytes still reserved after the last logged release
 
     @property
     def ready(self) -> bool:
@@ -264,6 +265,22 @@ class ModelRunner:
                 self.weights_on_device = False
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
+            self._log_residual(tags)
+
+    def _log_residual(self, tags: set[str]) -> None:
+        """What the engine still holds after a release is what a colocated trainer cannot have: logged at the
+        first release and whenever it moves by a GiB, so that a trainer's out-of-memory can be traced here."""
+        reserved = torch.cuda.memory_reserved(self.model.device)
+        if self._logged_residual is not None and abs(reserved - self._logged_residual) < 2**30:
+            return
+        self._logged_residual = reserved
+        logger.info(
+            "released %s: %.2f GiB allocated, %.2f GiB reserved by this engine remain on %s",
+            ",".join(sorted(tags)),
+            torch.cuda.memory_allocated(self.model.device) / 2**30,
+            reserved / 2**30,
+            self.model.device,
+        )
 
     def resume(self, tags: set[str]) -> None:
         with self.lock:
