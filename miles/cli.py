@@ -100,7 +100,7 @@ def cmd_train(argv: list[str], base: dict[str, Any] | None = None) -> int:
     except (PreflightError, ModelNotFound, RunDirError) as e:  # bad paths, models (before any worker starts) or data
         raise UsageError(f"miles train: {e}") from None
     except Exception as e:  # a known cause (every group dropped, NaN loss, a dead worker or engine): one line
-        line = one_line(e)
+        line = one_line(e, cfg)
         if line is None:
             raise
         logger.debug("the run ended with", exc_info=e)
@@ -110,10 +110,11 @@ def cmd_train(argv: list[str], base: dict[str, Any] | None = None) -> int:
         return EXIT_RUN_FAILED
 
 
-def one_line(exc: BaseException) -> str | None:
+def one_line(exc: BaseException, cfg: Any = None) -> str | None:
     """The one line `miles train` prints for a run that ended for a known cause, else None (a bug:
     keep the traceback). A dead worker is named with how it died and where its log is; an engine
-    that stopped answering is named with its address."""
+    that stopped answering is named with its address; an out-of-memory names the levers `cfg` (the run's
+    config) does not already pull."""
     from miles.engines.client import EngineConnectionError
     from miles.errors import as_run_failure, out_of_memory_line
     from miles.wire.specs import WorkerDied
@@ -121,7 +122,7 @@ def one_line(exc: BaseException) -> str | None:
     failure = as_run_failure(exc)
     if failure is not None:
         return str(failure)
-    oom = out_of_memory_line(exc)
+    oom = out_of_memory_line(exc, cfg)
     if oom is not None:
         return oom
     if isinstance(exc, WorkerDied):

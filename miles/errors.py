@@ -9,6 +9,7 @@ carrying its type name; `as_run_failure` turns it back into the same kind.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 
 class RunFailed(RuntimeError):
@@ -43,9 +44,33 @@ _OOM_HINT = (
 )
 
 
-def out_of_memory_line(exc: BaseException) -> str | None:
+def out_of_memory_hint(cfg: Any = None) -> str:
+    """What to change to fit, leaving out what the run already does (`cfg`: the run's config as the run
+    resolved it, colocated offload included; None: every lever)."""
+    if cfg is None:
+        return _OOM_HINT
+    t = cfg.train
+    if t.use_dynamic_batch_size and t.max_tokens_per_gpu:
+        levers = [f"lower --max-tokens-per-gpu (now {t.max_tokens_per_gpu})"]
+    else:
+        levers = [
+            f"lower --micro-batch-size (now {t.micro_batch_size}) or bound micro-batches with --max-tokens-per-gpu"
+        ]
+    if not t.gradient_checkpointing:
+        levers.append("turn on --gradient-checkpointing")
+    levers.append("give the engine a smaller KV cache (--max-running-requests, --rollout-max-context-len)")
+    if cfg.engine.colocate and not (t.offload_train and t.offload_rollout):
+        levers.append("pass --offload-train and --offload-rollout")
+    hint = f"to fit: {', '.join(levers[:-1])} or {levers[-1]}"
+    if cfg.engine.colocate and t.offload_train and t.offload_rollout:
+        hint += " (offload is on: each engine's log says what it keeps after a release)"
+    return hint
+
+
+def out_of_memory_line(exc: BaseException, cfg: Any = None) -> str | None:
     """One line for a worker or an engine that ran out of GPU memory: who, doing what, torch's own account
-    (how much it tried, how much was free, who held the rest) and what to change; else None."""
+    (how much it tried, how much was free, who held the rest) and what to change (`out_of_memory_hint`); else
+    None."""
     if getattr(exc, "exc_type", None) == "OutOfMemoryError":  # a worker's RPC error
         who, message = f"{exc.peer}.{exc.method}()", exc.remote_message
     elif hasattr(exc, "endpoint") and any(m in getattr(exc, "body", "") for m in _OOM_MARKERS):  # an engine's answer
@@ -54,4 +79,4 @@ def out_of_memory_line(exc: BaseException) -> str | None:
         return None
     sentences = re.split(r"(?<=\.)\s+", message.replace("\n", " "))
     account = "; ".join(s.rstrip(".") for s in sentences if any(k in s for k in _OOM_ACCOUNT))
-    return f"{who} ran out of GPU memory ({account or message[:200]}); {_OOM_HINT}"
+    return f"{who} ran out of GPU memory ({account or message[:200]}); {out_of_memory_hint(cfg)}"

@@ -324,3 +324,21 @@ def test_an_error_that_is_not_out_of_memory_keeps_its_traceback():
 
     assert one_line(EngineHTTPError(500, "http://h:1", "/generate", '{"error": "KeyError: x"}')) is None
     assert one_line(ValueError("CUDA out of memory")) is None  # not an engine's answer nor a worker's error
+
+
+def test_the_out_of_memory_hint_names_only_the_levers_the_run_has_not_pulled():
+    from miles.config import load_config
+    from miles.errors import out_of_memory_hint
+
+    cfg = load_config(minimal_train_args("--colocate", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "32768"))
+    cfg.train.offload_train = cfg.train.offload_rollout = True  # as the start-up check resolved them
+    hint = out_of_memory_hint(cfg)
+    assert "lower --max-tokens-per-gpu (now 32768)" in hint and "--gradient-checkpointing" in hint
+    assert "pass --offload-train" not in hint and "offload is on" in hint
+
+    cfg = load_config(minimal_train_args("--colocate", "--gradient-checkpointing", "--micro-batch-size", "4"))
+    cfg.train.offload_train = cfg.train.offload_rollout = False
+    hint = out_of_memory_hint(cfg)
+    assert "lower --micro-batch-size (now 4)" in hint and "--gradient-checkpointing" not in hint
+    assert hint.endswith("or pass --offload-train and --offload-rollout")
+    assert out_of_memory_hint(None).startswith("to fit: lower --max-tokens-per-gpu")
