@@ -68,3 +68,35 @@ async def resolve_offload(cfg: MilesConfig, trainers: TrainerGroup, device: str)
         t.offload_train = not fits
     if t.offload_rollout is None:
         t.offload_rollout = not fits
+    if t.offload_train and t.offload_rollout:
+        _warn_if_offload_is_not_enough(plans)
+
+
+def tokens_that_fit_offloaded(p: dict) -> int | None:
+    """With offload on, the engines give their memory back while the trainer trains, which then has about the
+    whole GPU less the headroom, what the trainer holds already and its pending state (a rank's `memory_plan`).
+    None when a micro-batch at the token budget fits in that, or the plan cannot tell; else the budget that
+    would, in whole 1,024 tokens."""
+    tokens, acts = int(p.get("tokens") or 0), int(p.get("activation_bytes") or 0)
+    if tokens <= 0 or acts <= 0:
+        return None
+    room = p["total_bytes"] - p.get("headroom_bytes", 0) - p.get("resident_bytes", 0) - p["pending_state_bytes"]
+    if acts <= room:
+        return None
+    return max(0, int(room / (acts / tokens)) // 1024 * 1024)
+
+
+def _warn_if_offload_is_not_enough(plans: list[dict | None]) -> None:
+    """Offload frees the engines' memory, not the trainer's activations: say so at start-up when a micro-batch
+    at the token budget is estimated not to fit even then, with the budget that would (the estimate is an
+    upper one, so the run goes on)."""
+    fit = [n for n in (tokens_that_fit_offloaded(p) for p in plans if p is not None) if n is not None]
+    if fit:
+        p = next(p for p in plans if p is not None)
+        logger.warning(
+            "colocated memory: even with offload a micro-batch of %d tokens is estimated to need more than the GPU "
+            "has beside the trainer's state; if it runs out of memory, use --max-tokens-per-gpu %d (or "
+            "--gradient-checkpointing)",
+            p["tokens"],
+            min(fit),
+        )

@@ -420,7 +420,7 @@ class FSDPBackend:
         models = [(m, o) for m, o in ((self.actor, self.optimizer), (self.critic, self.critic_optimizer)) if m]
         pending = sum(pending_state_bytes(m, o) for m, o in models)
         acts = activation_bytes(self.actor.config, tokens, checkpointing=t.gradient_checkpointing)
-        return plan(self.device, pending, acts).to_dict()
+        return plan(self.device, pending, acts, tokens).to_dict()
 
     # ---- metrics helpers ---------------------------------------------------------------------------
     def peak_mem_gb(self) -> float:

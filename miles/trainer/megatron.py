@@ -477,7 +477,7 @@ class MegatronBackend:
         pending = 0 if any(o.state for o in inner) else 2 * local * 4
         tokens = micro_batch_tokens(t, self.rollout)
         acts = activation_bytes(self.hf_config, tokens, checkpointing=t.gradient_checkpointing)
-        return plan(self.device, pending, acts).to_dict()
+        return plan(self.device, pending, acts, tokens).to_dict()
 
     # ---- metrics helpers ---------------------------------------------------------------------------
     def peak_mem_gb(self) -> float:

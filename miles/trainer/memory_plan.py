@@ -30,6 +30,9 @@ class MemoryPlan:
     pending_state_bytes: int  # gradients and optimizer moments not allocated yet
     activation_bytes: int  # one micro-batch at the token budget
     fits: bool
+    resident_bytes: int = 0  # what this trainer process holds on the device now (its allocator's reserve)
+    tokens: int = 0  # the micro-batch token budget the activations are for
+    headroom_bytes: int = 0  # kept free for fragmentation and workspaces
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -67,7 +70,11 @@ def micro_batch_tokens(train, rollout) -> int:
     return int(train.micro_batch_size * longest)
 
 
-def plan(device: torch.device, pending: int, activations: int) -> MemoryPlan:
+def plan(device: torch.device, pending: int, activations: int, tokens: int = 0) -> MemoryPlan:
     free, total = torch.cuda.mem_get_info(device)
-    need = pending + activations + int(HEADROOM * total)
-    return MemoryPlan(int(total), int(free), int(pending), int(activations), fits=need <= free)
+    headroom = int(HEADROOM * total)
+    fits = pending + activations + headroom <= free
+    resident = torch.cuda.memory_reserved(device)
+    return MemoryPlan(
+        int(total), int(free), int(pending), int(activations), fits, int(resident), int(tokens), headroom
+    )

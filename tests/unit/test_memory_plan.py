@@ -78,3 +78,37 @@ def test_host_buffers_are_reused_between_offloads_and_keep_the_newest_values():
     assert [h.data_ptr() for _, h in off._saved] == first
     off.onload()
     assert tensors[0].tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0] and tensors[1].tolist() == [1.0] * 3
+
+
+GIB = 2**30
+
+
+def _h100_plan(tokens: int = 32768) -> dict:
+    """The 0.5B GSM recipe's start-up plan on an 80 GB GPU (7.0 GiB of state pending, 68.7 GiB of activations
+    estimated at 32,768 tokens), with 5 GiB held by the trainer."""
+    acts = int(68.7 * GIB * tokens / 32768)
+    return {"total_bytes": int(79.2 * GIB), "free_bytes": int(68.7 * GIB), "pending_state_bytes": 7 * GIB,
+            "activation_bytes": acts, "fits": False, "resident_bytes": 5 * GIB, "tokens": tokens,
+            "headroom_bytes": int(7.92 * GIB)}  # fmt: skip
+
+
+def test_offload_that_cannot_make_room_for_the_activations_names_the_budget_that_would():
+    from miles.controller.offload import tokens_that_fit_offloaded
+
+    fit = tokens_that_fit_offloaded(_h100_plan())
+    assert fit == 27 * 1024  # (79.2 - 7.92 - 5 - 7) GiB over 68.7 GiB / 32,768 tokens: 28,275, in whole 1,024s
+    assert tokens_that_fit_offloaded(_h100_plan(16384)) is None  # the half budget fits
+    assert tokens_that_fit_offloaded({**_h100_plan(), "tokens": 0}) is None  # a plan that cannot tell
+
+
+def test_start_up_warns_when_offload_is_not_enough(caplog):
+    cfg = SimpleNamespace(train=SimpleNamespace(offload_train=None, offload_rollout=None))
+    with caplog.at_level("WARNING", logger="miles.controller.offload"):
+        asyncio.run(resolve_offload(cfg, _Trainers([_h100_plan()]), "cuda"))
+    assert cfg.train.offload_train and cfg.train.offload_rollout
+    assert "--max-tokens-per-gpu 27648" in caplog.text
+    caplog.clear()
+    cfg = SimpleNamespace(train=SimpleNamespace(offload_train=None, offload_rollout=None))
+    with caplog.at_level("WARNING", logger="miles.controller.offload"):
+        asyncio.run(resolve_offload(cfg, _Trainers([_h100_plan(16384)]), "cuda"))
+    assert "--max-tokens-per-gpu" not in caplog.text
