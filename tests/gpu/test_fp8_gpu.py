@@ -143,3 +143,46 @@ def test_the_fp8_kernels_capture_in_a_cuda_graph(kernels_on, piece, k):
         fn = lambda: fp8.linear(x, weight)  # noqa: E731
     eager = fn().clone()
     assert torch.equal(_captured(fn), eager)
+
+
+@pytest.fixture
+def triton_gemm(monkeypatch, kernels_on):
+    """The forward's kernels on with the Triton block-scaled GEMM (MILES_FP8_GEMM=triton) instead of cuBLASLt's."""
+    monkeypatch.setattr(fp8, "GEMM", "triton")
+    fp8._triton_gemm.cache_clear()
+    yield kernels_on
+    fp8._triton_gemm.cache_clear()
+
+
+fp8_cores = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs e4m3 tensor cores"
+)
+
+
+@fp8_cores
+@pytest.mark.parametrize("k", [256, 640, 896])  # K/128 = 2, 5, 7: no padding to four blocks on this path
+@pytest.mark.parametrize("m", [1, 3, 256])
+def test_the_triton_gemm_matches_the_emulation(triton_gemm, m, k):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = torch.rand(1000, 1, device="cuda", generator=g) + 0.05  # block scales that differ; N not whole blocks
+    w = (torch.randn(1000, k, device="cuda", generator=g) * rows / 20).to(torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
+    weight = fp8.Fp8Weight(*fp8.quantize_weight(w))
+    got = fp8.linear(x, weight)
+    assert not triton_gemm, "cuBLASLt ran instead of the Triton GEMM"
+    want = fp8._emulated(x, weight, torch.float32)
+    assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
+
+
+@fp8_cores
+def test_the_triton_gemm_scores_as_the_dequantizing_path_and_captures(checkpoints, triton_gemm):
+    src, dst, ids = checkpoints
+    lp_triton, greedy = _score(dst, ids)  # CUDA graphs: the GEMM inside the captured decode step
+    assert not triton_gemm, "cuBLASLt ran instead of the Triton GEMM"
+    fp8._triton_gemm.cache_clear()
+    fp8.CUDA_KERNELS = False  # the fixtures' monkeypatch restores it
+    lp_dequant, _ = _score(dst, ids)
+    gap = (lp_triton - lp_dequant).abs().mean().item()
+    print(f"fp8 Triton GEMM vs dequantizing path: {gap:.4f} nats (mean)")
+    assert gap < 0.02, gap
+    assert len(greedy["output_ids"]) == 16

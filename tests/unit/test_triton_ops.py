@@ -340,3 +340,33 @@ def test_fp8_activation_quant_kernel_pads_rows_and_lays_scales_out_outer_dim_maj
     if DEVICE.type == "cuda":
         assert _fp8_agree(q[:m].cpu(), q_ref) > 0.999
     assert (q[m:].float() == 0).all()  # padded rows carry zeros, not stale memory
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    ("m", "n", "k", "settings"),
+    [(5, 200, 300, None), (37, 256, 512, None), (130, 384, 256, None), (37, 200, 640, (16, 64, 4, 2))],
+)  # rows within a tile and across tiles; N and K not whole blocks; tiles of 64 columns (half a scale block)
+def test_fp8_block_scaled_gemm_kernel_matches_the_emulation(m, n, k, settings):
+    g = torch.Generator().manual_seed(m + k)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) * 0.05
+    xq, xs = fp8.quantize_activation(x)  # the torch forms: the same codes for both sides
+    wq, ws = fp8.quantize_weight(w)
+    want = fp8._emulated(x, fp8.Fp8Weight(wq, ws), torch.float32)
+    on = [t.to(DEVICE) for t in (xq, xs, wq, ws)]
+    got = fp8_triton.block_scaled_mm(*on, torch.float32, settings=settings)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_fp8_block_scaled_gemm_kernel_reads_the_activation_kernels_padded_outer_dim_major_scales():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 384, generator=g).to(torch.bfloat16).to(DEVICE)
+    wq, ws = fp8.quantize_weight(torch.randn(256, 384, generator=g) * 0.05)
+    xq, xs = fp8_triton.quantize_activation(x, pad_to=4)  # [40, 384] and scales of stride (1, 40)
+    got = fp8_triton.block_scaled_mm(xq[:37], xs, wq.to(DEVICE), ws.to(DEVICE), torch.float32)
+    dx = xq[:37].float().cpu() * xs[:37].cpu().repeat_interleave(128, 1)
+    want = torch.nn.functional.linear(dx, fp8.dequantize_weight(wq, ws))
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="do not make one 128-block-scaled product"):
+        fp8_triton.block_scaled_mm(xq, xs[:, :2], wq.to(DEVICE), ws.to(DEVICE), torch.float32)

@@ -12,7 +12,8 @@ is not a multiple of 128 ends in a shorter group).
 On Hopper (CUDA capability 9.x) `torch._scaled_mm` takes the 1x128 activation and 128x128 weight scales
 directly (cuBLASLt's block-scaled path, CUDA >= 12.9); elsewhere, and wherever that call is refused,
 the same W8A8 product is computed by dequantizing both operands (the CPU path CI runs; also every GEMM whose
-K or padded N is not whole blocks). The CUDA kernels
+K or padded N is not whole blocks). MILES_FP8_GEMM=triton swaps cuBLASLt for fp8_triton.block_scaled_mm (see GEMM
+below). The CUDA kernels
 of the forward are off unless MILES_FP8_CUDA_KERNELS=1 (see CUDA_KERNELS below): on CUDA FP8 serving is
 correct, not fast. A weight push quantizes with the Triton kernel wherever it runs (it works outside the
 forward and its CUDA graphs, and matches the torch form: tests/unit/test_triton_ops.py).
@@ -40,6 +41,13 @@ from miles.engines.embedded import fp8_triton
 # capture once, unexplained; until it is, CUDA takes the dequantizing path too, and MILES_FP8_CUDA_KERNELS=1
 # turns the kernels on. The weight quantization of a push is not part of that forward (quantize_weight).
 CUDA_KERNELS = os.environ.get("MILES_FP8_CUDA_KERNELS") == "1"
+# Which GEMM the kernels use: "cublas" (torch._scaled_mm's block-scaled cuBLASLt path, measured on an H200: it
+# reads half bf16's bytes and takes about as long) or "triton" (fp8_triton.block_scaled_mm: any K and N, no
+# padding; checked against the emulation on CPU under Triton's interpreter, its speed not measured yet:
+# bench/fp8_gemm.py times both side by side).
+GEMM = os.environ.get("MILES_FP8_GEMM", "cublas")
+if GEMM not in ("cublas", "triton"):
+    raise ValueError(f"MILES_FP8_GEMM={GEMM!r}: use cublas or triton")
 
 logger = logging.getLogger(__name__)
 
@@ -216,13 +224,28 @@ def _hopper(device: torch.device) -> bool:
     return CUDA_KERNELS and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
+@functools.cache
+def _triton_gemm(device: torch.device) -> bool:
+    """The Triton GEMM serves this device: asked for, and e4m3 tensor cores (CUDA capability 8.9 and up)."""
+    return (
+        CUDA_KERNELS
+        and GEMM == "triton"
+        and device.type == "cuda"
+        and torch.cuda.get_device_capability(device) >= (8, 9)
+        and fp8_triton.runs_on(device)
+    )
+
+
 def linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (model dtype) @ w.T (+ bias) as a W8A8 GEMM; returns x's dtype."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     N, K = w.q.shape
     out = None
-    if K % BLOCK == 0 and N % BLOCK == 0 and _hopper(x.device) and _scaled_mm_ok.get(_mm_key(x.device, K), True):
+    if K % BLOCK == 0 and _triton_gemm(x.device):  # the activation quantization kernel takes whole groups
+        xq, xs = fp8_triton.quantize_activation(flat)
+        out = fp8_triton.block_scaled_mm(xq, xs, w.q, w.scale_inv, x.dtype)
+    elif K % BLOCK == 0 and N % BLOCK == 0 and _hopper(x.device) and _scaled_mm_ok.get(_mm_key(x.device, K), True):
         out = _block_scaled_mm(flat, w, x.dtype)
     if out is None:
         out = _emulated(flat, w, x.dtype)

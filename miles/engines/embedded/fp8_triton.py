@@ -4,6 +4,10 @@
 outer-dim-major ([M, K/128] with M contiguous), the layout torch._scaled_mm's 1x128 operand wants.
 `quantize_weight`: per 128x128 block, scale_inv = amax / 448; what a weight push runs per tensor.
 Both compute in fp32 and round to e4m3 as torch's `.to(float8_e4m3fn)` does (nearest, saturated first).
+`block_scaled_mm`: the W8A8 GEMM itself, x [M, K] with its 1x128 scales times w [N, K] with its 128x128 ones:
+each 128-deep slice of K is one e4m3 tensor-core product accumulated in fp32 and scaled by its row's and its
+block's scales (the emulation's sum of dequantized products, in another order). Any K (the last slice
+masked, so no padding to whole blocks of four) and any N; on CUDA it needs e4m3 tensor cores (capability 8.9+).
 """
 
 from __future__ import annotations
@@ -49,6 +53,43 @@ if triton is not None:
         tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + i * KB + j, scale)
 
+    @triton.jit
+    def _block_scaled_mm_kernel(
+        x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_xs_m, stride_xs_k, stride_ws_n,
+        KB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, GROUP_M: tl.constexpr,
+    ):  # fmt: skip
+        """out[tile] = sum over K slices kb of (x[tile rows, kb] @ w[tile cols, kb].T) * xs[rows, kb] * ws[nb, kb],
+        nb the 128-row block of the tile's columns (BLOCK_N divides 128, so a tile's columns share it). Tiles
+        are visited GROUP_M row tiles at a time per column tile, so a weight tile read from HBM serves them
+        from L2."""
+        pid = tl.program_id(0)
+        tiles_m = tl.cdiv(M, BLOCK_M)
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        per_group = GROUP_M * tiles_n
+        first_m = (pid // per_group) * GROUP_M
+        group_m = tl.minimum(tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % group_m
+        pid_n = (pid % per_group) // group_m
+        rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, GROUP)
+        row_ok, col_ok = rows < M, cols < N
+        x_ptrs = x_ptr + rows[:, None] * K + ks[None, :]
+        w_ptrs = w_ptr + cols[:, None] * K + ks[None, :]
+        ws_row = ws_ptr + ((pid_n * BLOCK_N) // GROUP).to(tl.int64) * stride_ws_n
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(0, KB):  # KB (K's 128-slices) a constant: one compilation per K of the model
+            k_ok = ks[None, :] < K - kb * GROUP
+            x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok, other=0.0)
+            w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok, other=0.0)
+            x_scale = tl.load(xs_ptr + rows * stride_xs_m + kb * stride_xs_k, mask=row_ok, other=0.0)
+            w_scale = tl.load(ws_row + kb)
+            acc += tl.dot(x, tl.trans(w)) * (x_scale[:, None] * w_scale)
+            x_ptrs += GROUP
+            w_ptrs += GROUP
+        offs = rows[:, None] * N + cols[None, :]
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
 
 def runs_on(device: torch.device) -> bool:
     return available(device)
@@ -85,3 +126,49 @@ def quantize_weight(
             raise ValueError("quantize_weight(out=...) writes contiguous tensors")
     _weight_quant_kernel[(NB, KB)](w, q, scale_inv, N, K, KB, BLOCK=GROUP)
     return q, scale_inv
+
+
+# the GEMM's launch settings: (block_m, block_n, num_warps, num_stages), by how many rows M has. Defaults until
+# bench/fp8_gemm.py's sweep on a GPU says otherwise.
+GEMM_SETTINGS = {16: (16, 128, 4, 4), 32: (32, 128, 4, 4), 64: (64, 128, 4, 3)}
+GEMM_SETTINGS_LARGE = (128, 128, 8, 3)
+GEMM_GROUP_M = 8
+
+
+def gemm_settings(M: int) -> tuple[int, int, int, int]:
+    for rows, setting in GEMM_SETTINGS.items():
+        if M <= rows:
+            return setting
+    return GEMM_SETTINGS_LARGE
+
+
+def block_scaled_mm(
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    wq: torch.Tensor,
+    ws: torch.Tensor,
+    out_dtype: torch.dtype,
+    settings: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """xq [M, K] e4m3 with scales xs [>= M, ceil(K/128)] fp32 (any strides: the activation quantization's
+    outer-dim-major ones too) times wq [N, K] e4m3 with ws [ceil(N/128), ceil(K/128)] fp32, transposed:
+    [M, N] in `out_dtype`. `settings`: (block_m, block_n, num_warps, num_stages), default `gemm_settings(M)`."""
+    M, K = xq.shape
+    N = wq.shape[0]
+    KB = -(-K // GROUP)
+    if wq.shape[1] != K or ws.shape != (-(-N // GROUP), KB) or xs.shape[0] < M or xs.shape[1] != KB:
+        raise ValueError(
+            f"block_scaled_mm: x {tuple(xq.shape)} with scales {tuple(xs.shape)} and w {tuple(wq.shape)} with "
+            f"scales {tuple(ws.shape)} do not make one 128-block-scaled product"
+        )
+    block_m, block_n, num_warps, num_stages = settings or gemm_settings(M)
+    if GROUP % block_n:
+        raise ValueError(f"block_n={block_n} must divide {GROUP}: a tile's columns share one weight scale row")
+    xq, wq = xq.contiguous(), wq.contiguous()
+    out = torch.empty((M, N), dtype=out_dtype, device=xq.device)
+    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
+    _block_scaled_mm_kernel[grid](
+        xq, xs, wq, ws, out, M, N, K, xs.stride(0), xs.stride(1), ws.stride(0),
+        KB=KB, BLOCK_M=block_m, BLOCK_N=block_n, GROUP=GROUP, GROUP_M=GEMM_GROUP_M, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,170 @@
+"""The W8A8 block-scaled GEMMs of one decoder layer, side by side: cuBLASLt's against the Triton kernel's settings.
+
+FP8 serving's decode step on the 7B shape spends most of its time in the block-scaled GEMMs, which read half
+the bytes of bf16 ones and take about as long through cuBLASLt (`bench/results/fp8.md`). This times, for each
+GEMM of a layer (qkv, o, gate/up, down) at `--batch` rows, the bf16 `F.linear`, cuBLASLt's block-scaled
+`torch._scaled_mm` (the engine's path with MILES_FP8_CUDA_KERNELS=1) and `fp8_triton.block_scaled_mm` at every
+setting of a small grid (rows and columns a tile, warps, pipeline stages), each checked against the emulation
+(the dequantized product in fp32). It prints one line per GEMM and setting, then the layer's totals: bf16,
+cuBLASLt, the Triton kernel at its default settings and at each GEMM's best, and the ratios. The activation
+quantization (the same kernel for both FP8 paths) is outside the timings.
+
+    python bench/fp8_gemm.py --device cuda                                   # the Qwen2.5-7B layer, batch 256
+    python bench/fp8_gemm.py --device cuda --hidden 896 --intermediate 4864 --heads 14 --kv-heads 2 --head-dim 64
+
+On CPU it runs under Triton's interpreter (TRITON_INTERPRET=1) for its checks only; times there mean nothing.
+Ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+from miles.engines.embedded import fp8, fp8_triton
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda")
+    for name, default in (("batch", 256), ("hidden", 3584), ("intermediate", 18944), ("heads", 28),
+                          ("kv-heads", 4), ("head-dim", 128), ("reps", 50), ("seed", 0)):  # fmt: skip
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--block-m", type=_ints, default=[32, 64, 128])
+    p.add_argument("--block-n", type=_ints, default=[64, 128])
+    p.add_argument("--num-warps", type=_ints, default=[4, 8])
+    p.add_argument("--num-stages", type=_ints, default=[3, 4])
+    return p.parse_args(argv)
+
+
+def layer_gemms(a: argparse.Namespace) -> dict[str, tuple[int, int]]:
+    """(N, K) of each GEMM of one decoder layer, the fused projections as the engine runs them."""
+    q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
+    return {
+        "qkv": (q + 2 * kv, a.hidden),
+        "o": (a.hidden, q),
+        "gate_up": (2 * a.intermediate, a.hidden),
+        "down": (a.hidden, a.intermediate),
+    }
+
+
+def _time_us(fn, reps: int, cuda: bool) -> float:
+    fn()  # compiles, warms the caches of the library
+    if not cuda:
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e6
+    torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(end) * 1e3 / reps
+
+
+def main(argv: list[str] | None = None) -> dict:
+    a = parse_args(argv)
+    device = torch.device(a.device)
+    if not fp8_triton.runs_on(device):
+        raise SystemExit(f"the Triton kernels do not run on {device} here (CUDA, or TRITON_INTERPRET=1 on CPU)")
+    cuda = device.type == "cuda"
+    if cuda and torch.cuda.get_device_capability(device) < (8, 9):
+        raise SystemExit(f"{torch.cuda.get_device_name(device)} has no e4m3 tensor cores (CUDA capability 8.9+)")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    g = torch.Generator(device="cpu").manual_seed(a.seed)
+    default_settings = fp8_triton.gemm_settings(a.batch)
+    grid = [default_settings] + [
+        s
+        for s in itertools.product(a.block_m, a.block_n, a.num_warps, a.num_stages)
+        if s != default_settings and fp8_triton.GROUP % s[1] == 0
+    ]
+    rows = []
+    for name, (N, K) in layer_gemms(a).items():
+        x = torch.randn(a.batch, K, generator=g).to(device, dtype)
+        w = (torch.randn(N, K, generator=g) * 0.02).to(device, dtype)
+        weight = fp8.Fp8Weight(*fp8.quantize_weight(w))
+        xq, xs = fp8_triton.quantize_activation(x, pad_to=4)
+        # the product of the very codes both FP8 paths multiply (on the GPU the activation kernel's codes are the
+        # torch form's; under the interpreter its e4m3 rounding is not), dequantized, in fp32
+        dx = xq[: a.batch].float() * xs[: a.batch].repeat_interleave(fp8.BLOCK, 1)[:, :K]
+        want = F.linear(dx, fp8.dequantize_weight(weight.q, weight.scale_inv))
+        scale = want.abs().max().item()
+        line: dict = {"gemm": name, "n": N, "k": K, "weight_mb": round(N * K / 2**20, 1)}
+        line["bf16_us"] = round(_time_us(lambda x=x, w=w: F.linear(x, w), a.reps, cuda), 2)
+        hopper = cuda and torch.cuda.get_device_capability(device)[0] == 9
+        if hopper and K % fp8.BLOCK == 0 and N % fp8.BLOCK == 0:  # the engine's condition for cuBLASLt
+            out = fp8._block_scaled_mm(x, weight, dtype)
+            if out is not None:
+                line["cublas_us"] = round(
+                    _time_us(lambda x=x, w=weight: fp8._block_scaled_mm(x, w, dtype), a.reps, cuda), 2
+                )
+                line["cublas_rel_diff"] = (out.float() - want).abs().max().item() / scale
+        settings = []
+        for s in grid:
+            try:
+                out = fp8_triton.block_scaled_mm(xq[: a.batch], xs, weight.q, weight.scale_inv, dtype, settings=s)
+                us = _time_us(
+                    lambda s=s, w=weight, xq=xq, xs=xs: fp8_triton.block_scaled_mm(
+                        xq[: a.batch], xs, w.q, w.scale_inv, dtype, s
+                    ),
+                    a.reps,
+                    cuda,
+                )
+            except Exception as e:  # noqa: BLE001 - a setting the compiler or the device refuses is reported
+                settings.append({"settings": list(s), "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                continue
+            settings.append(
+                {"settings": list(s), "us": round(us, 2), "rel_diff": (out.float() - want).abs().max().item() / scale}
+            )
+        timed = [s for s in settings if "us" in s]
+        line["triton_default"] = timed[0] if timed and timed[0]["settings"] == list(default_settings) else None
+        line["triton_best"] = min(timed, key=lambda s: s["us"]) if timed else None
+        line["refused"] = [s for s in settings if "error" in s]
+        print(json.dumps(line), flush=True)
+        rows.append(line)
+
+    def total(pick) -> float | None:
+        values = [pick(r) for r in rows]
+        return None if any(v is None for v in values) else round(sum(values), 2)
+
+    def ratio(x: float | None, y: float | None) -> float | None:
+        return None if x is None or y is None else round(x / y, 3)
+
+    layer = {
+        "bf16": total(lambda r: r["bf16_us"]),
+        "cublas": total(lambda r: r.get("cublas_us")),
+        "triton_default": total(lambda r: r["triton_default"]["us"] if r["triton_default"] else None),
+        "triton_best": total(lambda r: r["triton_best"]["us"] if r["triton_best"] else None),
+    }
+    result = {
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "batch": a.batch,
+        "layer_us": layer,
+        "triton_best_over_cublas": ratio(layer["triton_best"], layer["cublas"]),
+        "triton_default_over_best": ratio(layer["triton_default"], layer["triton_best"]),
+        "cublas_over_bf16": ratio(layer["cublas"], layer["bf16"]),
+        "triton_best_over_bf16": ratio(layer["triton_best"], layer["bf16"]),
+        "best_settings": {r["gemm"]: r["triton_best"]["settings"] if r["triton_best"] else None for r in rows},
+        "worst_rel_diff": max(
+            (s["rel_diff"] for r in rows for s in [r["triton_default"], r["triton_best"]] if s), default=None
+        ),
+        "refused": sum(len(r["refused"]) for r in rows),
+        "timed_on_cpu": not cuda,  # the interpreter: checks only, the times mean nothing
+    }
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
