@@ -58,13 +58,19 @@ def settings_grid(a: argparse.Namespace) -> list[dict[str, int]]:
     return [DEFAULT, *(s for s in grid if s != DEFAULT)]
 
 
-def main(argv: list[str] | None = None) -> dict:
-    a = parse_args(argv)
-    device = torch.device(a.device)
+def kernel_device(name: str) -> tuple[torch.device, bool, torch.dtype]:
+    """The device a kernel bench runs on, whether it is CUDA, and the dtype to time in (bf16 there, fp32 under
+    the interpreter); exits with one line where the Triton kernels do not run."""
+    device = torch.device(name)
     if not triton_ops.available(device):
         raise SystemExit(f"the Triton kernels do not run on {device} here (CUDA, or TRITON_INTERPRET=1 on CPU)")
     cuda = device.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
+    return device, cuda, torch.bfloat16 if cuda else torch.float32
+
+
+def main(argv: list[str] | None = None) -> dict:
+    a = parse_args(argv)
+    device, cuda, dtype = kernel_device(a.device)
     cap = a.capacity or -(-(a.context * 3 // 2) // 64) * 64
     g = torch.Generator(device="cpu").manual_seed(a.seed)
     B, H, KVH, HD = a.batch, a.heads, a.kv_heads, a.head_dim

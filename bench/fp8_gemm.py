@@ -25,6 +25,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from decode_attention import kernel_device
 
 from miles.engines.embedded import fp8, fp8_triton
 
@@ -75,13 +76,9 @@ def _time_us(fn, reps: int, cuda: bool) -> float:
 
 def main(argv: list[str] | None = None) -> dict:
     a = parse_args(argv)
-    device = torch.device(a.device)
-    if not fp8_triton.runs_on(device):
-        raise SystemExit(f"the Triton kernels do not run on {device} here (CUDA, or TRITON_INTERPRET=1 on CPU)")
-    cuda = device.type == "cuda"
+    device, cuda, dtype = kernel_device(a.device)
     if cuda and torch.cuda.get_device_capability(device) < (8, 9):
         raise SystemExit(f"{torch.cuda.get_device_name(device)} has no e4m3 tensor cores (CUDA capability 8.9+)")
-    dtype = torch.bfloat16 if cuda else torch.float32
     g = torch.Generator(device="cpu").manual_seed(a.seed)
     default_settings = fp8_triton.gemm_settings(a.batch)
     grid = [default_settings] + [
