@@ -91,8 +91,17 @@ def _warn_if_offload_is_not_enough(plans: list[dict | None]) -> None:
     at the token budget is estimated not to fit even then, with the budget that would (the estimate is an
     upper one, so the run goes on)."""
     fit = [n for n in (tokens_that_fit_offloaded(p) for p in plans if p is not None) if n is not None]
-    if fit:
-        p = next(p for p in plans if p is not None)
+    if not fit:
+        return
+    p = next(p for p in plans if p is not None)
+    if min(fit) == 0:
+        logger.warning(
+            "colocated memory: even with offload the trainer's state leaves no room for a micro-batch's activations "
+            "(%.1f GiB of state pending on a %.1f GiB GPU); turn on --gradient-checkpointing, or train on more GPUs",
+            p["pending_state_bytes"] / 2**30,
+            p["total_bytes"] / 2**30,
+        )
+    else:
         logger.warning(
             "colocated memory: even with offload a micro-batch of %d tokens is estimated to need more than the GPU "
             "has beside the trainer's state; if it runs out of memory, use --max-tokens-per-gpu %d (or "

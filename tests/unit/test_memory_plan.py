@@ -112,3 +112,11 @@ def test_start_up_warns_when_offload_is_not_enough(caplog):
     with caplog.at_level("WARNING", logger="miles.controller.offload"):
         asyncio.run(resolve_offload(cfg, _Trainers([_h100_plan(16384)]), "cuda"))
     assert "--max-tokens-per-gpu" not in caplog.text
+
+
+def test_start_up_says_when_the_state_alone_leaves_no_room(caplog):
+    cfg = SimpleNamespace(train=SimpleNamespace(offload_train=None, offload_rollout=None))
+    crowded = {**_h100_plan(), "pending_state_bytes": 70 * GIB}
+    with caplog.at_level("WARNING", logger="miles.controller.offload"):
+        asyncio.run(resolve_offload(cfg, _Trainers([crowded]), "cuda"))
+    assert "leaves no room" in caplog.text and "--max-tokens-per-gpu 0" not in caplog.text
