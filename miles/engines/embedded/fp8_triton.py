@@ -130,7 +130,9 @@ def quantize_weight(
 
 # the GEMM's launch settings: (block_m, block_n, num_warps, num_stages), by how many rows M has. Defaults until
 # bench/fp8_gemm.py's sweep on a GPU says otherwise.
-GEMM_SETTINGS = {16: (16, 128, 4, 4), 32: (32, 128, 4, 4), 64: (64, 128, 4, 3)}
+# Up to a decode batch of 256 rows, tiles of at most 64 rows: more programs for the GPU's SMs (the o projection
+# of the 7B shape has 28 column tiles), each weight tile served to the row tiles from L2.
+GEMM_SETTINGS = {16: (16, 128, 4, 4), 32: (32, 128, 4, 4), 256: (64, 128, 4, 3)}
 GEMM_SETTINGS_LARGE = (128, 128, 8, 3)
 GEMM_GROUP_M = 8
 
