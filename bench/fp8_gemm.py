@@ -3,11 +3,12 @@
 FP8 serving's decode step on the 7B shape spends most of its time in the block-scaled GEMMs, which read half
 the bytes of bf16 ones and take about as long through cuBLASLt (`bench/results/fp8.md`). This times, for each
 GEMM of a layer (qkv, o, gate/up, down) at `--batch` rows, the bf16 `F.linear`, cuBLASLt's block-scaled
-`torch._scaled_mm` (the engine's path with MILES_FP8_CUDA_KERNELS=1) and `fp8_triton.block_scaled_mm` at every
-setting of a small grid (rows and columns a tile, warps, pipeline stages), each checked against the emulation
-(the dequantized product in fp32). It prints one line per GEMM and setting, then the layer's totals: bf16,
-cuBLASLt, the Triton kernel at its default settings and at each GEMM's best, and the ratios. The activation
-quantization (the same kernel for both FP8 paths) is outside the timings.
+`torch._scaled_mm` after the activation quantization kernel (the engine's path with MILES_FP8_CUDA_KERNELS=1)
+and `fp8_triton.quantized_linear`, which quantizes the activation inside the GEMM (the path with
+MILES_FP8_GEMM=triton too), at every setting of a small grid (rows and columns a tile, warps, pipeline stages).
+Both FP8 timings start from the bf16 activation; each output is checked against the fp32 product of the
+activation kernel's codes. It prints one line per GEMM, then the layer's totals: bf16, cuBLASLt, the Triton
+kernel at its default settings and at each GEMM's best, and the ratios.
 
     python bench/fp8_gemm.py --device cuda                                   # the Qwen2.5-7B layer, batch 256
     python bench/fp8_gemm.py --device cuda --hidden 896 --intermediate 4864 --heads 14 --kv-heads 2 --head-dim 64
@@ -110,20 +111,17 @@ def main(argv: list[str] | None = None) -> dict:
         settings = []
         for s in grid:
             try:
-                out = fp8_triton.block_scaled_mm(xq[: a.batch], xs, weight.q, weight.scale_inv, dtype, settings=s)
+                out = fp8_triton.quantized_linear(x, weight.q, weight.scale_inv, settings=s)
                 us = _time_us(
-                    lambda s=s, w=weight, xq=xq, xs=xs: fp8_triton.block_scaled_mm(
-                        xq[: a.batch], xs, w.q, w.scale_inv, dtype, s
-                    ),
+                    lambda s=s, w=weight, x=x: fp8_triton.quantized_linear(x, w.q, w.scale_inv, settings=s),
                     a.reps,
                     cuda,
                 )
             except Exception as e:  # noqa: BLE001 - a setting the compiler or the device refuses is reported
                 settings.append({"settings": list(s), "error": f"{type(e).__name__}: {str(e)[:200]}"})
                 continue
-            settings.append(
-                {"settings": list(s), "us": round(us, 2), "rel_diff": (out.float() - want).abs().max().item() / scale}
-            )
+            rel = (out.float() - want).abs().max().item() / scale
+            settings.append({"settings": list(s), "us": round(us, 2), "rel_diff": rel})
         timed = [s for s in settings if "us" in s]
         line["triton_default"] = timed[0] if timed and timed[0]["settings"] == list(default_settings) else None
         line["triton_best"] = min(timed, key=lambda s: s["us"]) if timed else None

@@ -370,3 +370,22 @@ def test_fp8_block_scaled_gemm_kernel_reads_the_activation_kernels_padded_outer_
     torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="do not make one 128-block-scaled product"):
         fp8_triton.block_scaled_mm(xq, xs[:, :2], wq.to(DEVICE), ws.to(DEVICE), torch.float32)
+
+
+@needs_kernels
+@pytest.mark.parametrize(("m", "k"), [(37, 384), (5, 300)])  # K whole slices, and a last slice of 44
+def test_fp8_gemm_quantizing_its_activation_inside_equals_the_two_kernels(m, k):
+    """`quantized_linear` quantizes each slice as the activation kernel does: the same codes, so the same
+    product as `block_scaled_mm` of `quantize_activation`'s output (under the interpreter its e4m3 rounding is
+    not the GPU's, but it is the same on both sides). K not whole slices: against the torch form's codes."""
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(m, k, generator=g).to(DEVICE)
+    wq, ws = (t.to(DEVICE) for t in fp8.quantize_weight(torch.randn(200, k, generator=g) * 0.05))
+    got = fp8_triton.quantized_linear(x, wq, ws)
+    if k % 128 == 0:
+        want = fp8_triton.block_scaled_mm(*fp8_triton.quantize_activation(x), wq, ws, torch.float32)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    else:
+        want = fp8._emulated(x.cpu(), fp8.Fp8Weight(wq.cpu(), ws.cpu()), torch.float32)
+        bound = 1e-4 if DEVICE.type == "cuda" else 0.05  # the interpreter's e4m3 rounding (see above): 0.039
+        assert ((got.cpu() - want).norm() / want.norm()).item() < bound

@@ -42,9 +42,9 @@ from miles.engines.embedded import fp8_triton
 # turns the kernels on. The weight quantization of a push is not part of that forward (quantize_weight).
 CUDA_KERNELS = os.environ.get("MILES_FP8_CUDA_KERNELS") == "1"
 # Which GEMM the kernels use: "cublas" (torch._scaled_mm's block-scaled cuBLASLt path, measured on an H200: it
-# reads half bf16's bytes and takes about as long) or "triton" (fp8_triton.block_scaled_mm: any K and N, no
-# padding; checked against the emulation on CPU under Triton's interpreter, its speed not measured yet:
-# bench/fp8_gemm.py times both side by side).
+# reads half bf16's bytes and takes about as long) or "triton" (fp8_triton.quantized_linear: the activation
+# quantized inside the GEMM, any K and N, no padding; checked against the emulation on CPU under Triton's
+# interpreter, its speed not measured yet: bench/fp8_gemm.py times both side by side).
 GEMM = os.environ.get("MILES_FP8_GEMM", "cublas")
 if GEMM not in ("cublas", "triton"):
     raise ValueError(f"MILES_FP8_GEMM={GEMM!r}: use cublas or triton")
@@ -242,9 +242,8 @@ def linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> t
     flat = x.reshape(-1, shape[-1])
     N, K = w.q.shape
     out = None
-    if K % BLOCK == 0 and _triton_gemm(x.device):  # the activation quantization kernel takes whole groups
-        xq, xs = fp8_triton.quantize_activation(flat)
-        out = fp8_triton.block_scaled_mm(xq, xs, w.q, w.scale_inv, x.dtype)
+    if _triton_gemm(x.device):  # the activation quantized inside the GEMM, slice by slice
+        out = fp8_triton.quantized_linear(flat, w.q, w.scale_inv)
     elif K % BLOCK == 0 and N % BLOCK == 0 and _hopper(x.device) and _scaled_mm_ok.get(_mm_key(x.device, K), True):
         out = _block_scaled_mm(flat, w, x.dtype)
     if out is None:

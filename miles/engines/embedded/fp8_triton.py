@@ -8,6 +8,8 @@ Both compute in fp32 and round to e4m3 as torch's `.to(float8_e4m3fn)` does (nea
 each 128-deep slice of K is one e4m3 tensor-core product accumulated in fp32 and scaled by its row's and its
 block's scales (the emulation's sum of dequantized products, in another order). Any K (the last slice
 masked, so no padding to whole blocks of four) and any N; on CUDA it needs e4m3 tensor cores (capability 8.9+).
+`quantized_linear`: the same GEMM taking the activation in the model dtype and quantizing each slice as
+`quantize_activation` would, inside the GEMM (one launch instead of two, no e4m3 copy of the activation).
 """
 
 from __future__ import annotations
@@ -57,11 +59,14 @@ if triton is not None:
     def _block_scaled_mm_kernel(
         x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_xs_m, stride_xs_k, stride_ws_n,
         KB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, GROUP_M: tl.constexpr,
+        QUANT_X: tl.constexpr,
     ):  # fmt: skip
         """out[tile] = sum over K slices kb of (x[tile rows, kb] @ w[tile cols, kb].T) * xs[rows, kb] * ws[nb, kb],
         nb the 128-row block of the tile's columns (BLOCK_N divides 128, so a tile's columns share it). Tiles
         are visited GROUP_M row tiles at a time per column tile, so a weight tile read from HBM serves them
-        from L2."""
+        from L2. QUANT_X: x is the activation in the model dtype, each slice quantized here as
+        `_act_quant_kernel` does (the same codes and scales; xs unused), so no separate launch and no e4m3
+        copy of the activation."""
         pid = tl.program_id(0)
         tiles_m = tl.cdiv(M, BLOCK_M)
         tiles_n = tl.cdiv(N, BLOCK_N)
@@ -80,9 +85,14 @@ if triton is not None:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kb in range(0, KB):  # KB (K's 128-slices) a constant: one compilation per K of the model
             k_ok = ks[None, :] < K - kb * GROUP
-            x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok, other=0.0)
+            if QUANT_X:
+                xf = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok, other=0.0).to(tl.float32)
+                x_scale = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-12) / 448.0
+                x = tl.minimum(tl.maximum(xf / x_scale[:, None], -448.0), 448.0).to(w_ptr.dtype.element_ty)
+            else:
+                x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok, other=0.0)
+                x_scale = tl.load(xs_ptr + rows * stride_xs_m + kb * stride_xs_k, mask=row_ok, other=0.0)
             w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok, other=0.0)
-            x_scale = tl.load(xs_ptr + rows * stride_xs_m + kb * stride_xs_k, mask=row_ok, other=0.0)
             w_scale = tl.load(ws_row + kb)
             acc += tl.dot(x, tl.trans(w)) * (x_scale[:, None] * w_scale)
             x_ptrs += GROUP
@@ -155,22 +165,44 @@ def block_scaled_mm(
     """xq [M, K] e4m3 with scales xs [>= M, ceil(K/128)] fp32 (any strides: the activation quantization's
     outer-dim-major ones too) times wq [N, K] e4m3 with ws [ceil(N/128), ceil(K/128)] fp32, transposed:
     [M, N] in `out_dtype`. `settings`: (block_m, block_n, num_warps, num_stages), default `gemm_settings(M)`."""
-    M, K = xq.shape
-    N = wq.shape[0]
-    KB = -(-K // GROUP)
-    if wq.shape[1] != K or ws.shape != (-(-N // GROUP), KB) or xs.shape[0] < M or xs.shape[1] != KB:
+    if xs.shape[0] < xq.shape[0] or xs.shape[1] != -(-xq.shape[1] // GROUP):
         raise ValueError(
             f"block_scaled_mm: x {tuple(xq.shape)} with scales {tuple(xs.shape)} and w {tuple(wq.shape)} with "
             f"scales {tuple(ws.shape)} do not make one 128-block-scaled product"
         )
+    return _launch(xq, xs, wq, ws, out_dtype, settings, quant_x=False)
+
+
+def quantized_linear(
+    x: torch.Tensor,
+    wq: torch.Tensor,
+    ws: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+    settings: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """x [M, K] (model dtype) times wq [N, K] e4m3 with ws, transposed, as `block_scaled_mm` of x's 1x128
+    quantization, which the GEMM computes slice by slice (one launch; the codes `quantize_activation` gives)."""
+    return _launch(x, x, wq, ws, out_dtype or x.dtype, settings, quant_x=True)
+
+
+def _launch(x, xs, wq, ws, out_dtype, settings, *, quant_x: bool) -> torch.Tensor:
+    M, K = x.shape
+    N = wq.shape[0]
+    KB = -(-K // GROUP)
+    if wq.shape[1] != K or ws.shape != (-(-N // GROUP), KB):
+        raise ValueError(
+            f"block_scaled_mm: x {tuple(x.shape)} and w {tuple(wq.shape)} with scales {tuple(ws.shape)} do not "
+            "make one 128-block-scaled product"
+        )
     block_m, block_n, num_warps, num_stages = settings or gemm_settings(M)
     if GROUP % block_n:
         raise ValueError(f"block_n={block_n} must divide {GROUP}: a tile's columns share one weight scale row")
-    xq, wq = xq.contiguous(), wq.contiguous()
-    out = torch.empty((M, N), dtype=out_dtype, device=xq.device)
+    x, wq = x.contiguous(), wq.contiguous()
+    out = torch.empty((M, N), dtype=out_dtype, device=x.device)
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
     _block_scaled_mm_kernel[grid](
-        xq, xs, wq, ws, out, M, N, K, xs.stride(0), xs.stride(1), ws.stride(0),
-        KB=KB, BLOCK_M=block_m, BLOCK_N=block_n, GROUP=GROUP, GROUP_M=GEMM_GROUP_M, num_warps=num_warps, num_stages=num_stages,
+        x, xs, wq, ws, out, M, N, K, xs.stride(0), xs.stride(1), ws.stride(0),
+        KB=KB, BLOCK_M=block_m, BLOCK_N=block_n, GROUP=GROUP, GROUP_M=GEMM_GROUP_M, QUANT_X=quant_x,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
