@@ -1,9 +1,11 @@
 """Per-worker CPU / RSS (psutil) and GPU utilisation / memory (nvidia-ml-py), sampled into step metrics.
 
 Keys: `sys/<role>_<rank>/cpu_percent` (100 = one core busy, averaged since the previous sample),
-`sys/<role>_<rank>/rss_gb` (the worker and its children, e.g. an SGLang server), and per visible
-GPU `sys/gpu<i>/util_percent`, `sys/gpu<i>/mem_used_gb`. Only processes on the controller's node
-are sampled; GPU figures are those of the controller's node.
+`sys/<role>_<rank>/rss_gb` (the worker and its children, e.g. an SGLang server),
+`sys/<role>_<rank>/gpu_mem_gb` (the GPU memory the driver counts for the worker and its children, on every
+visible GPU: where a colocated engine's memory goes after its releases, which torch's own counters inside the
+process do not show), and per visible GPU `sys/gpu<i>/util_percent`, `sys/gpu<i>/mem_used_gb`. Only processes
+on the controller's node are sampled; GPU figures are those of the controller's node.
 
 A sample runs on the controller's event loop between steps, so it reads no more than it must: the
 workers' descendants are found in one pass over the process table, at most every
@@ -48,6 +50,7 @@ class SystemMonitor:
             except psutil.Error:
                 logger.debug("worker %s (pid %d) is gone", name, pid)
         self._nvml = _init_nvml()
+        self._per_process = True  # the driver lists each process's GPU memory
         self._children: dict[str, list[psutil.Process]] = {}
         self._children_at = -float("inf")
 
@@ -99,6 +102,7 @@ class SystemMonitor:
         if self._nvml is None:
             return out
         nv = self._nvml
+        used: dict[str, int] = defaultdict(int)
         try:
             for i in range(nv.nvmlDeviceGetCount()):
                 h = nv.nvmlDeviceGetHandleByIndex(i)
@@ -106,10 +110,30 @@ class SystemMonitor:
                 mem = nv.nvmlDeviceGetMemoryInfo(h)
                 out[f"sys/gpu{i}/util_percent"] = float(util.gpu)
                 out[f"sys/gpu{i}/mem_used_gb"] = mem.used / 1024**3
+                self._worker_gpu_memory(h, used)
         except Exception as e:  # noqa: BLE001 - a driver hiccup must not end the run; report once and stop
             logger.warning("GPU sampling failed (%s); no more sys/gpu* metrics this run", e)
             self._nvml = None
+        for name, nbytes in used.items():
+            out[f"sys/{name}/gpu_mem_gb"] = nbytes / 1024**3
         return out
+
+    def _worker_gpu_memory(self, handle: Any, used: dict[str, int]) -> None:
+        """Add each worker's (and its children's) GPU memory on one device to `used`. A driver that cannot list
+        processes (or reports no per-process figure, as inside some containers) leaves it out, once and quietly."""
+        if not self._per_process:
+            return
+        try:
+            running = self._nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        except Exception:  # noqa: BLE001 - not supported here: per-worker GPU memory is simply absent
+            self._per_process = False
+            return
+        owner = {p.pid: name for name, p in self._procs.items()}
+        owner.update((c.pid, name) for name, kids in self._children.items() for c in kids)
+        for proc in running:
+            name = owner.get(proc.pid)
+            if name is not None and getattr(proc, "usedGpuMemory", None):
+                used[name] += int(proc.usedGpuMemory)
 
 
 def _rss(p: psutil.Process) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -70,3 +71,44 @@ def test_a_worker_that_is_gone_drops_out_of_the_sample(worker):
     proc.wait()
     out = mon.sample()
     assert "sys/trainer_0/rss_gb" not in out and "sys/rollout_0/rss_gb" in out
+
+
+class _FakeNvml:
+    """Two GPUs; the driver lists the worker on both and a stranger on the second."""
+
+    def __init__(self, worker_pid: int, child_pid: int, supported: bool = True):
+        self.running = [
+            [SimpleNamespace(pid=worker_pid, usedGpuMemory=3 * 2**30)],
+            [SimpleNamespace(pid=child_pid, usedGpuMemory=2**30), SimpleNamespace(pid=1, usedGpuMemory=5 * 2**30)],
+        ]
+        self.supported = supported
+
+    def nvmlDeviceGetCount(self):
+        return 2
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetUtilizationRates(self, h):
+        return SimpleNamespace(gpu=50)
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        return SimpleNamespace(used=10 * 2**30)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h):
+        if not self.supported:
+            raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+        return self.running[h]
+
+
+def test_a_workers_gpu_memory_is_the_drivers_count_for_it_and_its_children(worker, monkeypatch):
+    proc, child_pid = worker
+    monkeypatch.setattr(sysmon, "_init_nvml", lambda: _FakeNvml(proc.pid, child_pid))
+    row = SystemMonitor({"rollout_0": proc.pid}).sample()
+    assert row["sys/rollout_0/gpu_mem_gb"] == 4.0  # 3 GiB on GPU 0 and its child's 1 GiB on GPU 1
+    assert row["sys/gpu1/mem_used_gb"] == 10.0 and not any("pid" in k for k in row)  # the stranger: no key
+
+    monkeypatch.setattr(sysmon, "_init_nvml", lambda: _FakeNvml(proc.pid, child_pid, supported=False))
+    mon = SystemMonitor({"rollout_0": proc.pid})
+    row = mon.sample()
+    assert "sys/rollout_0/gpu_mem_gb" not in row and row["sys/gpu0/util_percent"] == 50.0  # the rest stays
