@@ -33,7 +33,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from e2e_vs_trl import t975
+from e2e_vs_trl import half_width
 from miles_runs import metrics_rows, train_command
 
 REPO = Path(__file__).resolve().parents[1]
@@ -113,7 +113,7 @@ def paired(a: list[dict], b: list[dict], field: str) -> dict | None:
     if not pairs:
         return None
     diffs = [y - x for x, y in pairs]
-    half = t975(len(diffs) - 1) * statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else None
+    half = half_width(diffs)
     return {
         "diff": [round(d, 4) for d in diffs],
         "mean": round(statistics.fmean(diffs), 4),

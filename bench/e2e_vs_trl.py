@@ -480,6 +480,11 @@ def t975(df: int) -> float:
     return _T975[df - 1] if df <= len(_T975) else 1.96 + (1.96**3 + 1.96) / (4 * df)
 
 
+def half_width(values: list[float]) -> float | None:
+    """The half-width of the 95% t-interval of the mean of `values` (None with fewer than two)."""
+    return t975(len(values) - 1) * statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else None
+
+
 def paired_last5(miles: list[dict], trl: list[dict]) -> dict:
     """miles' minus TRL's last-five reward seed by seed (both sides took the same prompts), their mean
     and the half-width of its 95% t-interval (None with one seed): whether a gap is more than noise."""
@@ -493,7 +498,7 @@ def paired_last5(miles: list[dict], trl: list[dict]) -> dict:
 
 def _diff_fields(diffs: list[float]) -> dict:
     """Per-seed differences, their mean and the half-width of its 95% t-interval (None with one seed)."""
-    half = t975(len(diffs) - 1) * statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else None
+    half = half_width(diffs)
     return {
         "reward_last5_diff": [round(d, 4) for d in diffs],
         "reward_last5_diff_mean": round(statistics.fmean(diffs), 4),

@@ -25,7 +25,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from e2e_vs_trl import t975
+from e2e_vs_trl import half_width
 
 from miles.rollout.rm_hub.math_utils import extract_answer_phrase, extract_boxed, extract_hash_answer
 
@@ -92,10 +92,6 @@ def compare_templates(first: list[dict], last: list[dict], top: int) -> dict | N
     }
 
 
-def _half_width(values: list[float]) -> float:
-    return t975(len(values) - 1) * statistics.stdev(values) / len(values) ** 0.5
-
-
 def gain(first: list[dict], last: list[dict]) -> dict | None:
     """The last evaluation's accuracy minus the first's on the questions both hold (matched by their index in
     the set), with the half-widths of its 95% intervals over questions and, with templates, over templates;
@@ -109,7 +105,7 @@ def gain(first: list[dict], last: list[dict]) -> dict | None:
     out = {
         "questions": len(common),
         "gain": round(statistics.fmean(changes), 4),
-        "ci95_questions": round(_half_width(changes), 4),
+        "ci95_questions": round(half_width(changes), 4),
     }
     groups: dict[str, list[float]] = defaultdict(list)
     for i, c in zip(common, changes, strict=True):
@@ -119,7 +115,7 @@ def gain(first: list[dict], last: list[dict]) -> dict | None:
     if len(groups) > 1:
         per_template = [statistics.fmean(v) for v in groups.values()]
         out["templates"] = len(groups)
-        out["ci95_templates"] = round(_half_width(per_template), 4)
+        out["ci95_templates"] = round(half_width(per_template), 4)
     return out
 
 

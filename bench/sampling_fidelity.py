@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e_vs_trl import SHORT_DATA as DATA  # noqa: E402 - the e2e bench's prompts and interval, shared
-from e2e_vs_trl import t975  # noqa: E402
+from e2e_vs_trl import half_width  # noqa: E402
 
 SIDES = ("engine-bf16", "engine-fp32", "hf-autocast", "hf-bf16", "hf-fp32")
 BASELINE = "hf-autocast"
@@ -50,10 +50,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
-
-
-def half_width(values: list[float]) -> float | None:
-    return t975(len(values) - 1) * statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else None
 
 
 def load_prompts(tokenizer, n: int) -> tuple[list[list[int]], list[str]]:

@@ -103,6 +103,8 @@ class SystemMonitor:
             return out
         nv = self._nvml
         used: dict[str, int] = defaultdict(int)
+        owner = {p.pid: name for name, p in self._procs.items()}  # pid -> worker, its children included
+        owner.update((c.pid, name) for name, kids in self._children.items() for c in kids)
         try:
             for i in range(nv.nvmlDeviceGetCount()):
                 h = nv.nvmlDeviceGetHandleByIndex(i)
@@ -110,7 +112,7 @@ class SystemMonitor:
                 mem = nv.nvmlDeviceGetMemoryInfo(h)
                 out[f"sys/gpu{i}/util_percent"] = float(util.gpu)
                 out[f"sys/gpu{i}/mem_used_gb"] = mem.used / 1024**3
-                self._worker_gpu_memory(h, used)
+                self._worker_gpu_memory(h, owner, used)
         except Exception as e:  # noqa: BLE001 - a driver hiccup must not end the run; report once and stop
             logger.warning("GPU sampling failed (%s); no more sys/gpu* metrics this run", e)
             self._nvml = None
@@ -118,7 +120,7 @@ class SystemMonitor:
             out[f"sys/{name}/gpu_mem_gb"] = nbytes / 1024**3
         return out
 
-    def _worker_gpu_memory(self, handle: Any, used: dict[str, int]) -> None:
+    def _worker_gpu_memory(self, handle: Any, owner: dict[int, str], used: dict[str, int]) -> None:
         """Add each worker's (and its children's) GPU memory on one device to `used`. A driver that cannot list
         processes (or reports no per-process figure, as inside some containers) leaves it out, once and quietly."""
         if not self._per_process:
@@ -128,8 +130,6 @@ class SystemMonitor:
         except Exception:  # noqa: BLE001 - not supported here: per-worker GPU memory is simply absent
             self._per_process = False
             return
-        owner = {p.pid: name for name, p in self._procs.items()}
-        owner.update((c.pid, name) for name, kids in self._children.items() for c in kids)
         for proc in running:
             name = owner.get(proc.pid)
             if name is not None and getattr(proc, "usedGpuMemory", None):

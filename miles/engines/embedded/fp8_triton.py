@@ -26,6 +26,14 @@ ACT_BLOCK_M = 16  # rows a program of the activation quantization takes
 if triton is not None:
 
     @triton.jit
+    def _scaled_rows(x):
+        """x [rows, group] fp32 -> (x / s clamped to the e4m3 range, s = amax / 448 per row): one group's dynamic
+        activation quantization before the cast, shared by the activation kernel and the GEMM that quantizes
+        inside, so both give the same codes."""
+        scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
+        return tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0), scale
+
+    @triton.jit
     def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, M_pad, K, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
         """Rows [p*BLOCK_M, (p+1)*BLOCK_M), group g: q = x / s per row, s[g * M_pad + m] = amax / 448 (rows in
         [M, M_pad): zeros). A tile of rows per program: one row's group is only 256 bytes, and the tile's
@@ -34,8 +42,7 @@ if triton is not None:
         cols = tl.program_id(1).to(tl.int64) * GROUP + tl.arange(0, GROUP)
         offs = rows[:, None] * K + cols[None, :]
         x = tl.load(x_ptr + offs, mask=(rows[:, None] < M) & (cols[None, :] < K), other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
-        q = tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0)
+        q, scale = _scaled_rows(x)
         kept = rows < M_pad
         tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=kept[:, None] & (cols[None, :] < K))
         tl.store(s_ptr + tl.program_id(1).to(tl.int64) * M_pad + rows, scale, mask=kept)
@@ -87,8 +94,8 @@ if triton is not None:
             k_ok = ks[None, :] < K - kb * GROUP
             if QUANT_X:
                 xf = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok, other=0.0).to(tl.float32)
-                x_scale = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-12) / 448.0
-                x = tl.minimum(tl.maximum(xf / x_scale[:, None], -448.0), 448.0).to(w_ptr.dtype.element_ty)
+                x, x_scale = _scaled_rows(xf)
+                x = x.to(w_ptr.dtype.element_ty)
             else:
                 x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok, other=0.0)
                 x_scale = tl.load(xs_ptr + rows * stride_xs_m + kb * stride_xs_k, mask=row_ok, other=0.0)
@@ -165,11 +172,6 @@ def block_scaled_mm(
     """xq [M, K] e4m3 with scales xs [>= M, ceil(K/128)] fp32 (any strides: the activation quantization's
     outer-dim-major ones too) times wq [N, K] e4m3 with ws [ceil(N/128), ceil(K/128)] fp32, transposed:
     [M, N] in `out_dtype`. `settings`: (block_m, block_n, num_warps, num_stages), default `gemm_settings(M)`."""
-    if xs.shape[0] < xq.shape[0] or xs.shape[1] != -(-xq.shape[1] // GROUP):
-        raise ValueError(
-            f"block_scaled_mm: x {tuple(xq.shape)} with scales {tuple(xs.shape)} and w {tuple(wq.shape)} with "
-            f"scales {tuple(ws.shape)} do not make one 128-block-scaled product"
-        )
     return _launch(xq, xs, wq, ws, out_dtype, settings, quant_x=False)
 
 
@@ -189,10 +191,12 @@ def _launch(x, xs, wq, ws, out_dtype, settings, *, quant_x: bool) -> torch.Tenso
     M, K = x.shape
     N = wq.shape[0]
     KB = -(-K // GROUP)
-    if wq.shape[1] != K or ws.shape != (-(-N // GROUP), KB):
+    x_scales_ok = quant_x or (xs.shape[0] >= M and xs.shape[1] == KB)
+    if wq.shape[1] != K or ws.shape != (-(-N // GROUP), KB) or not x_scales_ok:
+        x_scales = "" if quant_x else f" with scales {tuple(xs.shape)}"
         raise ValueError(
-            f"block_scaled_mm: x {tuple(x.shape)} and w {tuple(wq.shape)} with scales {tuple(ws.shape)} do not "
-            "make one 128-block-scaled product"
+            f"block_scaled_mm: x {tuple(x.shape)}{x_scales} and w {tuple(wq.shape)} with scales {tuple(ws.shape)} "
+            "do not make one 128-block-scaled product"
         )
     block_m, block_n, num_warps, num_stages = settings or gemm_settings(M)
     if GROUP % block_n:
