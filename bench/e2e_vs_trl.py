@@ -442,6 +442,7 @@ def trl_worker(spec_path: str) -> int:
                 "rewards": rewards,
                 "startup_s": first_step_start[0] - launched if first_step_start else None,
                 "phases": {"generate": timings["generate"]},
+                "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
                 "command": f"GRPOTrainer {json.dumps({k: v for k, v in spec.items() if k not in ('out', 'launched')})}",
             }
         )
@@ -546,6 +547,8 @@ def _seed_line(side: str, seed: int, stream: int, run: dict) -> dict:
     """One side's one seed, printed as it finishes."""
     step_s = round(statistics.median(run["steps"]), 4)
     line = {"side": side, "seed": seed, "step_s": step_s, "startup_s": run["startup_s"], "rewards": run["rewards"]}
+    if run.get("peak_mem_gb") is not None:
+        line["peak_mem_gb"] = run["peak_mem_gb"]  # TRL's allocator peak, to size --concurrent
     return line | ({"stream": stream} if stream else {})
 
 
