@@ -65,11 +65,23 @@ def _time_us(fn, reps: int, cuda: bool) -> float:
         start = time.perf_counter()
         fn()
         return (time.perf_counter() - start) * 1e6
+    # the engine replays these GEMMs inside CUDA graphs: time a graph of `reps` calls, so that the host's
+    # launch work (a Python call per kernel) is not counted as the GEMM's (an eager loop made the small ones
+    # host-bound: 60-117 us where the engine's graphed step spends ~35 us a GEMM)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()  # warm
     torch.cuda.synchronize()
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     begin.record()
-    for _ in range(reps):
-        fn()
+    graph.replay()
     end.record()
     torch.cuda.synchronize()
     return begin.elapsed_time(end) * 1e3 / reps
