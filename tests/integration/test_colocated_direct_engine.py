@@ -107,3 +107,35 @@ def test_export_is_refused_while_generating(model_dir):
             await engine.shutdown()
 
     asyncio.run(main())
+
+
+class _Graph:
+    """Stands in for a captured torch.cuda.CUDAGraph (CPU has none): records that its pool was given back."""
+
+    def __init__(self):
+        self.was_reset = False
+
+    def reset(self):
+        self.was_reset = True
+
+
+def test_repacking_frees_the_captured_decode_graphs_at_once(model_dir):
+    """Graphs hold the weights' old addresses; dropping them must free their pools now, not whenever the last
+    reference goes (a step's logits, held on, kept each pool allocated across releases)."""
+    from miles.engines.embedded.runner import DecodeGraphs
+
+    engine = EmbeddedEngine(model_dir)
+    try:
+        graphs = DecodeGraphs(engine.model, engine.runner.kv, 4, None)
+        captured = {b: _Graph() for b in graphs.buckets}
+        graphs.graphs.update(captured)
+        graphs.outputs.update({b: torch.zeros(b, 8) for b in graphs.buckets})
+        logits = graphs.outputs[4][:2]  # held by the caller, as a step's logits are
+        engine.runner.graphs = graphs
+        engine.export_weight_buffer()  # repacks the weights into the shared buffer
+        assert engine.runner.graphs is None
+        assert all(g.was_reset for g in captured.values())
+        assert not graphs.graphs and not graphs.outputs
+        assert logits.shape == (2, 8)  # the caller's view stays valid
+    finally:
+        asyncio.run(engine.shutdown())

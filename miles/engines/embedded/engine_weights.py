@@ -158,7 +158,7 @@ class EngineWeights:
             for key, t in storage.items()
         }
         self.model.rebuild_views()  # params are views into storage
-        self.runner.graphs = None  # captured decode graphs hold the old weight addresses
+        self.runner.drop_graphs()  # captured decode graphs hold the old weight addresses
 
     # ---- memory -------------------------------------------------------------------------------------------
     def _tags(self, tags: list[str] | None) -> set[str]:

@@ -95,6 +95,17 @@ class DecodeGraphs:
         self.graphs[bucket].replay()
         return self.outputs[bucket][:n]
 
+    def close(self) -> None:
+        """Free the graphs and their memory pool now. Dropping the last reference is not enough: anything
+        still holding this object or one of its outputs (a step's logits) keeps every bucket's pool
+        allocated, and each release's recapture then adds a new pool to the old ones (found on an H200:
+        the engine's memory after release grew by 0.1-0.2 GiB a cycle with CUDA graphs on)."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.outputs.clear()
+        self.pool = None
+
 
 class ModelRunner:
     def __init__(
@@ -244,6 +255,13 @@ class ModelRunner:
             hidden = self.model.forward(tok, pos, self.kv, 0, pos, kv_len=max(positions) + 1)
             return self.model.logits(hidden[:, -1])
 
+    def drop_graphs(self) -> None:
+        """Forget the captured decode graphs (recaptured at the next decode) and free their memory."""
+        with self.lock:  # not while a decode step replays one of them
+            if self.graphs is not None:
+                self.graphs.close()
+                self.graphs = None
+
     def move_slot(self, src: int, dst: int, length: int) -> None:
         if self.kv.allocated:
             self.kv.move_slot(src, dst, length)
@@ -254,7 +272,7 @@ class ModelRunner:
             if self.model.device.type != "cuda":
                 logger.info("release_memory_occupation(%s) is a no-op on %s", sorted(tags), self.model.device)
                 return
-            self.graphs = None  # they hold addresses of what is about to move
+            self.drop_graphs()  # they hold addresses of what is about to move
             if "kv_cache" in tags and self.kv.allocated:
                 self.kv.release()
                 self.kv_epoch += 1
