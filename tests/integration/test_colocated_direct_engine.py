@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from miles.engines.embedded.engine import EmbeddedEngine
+from miles.engines.embedded.runner import DecodeGraphs
 from miles.models.tiny import make_tiny_model
 from miles.weights.arena import StaleWeightBufferError
 from miles.weights.buffer_writer import MappedBuffer, open_export, write_into
@@ -120,10 +121,8 @@ class _Graph:
 
 
 def test_repacking_frees_the_captured_decode_graphs_at_once(model_dir):
-    """Graphs hold the weights' old addresses; dropping them must free their pools now, not whenever the last
-    reference goes (a step's logits, held on, kept each pool allocated across releases)."""
-    from miles.engines.embedded.runner import DecodeGraphs
-
+    """Graphs hold the weights' old addresses; dropping them must give their pools back now, not whenever the
+    last reference goes (on a GPU the old pools stayed allocated across releases)."""
     engine = EmbeddedEngine(model_dir)
     try:
         graphs = DecodeGraphs(engine.model, engine.runner.kv, 4, None)
