@@ -120,21 +120,28 @@ class _Graph:
         self.was_reset = True
 
 
-def test_repacking_frees_the_captured_decode_graphs_at_once(model_dir):
+def _fake_graphs(engine: EmbeddedEngine) -> tuple[DecodeGraphs, dict[int, _Graph]]:
+    graphs = DecodeGraphs(engine.model, engine.runner.kv, 4, None)
+    captured = {b: _Graph() for b in graphs.buckets}
+    graphs.graphs.update(captured)
+    graphs.outputs.update({b: torch.zeros(b, 8) for b in graphs.buckets})
+    engine.runner.graphs = graphs
+    return graphs, captured
+
+
+def test_repacking_and_shutdown_free_the_captured_decode_graphs_at_once(model_dir):
     """Graphs hold the weights' old addresses; dropping them must give their pools back now, not whenever the
     last reference goes (on a GPU the old pools stayed allocated across releases)."""
     engine = EmbeddedEngine(model_dir)
     try:
-        graphs = DecodeGraphs(engine.model, engine.runner.kv, 4, None)
-        captured = {b: _Graph() for b in graphs.buckets}
-        graphs.graphs.update(captured)
-        graphs.outputs.update({b: torch.zeros(b, 8) for b in graphs.buckets})
+        graphs, captured = _fake_graphs(engine)
         logits = graphs.outputs[4][:2]  # held by the caller, as a step's logits are
-        engine.runner.graphs = graphs
         engine.export_weight_buffer()  # repacks the weights into the shared buffer
         assert engine.runner.graphs is None
         assert all(g.was_reset for g in captured.values())
         assert not graphs.graphs and not graphs.outputs
         assert logits.shape == (2, 8)  # the caller's view stays valid
+        graphs, captured = _fake_graphs(engine)
     finally:
         asyncio.run(engine.shutdown())
+    assert engine.runner.graphs is None and all(g.was_reset for g in captured.values())

@@ -201,6 +201,7 @@ class EmbeddedEngine(EngineWeights):
                 pass
             self.scheduler.abort_pending()  # a step cancelled mid-flight must not leave callers waiting
             self._task = None
+        self.runner.drop_graphs()  # their memory pool goes now, not when the last reference to the engine does
         self._shared.close()  # unlinks the CPU segment; the model's views keep their mapping
 
     def _require_started(self) -> Scheduler:
