@@ -98,7 +98,7 @@ class DecodeGraphs:
     def close(self) -> None:
         """Give the graphs' memory pool back now, not when the last reference to this object goes. With only
         the reference dropped, an H200 showed the engine's allocated memory after each release growing by
-        0.1-0.2 GiB a cycle with CUDA graphs on: every recapture added a pool and the old ones stayed."""
+        0.1-0.2 GiB a cycle with CUDA graphs on (and not with them off), as if each recapture's pool stayed."""
         for graph in self.graphs.values():
             graph.reset()
         self.graphs.clear()
