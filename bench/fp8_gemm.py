@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
     if cuda and torch.cuda.get_device_capability(device) < (8, 9):
         raise SystemExit(f"{torch.cuda.get_device_name(device)} has no e4m3 tensor cores (CUDA capability 8.9+)")
     g = torch.Generator(device="cpu").manual_seed(a.seed)
+    hopper = cuda and torch.cuda.get_device_capability(device)[0] == 9
     default_settings = fp8_triton.gemm_settings(a.batch)
     grid = [default_settings] + [
         s
@@ -112,7 +113,6 @@ def main(argv: list[str] | None = None) -> dict:
         scale = want.abs().max().item()
         line: dict = {"gemm": name, "n": N, "k": K, "weight_mb": round(N * K / 2**20, 1)}
         line["bf16_us"] = round(_time_us(lambda x=x, w=w: F.linear(x, w), a.reps, cuda), 2)
-        hopper = cuda and torch.cuda.get_device_capability(device)[0] == 9
         if hopper and K % fp8.BLOCK == 0 and N % fp8.BLOCK == 0:  # the engine's condition for cuBLASLt
             out = fp8._block_scaled_mm(x, weight, dtype)
             if out is not None:
