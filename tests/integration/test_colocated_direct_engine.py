@@ -5,6 +5,7 @@ the trainer must land every name in its own rows. A tied lm_head goes to the emb
 
 import asyncio
 import os
+import threading
 
 import pytest
 import torch
@@ -121,7 +122,7 @@ class _Graph:
 
 
 def _fake_graphs(engine: EmbeddedEngine) -> tuple[DecodeGraphs, dict[int, _Graph]]:
-    graphs = DecodeGraphs(engine.model, engine.runner.kv, 4, None)
+    graphs = DecodeGraphs(engine.model, engine.runner.kv, 4, None, warmup_stream=None)
     captured = {b: _Graph() for b in graphs.buckets}
     graphs.graphs.update(captured)
     graphs.outputs.update({b: torch.zeros(b, 8) for b in graphs.buckets})
@@ -131,7 +132,7 @@ def _fake_graphs(engine: EmbeddedEngine) -> tuple[DecodeGraphs, dict[int, _Graph
 
 def test_repacking_and_shutdown_free_the_captured_decode_graphs_at_once(model_dir):
     """Graphs hold the weights' old addresses; dropping them must give their pools back now, not whenever the
-    last reference goes (on a GPU the old pools stayed allocated across releases)."""
+    last reference goes."""
     engine = EmbeddedEngine(model_dir)
     try:
         graphs, captured = _fake_graphs(engine)
@@ -145,3 +146,37 @@ def test_repacking_and_shutdown_free_the_captured_decode_graphs_at_once(model_di
     finally:
         asyncio.run(engine.shutdown())
     assert engine.runner.graphs is None and all(g.was_reset for g in captured.values())
+
+
+def test_every_step_and_scoring_runs_on_the_one_device_thread(model_dir):
+    """cuBLAS keeps a workspace per thread and stream it has seen (never freed): the engine's device work
+    off the event loop must use one thread for its whole life, not whichever pool thread is free."""
+    engine = EmbeddedEngine(model_dir, inline_step_s=0)  # every step off the loop
+    seen: set[str] = set()
+    for method in ("prefill", "decode"):
+        original = getattr(engine.runner, method)
+
+        def recorded(*args, _original=original, **kwargs):
+            seen.add(threading.current_thread().name)
+            return _original(*args, **kwargs)
+
+        setattr(engine.runner, method, recorded)
+
+    async def main():
+        await engine.start()
+        try:
+            for wave in range(3):  # requests arriving apart, so steps land on many pool threads if allowed
+                calls = [
+                    engine.generate(input_ids=[5 + i, 6, 7], sampling_params={"max_new_tokens": 4 + i + wave})
+                    for i in range(6)
+                ]
+                outs = await asyncio.gather(*calls)
+                assert all(len(o["output_ids"]) > 0 for o in outs)
+            worker = engine.runner._worker
+        finally:
+            await engine.shutdown()
+        return worker
+
+    worker = asyncio.run(main())
+    assert len(seen) == 1 and next(iter(seen)).startswith("engine-device"), seen
+    assert engine.runner._worker is None and worker._shutdown  # shutdown ends the thread

@@ -201,7 +201,7 @@ class EmbeddedEngine(EngineWeights):
                 pass
             self.scheduler.abort_pending()  # a step cancelled mid-flight must not leave callers waiting
             self._task = None
-        self.runner.drop_graphs()  # their memory pool goes now, not when the last reference to the engine does
+        self.runner.close()  # the graphs' memory pool goes now, not when the last reference to the engine does
         self._shared.close()  # unlinks the CPU segment; the model's views keep their mapping
 
     def _require_started(self) -> Scheduler:
@@ -374,7 +374,7 @@ class EmbeddedEngine(EngineWeights):
         """A prefill-only scoring request through the reference forward (true-on-policy mode): held back while
         generation is paused (a weight update may be under way), then run under the runner's lock."""
         await scheduler.wait_unpaused()
-        lps, extra, version = await asyncio.to_thread(
+        lps, extra, version = await self.runner.in_worker(
             self._reference_locked, prompt, start, params.temperature, extras
         )
         return scoring_response(rid, prompt, start, lps, extras, extra, version)

@@ -13,8 +13,8 @@ back to the head of the queue keeping their generated tokens (KV dropped, re-pre
 `continue`); `in_place` freezes them with their KV, but any weight load in between bumps the KV epoch
 and they are re-prefilled as well, so pre-update KV is never used.
 
-The step's tensor work runs in a worker thread (asyncio.to_thread); all bookkeeping stays on the event
-loop thread.
+The step's tensor work runs on the runner's device thread (`ModelRunner.in_worker`); all bookkeeping
+stays on the event loop thread.
 
 Lookahead (on by default with CUDA graphs): once a step's tokens are on the device, the next decode step of the same
 requests is launched right away, feeding those tokens, before the host does the step's bookkeeping;
@@ -215,13 +215,13 @@ class Scheduler:
             self.lookahead_dropped += 1
 
     async def _run_step(self, decode: list[Request], prefill: list[Request]) -> StepResult:
-        """Run one step in a worker thread, or inline when decode steps are known to be short.
+        """Run one step on the device thread, or inline when decode steps are known to be short.
 
         A thread hand-off costs about as much as a whole decode step of a tiny model on CPU, so steps
         whose recent duration is under `inline_step_s` run on the loop (which is yielded every step).
         """
         if prefill or (self._decode_step_s > self.inline_step_s and self._lookahead is None):
-            result = await asyncio.to_thread(self._compute, decode, prefill)
+            result = await self.runner.in_worker(self._compute, decode, prefill)
         else:
             result = self._compute(decode, prefill)
             await asyncio.sleep(0)  # let the loop serve other work between inline steps
