@@ -227,10 +227,13 @@ class TrainerWorker(Worker):
     def release_cached_memory(self) -> dict[str, float]:
         """Give the allocator's cached, unused device memory back to the driver: a colocated engine is about
         to take its memory back, and what training left cached (up to a micro-batch's activations) would
-        otherwise stay this process's. The GiB given back and the GiB still reserved."""
+        otherwise stay this process's, as would cuBLAS's workspaces (32 MiB per thread and stream, kept until
+        cleared). The GiB given back and the GiB still reserved."""
         if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
             return {"released_gb": 0.0, "reserved_gb": 0.0}
         before = torch.cuda.memory_reserved()
+        torch.cuda.synchronize()  # no kernel of this process still uses a workspace
+        torch._C._cuda_clearCublasWorkspaces()  # noqa: SLF001
         torch.cuda.empty_cache()
         after = torch.cuda.memory_reserved()
         return {"released_gb": (before - after) / 2**30, "reserved_gb": after / 2**30}

@@ -252,8 +252,9 @@ def test_trainer_gives_its_cached_memory_back_before_the_engines_resume():
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")  # 1 GiB, freed into the cache
     del x
     assert torch.cuda.memory_reserved() >= 1 << 30
+    in_use_gb = torch.cuda.memory_allocated() / 2**30  # what earlier tests of this process still hold
     free_before, _ = torch.cuda.mem_get_info()
     out = TrainerWorker.release_cached_memory(None)
     free_after, _ = torch.cuda.mem_get_info()
-    assert out["released_gb"] >= 0.99 and out["reserved_gb"] < 0.5
+    assert out["released_gb"] >= 0.99 and out["reserved_gb"] - in_use_gb < 0.5, (out, in_use_gb)
     assert free_after - free_before >= 0.99 * (1 << 30)  # the driver has it again, for another process
