@@ -53,21 +53,26 @@ async def resolve_offload(cfg: MilesConfig, trainers: TrainerGroup, device: str)
         return
     plans = await trainers.memory_plan()
     fits = all(p is not None and p["fits"] for p in plans)
-    if plans[0] is not None:
-        p = min(plans, key=lambda x: x["free_bytes"] - x["pending_state_bytes"] - x["activation_bytes"])
-        logger.info(
-            "colocated memory: %.1f of %.1f GiB free with the engines loaded; the trainer still needs %.1f GiB of "
-            "state and up to %.1f GiB of activations: offload %s",
-            p["free_bytes"] / 2**30,
-            p["total_bytes"] / 2**30,
-            p["pending_state_bytes"] / 2**30,
-            p["activation_bytes"] / 2**30,
-            "off (both fit)" if fits else "on",
-        )
+    chosen = {"offload_train": t.offload_train, "offload_rollout": t.offload_rollout}  # None: decided here
     if t.offload_train is None:
         t.offload_train = not fits
     if t.offload_rollout is None:
         t.offload_rollout = not fits
+    if plans[0] is not None:
+        p = min(plans, key=lambda x: x["free_bytes"] - x["pending_state_bytes"] - x["activation_bytes"])
+        logger.info(
+            "colocated memory: %.1f of %.1f GiB free with the engines loaded; the trainer still needs %.1f GiB of "
+            "state and up to %.1f GiB of activations (%s): %s",
+            p["free_bytes"] / 2**30,
+            p["total_bytes"] / 2**30,
+            p["pending_state_bytes"] / 2**30,
+            p["activation_bytes"] / 2**30,
+            "both fit" if fits else "they do not both fit",
+            ", ".join(
+                f"--{k.replace('_', '-')} {'on' if getattr(t, k) else 'off'}{'' if v is None else ' (as set)'}"
+                for k, v in chosen.items()
+            ),
+        )
     if t.offload_train and t.offload_rollout:
         _warn_if_offload_is_not_enough(plans)
 

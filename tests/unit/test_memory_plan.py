@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -59,10 +60,13 @@ def test_default_offload_is_off_only_when_every_rank_fits(plans, expected):
     assert (cfg.train.offload_train, cfg.train.offload_rollout) == (expected, expected)
 
 
-def test_flags_the_user_set_are_kept():
+def test_flags_the_user_set_are_kept(caplog):
     cfg = SimpleNamespace(train=SimpleNamespace(offload_train=True, offload_rollout=None))
-    asyncio.run(resolve_offload(cfg, _Trainers([_plan(True)]), "cuda"))
+    with caplog.at_level(logging.INFO, logger="miles.controller.offload"):
+        asyncio.run(resolve_offload(cfg, _Trainers([_plan(True)]), "cuda"))
     assert (cfg.train.offload_train, cfg.train.offload_rollout) == (True, False)
+    # the log says what was decided, not "offload off" while the trainer's flag keeps it on
+    assert "--offload-train on (as set), --offload-rollout off" in caplog.text
 
 
 def test_host_buffers_are_reused_between_offloads_and_keep_the_newest_values():
