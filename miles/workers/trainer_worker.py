@@ -23,6 +23,7 @@ from miles.config import (
     engine_dtype,
 )
 from miles.rollout.train_data import TrainBatch
+from miles.utils.cuda_cache import give_back_cached_memory
 from miles.utils.gc_freeze import freeze_heap
 from miles.utils.profiling import WorkerProfiler, nvtx_range
 from miles.utils.timer import PhaseClock, seconds_since_launch
@@ -227,14 +228,12 @@ class TrainerWorker(Worker):
     def release_cached_memory(self) -> dict[str, float]:
         """Give the allocator's cached, unused device memory back to the driver: a colocated engine is about
         to take its memory back, and what training left cached (up to a micro-batch's activations) would
-        otherwise stay this process's, as would cuBLAS's workspaces (32 MiB per thread and stream, kept until
-        cleared). The GiB given back and the GiB still reserved."""
+        otherwise stay this process's, as would cuBLAS's workspaces. The GiB given back and the GiB still
+        reserved."""
         if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
             return {"released_gb": 0.0, "reserved_gb": 0.0}
         before = torch.cuda.memory_reserved()
-        torch.cuda.synchronize()  # no kernel of this process still uses a workspace
-        torch._C._cuda_clearCublasWorkspaces()  # noqa: SLF001
-        torch.cuda.empty_cache()
+        give_back_cached_memory()
         after = torch.cuda.memory_reserved()
         return {"released_gb": (before - after) / 2**30, "reserved_gb": after / 2**30}
 

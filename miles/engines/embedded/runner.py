@@ -8,7 +8,8 @@ token is ever produced from KV computed under other weights, whatever the pause 
 All of the engine's device work off the event loop runs on one thread (`in_worker`), and graph warm-ups
 on one side stream: cuBLAS keeps a workspace (32 MiB on Hopper) for every thread handle and stream pair it
 has seen and frees none, so a pool of threads and a new stream per capture made the engine's allocated
-memory grow by 0.1-0.2 GiB a release cycle. A release also gives the workspaces back.
+memory grow by 0.1-0.2 GiB a release cycle. A release also gives the workspaces back
+(`give_back_cached_memory`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from miles.engines.embedded.moe import Routing
 from miles.engines.embedded.prefix_cache import DEFAULT_PAGE_SIZE, PrefixCache
 from miles.engines.embedded.transfer import to_device
 from miles.engines.embedded.triton_ops import DecodeAttention
+from miles.utils.cuda_cache import give_back_cached_memory
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +166,8 @@ class ModelRunner:
                 spec.num_heads, spec.num_kv_heads, spec.head_dim, self.kv.capacity, sms
             )
         self.graphs: DecodeGraphs | None = None
-        self._warmup_stream: torch.cuda.Stream | None = None  # made once: see the module doc
+        # graph captures warm up on this one stream (see the module doc)
+        self._warmup_stream = torch.cuda.Stream(model.device) if self.use_cuda_graphs else None
         self._worker: ThreadPoolExecutor | None = None  # the device thread (in_worker), made on first use
         self.weights_on_device = True
         self._logged_residual: int | None = None  # bytes still reserved after the last logged release
@@ -277,8 +280,6 @@ class ModelRunner:
                 return self.model.logits(hidden[:, -1])
             if self.use_cuda_graphs:
                 if self.graphs is None:
-                    if self._warmup_stream is None:
-                        self._warmup_stream = torch.cuda.Stream(self.model.device)
                     self.graphs = DecodeGraphs(
                         self.model, self.kv, self.max_running_requests, self.attention, self._warmup_stream
                     )
@@ -318,9 +319,7 @@ class ModelRunner:
             if "weights" in tags and self.weights_on_device:
                 self.model.move_to("cpu")
                 self.weights_on_device = False
-            torch.cuda.synchronize()
-            torch._C._cuda_clearCublasWorkspaces()  # noqa: SLF001  (see the module doc)
-            torch.cuda.empty_cache()
+            give_back_cached_memory()
             self._log_residual(tags)
 
     def _log_residual(self, tags: set[str]) -> None:
