@@ -404,6 +404,7 @@ def trl_worker(spec_path: str) -> int:
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
     timings: dict[str, list[float]] = {"steps": [], "generate": []}
+    partial = Path(spec["out"]).with_suffix(".partial.json")
     first_step_start: list[float] = []
 
     class StepClock(TrainerCallback):
@@ -416,6 +417,8 @@ def trl_worker(spec_path: str) -> int:
             if cuda:
                 torch.cuda.synchronize()
             timings["steps"].append(time.perf_counter() - self._t)
+            # the curve so far, so that a run cut short by its timeout still leaves its rewards
+            partial.write_text(json.dumps({"rewards": rewards, "steps": timings["steps"]}))
 
     trainer = GRPOTrainer(
         model=model,
