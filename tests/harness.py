@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -35,6 +36,7 @@ __all__ = [
     "read_rows",
     "requires",
     "run_train",
+    "run_under_triton_interpreter",
     "train_command",
     "train_env",
 ]
@@ -219,6 +221,23 @@ def leftover_processes(marker: str) -> list[str]:
         if marker in text and p.pid != os.getpid():
             found.append(f"{p.pid}: {' '.join(p.info['cmdline'] or [])[:200]}")
     return found
+
+
+def run_under_triton_interpreter(test_file: str) -> None:
+    """Run the tests of `test_file` in a child process with TRITON_INTERPRET=1 (the interpreter must be on
+    before triton is imported, so not in this process); assert they passed and only the launching test,
+    which skips there, skipped."""
+    env = dict(os.environ, TRITON_INTERPRET="1", MILES_TORCH_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert re.search(r"\d+ passed, 1 skipped", summary), summary  # only the launching test skips in the child
 
 
 def with_engine(body, **engine_kwargs):

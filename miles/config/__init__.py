@@ -15,6 +15,7 @@ from miles.config.rules.modes import NOT_IMPLEMENTED, check_modes
 from miles.config.rules.opd import DEFAULT_TEACHER, parse_teacher_urls
 from miles.config.rules.values import ENUM_CHOICES, engine_memory_tags
 from miles.config.sections import (
+    EMBEDDED_KV_CACHE_DTYPES,
     EMBEDDED_MAX_RUNNING_REQUESTS,
     FIELD_SECTIONS,
     GPU_AUTO_DTYPE,
@@ -37,6 +38,7 @@ from miles.config.sections import (
 
 __all__ = [
     "DEFAULT_TEACHER",
+    "EMBEDDED_KV_CACHE_DTYPES",
     "EMBEDDED_MAX_RUNNING_REQUESTS",
     "ENUM_CHOICES",
     "FIELDS",

@@ -78,3 +78,22 @@ def test_eviction_takes_unreferenced_leaves_first_and_clear_voids_leases():
     assert cache.load(b, kv, slot=0) == 0  # a lease from before the clear reads nothing
     cache.release_lease(b)  # and releasing it touches nothing
     assert cache.refcounts() == {}
+
+
+def test_an_fp8_cache_and_pool_move_pages_code_for_code():
+    """The pool holds the cache's storage dtype; a page copied in from one slot and loaded into another brings
+    the same e4m3 codes (saturated entries included), not values rounded again."""
+    kw = dict(num_layers=2, num_kv_heads=2, head_dim=4, device="cpu")
+    kv = KVCache(num_slots=2, max_seq_len=32, dtype=torch.float32, storage_dtype=torch.float8_e4m3fn, **kw)
+    kv.k.copy_((torch.randn(kv.k.shape) * 300).clamp(-448, 448).to(torch.float8_e4m3fn))
+    kv.v.copy_((torch.randn(kv.v.shape) * 300).clamp(-448, 448).to(torch.float8_e4m3fn))
+    cache = PrefixCache(page_size=P, num_pages=4, dtype=kv.storage_dtype, **kw)
+    ids = list(range(2 * P + 1))
+    lease = cache.match(ids)
+    cache.extend(lease, ids, kv, slot=0)
+    assert cache.k.dtype == torch.float8_e4m3fn and len(lease.pages) == 2
+    assert cache.load(cache.match(ids), kv, slot=1) == 2 * P
+    for t in (kv.k, kv.v):
+        codes = t.view(torch.uint8)
+        assert torch.equal(codes[:, 1, :, : 2 * P], codes[:, 0, :, : 2 * P])
+        assert codes[:, 0, :, : 2 * P].any()

@@ -8,13 +8,9 @@ TRITON_INTERPRET=1 and the checks skip in the parent.
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-
 import pytest
 import torch
+from harness import run_under_triton_interpreter
 
 triton = pytest.importorskip("triton")
 
@@ -32,17 +28,7 @@ needs_kernels = pytest.mark.skipif(not RUNS_HERE, reason="runs on CUDA, or in th
 
 @pytest.mark.skipif(RUNS_HERE or triton_ops.INTERPRET, reason="the checks run directly here")
 def test_kernels_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", MILES_TORCH_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    summary = proc.stdout.strip().splitlines()[-1]
-    assert re.search(r"\d+ passed, 1 skipped", summary), summary  # only this test skips in the child
+    run_under_triton_interpreter(__file__)
 
 
 def _gen(seed: int) -> torch.Generator:

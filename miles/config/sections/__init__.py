@@ -14,7 +14,7 @@ from typing import Any
 from miles.config.sections.algo import AlgoConfig
 from miles.config.sections.async_ import AsyncConfig
 from miles.config.sections.data import DataConfig
-from miles.config.sections.engine import EMBEDDED_MAX_RUNNING_REQUESTS, EngineConfig
+from miles.config.sections.engine import EMBEDDED_KV_CACHE_DTYPES, EMBEDDED_MAX_RUNNING_REQUESTS, EngineConfig
 from miles.config.sections.eval import EvalConfig
 from miles.config.sections.logs import LoggingConfig
 from miles.config.sections.model import ENGINE_DTYPES, GPU_AUTO_DTYPE, ModelConfig, engine_dtype
@@ -25,6 +25,7 @@ from miles.config.sections.train import TrainConfig
 from miles.config.sections.weights import WeightsConfig
 
 __all__ = [
+    "EMBEDDED_KV_CACHE_DTYPES",
     "EMBEDDED_MAX_RUNNING_REQUESTS",
     "ENGINE_DTYPES",
     "GPU_AUTO_DTYPE",

@@ -8,6 +8,9 @@ from typing import Literal
 from miles.config.option import option
 
 EMBEDDED_MAX_RUNNING_REQUESTS = 64  # the embedded engine's running batch when --max-running-requests is unset
+# The values of SGLang's --kv-cache-dtype (passed as --sglang-kv-cache-dtype) the embedded engine stores: auto (the
+# model's dtype) and the two FP8 formats (miles/engines/embedded/kv_cache.py)
+EMBEDDED_KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass

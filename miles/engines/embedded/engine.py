@@ -84,11 +84,14 @@ class EmbeddedEngine(EngineWeights):
         prefix_cache: bool = True,
         prefix_cache_tokens: int | None = None,
         quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
     ):
         """prefix_cache_tokens: the shared pages' pool size in tokens (default: a quarter of the slots'
         capacity, max_running_requests x max_seq_len / 4). quantization "fp8" (SGLang's --quantization):
         serve a bf16 checkpoint in FP8, quantized per block at load; an FP8 checkpoint is served in FP8
-        without it."""
+        without it. kv_cache_dtype (SGLang's --kv-cache-dtype): "auto" stores the KV cache in the model's
+        dtype, "fp8_e4m3" / "fp8_e5m2" in FP8 with scale 1 (kv_cache.py): a byte a value, half of bf16's, so
+        a given max_total_tokens takes half the memory and a decode step reads half the KV bytes."""
         from miles.utils.timer import PhaseClock
         from miles.utils.tokenizer_file import load_engine_tokenizer
 
@@ -98,6 +101,7 @@ class EmbeddedEngine(EngineWeights):
         self.device = torch.device(device)
         config = read_config(model_path)
         self.dtype = engine_setup.resolve_dtype(dtype, config, self.device)
+        self.kv_dtype = engine_setup.resolve_kv_dtype(kv_cache_dtype, self.dtype, true_on_policy)
         self.tokenizer = load_engine_tokenizer(model_path)  # no transformers import where the file suffices
         clock.mark("tokenizer")
         self.model, self.fp8 = engine_setup.load_model(
@@ -105,7 +109,9 @@ class EmbeddedEngine(EngineWeights):
         )
         clock.mark("weights")
         spec = self.model.spec
-        self.max_seq_len = engine_setup.slot_len(spec, self.dtype, self.device, max_running_requests, max_total_tokens)
+        self.max_seq_len = engine_setup.slot_len(
+            spec, self.kv_dtype, self.device, max_running_requests, max_total_tokens
+        )
         # No token spans more characters than the longest vocabulary entry, so a longer text cannot fit
         # the context and is refused before tokenising (x2: normalizers may fold characters).
         self.max_prompt_chars = 2 * self.max_seq_len * max((len(t) for t in self.tokenizer.get_vocab()), default=1)
@@ -143,6 +149,7 @@ class EmbeddedEngine(EngineWeights):
             use_cuda_graphs=graphs,
             fused_kernels=fused_kernels,
             prefix_cache_pages=prefix_pages,
+            kv_dtype=self.kv_dtype,
         )
 
     def _init_scheduling(self, max_prefill_tokens: int, inline_step_s: float | None, lookahead: bool | None) -> None:

@@ -1,5 +1,5 @@
-"""What an embedded engine is built from: its dtype, its model (bf16, or FP8 from either checkpoint), the
-tokens each KV slot holds, the prefix pool's pages and the ids that end a request.
+"""What an embedded engine is built from: its dtype, its model (bf16, or FP8 from either checkpoint), its KV
+cache's storage dtype, the tokens each KV slot holds, the prefix pool's pages and the ids that end a request.
 
 Every size is checked here, before anything large is allocated: a KV cache larger than the device's
 memory is refused naming the most tokens that fit, and a CPU cache sized by default takes at most a
@@ -15,6 +15,7 @@ import torch
 from miles.engines.embedded import fp8
 from miles.engines.embedded.checkpoint import ModelSpec
 from miles.engines.embedded.fp8_checkpoint import load_fp8_model
+from miles.engines.embedded.kv_cache import storage_dtype
 from miles.engines.embedded.model import CausalLM
 from miles.engines.embedded.prefix_cache import DEFAULT_PAGE_SIZE
 
@@ -64,14 +65,27 @@ def load_model(
     return model, serves_fp8
 
 
+def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, true_on_policy: bool) -> torch.dtype:
+    """What the KV cache stores for SGLang's `--kv-cache-dtype` name (kv_cache.py); FP8 with true-on-policy
+    scoring is refused: the engine would sample from another forward than the one the trainer scores."""
+    dtype = storage_dtype(kv_cache_dtype, model_dtype)
+    if true_on_policy and dtype != model_dtype:
+        raise ValueError(
+            f"--true-on-policy-mode samples with the trainer's exact forward; kv_cache_dtype={kv_cache_dtype!r} "
+            "rounds every cached key and value to FP8: use auto"
+        )
+    return dtype
+
+
 def slot_len(
-    spec: ModelSpec, dtype: torch.dtype, device: torch.device, slots: int, max_total_tokens: int | None
+    spec: ModelSpec, kv_dtype: torch.dtype, device: torch.device, slots: int, max_total_tokens: int | None
 ) -> int:
     """Tokens per KV slot: max_total_tokens / slots when given (refused below 2, or larger than the device),
-    else the model's context up to 4096 (on CPU: what fits a share of the available memory)."""
+    else the model's context up to 4096 (on CPU: what fits a share of the available memory). kv_dtype: what
+    the cache stores (an FP8 cache takes half of a bf16 one's bytes a token)."""
     max_seq_len = min(spec.max_position_embeddings, 4096)
     if max_total_tokens is None and device.type == "cpu":
-        max_seq_len = cpu_slot_len(spec, dtype, slots, max_seq_len)
+        max_seq_len = cpu_slot_len(spec, kv_dtype, slots, max_seq_len)
     if max_total_tokens is not None:
         max_seq_len = max_total_tokens // slots
         if max_seq_len < 2:
@@ -79,15 +93,20 @@ def slot_len(
                 f"max_total_tokens={max_total_tokens} gives {max_seq_len} tokens per slot for "
                 f"max_running_requests={slots}; raise max_total_tokens"
             )
-        check_kv_fits(spec, dtype, device, slots, max_seq_len)
+        check_kv_fits(spec, kv_dtype, device, slots, max_seq_len)
     return max_seq_len
 
 
-def cpu_slot_len(spec: ModelSpec, dtype: torch.dtype, slots: int, wanted: int) -> int:
+def kv_bytes_per_token(spec: ModelSpec, kv_dtype: torch.dtype) -> int:
+    """Bytes of K and V a token takes in the cache, every layer, in its storage dtype."""
+    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * kv_dtype.itemsize
+
+
+def cpu_slot_len(spec: ModelSpec, kv_dtype: torch.dtype, slots: int, wanted: int) -> int:
     """Tokens per slot for a CPU cache sized by default: `wanted`, or what fits the memory share."""
     import psutil
 
-    per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * dtype.itemsize
+    per_token = kv_bytes_per_token(spec, kv_dtype)
     fit = int(CPU_KV_MEMORY_FRACTION * psutil.virtual_memory().available // (slots * per_token))
     if fit >= wanted:
         return wanted
@@ -100,10 +119,10 @@ def cpu_slot_len(spec: ModelSpec, dtype: torch.dtype, slots: int, wanted: int) -
     return fit
 
 
-def check_kv_fits(spec: ModelSpec, dtype: torch.dtype, device: torch.device, slots: int, slot_len: int) -> None:
+def check_kv_fits(spec: ModelSpec, kv_dtype: torch.dtype, device: torch.device, slots: int, slot_len: int) -> None:
     """Refuse (ValueError) a KV cache of `slots` x `slot_len` tokens larger than the device's memory, naming
     the most tokens that would fit: allocating it would die in the allocator (or the OOM killer) instead."""
-    per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * dtype.itemsize
+    per_token = kv_bytes_per_token(spec, kv_dtype)
     if device.type == "cuda":
         total = torch.cuda.mem_get_info(device)[1]
         where = f"{device}'s"

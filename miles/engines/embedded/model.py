@@ -223,6 +223,10 @@ class CausalLM:
 
         extend_len L (prefill with kv_len None and out_index): the slots already hold K/V before each row's
         first position (a prefix cache hit); tokens attend over cache positions < L masked by position.
+
+        Every read of the cache (decode, extend, the last layer with out_index) goes through `kv.read`, which
+        hands an FP8 cache's slices back in the model dtype; the other layers of a prefill from position 0
+        attend over their fresh keys in the model dtype (as SGLang's prefill does).
         """
         s, st = self.spec, self.storage
         B, T = tokens.shape
@@ -398,8 +402,7 @@ class CausalLM:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != KVH)
             out = out.transpose(1, 2).reshape(B * T, H * s.head_dim)
         elif extend:
-            k_cache, v_cache = kv.layers[layer]
-            keys, values = (c[slot_start : slot_start + B, :, :kv_len] for c in (k_cache, v_cache))
+            keys, values = kv.read(layer, slot_start, B, kv_len)
             qb = q.reshape(B, T, H, s.head_dim).transpose(1, 2)
             out = F.scaled_dot_product_attention(qb, keys, values, attn_mask=keep, enable_gqa=H != KVH)
             out = out.transpose(1, 2).reshape(B * T, H * s.head_dim)
@@ -435,9 +438,8 @@ class CausalLM:
         s = self.spec
         B = q.shape[0]
         group = s.num_heads // s.num_kv_heads
-        k_cache, v_cache = kv.layers[layer]
-        keys = k_cache[start : start + B, :, :kv_len]  # [B, kvh, L, hd] (a view: slots are contiguous)
-        values = v_cache[start : start + B, :, :kv_len]
+        # [B, kvh, L, hd]: a view (slots are contiguous), or these positions converted from an FP8 cache
+        keys, values = kv.read(layer, start, B, kv_len)
         if not self._bmm_attention:
             qg = q.view(B, s.num_kv_heads, group, s.head_dim)
             return F.scaled_dot_product_attention(qg, keys, values, attn_mask=keep)

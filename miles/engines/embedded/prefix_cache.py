@@ -15,6 +15,10 @@ it is admitted, released when it finishes or is retracted). Pages nobody referen
 later turns and requests until the pool needs room; then the least recently used unreferenced page
 that no other page extends is evicted first.
 
+Pages hold what the slots hold, in the KV cache's storage dtype (FP8 too: `dtype` is the cache's
+`storage_dtype`), and are copied as codes, so a page loaded into a slot is bit for bit the K/V it was
+made from.
+
 Weight versions: `clear()` drops every page (the runner calls it at each KV epoch bump: new weights,
 a merged adapter, released memory). A lease taken under an older generation is void, so KV computed
 under other weights is never read.
@@ -29,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from miles.engines.embedded.kv_cache import KVCache
+from miles.engines.embedded.kv_cache import KVCache, as_codes
 from miles.engines.embedded.transfer import to_device
 
 logger = logging.getLogger(__name__)
@@ -178,8 +182,8 @@ class PrefixCache:
         n = len(lease.pages) * self.page_size
         index = to_device(lease.pages, self.device)
         for pool, cache in ((self.k, kv.k), (self.v, kv.v)):
-            pages = pool.index_select(1, index)  # [layers, m, kvh, P, hd]
-            cache[:, slot, :, :n] = pages.transpose(1, 2).flatten(2, 3)
+            pages = as_codes(pool).index_select(1, index)  # [layers, m, kvh, P, hd]
+            as_codes(cache)[:, slot, :, :n] = pages.transpose(1, 2).flatten(2, 3)
         return n
 
     # ---- pages -----------------------------------------------------------------------------------
@@ -229,6 +233,6 @@ class PrefixCache:
         index = to_device(pids, self.device)
         for pool, cache in ((self.k, kv.k), (self.v, kv.v)):
             pages = (
-                cache[:, slot, :, start : start + n * P].unflatten(2, (n, P)).transpose(1, 2)
+                as_codes(cache)[:, slot, :, start : start + n * P].unflatten(2, (n, P)).transpose(1, 2)
             )  # [layers, n, kvh, P, hd]
-            pool.index_copy_(1, index, pages)
+            as_codes(pool).index_copy_(1, index, pages)

@@ -137,7 +137,9 @@ class ModelRunner:
         fused_kernels: bool | None = None,
         prefix_cache_pages: int = 0,
         prefix_page_size: int = DEFAULT_PAGE_SIZE,
+        kv_dtype: torch.dtype | None = None,
     ):
+        """kv_dtype: what the KV cache stores (default: the model's dtype; FP8, see kv_cache.py)."""
         self.model = model
         self.lock = threading.RLock()
         self.kv_epoch = 0
@@ -152,12 +154,13 @@ class ModelRunner:
             head_dim=spec.head_dim,
             dtype=model.dtype,
             device=model.device,
+            storage_dtype=kv_dtype,
         )
         # prefix sharing (prefix_cache.py); 0 pages: off
-        self.prefix_cache = _prefix_cache(model, prefix_cache_pages, prefix_page_size)
+        self.prefix_cache = _prefix_cache(model, prefix_cache_pages, prefix_page_size, self.kv.storage_dtype)
         self.use_cuda_graphs = _cuda_graphs(model, use_cuda_graphs)
         # None = on where they work (CUDA + triton, dense): nine kernels a decode layer instead of ~27
-        self.fused_kernels = _fused_kernels(model, fused_kernels)
+        self.fused_kernels = _fused_kernels(model, fused_kernels, self.kv.storage_dtype)
         self.attention = None
         if self.fused_kernels:
             cuda = model.device.type == "cuda"
@@ -351,8 +354,9 @@ class ModelRunner:
             torch.cuda.synchronize()
 
 
-def _prefix_cache(model: CausalLM, pages: int, page_size: int) -> PrefixCache | None:
-    """The pool of shared prefix pages (prefix_cache.py), None when `pages` is 0 (prefix sharing off)."""
+def _prefix_cache(model: CausalLM, pages: int, page_size: int, kv_dtype: torch.dtype) -> PrefixCache | None:
+    """The pool of shared prefix pages (prefix_cache.py) in the KV cache's storage dtype, None when `pages` is 0
+    (prefix sharing off)."""
     if pages <= 0:
         return None
     spec = model.spec
@@ -362,7 +366,7 @@ def _prefix_cache(model: CausalLM, pages: int, page_size: int) -> PrefixCache | 
         num_layers=spec.num_layers,
         num_kv_heads=spec.num_kv_heads,
         head_dim=spec.head_dim,
-        dtype=model.dtype,
+        dtype=kv_dtype,
         device=model.device,
     )
 
@@ -382,7 +386,7 @@ def _cuda_graphs(model: CausalLM, requested: bool) -> bool:
     return requested and graphs_ok
 
 
-def _fused_kernels(model: CausalLM, requested: bool | None) -> bool:
+def _fused_kernels(model: CausalLM, requested: bool | None, kv_dtype: torch.dtype) -> bool:
     """The Triton kernels on (None: where they work); True where they cannot run is refused (ValueError)."""
     spec = model.spec
     fused_ok = triton_ops.available(model.device) and triton_ops.supports(spec)
@@ -392,4 +396,15 @@ def _fused_kernels(model: CausalLM, requested: bool | None) -> bool:
             f"(device={model.device}, head_dim={spec.head_dim}, moe={bool(spec.moe_layers)}); "
             "leave it unset to use them where they work"
         )
-    return fused_ok if requested is None else requested
+    e4m3_ok = kv_dtype != torch.float8_e4m3fn or triton_ops.converts_e4m3(model.device)
+    if not e4m3_ok and requested is not False:
+        why = (
+            f"an fp8_e4m3 KV cache on {model.device} (compute capability "
+            f"{torch.cuda.get_device_capability(model.device)}): Triton converts e4m3 from 8.9 on"
+        )
+        if requested:
+            raise ValueError(
+                f"fused_kernels=True with {why}; use kv_cache_dtype fp8_e5m2, or leave fused_kernels unset"
+            )
+        logger.warning("fused kernels off with %s; the eager forward serves it", why)
+    return (fused_ok and e4m3_ok) if requested is None else requested

@@ -2,6 +2,8 @@
 
 Each kernel computes in fp32 and rounds once on store. The kernels index every tensor as dense row-major
 memory (`ptr + row * width + col`); the launchers make inputs dense and check the tensors written in place.
+The KV cache may be stored in FP8 (kv_cache.py, scale 1): its writes saturate at the format's largest value
+(`_to_cache`), and its reads are widened to the model's dtype before any math (`_from_cache`).
 Without triton installed the module defines no kernels (`triton` and `tl` are None).
 """
 
@@ -15,6 +17,21 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
     tl = None
 
 if triton is not None:
+
+    @triton.jit
+    def _to_cache(x, cache_ptr, KV_MAX: tl.constexpr):
+        """x as the cache stores it. KV_MAX > 0 (an FP8 cache): clamped to +-KV_MAX first, as the cast alone
+        may give NaN or inf past the format's range (kv_cache.py)."""
+        if KV_MAX > 0:
+            x = tl.minimum(tl.maximum(x.to(tl.float32), -KV_MAX), KV_MAX)
+        return x.to(cache_ptr.dtype.element_ty)
+
+    @triton.jit
+    def _from_cache(x, like):
+        """Cache values x in the dtype of `like` (the model's); FP8 by way of fp32, which holds each exactly."""
+        if x.dtype.is_fp8():
+            x = x.to(tl.float32)
+        return x.to(like.dtype)
 
     @triton.jit
     def add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, N, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
@@ -38,10 +55,10 @@ if triton is not None:
         qkv_ptr, pos_ptr, wpos_ptr, slot_ptr, table_ptr, qn_ptr, kn_ptr, q_out_ptr, k_out_ptr, k_cache_ptr,
         v_cache_ptr, eps,
         H: tl.constexpr, KVH: tl.constexpr, HD: tl.constexpr, CAP: tl.constexpr, QK_NORM: tl.constexpr,
-        K_OUT: tl.constexpr, BLOCK_H: tl.constexpr,
+        K_OUT: tl.constexpr, BLOCK_H: tl.constexpr, KV_MAX: tl.constexpr,
     ):  # fmt: skip
         """One row, all heads: q/k heads get (q/k-norm and) RoPE at position pos; k and v heads are written
-        to the cache at position wpos (K_OUT: the rotated k heads also to k_out).
+        to the cache at position wpos (K_OUT: the rotated k heads also to k_out, in the model's dtype).
 
         qkv row layout [H q heads | KVH k heads | KVH v heads] x HD; the RoPE table row holds cos | sin
         with rotate_half's sign folded into sin, so rope(x) = x * cos + roll(x, HD/2) * sin.
@@ -73,11 +90,12 @@ if triton is not None:
         sin = tl.load(table_ptr + pos * 2 * HD + HD + d).to(tl.float32)
         y = (x * cos + rolled * sin).to(q_out_ptr.dtype.element_ty)
         tl.store(q_out_ptr + b * H * HD + hh * HD + d, y, mask=is_q)
-        tl.store(k_cache_ptr + ((slot * KVH + (hh - H)) * CAP + wpos) * HD + d, y, mask=is_k)
+        k_rows = ((slot * KVH + (hh - H)) * CAP + wpos) * HD + d
+        tl.store(k_cache_ptr + k_rows, _to_cache(y, k_cache_ptr, KV_MAX), mask=is_k)
         if K_OUT:
             tl.store(k_out_ptr + (b * KVH + (hh - H)) * HD + d, y, mask=is_k)
         v_rows = ((slot * KVH + (hh - H - KVH)) * CAP + wpos) * HD + d
-        tl.store(v_cache_ptr + v_rows, x.to(v_cache_ptr.dtype.element_ty), mask=is_v)
+        tl.store(v_cache_ptr + v_rows, _to_cache(x, v_cache_ptr, KV_MAX), mask=is_v)
 
     @triton.jit
     def _attend(q, k_cache_ptr, v_cache_ptr, kv_base, s, length, m, l_sum, acc, scale_log2,
@@ -111,8 +129,9 @@ if triton is not None:
                       HD: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < end
-        k = tl.load(k_cache_ptr + kv_base + n[:, None] * HD + d[None, :], mask=nmask[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + kv_base + n[:, None] * HD + d[None, :], mask=nmask[:, None], other=0.0)
+        rows = kv_base + n[:, None] * HD + d[None, :]
+        k = _from_cache(tl.load(k_cache_ptr + rows, mask=nmask[:, None], other=0.0), q)
+        v = _from_cache(tl.load(v_cache_ptr + rows, mask=nmask[:, None], other=0.0), q)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # ieee: fp32 stays exact
         scores = tl.where(nmask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
@@ -175,14 +194,15 @@ if triton is not None:
         out_ptr, part_o_ptr, part_lse_ptr, scale_log2, eps,
         H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, HD: tl.constexpr, CAP: tl.constexpr,
         CHUNK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-        QK_NORM: tl.constexpr, PIPELINE: tl.constexpr, NUM_STAGES: tl.constexpr,
+        QK_NORM: tl.constexpr, PIPELINE: tl.constexpr, NUM_STAGES: tl.constexpr, KV_MAX: tl.constexpr,
     ):  # fmt: skip
         """`rope_kv_kernel` and `decode_attention_kernel` in one launch, for one new token per row.
 
         Each (row, kv head, split) applies (q-norm and) RoPE to its G query heads itself. The cached keys
         are the positions < min(pos, len); the new token's own key and value (k-norm + RoPE of its k head,
         its v head) enter the online softmax first, from registers, in the split whose chunk holds `pos`,
-        which also writes them to the cache at `pos`. Padded rows (pos = the scratch position, len = 1)
+        which also writes them to the cache at `pos`; they enter as stored (an FP8 cache's rounding included),
+        so this step sees the values every later step reads. Padded rows (pos = the scratch position, len = 1)
         write there and attend to one stale key: finite, and discarded by the caller.
 
         Every load that does not depend on another is issued up front (a decode step's attention is a
@@ -190,7 +210,7 @@ if triton is not None:
         b = tl.program_id(0).to(tl.int64)
         kh = tl.program_id(1)
         s = tl.program_id(2)
-        dt = k_cache_ptr.dtype.element_ty
+        dt = qkv_ptr.dtype.element_ty  # the model's dtype (the cache's may be FP8)
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, HD)
         d_rolled = (d + HD // 2) % HD
@@ -221,13 +241,15 @@ if triton is not None:
         q = (x * cos[None, :] + rolled * sin[None, :]).to(dt)
         k = (k * cos + k_rolled * sin).to(dt)
         kv_base = (b * KVH + kh) * CAP * HD
+        k = _to_cache(k, k_cache_ptr, KV_MAX)
+        v = _to_cache(v.to(dt), v_cache_ptr, KV_MAX)
         owner = tl.minimum(pos // CHUNK, SPLITS - 1) == s  # this split holds the new token
         tl.store(k_cache_ptr + kv_base + pos * HD + d, k, mask=owner & (d < HD))
-        tl.store(v_cache_ptr + kv_base + pos * HD + d, v.to(dt), mask=owner & (d < HD))
+        tl.store(v_cache_ptr + kv_base + pos * HD + d, v, mask=owner & (d < HD))
         score = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], axis=1) * scale_log2
         m = tl.where(owner, score, float("-inf"))
         l_sum = tl.where(owner, 1.0, 0.0) + tl.zeros((BLOCK_G,), tl.float32)
-        acc = tl.where(owner, v.to(dt).to(tl.float32)[None, :], 0.0) + tl.zeros((BLOCK_G, HD), tl.float32)
+        acc = tl.where(owner, v.to(tl.float32)[None, :], 0.0) + tl.zeros((BLOCK_G, HD), tl.float32)
         m, l_sum, acc = _attend(
             q, k_cache_ptr, v_cache_ptr, kv_base, s, length, m, l_sum, acc, scale_log2,
             HD, CHUNK, BLOCK_N, PIPELINE, NUM_STAGES,

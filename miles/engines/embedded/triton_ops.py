@@ -29,6 +29,7 @@ import os
 import torch
 
 from miles.engines.embedded import triton_kernels as kernels
+from miles.engines.embedded.kv_cache import is_fp8
 from miles.engines.embedded.triton_kernels import triton
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -39,6 +40,12 @@ def available(device: torch.device) -> bool:
     if triton is None:
         return False
     return INTERPRET or device.type == "cuda"
+
+
+def converts_e4m3(device: torch.device) -> bool:
+    """Whether the kernels can store and load an e4m3 KV cache on `device`: Triton converts e4m3 on compute
+    capability 8.9 and later (and in the interpreter); e5m2 everywhere."""
+    return INTERPRET or device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def supports(spec) -> bool:
@@ -61,6 +68,11 @@ def _next_pow2(n: int) -> int:
 
 def _dense(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
     return tuple(None if t is None else t.contiguous() for t in tensors)
+
+
+def _kv_max(cache: torch.Tensor) -> float:
+    """The kernels' KV_MAX: an FP8 cache's largest finite value, what its writes saturate at (0.0: no clamp)."""
+    return torch.finfo(cache.dtype).max if is_fp8(cache.dtype) else 0.0
 
 
 def _check_dense(**tensors: torch.Tensor | None) -> None:
@@ -107,7 +119,8 @@ def rope_kv_write(
 
     qkv [B, (H + 2 KVH) x HD]; positions, slots [B] int; caches [slots, KVH, CAP, HD] (one layer).
     write_positions [B]: cache positions to write at instead of `positions` (a prefill's padding goes to
-    the scratch position); k_out [B, KVH, HD]: also receives the rotated keys."""
+    the scratch position); k_out [B, KVH, HD]: also receives the rotated keys (in qkv's dtype, whatever the
+    cache's: an FP8 cache's writes saturate, kv_cache.py)."""
     b = qkv.shape[0]
     hd = k_cache.shape[-1]
     qkv, positions, slots, rope_table, q_norm, k_norm, write_positions = _dense(
@@ -121,7 +134,7 @@ def rope_kv_write(
         q_norm if qk_norm else qkv, k_norm if qk_norm else qkv,
         q_out, q_out if k_out is None else k_out, k_cache, v_cache, eps,
         H=num_heads, KVH=num_kv_heads, HD=hd, CAP=k_cache.shape[2], QK_NORM=qk_norm, K_OUT=k_out is not None,
-        BLOCK_H=_next_pow2(num_heads + 2 * num_kv_heads),
+        BLOCK_H=_next_pow2(num_heads + 2 * num_kv_heads), KV_MAX=_kv_max(k_cache),
     )  # fmt: skip
     return q_out
 
@@ -189,7 +202,8 @@ class DecodeAttention:
     def __call__(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens: torch.Tensor, out=None
     ) -> torch.Tensor:
-        """q [B, H, HD]; caches [slots >= B, KVH, CAP, HD] (row b reads slot b); returns [B, H, HD]."""
+        """q [B, H, HD]; caches [slots >= B, KVH, CAP, HD] (row b reads slot b; in q's dtype or FP8, which is
+        read in q's); returns [B, H, HD]."""
         q, lens = _dense(q, lens)
         _check_dense(k_cache=k_cache, v_cache=v_cache, out=out)
         out = torch.empty_like(q) if out is None else out
@@ -220,7 +234,10 @@ class DecodeAttention:
             qkv, positions, lens, rope_table,
             q_norm if qk_norm else qkv, k_norm if qk_norm else qkv, k_cache, v_cache,
         )  # fmt: skip
-        self._launch(kernels.rope_decode_attention_kernel, b, qkv.device, out, args, scalars=(eps,), QK_NORM=qk_norm)
+        self._launch(
+            kernels.rope_decode_attention_kernel, b, qkv.device, out, args,
+            scalars=(eps,), QK_NORM=qk_norm, KV_MAX=_kv_max(k_cache),
+        )  # fmt: skip
         return out
 
 
