@@ -26,8 +26,8 @@ from typing import Any
 
 from aiohttp import web
 
+from miles.config import EMBEDDED_KV_CACHE_DTYPES, ranged
 from miles.config import NUMBER_RANGES as R
-from miles.config import ranged
 from miles.engines.doors import (
     DEFAULT_MAX_BODY_MB,
     WeightDirs,
@@ -194,6 +194,13 @@ def parse_engine_args(argv: list[str] | None) -> argparse.Namespace:
         help="turn prefix sharing off (as SGLang's flag: no KV shared between requests with a common prefix)",
     )
     parser.add_argument(
+        "--kv-cache-dtype",
+        choices=EMBEDDED_KV_CACHE_DTYPES,
+        default="auto",
+        help="what the KV cache stores, as SGLang's flag: auto (the model's dtype), or FP8 with scale 1 "
+        "(half a bf16 cache's bytes)",
+    )
+    parser.add_argument(
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' on every endpoint but GET /health (default: open; "
@@ -228,6 +235,7 @@ def engine_from_args(args: argparse.Namespace):
         seed=args.seed,
         deterministic=getattr(args, "deterministic", False),
         prefix_cache=not getattr(args, "disable_radix_cache", False),
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
     )
 
 

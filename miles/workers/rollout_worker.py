@@ -25,7 +25,8 @@ logger = logging.getLogger(__name__)
 
 def embedded_options(sglang_args: dict[str, Any]) -> dict[str, Any]:
     """The `--sglang-*` passthrough flags the embedded engine honours as well: `disable_cuda_graph`,
-    `disable_radix_cache` (its prefix sharing off) and `quantization` (fp8: a bf16 checkpoint served in FP8)."""
+    `disable_radix_cache` (its prefix sharing off), `quantization` (fp8: a bf16 checkpoint served in FP8) and
+    `kv_cache_dtype` (auto, fp8_e4m3 or fp8_e5m2: what its KV cache stores)."""
     options: dict[str, Any] = {}
     if sglang_args.get("disable_cuda_graph"):
         options["cuda_graphs"] = False
@@ -33,6 +34,8 @@ def embedded_options(sglang_args: dict[str, Any]) -> dict[str, Any]:
         options["prefix_cache"] = False
     if sglang_args.get("quantization"):
         options["quantization"] = sglang_args["quantization"]
+    if sglang_args.get("kv_cache_dtype"):
+        options["kv_cache_dtype"] = sglang_args["kv_cache_dtype"]
     return options
 
 

@@ -434,9 +434,31 @@ def test_sglang_flags_miles_sets_itself_are_rejected():
 def test_the_embedded_engine_refuses_sglang_flags_it_does_not_read():
     text = errors_of("--rollout-batch-size", "8", "--sglang-mem-fraction-static", "0.7", "--sglang-log-level", "info")
     assert "--sglang-mem-fraction-static, --sglang-log-level: the embedded engine reads no such SGLang flag" in text
+    assert "--sglang-kv-cache-dtype and --sglang-dtype" in text  # the flags it does read
     assert "--engine sglang" in text
     cfg = cfg_of("--rollout-batch-size", "8", "--sglang-disable-cuda-graph", "--sglang-dtype", "float32")
     assert cfg.engine.sglang_args == {"disable_cuda_graph": True, "dtype": "float32"}
+
+
+@pytest.mark.parametrize("value", ["auto", "fp8_e4m3", "fp8_e5m2"])
+def test_the_embedded_engine_reads_sglang_kv_cache_dtype(value):
+    from miles.workers.rollout_worker import embedded_options
+
+    cfg = cfg_of("--rollout-batch-size", "8", "--sglang-kv-cache-dtype", value)
+    assert cfg.engine.engine == "embedded" and cfg.engine.sglang_args == {"kv_cache_dtype": value}
+    assert embedded_options(cfg.engine.sglang_args) == {"kv_cache_dtype": value}
+
+
+def test_a_kv_cache_dtype_the_embedded_engine_does_not_store_is_refused_with_the_accepted_ones():
+    text = errors_of("--rollout-batch-size", "8", "--sglang-kv-cache-dtype", "fp8")
+    assert (
+        "--sglang-kv-cache-dtype='fp8': the embedded engine stores its KV cache as auto, fp8_e4m3, fp8_e5m2; "
+        "use one of them or --engine sglang"
+    ) in text
+    assert "reads no such SGLang flag" not in text  # it reads the flag; only the value is refused
+    # SGLang's own server takes values the embedded engine does not (its check is SGLang's)
+    cfg = cfg_of("--rollout-batch-size", "8", "--engine", "sglang", "--sglang-kv-cache-dtype", "fp4_e2m1")
+    assert cfg.engine.sglang_args == {"kv_cache_dtype": "fp4_e2m1"}
 
 
 def test_sglang_flags_are_refused_when_the_run_starts_no_engine():

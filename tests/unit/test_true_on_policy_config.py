@@ -36,6 +36,8 @@ def test_the_mode_rescores_every_sample_by_prefill():
         (["--lora-rank", "4"], "add --lora-merged-forward (the trainer then computes with the merged weight)"),
         (["--loss-type", "sft_loss"], "SFT has no rollout"),
         (["--sglang-dtype", "float32"], "runs the engine in the trainer's --dtype=auto; drop --sglang-dtype=float32"),
+        (["--sglang-kv-cache-dtype", "fp8_e4m3"], "--sglang-kv-cache-dtype=fp8_e4m3 with --true-on-policy-mode"),
+        (["--sglang-kv-cache-dtype", "fp8_e5m2"], "--sglang-kv-cache-dtype=fp8_e5m2 with --true-on-policy-mode"),
         (
             ["--actor-num-gpus-per-node", "2", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "64"],
             "fixed --micro-batch-size",
@@ -50,6 +52,10 @@ def test_what_the_mode_cannot_make_exact_is_refused(argv, needle):
 def test_lora_is_accepted_where_the_trainer_computes_on_the_merged_weight():
     cfg = load_config([*BASE, "--lora-rank", "4", "--lora-merged-forward"])
     assert cfg.train.true_on_policy_mode and cfg.train.lora_merged_forward
+
+
+def test_a_kv_cache_in_the_models_dtype_is_accepted():
+    assert load_config([*BASE, "--sglang-kv-cache-dtype", "auto"]).engine.sglang_args == {"kv_cache_dtype": "auto"}
 
 
 def test_one_rank_may_keep_dynamic_micro_batches():

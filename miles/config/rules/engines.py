@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from miles.config.fields import FIELDS
 from miles.config.rules.lora_sft import is_sft
-from miles.config.sections import ENGINE_DTYPES
+from miles.config.sections import EMBEDDED_KV_CACHE_DTYPES, ENGINE_DTYPES
 
 if TYPE_CHECKING:
     from miles.config.sections import MilesConfig
@@ -52,7 +52,7 @@ SGLANG_RESERVED = {
 
 # The SGLang server flags the embedded engine reads as SGLang does; any other --sglang-* flag would be
 # dropped by it, so that engine refuses them.
-EMBEDDED_SGLANG_ARGS = ("disable_cuda_graph", "disable_radix_cache", "dtype", "quantization")
+EMBEDDED_SGLANG_ARGS = ("disable_cuda_graph", "disable_radix_cache", "dtype", "kv_cache_dtype", "quantization")
 
 
 def check_sglang_passthrough(cfg: MilesConfig) -> list[str]:
@@ -65,6 +65,12 @@ def check_sglang_passthrough(cfg: MilesConfig) -> list[str]:
     if cfg.engine.engine == "embedded" and args.get("quantization") not in (None, "fp8"):
         e.append(
             f"--sglang-quantization={args['quantization']!r}: the embedded engine serves fp8 only; use fp8 or --engine sglang"
+        )
+    kv_dtype = args.get("kv_cache_dtype")
+    if cfg.engine.engine == "embedded" and kv_dtype is not None and str(kv_dtype) not in EMBEDDED_KV_CACHE_DTYPES:
+        e.append(
+            f"--sglang-kv-cache-dtype={kv_dtype!r}: the embedded engine stores its KV cache as "
+            f"{', '.join(EMBEDDED_KV_CACHE_DTYPES)}; use one of them or --engine sglang"
         )
     if "dtype" in args and str(args["dtype"]) not in ENGINE_DTYPES:
         e.append(f"--sglang-dtype={args['dtype']!r} is not one of SGLang's: {', '.join(ENGINE_DTYPES)}")
@@ -82,8 +88,8 @@ def check_sglang_passthrough(cfg: MilesConfig) -> list[str]:
         flags = ", ".join(f"--sglang-{key.replace('_', '-')}" for key in unread)
         e.append(
             f"{flags}: the embedded engine reads no such SGLang flag (it reads --sglang-disable-cuda-graph, "
-            "--sglang-disable-radix-cache, --sglang-quantization fp8 and --sglang-dtype); drop it, or run SGLang "
-            "with --engine sglang"
+            "--sglang-disable-radix-cache, --sglang-quantization fp8, --sglang-kv-cache-dtype and --sglang-dtype); "
+            "drop it, or run SGLang with --engine sglang"
         )
     return e
 

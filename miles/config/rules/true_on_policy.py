@@ -50,6 +50,12 @@ def check_true_on_policy(cfg: MilesConfig) -> list[str]:
     fp8 = fp8_serving(cfg)
     if fp8:
         e.append(f"{fp8} with {why}: the mode scores with the trainer's exact weights; drop one")
+    kv_dtype = cfg.engine.sglang_args.get("kv_cache_dtype")
+    if kv_dtype not in (None, "auto"):
+        e.append(
+            f"--sglang-kv-cache-dtype={kv_dtype} with {why}: the engine would sample attending over keys and "
+            "values rounded to FP8, the trainer scores with exact ones; drop one (or use auto)"
+        )
     if cfg.train.attn_implementation != "auto":
         e.append(
             f"{why} scores with the reference forward's eager attention; drop "
