@@ -10,7 +10,8 @@ The scheduler's own timeline of the timed rounds gives the decode steps directly
 time from one full-batch decode step to the next, the host's wait for the device within it, the rest
 (host work the device waited for, when it is the longer side) and the share served by a lookahead.
 --sync-debug (CUDA) runs one more round with torch's sync debug mode and counts the operations that made
-the host wait for the device, by source line.
+the host wait for the device, by source line. --kv-cache-dtype fp8_e4m3 stores the KV cache in FP8 (the
+roofline then counts its bytes at one a value), with bf16 weights or, beside --quantization fp8, FP8 ones.
 
 CPU:  python bench/engine_throughput.py --batch 32
 GPU:  python bench/engine_throughput.py --device cuda --batch 256 --prompt-len 128 --new-tokens 256 \
@@ -34,7 +35,9 @@ import time
 import torch
 from trace_summary import category
 
+from miles.config import EMBEDDED_KV_CACHE_DTYPES
 from miles.engines.embedded.engine import EmbeddedEngine
+from miles.engines.embedded.engine_setup import kv_bytes_per_token
 from miles.engines.embedded.request import StepTime, decode_step_summary
 from miles.models.tiny import make_tiny_model
 from miles.utils.gc_freeze import freeze_heap
@@ -83,6 +86,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--quantization", default=None, choices=[None, "fp8"], help="serve the model in FP8 (fp8.py)")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn prefix sharing off (prefix_cache.py)")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=EMBEDDED_KV_CACHE_DTYPES,
+        help="what the KV cache stores (kv_cache.py): auto (the model's dtype), fp8_e4m3 or fp8_e5m2",
+    )
     p.add_argument(
         "--residual-dtype",
         choices=("float32", "model"),
@@ -305,8 +314,8 @@ def decode_roofline(engine: EmbeddedEngine, batch: int, prompt_len: int, new_tok
     """Tokens/s if each decode step only had to read every weight once plus the batch's KV from HBM."""
     s = engine.model.spec
     weight_bytes = sum(t.numel() * t.element_size() for _, t in engine.named_weights())
-    kv_bytes_per_token = s.num_layers * 2 * s.num_kv_heads * s.head_dim * engine.model.dtype.itemsize
-    step_bytes = weight_bytes + batch * (prompt_len + new_tokens / 2) * kv_bytes_per_token
+    kv_token_bytes = kv_bytes_per_token(s, engine.runner.kv.storage_dtype)  # in what the cache stores
+    step_bytes = weight_bytes + batch * (prompt_len + new_tokens / 2) * kv_token_bytes
     return batch * hbm_gbps * 1e9 / step_bytes
 
 
@@ -339,6 +348,7 @@ def main(argv: list[str] | None = None) -> dict:
             fused_kernels=args.fused_kernels,
             quantization=args.quantization,
             prefix_cache=not args.no_prefix_cache,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
         engine.model.fp32_residual = args.residual_dtype == "float32" and engine.model.dtype != torch.float32
         prompts = make_prompts(args.batch, args.prompt_len, engine.model.spec.vocab_size)
@@ -372,6 +382,7 @@ def main(argv: list[str] | None = None) -> dict:
         "new_tokens": args.new_tokens,
         "quantization": args.quantization,
         "prefix_cache": not args.no_prefix_cache,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "residual_dtype": args.residual_dtype,
         "decode_steps": decode_steps,
         "shape": {

@@ -20,8 +20,11 @@ process, so the writer works on the engine's own buffer.
 GPU:  python bench/fp8.py --device cuda --batch 256 --prompt-len 128 --new-tokens 512
 CPU smoke: python bench/fp8.py --hidden 256 --layers 2 --heads 4 --kv-heads 2 --intermediate 512 \\
           --vocab 512 --batch 4 --new-tokens 8 --reps 1
+--kv-cache-dtype (SGLang's values; default auto) sets the FP8 side's KV cache: fp8_e4m3 times FP8 weights
+with an FP8 cache against BF16 with a bf16 one.
+
 Ends with one JSON line: bf16_tok_s, fp8_tok_s, tok_s_ratio, bf16_install_s, fp8_install_s, install_ratio,
-bf16_push_s, fp8_push_s, push_ratio (the goal: <= 1.3).
+bf16_push_s, fp8_push_s, push_ratio (the goal: <= 1.3), and the FP8 side's kv_cache_dtype.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import time
 import torch
 from engine_throughput import EngineSide, make_prompts, measure
 
+from miles.config import EMBEDDED_KV_CACHE_DTYPES
 from miles.engines.embedded.engine import EmbeddedEngine
 from miles.engines.embedded.request import decode_step_summary
 from miles.models.tiny import make_tiny_model
@@ -57,6 +61,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--install-reps", type=int, default=5)
     p.add_argument("--bucket-mb", type=int, default=512, help="tensors per load_weights call, as a push's buckets")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=EMBEDDED_KV_CACHE_DTYPES,
+        help="the FP8 engine's KV cache (the BF16 engine's stays in its dtype)",
+    )
     return p.parse_args(argv)
 
 
@@ -132,7 +142,10 @@ def main(argv: list[str] | None = None) -> dict:
             max_running_requests=args.batch,
             max_total_tokens=args.batch * (args.prompt_len + args.new_tokens + 8),
         )
-        engines = {"bf16": EmbeddedEngine(path, **kwargs), "fp8": EmbeddedEngine(path, quantization="fp8", **kwargs)}
+        engines = {
+            "bf16": EmbeddedEngine(path, **kwargs),
+            "fp8": EmbeddedEngine(path, quantization="fp8", kv_cache_dtype=args.kv_cache_dtype, **kwargs),
+        }
     prompts = make_prompts(args.batch, args.prompt_len, engines["bf16"].model.spec.vocab_size)
     sides = {name: EngineSide(engine, prompts) for name, engine in engines.items()}
     # the trainer's tensors: bf16 copies of the bf16 engine's own (as a push would send them)
@@ -164,10 +177,11 @@ def main(argv: list[str] | None = None) -> dict:
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "device": args.device,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "shape": {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab")},
     }
     print(
-        f"FP8 {rates['fp8']:,.0f} tok/s vs BF16 {rates['bf16']:,.0f} tok/s: {result['tok_s_ratio']:.2f}x; "
+        f"FP8 (KV cache {args.kv_cache_dtype}) {rates['fp8']:,.0f} tok/s vs BF16 {rates['bf16']:,.0f} tok/s: {result['tok_s_ratio']:.2f}x; "
         f"weight install {installs['fp8']:.3f} s vs {installs['bf16']:.3f} s: {result['install_ratio']:.2f}x; "
         f"colocated push {pushes['fp8']:.3f} s vs {pushes['bf16']:.3f} s: {result['push_ratio']:.2f}x"
     )

@@ -40,13 +40,13 @@ def test_import_cost_reports_each_phase():
 def test_fp8_bench_reports_speed_install_and_colocated_push():
     cmd = [sys.executable, "bench/fp8.py", "--hidden", "256", "--layers", "2", "--heads", "4", "--kv-heads", "2",
            "--intermediate", "512", "--vocab", "512", "--batch", "4", "--new-tokens", "8", "--reps", "1",
-           "--install-reps", "1"]  # fmt: skip
+           "--install-reps", "1", "--kv-cache-dtype", "fp8_e4m3"]  # fmt: skip
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     line = json.loads(out.stdout.strip().splitlines()[-1])
     for key in ("tok_s", "install_s", "push_s"):
         assert line[f"bf16_{key}"] > 0 and line[f"fp8_{key}"] > 0, key
-    assert line["push_ratio"] > 0 and line["install_ratio"] > 0
+    assert line["push_ratio"] > 0 and line["install_ratio"] > 0 and line["kv_cache_dtype"] == "fp8_e4m3"
     for side in ("bf16", "fp8"):  # 7 decode steps of the whole batch, 6 back to back in each of the timed rounds
         assert line["decode_steps"][side]["steps"] == 6 and line["decode_steps"][side]["step_ms"] > 0, side
 
@@ -60,6 +60,7 @@ def test_engine_throughput_bench_reads_its_decode_steps_from_the_scheduler():
     steps = line["decode_steps"]  # 11 decode steps a round, 10 back to back, in 2 timed rounds
     assert steps["steps"] == 20 and steps["step_ms"] > 0 and steps["host_ms"] + steps["wait_ms"] > 0
     assert line["engine_tok_s"] > 0 and line["prefix_cache"] is True and line["residual_dtype"] == "float32"
+    assert line["kv_cache_dtype"] == "auto"
     refused = subprocess.run([*cmd, "--sync-debug"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and "--sync-debug counts host waits for a CUDA device" in refused.stderr
 
