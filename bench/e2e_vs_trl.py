@@ -34,8 +34,11 @@ the short job on one H200): the learning fields then come from that file, and no
 `--stream K` reruns a seed with independent samples on the same prompts (both sides' random seeds shift),
 and `--pool FILE...` runs nothing: it pairs every stored per-seed line of both sides, each side averaged
 over its streams of a seed, and prints miles' minus TRL's last-five reward with its 95% t-interval.
-`--concurrent N` runs up to N of a call's runs at once (TRL's 100 s steps on the gsm job make three seeds
-one after the other longer than a call): the learning fields only, as the runs share the device.
+`--concurrent N` runs up to N of a call's runs at once (TRL's gsm steps take about 20 s alone on one H200,
+and 57-61 s with three TRL runs sharing it): the learning fields only, as the runs share the device. A TRL
+run that passes `--timeout-s` keeps the steps it finished (its seed line says `cut_short`), and the call
+then compares every run over the steps all of them finished (`steps_compared`); a later miles-only call
+pairs with such lines by `--steps` of that count.
 """
 
 from __future__ import annotations
@@ -140,7 +143,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="N",
         help="run up to N of the call's (side, seed) runs at once on the one device: for the learning fields "
         "only (the runs share the GPU, so no step time, ratio or start-up is printed); mind the GPU's memory "
-        "(e.g. --miles-extra '--max-tokens-per-gpu 8192') and the host's (default 1: one after the other)",
+        "(e.g. --miles-extra '--max-tokens-per-gpu 8192') and the host's: each miles run sizes itself by the "
+        "memory free when it starts, and three at once ran out of an H200's (default 1: one after the other)",
     )
     p.add_argument("--work-dir", default=None)
     p.add_argument("--timeout-s", type=float, default=900.0, help="per side and seed")
@@ -341,16 +345,38 @@ def run_trl(args: argparse.Namespace, model: str, data: Path, work: Path, seed: 
     spec_path.write_text(json.dumps(spec))
     log = work / f"trl-{seed}.log"
     with log.open("w") as f:
-        rc = subprocess.run(
-            [sys.executable, __file__, "--trl-worker", str(spec_path)],
-            cwd=REPO,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            timeout=args.timeout_s,
-        ).returncode
+        try:
+            rc = subprocess.run(
+                [sys.executable, __file__, "--trl-worker", str(spec_path)],
+                cwd=REPO,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                timeout=args.timeout_s,
+            ).returncode
+        except subprocess.TimeoutExpired:
+            return _cut_short(Path(spec["out"]), seed, args.timeout_s)
     if rc != 0:
         raise SystemExit(f"TRL run (seed {seed}) failed, rc={rc}; log {log}:\n" + log.read_text()[-3000:])
     return json.loads(Path(spec["out"]).read_text())
+
+
+def _cut_short(out: Path, seed: int, timeout_s: float) -> dict:
+    """A TRL run stopped by --timeout-s: the steps it finished (its worker writes them as it goes), marked
+    `cut_short`; the summary then compares both sides over the steps every run finished."""
+    partial = out.with_suffix(".partial.json")
+    done = json.loads(partial.read_text()) if partial.exists() else {}
+    if not done.get("rewards"):
+        raise SystemExit(f"TRL run (seed {seed}) finished no step within --timeout-s {timeout_s:g}")
+    print(
+        f"TRL run (seed {seed}) cut short by --timeout-s {timeout_s:g} after {len(done['rewards'])} steps", flush=True
+    )
+    return {
+        "steps": done["steps"],
+        "rewards": done["rewards"],
+        "startup_s": None,
+        "phases": {"generate": done["generate"]},
+        "cut_short": True,
+    }
 
 
 def trl_worker(spec_path: str) -> int:
@@ -418,7 +444,7 @@ def trl_worker(spec_path: str) -> int:
                 torch.cuda.synchronize()
             timings["steps"].append(time.perf_counter() - self._t)
             # the curve so far, so that a run cut short by its timeout still leaves its rewards
-            partial.write_text(json.dumps({"rewards": rewards, "steps": timings["steps"]}))
+            partial.write_text(json.dumps({"rewards": rewards} | timings))
 
     trainer = GRPOTrainer(
         model=model,
@@ -470,6 +496,21 @@ def _phase_medians(runs: list[dict]) -> dict[str, float]:
         )
         for name in names
     }
+
+
+def common_steps(runs: list[dict]) -> int:
+    """Cut every run's rewards to the steps all of them finished (some were cut short by --timeout-s), so
+    that the last-five figures of both sides come from the same steps; returns that count."""
+    steps = min(len(r["rewards"]) for r in runs)
+    for r in runs:
+        r["rewards"] = r["rewards"][:steps]
+    return steps
+
+
+def _mean_known(values) -> float | None:
+    """The mean of the values that are not None (a run cut short has no start-up figure), None if none is."""
+    known = [v for v in values if v is not None]
+    return round(statistics.fmean(known), 2) if known else None
 
 
 def _last5(runs: list[dict]) -> float:
@@ -552,6 +593,8 @@ def _seed_line(side: str, seed: int, stream: int, run: dict) -> dict:
     line = {"side": side, "seed": seed, "step_s": step_s, "startup_s": run["startup_s"], "rewards": run["rewards"]}
     if run.get("peak_mem_gb") is not None:
         line["peak_mem_gb"] = run["peak_mem_gb"]  # TRL's allocator peak, to size --concurrent
+    if run.get("cut_short"):
+        line["cut_short"] = True
     return line | ({"stream": stream} if stream else {})
 
 
@@ -577,7 +620,7 @@ def summary(args: argparse.Namespace, device: str, miles: list[dict], trl: list[
     if trl:
         line |= {
             "trl_step_s": round(_median_after_first(trl), 4),
-            "trl_startup_s": round(statistics.fmean(r["startup_s"] for r in trl), 2),
+            "trl_startup_s": _mean_known(r["startup_s"] for r in trl),
             "trl_reward_last5": _last5(trl),
             "trl_phases": _phase_medians(trl),
         }
@@ -619,11 +662,15 @@ def main(argv: list[str] | None = None) -> int:
 
     with ThreadPoolExecutor(max_workers=max(1, args.concurrent)) as pool:  # one at a time unless --concurrent
         results = dict(zip(jobs, pool.map(one, jobs), strict=True))
+    cut = sum(bool(r.get("cut_short")) for r in results.values())
+    compared = common_steps(list(results.values())) if cut else None
     miles = [r for (side, _), r in results.items() if side == "miles"]
     trl = [r for (side, _), r in results.items() if side == "trl"]
     line = summary(args, device, miles, trl)
     if args.concurrent > 1:
         line = learning_fields(line, args.concurrent)
+    if cut:
+        line |= {"cut_short_runs": cut, "steps_compared": compared}
     if stored is not None:
         line |= {"trl_rewards_from": args.trl_rewards, "trl_reward_last5": _last5(stored)} | paired_last5(
             miles, stored
@@ -648,14 +695,15 @@ def load_trl_rewards(args: argparse.Namespace, device: str) -> list[dict]:
         and d.get("stream", 0) == args.stream
     }
     seeds = range(args.first_seed, args.first_seed + args.seeds)
-    missing = [k for k in seeds if k not in by_seed or len(by_seed[k]["rewards"]) != args.steps]
+    missing = [k for k in seeds if k not in by_seed or len(by_seed[k]["rewards"]) < args.steps]
     if missing:
         raise SystemExit(
             f"--trl-rewards {path}: no TRL line of the {args.job} job on {device}, stream {args.stream}, with "
-            f"{args.steps} rewards for seed(s) {missing}; "
+            f"at least {args.steps} rewards for seed(s) {missing}; "
             "run those seeds with --sides trl first, or pick --first-seed/--seeds within the file"
         )
-    return [by_seed[k] for k in seeds]
+    # a longer stored run is compared over its first --steps steps, the ones this call's miles runs take
+    return [by_seed[k] | {"rewards": by_seed[k]["rewards"][: args.steps]} for k in seeds]
 
 
 if __name__ == "__main__":
