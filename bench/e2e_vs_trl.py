@@ -368,7 +368,8 @@ def _cut_short(out: Path, seed: int, timeout_s: float) -> dict:
     if not done.get("rewards"):
         raise SystemExit(f"TRL run (seed {seed}) finished no step within --timeout-s {timeout_s:g}")
     print(
-        f"TRL run (seed {seed}) cut short by --timeout-s {timeout_s:g} after {len(done['rewards'])} steps", flush=True
+        f"TRL run (seed {seed}) cut short by --timeout-s {timeout_s:g} after {len(done['rewards'])} steps",
+        file=sys.stderr,  # stdout holds the JSON lines alone, for --trl-rewards to read back
     )
     return {
         "steps": done["steps"],
@@ -685,7 +686,7 @@ def load_trl_rewards(args: argparse.Namespace, device: str) -> list[dict]:
     if args.sides != ["miles"]:
         raise SystemExit("--trl-rewards pairs a miles-only call with stored TRL runs: add --sides miles")
     path = Path(args.trl_rewards)
-    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.startswith("{")]  # a call's stdout as is
     by_seed = {
         d["seed"]: d
         for d in lines

@@ -31,7 +31,7 @@ def test_the_seeds_of_the_call_are_taken_from_the_file(tmp_path):
 
 
 def test_missing_seeds_or_steps_and_a_trl_side_are_refused(tmp_path):
-    lines = [{"side": "trl", "seed": 0, "rewards": [0.1] * 3}, {"side": "trl", "seed": 1, "rewards": [0.1] * 30}]
+    lines = [{"side": "trl", "seed": 0, "rewards": [0.1] * 3}, {"side": "trl", "seed": 1, "rewards": [0.1] * 2}]
     with pytest.raises(SystemExit, match=r"seed\(s\) \[1, 2\]"):
         bench.load_trl_rewards(_args(tmp_path, lines, seeds=3), "cpu")
     args = _args(tmp_path, lines)
@@ -126,3 +126,39 @@ def test_the_gsm_jobs_miles_side_trains_as_the_recipe_does(tmp_path):
     cmd = bench.miles_command(args, "m", tmp_path / "d.jsonl", tmp_path, 0, "cuda")
     assert cmd[cmd.index("--max-tokens-per-gpu") + 1] == "32768" and "--compile" in cmd
     assert "--compile" not in bench.miles_command(args, "m", tmp_path / "d.jsonl", tmp_path, 0, "cpu")
+
+
+def test_a_longer_stored_run_is_compared_over_the_calls_steps(tmp_path):
+    lines = [{"side": "trl", "seed": 0, "rewards": [0.1, 0.2, 0.3, 0.9, 0.9]}]
+    assert bench.load_trl_rewards(_args(tmp_path, lines), "cpu")[0]["rewards"] == [0.1, 0.2, 0.3]
+
+
+def test_a_trl_run_cut_short_keeps_the_steps_it_finished(tmp_path):
+    out = tmp_path / "trl-0.json"
+    with pytest.raises(SystemExit, match="no step within --timeout-s 5"):
+        bench._cut_short(out, 0, 5.0)
+    out.with_suffix(".partial.json").write_text(
+        json.dumps({"rewards": [0.1, 0.3], "steps": [9.0, 8.0], "generate": [7.0, 6.0]})
+    )
+    run = bench._cut_short(out, 0, 5.0)
+    assert run["cut_short"] and run["rewards"] == [0.1, 0.3] and run["startup_s"] is None
+    assert bench._seed_line("trl", 0, 0, run)["cut_short"] is True
+    miles = {"rewards": [0.2, 0.2, 0.2, 0.5]}
+    assert bench.common_steps([miles, run]) == 2 and miles["rewards"] == [0.2, 0.2]
+    line = bench.summary(
+        bench.parse_args(["--steps", "4"]),
+        "cpu",
+        [
+            miles
+            | {
+                "steps": [1.0] * 2,
+                "startup_s": 3.0,
+                "phases": {"generate": [0.5] * 2},
+                "startup_phases": {},
+                "command": "m",
+            }
+        ],
+        [run],
+    )
+    assert line["reward_last5_diff"] == pytest.approx([0.2 - 0.2])
+    assert line["trl_startup_s"] is None
