@@ -13,7 +13,8 @@ scores the sequences through the FSDP trainer's own forward (`forward_micro_batc
 then with R3 (`RoutingReplay`, the engine's routing). Reported per mode: the share of routed tokens whose
 experts in the trainer's forward differ from the engine's (any MoE layer), and mean / max |Δ log-prob| over
 the sampled tokens. `--router-noise` adds relative noise to the trainer's router weights only (a stand-in for
-kernels that disagree more than dtype alone).
+kernels that disagree more than dtype alone). `--engine-moe-rounding fused` keeps the engine's grouped
+expert kernels' intermediates in fp32 (its behaviour before they rounded as transformers' experts do).
 
     python bench/moe.py                                    # H200: 24 layers, 128 experts, top-8, bf16 engine
     python bench/moe.py --device cpu --layers 2 --hidden 64 --experts 8 --topk 2 --moe-intermediate 32 \\
@@ -32,6 +33,7 @@ import time
 import numpy as np
 import torch
 
+from miles.engines.embedded import moe_triton
 from miles.engines.embedded.checkpoint import ModelSpec
 from miles.engines.embedded.model import CausalLM
 from miles.engines.embedded.moe import Routing
@@ -215,6 +217,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="the trainer's residual stream: fp32 (--fp32-residual-connection; with a bf16 --trainer-dtype) or "
         "the model dtype (transformers' own, the default)",
     )
+    p.add_argument(
+        "--engine-moe-rounding",
+        choices=("transformers", "fused"),
+        default="transformers",
+        help="where the engine's grouped expert kernels round in bf16 (CUDA and the interpreter): as transformers' "
+        "experts do (the default) or once, on store (moe_triton.ROUND_AS_TRANSFORMERS; for the side by side)",
+    )
     p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--skip-mismatch", action="store_true")
     p.add_argument("--train-micro-batch", type=int, default=32, help="sequences per trainer forward")
@@ -223,6 +232,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run(a: argparse.Namespace) -> dict:
     device = torch.device(a.device)
+    moe_triton.ROUND_AS_TRANSFORMERS = a.engine_moe_rounding == "transformers"
     cfg = hf_config(a)
     weights = random_weights(cfg, device, a.seed, getattr(torch, a.engine_dtype))
     engine = engine_model(cfg, weights, device, getattr(torch, a.engine_dtype))

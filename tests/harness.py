@@ -36,6 +36,7 @@ __all__ = [
     "read_rows",
     "requires",
     "run_train",
+    "round_to_nearest_under_interpreter",
     "run_under_triton_interpreter",
     "train_command",
     "train_env",
@@ -238,6 +239,41 @@ def run_under_triton_interpreter(test_file: str) -> None:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     summary = proc.stdout.strip().splitlines()[-1]
     assert re.search(r"\d+ passed, 1 skipped", summary), summary  # only the launching test skips in the child
+
+
+# Triton dtype names -> (torch dtype, the integer dtype its codes are viewed as in torch and in numpy)
+_INTERPRETER_TARGETS = {
+    "bf16": ("bfloat16", "int16", "uint16"),
+    "fp8e4nv": ("float8_e4m3fn", "uint8", "uint8"),
+    "fp8e5": ("float8_e5m2", "uint8", "uint8"),
+}
+
+
+def round_to_nearest_under_interpreter(monkeypatch, names: tuple[str, ...]) -> None:
+    """Under Triton's interpreter, make fp32 -> `names` (Triton's dtype names: "bf16", "fp8e4nv", "fp8e5")
+    conversions round to nearest even, as the GPU's cvt.rn does, by torch's cast. The interpreter's own
+    conversion truncates the mantissa (and drops carries), so a kernel that rounds where the torch code it
+    is checked against does would differ from it by the interpreter's error alone. No-op outside it."""
+    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return
+    import numpy as np
+    import torch
+    from triton.runtime import interpreter
+
+    convert = interpreter._convert_float  # noqa: SLF001 - the interpreter's conversion, replaced for `names`
+    targets = {
+        n: tuple(getattr(torch, t) for t in _INTERPRETER_TARGETS[n][:2]) + (_INTERPRETER_TARGETS[n][2],) for n in names
+    }
+
+    def rounded(data, input_dtype, output_dtype, rounding_mode):
+        target = targets.get(output_dtype.name)
+        if target is None or input_dtype.name != "fp32":
+            return convert(data, input_dtype, output_dtype, rounding_mode)
+        torch_dtype, code_dtype, numpy_codes = target
+        codes = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).to(torch_dtype).view(code_dtype)
+        return codes.numpy().view(numpy_codes).reshape(data.shape)
+
+    monkeypatch.setattr(interpreter, "_convert_float", rounded)
 
 
 def with_engine(body, **engine_kwargs):

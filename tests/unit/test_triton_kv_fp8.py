@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import run_under_triton_interpreter
+from harness import round_to_nearest_under_interpreter, run_under_triton_interpreter
 
 triton = pytest.importorskip("triton")
 
@@ -39,22 +39,7 @@ def test_kernels_under_interpreter():
 @pytest.fixture
 def gpu_fp8_rounding(monkeypatch):
     """Under the interpreter: fp32 -> FP8 conversions round to nearest even (torch's cast, as the GPU's)."""
-    if not triton_ops.INTERPRET:
-        return
-    import numpy as np
-    from triton.runtime import interpreter
-
-    convert = interpreter._convert_float  # noqa: SLF001 - the interpreter's conversion, replaced for FP8 only
-    targets = {"fp8e4nv": torch.float8_e4m3fn, "fp8e5": torch.float8_e5m2}
-
-    def rounded(data, input_dtype, output_dtype, rounding_mode):
-        target = targets.get(output_dtype.name)
-        if target is None or input_dtype.name != "fp32":
-            return convert(data, input_dtype, output_dtype, rounding_mode)
-        codes = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).to(target).view(torch.uint8)
-        return codes.numpy().reshape(data.shape)
-
-    monkeypatch.setattr(interpreter, "_convert_float", rounded)
+    round_to_nearest_under_interpreter(monkeypatch, ("fp8e4nv", "fp8e5"))
 
 
 def _gen(seed: int) -> torch.Generator:

@@ -6,10 +6,17 @@ with torch ops whose shapes depend only on N, k and E (an upper bound of blocks,
 pairs): no host sync, so a decode step stays capturable in a CUDA graph; blocks past the last expert's
 run carry the expert id E and return at once.
 
-Kernels, each over (blocks, output-column tiles), fp32 accumulation, one rounding on store:
+Kernels, each over (blocks, output-column tiles), fp32 accumulation:
 1. act[pair] = SiLU(x[token] @ gate_e^T) * (x[token] @ up_e^T)  (gate_up [E, 2I, D], gate rows first);
 2. y[pair] = weight[pair] * (act[pair] @ down_e^T)              (down [E, D, I]);
 then out[token] = sum over its k pairs of y, in torch (no atomics: deterministic).
+
+Rounding: the kernels round where transformers' experts (and the engine's torch path, `moe.py`) do, in the
+output dtype: the gate and up products, SiLU(gate), the activation, the down product and its weighted value,
+each once. The trainer scores with transformers' experts, so with routing replayed the two forwards then
+differ only in the order of the GEMMs' fp32 sums, not in where they round. `ROUND_AS_TRANSFORMERS = False`
+keeps every intermediate in fp32 and rounds once on store instead (more precise, further from the trainer;
+`bench/moe.py --engine-moe-rounding fused` measures the difference).
 
 Runs on CUDA, and under Triton's interpreter on CPU tensors (TRITON_INTERPRET=1), as the tests check it.
 """
@@ -22,6 +29,7 @@ from miles.engines.embedded import triton_ops
 from miles.engines.embedded.triton_kernels import tl, triton
 
 BLOCK_M = 16  # pairs per block: tl.dot's minimum; decode batches give each expert only a few pairs
+ROUND_AS_TRANSFORMERS = True  # see the module doc
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -53,30 +61,40 @@ def align(experts: torch.Tensor, num_experts: int, block_m: int = BLOCK_M) -> tu
 
 
 def fused_experts(
-    x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Σ_k weights[:, k] * expert_{experts[:, k]}(x) for x [N, D] (see experts_loop), in two Triton launches."""
+    """Σ_k weights[:, k] * expert_{experts[:, k]}(x) for x [N, D] (see experts_loop), in two Triton launches.
+    out_dtype (default x's): what the activation and the pairs' outputs are stored and rounded in."""
     n, k = experts.shape
     num_experts, two_i, d = gate_up.shape
     inter = two_i // 2
     pairs = n * k
     sorted_ids, block_expert = align(experts, num_experts)
     x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
-    act = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
-    y = torch.empty((pairs, d), dtype=x.dtype, device=x.device)
+    out_dtype = out_dtype or x.dtype
+    act = torch.empty((pairs, inter), dtype=out_dtype, device=x.device)
+    y = torch.empty((pairs, d), dtype=out_dtype, device=x.device)
+    rounding = ROUND_AS_TRANSFORMERS
     scale = weights.reshape(-1).contiguous()
     blocks = block_expert.numel()
     bn, bk = _tiles(inter, d, x.device)
     _grouped_gemm_kernel[(blocks, triton.cdiv(inter, bn))](
         x, gate_up, act, sorted_ids, block_expert, scale, pairs,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
-        K=d, N=inter, num_experts=num_experts, A_DIV=k, SILU_GATE=True, SCALE=False, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
+        K=d, N=inter, num_experts=num_experts, A_DIV=k, SILU_GATE=True, SCALE=False, ROUND=rounding,
+        BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
     )  # fmt: skip
     bn, bk = _tiles(d, inter, x.device)
     _grouped_gemm_kernel[(blocks, triton.cdiv(d, bn))](
         act, down, y, sorted_ids, block_expert, scale, pairs,
         act.stride(0), down.stride(0), down.stride(1), y.stride(0),
-        K=inter, N=d, num_experts=num_experts, A_DIV=1, SILU_GATE=False, SCALE=True, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
+        K=inter, N=d, num_experts=num_experts, A_DIV=1, SILU_GATE=False, SCALE=True, ROUND=rounding,
+        BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
     )  # fmt: skip
     return y.view(n, k, d).sum(dim=1)
 
@@ -95,10 +113,11 @@ if triton is not None:
         a_ptr, w_ptr, c_ptr, sorted_ids_ptr, block_expert_ptr, scale_ptr,
         num_pairs, stride_a, stride_we, stride_wn, stride_c,
         K: tl.constexpr, N: tl.constexpr, num_experts: tl.constexpr, A_DIV: tl.constexpr, SILU_GATE: tl.constexpr, SCALE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         """c[pair, n-tile] = A[pair // A_DIV] @ W[e]^T for the BLOCK_M sorted pairs of block pid_m (expert e);
-        SILU_GATE: W holds gate rows [0, N) and up rows [N, 2N), stored SiLU(gate) * up; SCALE: x scale[pair]."""
+        SILU_GATE: W holds gate rows [0, N) and up rows [N, 2N), stored SiLU(gate) * up; SCALE: x scale[pair].
+        ROUND: every intermediate rounded to c's dtype where transformers' experts round (the module doc)."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         expert = tl.load(block_expert_ptr + pid_m)
@@ -120,13 +139,21 @@ if triton is not None:
             )
             w_mask = (offs_n[None, :] < N) & (offs_k[:, None] < K)
             w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
+            a = a.to(w.dtype)  # no-op but where the activation is stored narrower than the weights (tests)
             acc += tl.dot(a, w)
             if SILU_GATE:
                 wu = tl.load(w_base + (offs_n[None, :] + N) * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
                 acc_up += tl.dot(a, wu)
+        dt = c_ptr.dtype.element_ty
         if SILU_GATE:
-            acc = acc * tl.sigmoid(acc) * acc_up
+            if ROUND:  # gate and up as the GEMM's outputs, SiLU(gate), then their product: each rounded
+                gate = acc.to(dt).to(tl.float32)
+                acc = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * acc_up.to(dt).to(tl.float32)
+            else:
+                acc = acc * tl.sigmoid(acc) * acc_up
         if SCALE:
+            if ROUND:  # the down product rounded before its routing weight
+                acc = acc.to(dt).to(tl.float32)
             acc = acc * tl.load(scale_ptr + ids, mask=valid, other=0.0).to(tl.float32)[:, None]
         out = c_ptr + tl.where(valid, ids, 0).to(tl.int64)[:, None] * stride_c + offs_n[None, :]
-        tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
+        tl.store(out, acc.to(dt), mask=valid[:, None] & (offs_n[None, :] < N))
