@@ -13,8 +13,8 @@ scores the sequences through the FSDP trainer's own forward (`forward_micro_batc
 then with R3 (`RoutingReplay`, the engine's routing). Reported per mode: the share of routed tokens whose
 experts in the trainer's forward differ from the engine's (any MoE layer), and mean / max |Δ log-prob| over
 the sampled tokens. `--router-noise` adds relative noise to the trainer's router weights only (a stand-in for
-kernels that disagree more than dtype alone). `--engine-moe-rounding fused` keeps the engine's grouped
-expert kernels' intermediates in fp32 (its behaviour before they rounded as transformers' experts do).
+kernels that disagree more than dtype alone). `--engine-moe-rounding transformers` makes the engine's
+grouped expert kernels round where transformers' experts do (`moe_triton.ROUND_AS_TRANSFORMERS`).
 
     python bench/moe.py                                    # H200: 24 layers, 128 experts, top-8, bf16 engine
     python bench/moe.py --device cpu --layers 2 --hidden 64 --experts 8 --topk 2 --moe-intermediate 32 \\
@@ -220,9 +220,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--engine-moe-rounding",
         choices=("transformers", "fused"),
-        default="transformers",
-        help="where the engine's grouped expert kernels round in bf16 (CUDA and the interpreter): as transformers' "
-        "experts do (the default) or once, on store (moe_triton.ROUND_AS_TRANSFORMERS; for the side by side)",
+        default="fused",
+        help="where the engine's grouped expert kernels round in bf16 (CUDA and the interpreter): once, on store "
+        "(the engine's default) or as transformers' experts do (moe_triton.ROUND_AS_TRANSFORMERS)",
     )
     p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--skip-mismatch", action="store_true")

@@ -85,9 +85,10 @@ def test_grouped_kernels_in_bf16_stay_close_to_the_fp32_loop():
 
 @needs_kernels
 def test_grouped_kernels_round_where_the_torch_path_and_transformers_do(monkeypatch):
-    """In bf16 the kernels round the gate and up products, SiLU(gate), the activation, the down product and its
-    weighted value as the torch path (and transformers' experts) do: their output is the torch path's, but
-    where the two GEMMs sum in another order. Kept in fp32 until the store instead, it is not."""
+    """With ROUND_AS_TRANSFORMERS the kernels round the gate and up products, SiLU(gate), the activation, the
+    down product and its weighted value in bf16 as the torch path (and transformers' experts) do: their output
+    is the torch path's, but where the two GEMMs sum in another order. Kept in fp32 until the store (the
+    default), it is not."""
     round_to_nearest_under_interpreter(monkeypatch, ("bf16",))
     x, w, ex, gu, dn = (t.bfloat16() if t.is_floating_point() else t for t in _case(40, 4, 9, 64, 48, 3))
     want = moe._experts_sorted_torch(x, w, ex, gu, dn)
@@ -99,6 +100,7 @@ def test_grouped_kernels_round_where_the_torch_path_and_transformers_do(monkeypa
         got = moe_triton.fused_experts(*operands, out_dtype=torch.bfloat16)
         return (got == want).float().mean().item()
 
+    monkeypatch.setattr(moe_triton, "ROUND_AS_TRANSFORMERS", True)
     rounded = equal_share()
     monkeypatch.setattr(moe_triton, "ROUND_AS_TRANSFORMERS", False)
     fused = equal_share()
