@@ -32,6 +32,7 @@ __all__ = [
     "leftover_processes",
     "make_train_batch",
     "minimal_train_args",
+    "prefill_scorer",
     "python_path",
     "read_rows",
     "requires",
@@ -274,6 +275,24 @@ def round_to_nearest_under_interpreter(monkeypatch, names: tuple[str, ...]) -> N
         return codes.numpy().view(numpy_codes).reshape(data.shape)
 
     monkeypatch.setattr(interpreter, "_convert_float", rounded)
+
+
+def prefill_scorer(prompt: list[int], ids: list[int]):
+    """A body for `with_engine`: the log-prob of each of `ids` after `prompt`, scored by one prefill (the
+    engine's forward without reading its cache), as a tensor."""
+
+    async def body(engine):
+        import torch
+
+        out = await engine.generate(
+            input_ids=prompt + ids,
+            sampling_params={"max_new_tokens": 0, "temperature": 1.0},
+            return_logprob=True,
+            logprob_start_len=0,
+        )
+        return torch.tensor([lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][len(prompt) :]])
+
+    return body
 
 
 def with_engine(body, **engine_kwargs):

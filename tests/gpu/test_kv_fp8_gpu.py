@@ -1,12 +1,10 @@
 """An FP8 KV cache on CUDA (bf16 model; CUDA graphs and the Triton kernels on, and off): greedy decoding runs
 and its log-probs stay close to the bf16 cache's, scored on the same tokens by prefill."""
 
-import asyncio
-
 import pytest
 import torch
+from harness import prefill_scorer, with_engine
 
-from miles.engines.embedded.engine import EmbeddedEngine
 from miles.models.tiny import make_tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -21,15 +19,7 @@ def model_dirs(tmp_path_factory):
 
 
 def _engine_run(path: str, body, **kwargs):
-    async def main():
-        engine = EmbeddedEngine(path, device="cuda", dtype="bfloat16", max_running_requests=8, **kwargs)
-        await engine.start()
-        try:
-            return await body(engine)
-        finally:
-            await engine.shutdown()
-
-    return asyncio.run(main())
+    return with_engine(body, model_path=path, device="cuda", dtype="bfloat16", max_running_requests=8, **kwargs)
 
 
 async def _greedy(engine) -> tuple[list[int], torch.Tensor, torch.dtype, bool]:
@@ -37,19 +27,6 @@ async def _greedy(engine) -> tuple[list[int], torch.Tensor, torch.dtype, bool]:
     out = await engine.generate(input_ids=PROMPT, sampling_params=params, return_logprob=True)
     lps = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
     return out["output_ids"], lps, engine.runner.kv.k.dtype, engine.runner.fused_kernels
-
-
-def _scored(ids: list[int]):
-    async def body(engine) -> torch.Tensor:
-        out = await engine.generate(
-            input_ids=PROMPT + ids,
-            sampling_params={"max_new_tokens": 0, "temperature": 1.0},
-            return_logprob=True,
-            logprob_start_len=0,
-        )
-        return torch.tensor([lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][len(PROMPT) :]])
-
-    return body
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["triton", "eager"])
@@ -60,7 +37,7 @@ def test_greedy_decoding_over_an_fp8_cache_on_cuda(model_dirs, kv_cache_dtype, f
     )
     assert stored == {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv_cache_dtype]
     assert fused_on == fused and torch.isfinite(lps).all()
-    exact = _engine_run(model_dirs[0], _scored(ids))
-    other = _engine_run(model_dirs[1], _scored(ids))
+    exact = _engine_run(model_dirs[0], prefill_scorer(PROMPT, ids))
+    other = _engine_run(model_dirs[1], prefill_scorer(PROMPT, ids))
     gap, model_gap = (lps - exact).abs().mean().item(), (other - exact).abs().mean().item()
     assert gap < model_gap / 10, (gap, model_gap)

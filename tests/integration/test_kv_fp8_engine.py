@@ -6,7 +6,7 @@ same tokens by prefill (no cache read); the yardstick for "close" is another ran
 
 import pytest
 import torch
-from harness import with_engine
+from harness import prefill_scorer, with_engine
 
 from miles.engines.embedded.engine import EmbeddedEngine
 from miles.engines.embedded.prefix_cache import DEFAULT_PAGE_SIZE as P
@@ -37,17 +37,7 @@ async def _greedy(engine, n: int = 1) -> list[dict]:
 
 def _scored(ids: list[int]):
     """A body scoring `ids` after PROMPT by prefill: log p of each, from an engine's forward without its cache."""
-
-    async def body(engine):
-        out = await engine.generate(
-            input_ids=PROMPT + ids,
-            sampling_params={"max_new_tokens": 0, "temperature": 1.0},
-            return_logprob=True,
-            logprob_start_len=0,
-        )
-        return torch.tensor([lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][len(PROMPT) :]])
-
-    return body
+    return prefill_scorer(PROMPT, ids)
 
 
 def _generation(engine_out: dict) -> tuple[list[int], torch.Tensor]:

@@ -134,18 +134,29 @@ def test_rope_attend_on_an_fp8_cache_equals_rope_write_then_attention(fp8, split
     assert _codes_equal(k, k_ref) and _codes_equal(v, v_ref)
 
 
+LENS = [5, 9, 3]  # the prompt lengths of the fused-versus-torch forward tests
+
+
+def _model_and_two_caches(tmp_path, arch: str, seed: int, fp8: torch.dtype) -> tuple[CausalLM, list[KVCache]]:
+    """A tiny fp32 model and two FP8 caches with a slot per row of LENS (and one spare), one for each path."""
+    model = CausalLM.from_pretrained(
+        make_tiny_model(str(tmp_path / arch), arch=arch, init_std=0.2, seed=seed), DEVICE, torch.float32
+    )
+    s = model.spec
+    kw = dict(num_layers=s.num_layers, num_slots=len(LENS) + 1, max_seq_len=40, num_kv_heads=s.num_kv_heads)
+    return model, [
+        KVCache(**kw, head_dim=s.head_dim, dtype=torch.float32, device=DEVICE, storage_dtype=fp8) for _ in "ab"
+    ]
+
+
 @needs_kernels
 @pytest.mark.parametrize("fp8", FP8)
 def test_fused_decode_step_on_an_fp8_cache_equals_the_torch_step(tmp_path, fp8, gpu_fp8_rounding):
     """A batch prefilled by the torch forward into two FP8 caches, then one decode step through each path
     (fp32 model): the same hidden states, and the new entries written as the same codes."""
-    path = make_tiny_model(str(tmp_path / "qwen3"), arch="qwen3", init_std=0.2, seed=3)
-    model = CausalLM.from_pretrained(path, DEVICE, torch.float32)
-    s = model.spec
-    lens = [5, 9, 3]
-    B, width = len(lens), max(lens)
-    kw = dict(num_layers=s.num_layers, num_slots=B + 1, max_seq_len=40, num_kv_heads=s.num_kv_heads)
-    caches = [KVCache(**kw, head_dim=s.head_dim, dtype=torch.float32, device=DEVICE, storage_dtype=fp8) for _ in "ab"]
+    model, caches = _model_and_two_caches(tmp_path, "qwen3", 3, fp8)
+    s, B, width = model.spec, len(LENS), max(LENS)
+    lens = LENS
     g = _gen(6)
     tokens = torch.randint(3, s.vocab_size, (B, width), generator=g).to(DEVICE)
     pos = torch.arange(width, device=DEVICE)[None].expand(B, width)
@@ -168,15 +179,9 @@ def test_fused_decode_step_on_an_fp8_cache_equals_the_torch_step(tmp_path, fp8, 
 @needs_kernels
 def test_fused_prefill_on_an_fp8_cache_equals_the_torch_prefill(tmp_path, gpu_fp8_rounding):
     """The last layer of a prefill attends over the keys just written to the cache: through FP8 in both paths."""
-    path = make_tiny_model(str(tmp_path / "qwen2"), arch="qwen2", init_std=0.2, seed=4)
-    model = CausalLM.from_pretrained(path, DEVICE, torch.float32)
-    s = model.spec
-    lens = [5, 9, 3]
-    B, width = len(lens), max(lens)
-    kw = dict(num_layers=s.num_layers, num_slots=B + 1, max_seq_len=40, num_kv_heads=s.num_kv_heads)
-    caches = [
-        KVCache(**kw, head_dim=s.head_dim, dtype=torch.float32, device=DEVICE, storage_dtype=FP8[0]) for _ in "ab"
-    ]
+    model, caches = _model_and_two_caches(tmp_path, "qwen2", 4, FP8[0])
+    s, B, width = model.spec, len(LENS), max(LENS)
+    lens = LENS
     tokens = torch.randint(3, s.vocab_size, (B, width), generator=_gen(8)).to(DEVICE)
     pos = torch.arange(width, device=DEVICE)[None].expand(B, width)
     last = torch.tensor(lens, device=DEVICE) - 1
