@@ -71,12 +71,25 @@ def summarize(rows: list[dict], skip_first: int) -> dict:
 ATTENTION_LINE = re.compile(r"trainer attention: (.+)$", re.MULTILINE)
 
 
+SETUP_LINE = re.compile(r"trainer set up in (.+)$", re.MULTILINE)
+
+
+def _trainer_log_line(run_dir: Path, pattern: re.Pattern) -> str | None:
+    log = run_dir / "logs" / "trainer_0.log"
+    found = pattern.search(log.read_text(errors="replace")) if log.is_file() else None
+    return found.group(1).strip() if found else None
+
+
 def trainer_attention(run_dir: Path) -> str | None:
     """The attention the trainer chose and why, as its log's `trainer attention: ...` line says (None: not
     logged, e.g. a CPU run that took SDPA without a choice to make)."""
-    log = run_dir / "logs" / "trainer_0.log"
-    found = ATTENTION_LINE.search(log.read_text(errors="replace")) if log.is_file() else None
-    return found.group(1).strip() if found else None
+    return _trainer_log_line(run_dir, ATTENTION_LINE)
+
+
+def trainer_setup(run_dir: Path) -> str | None:
+    """Where rank 0's set-up went (its log's `trainer set up in ...` line: process group, backend import, model
+    and optimizer), the largest share of `startup_phases_s["trainer_setup"]` when it is long."""
+    return _trainer_log_line(run_dir, SETUP_LINE)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     out = summarize(rows, args.skip_first)
     out["trainer_attention"] = trainer_attention(Path(args.run_dir))
+    out["trainer_setup"] = trainer_setup(Path(args.run_dir))
     for name in EVALS:
         for step, acc in out.get(f"{name}_curve", []):
             print(f"{name:12s} step {step:4d}  accuracy {acc:.3f}")

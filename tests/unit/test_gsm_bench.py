@@ -38,6 +38,17 @@ def test_the_summary_names_the_trainers_attention(tmp_path) -> None:
     assert summary.trainer_attention(tmp_path) == "miles_varlen (flash kernel checked)"
 
 
+def test_the_summary_says_where_the_trainers_set_up_went(tmp_path) -> None:
+    summary = load_bench("gsm_summary")
+    assert summary.trainer_setup(tmp_path) is None
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "trainer_0.log").write_text(
+        "2026-12-05 INFO trainer:0 miles.workers.trainer_worker: trainer set up in 3.4 s (process group 0.0 s, "
+        "backend import 0.8 s, model and optimizer 2.6 s), from 1.8 s after its process started\n"
+    )
+    assert summary.trainer_setup(tmp_path).startswith("3.4 s (process group 0.0 s, backend import 0.8 s")
+
+
 def test_the_gsm_job_takes_the_committed_data_and_its_reward() -> None:
     e2e = load_bench("e2e_vs_trl")
     args = argparse.Namespace(job="gsm", long_tokens=512)
