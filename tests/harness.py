@@ -1,5 +1,5 @@
-"""What the tests share: `miles train` as a user runs it, argument lists for small runs, free ports, and
-skips for optional packages.
+"""What the tests share: `miles train` as a user runs it, argument lists for small runs, free ports, skips
+for optional packages, and CPU stand-ins for GPU arithmetic (the interpreter's rounding, cuBLASLt's FP8 GEMM).
 
 Test modules import from here (`from harness import ...`; `tests/conftest.py` puts this folder on
 `sys.path`); the fixtures built on it live in `tests/conftest.py`.
@@ -26,6 +26,7 @@ __all__ = [
     "DEMO",
     "REPO",
     "SMALL_RUN",
+    "cublaslt_scaled_mm",
     "free_port",
     "free_port_run",
     "installed",
@@ -275,6 +276,29 @@ def round_to_nearest_under_interpreter(monkeypatch, names: tuple[str, ...]) -> N
         return codes.numpy().view(numpy_codes).reshape(data.shape)
 
     monkeypatch.setattr(interpreter, "_convert_float", rounded)
+
+
+def cublaslt_scaled_mm(a, b, scale_a, scale_b, out_dtype):
+    """torch._scaled_mm's 1x128 x 128x128 product as cuBLASLt computes it: the scales are read from memory in
+    its layouts, whatever strides the tensors carry: scale_a[m, l] at l * M + m, the weight's block (n, l) at
+    n * L4 + l (L4 = K/128 rounded up to a multiple of 4); a read past the storage gives NaN. A stand-in for
+    torch._scaled_mm on machines without Hopper (fp32 sums of the dequantized products)."""
+    import torch
+
+    M, K = a.shape
+    N, L = b.shape[1], K // 128
+    L4 = -(-L // 4) * 4
+
+    def raw(t, offsets):
+        flat = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage())
+        flat = torch.cat((flat, torch.tensor([float("nan")], device=t.device)))
+        return flat[(t.storage_offset() + offsets.to(t.device)).clamp(max=flat.numel() - 1)]
+
+    sa = raw(scale_a, torch.arange(L)[None, :] * M + torch.arange(M)[:, None])  # [M, L]
+    sb = raw(scale_b, torch.arange(N // 128)[:, None] * L4 + torch.arange(L)[None, :])  # [NB, L]
+    ad = (a.float().view(M, L, 128) * sa[..., None]).view(M, K)
+    bd = b.float() * sb.repeat_interleave(128, 0).repeat_interleave(128, 1).t()
+    return (ad @ bd).to(out_dtype)
 
 
 def prefill_scorer(prompt: list[int], ids: list[int]):

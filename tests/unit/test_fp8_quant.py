@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from harness import cublaslt_scaled_mm
 
 from miles.engines.embedded import fp8
 
@@ -59,33 +60,13 @@ def test_w8a8_linear_is_close_to_the_float_product_and_slices_keep_their_blocks(
     assert torch.equal(fp8.linear(x, weight)[:, :128], got[:, :128])
 
 
-def _cublaslt_scaled_mm(a, b, scale_a, scale_b, out_dtype):
-    """torch._scaled_mm's 1x128 x 128x128 product as cuBLASLt computes it: the scales are read from memory in
-    its layouts, whatever strides the tensors carry: scale_a[m, l] at l * M + m, the weight's block (n, l) at
-    n * L4 + l (L4 = K/128 rounded up to a multiple of 4); a read past the storage gives NaN."""
-    M, K = a.shape
-    N, L = b.shape[1], K // fp8.BLOCK
-    L4 = -(-L // 4) * 4
-
-    def raw(t, offsets):
-        flat = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage())
-        flat = torch.cat((flat, torch.tensor([float("nan")])))
-        return flat[(t.storage_offset() + offsets).clamp(max=flat.numel() - 1)]
-
-    sa = raw(scale_a, torch.arange(L)[None, :] * M + torch.arange(M)[:, None])  # [M, L]
-    sb = raw(scale_b, torch.arange(N // fp8.BLOCK)[:, None] * L4 + torch.arange(L)[None, :])  # [NB, L]
-    ad = (a.float().view(M, L, fp8.BLOCK) * sa[..., None]).view(M, K)
-    bd = b.float() * sb.repeat_interleave(fp8.BLOCK, 0).repeat_interleave(fp8.BLOCK, 1).t()
-    return (ad @ bd).to(out_dtype)
-
-
 @pytest.mark.parametrize("k", [256, 512, 640])
 def test_the_block_scaled_gemm_runs_with_k_padded_to_four_scale_blocks(monkeypatch, k):
     calls = []
 
     def fake(a, b, scale_a, scale_b, out_dtype):
         calls.append((a.shape, b.shape, scale_a.shape, scale_a.stride(), scale_b.shape, scale_b.stride()))
-        return _cublaslt_scaled_mm(a, b, scale_a, scale_b, out_dtype)
+        return cublaslt_scaled_mm(a, b, scale_a, scale_b, out_dtype)
 
     monkeypatch.setattr(fp8, "_hopper", lambda device: True)
     monkeypatch.setattr(fp8, "_scaled_mm_ok", {})
@@ -183,3 +164,115 @@ def test_quantize_into_a_weights_own_storage():
     part = fp8.Fp8Weight(q_all, s_all)[128:328]
     part.copy_(w * 2)  # an engine-side push of that part
     assert torch.equal(part.q.view(torch.uint8), q_want.view(torch.uint8)) and torch.equal(part.scale_inv, s_want * 2)
+
+
+# ---- a linear's input quantized ahead (fp8.QuantizedInput, what the engine's norm and SiLU kernels hand over)
+def _quantized_input(x: torch.Tensor) -> fp8.QuantizedInput:
+    """x [M, K] as cuBLASLt takes it, by the torch form: rows padded to 4 with zeros, scales outer-dim-major."""
+    pad = (-x.shape[0]) % 4
+    xq, xs = fp8.quantize_activation(torch.nn.functional.pad(x, (0, 0, 0, pad)))
+    return fp8.QuantizedInput(xq, xs.t().contiguous().t(), x.shape[0], x.dtype)
+
+
+def _bf16_case(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bf16 activation [m, k] and a weight [n, k] whose blocks' scales differ."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)
+    return (torch.randn(m, k, generator=g) * 4).to(torch.bfloat16), w
+
+
+def test_a_quantized_input_gives_the_product_of_the_input_it_was_quantized_from():
+    """The emulated path (CPU, and wherever cuBLASLt does not serve): the same codes, so the same bits, through a
+    fused projection whose parts are padded to whole blocks (`keep`) and a bias."""
+    x, w = _bf16_case(5, 320, 384, seed=7)
+    weight, _ = fp8.Fp8Weight.from_parts(w, [(0, 192), (192, 320)])
+    bias = torch.randn(320).to(torch.bfloat16)
+    want = fp8.linear(x, weight, bias)
+    got = fp8.linear(_quantized_input(x), weight, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (5, 320)
+    assert torch.equal(got, want)
+
+
+@pytest.fixture
+def fake_cublaslt(monkeypatch):
+    """cuBLASLt's path taken on this CPU (`_hopper` true, torch._scaled_mm as cuBLASLt reads its operands);
+    yields the calls' operand shapes and scale strides."""
+    calls = []
+
+    def fake(a, b, scale_a, scale_b, out_dtype):
+        calls.append((tuple(a.shape), tuple(scale_a.shape), scale_a.stride()))
+        return cublaslt_scaled_mm(a, b, scale_a, scale_b, out_dtype)
+
+    monkeypatch.setattr(fp8, "_hopper", lambda device: True)
+    monkeypatch.setattr(fp8, "_scaled_mm_ok", {})
+    monkeypatch.setattr(torch, "_scaled_mm", fake)
+    return calls
+
+
+@pytest.mark.parametrize("k", [256, 512, 640])  # K/128 = 2 and 5: K grown to four blocks (pad_k_blocks)
+def test_cublaslts_path_takes_a_quantized_input_as_it_comes(fake_cublaslt, k):
+    x, w = _bf16_case(5, 256, k, seed=k)
+    weight = fp8.Fp8Weight(*fp8.quantize_weight(w))
+    want = fp8.linear(x, weight)  # quantized inside linear (the torch form here)
+    got = fp8.linear(_quantized_input(x), weight)
+    assert len(fake_cublaslt) == 2 and fake_cublaslt[0] == fake_cublaslt[1]  # both on cuBLASLt, same operands
+    L4 = -(-(k // fp8.BLOCK) // 4) * 4
+    assert fake_cublaslt[1] == ((8, L4 * 128), (8, L4), (1, 8))  # rows padded to 4, scales outer-dim-major
+    assert got.shape == (5, 256) and torch.equal(got, want)
+
+
+def test_a_refused_gemm_reads_the_quantized_input_through_the_emulation(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise RuntimeError("Invalid scaling configuration")
+
+    monkeypatch.setattr(fp8, "_hopper", lambda device: True)
+    monkeypatch.setattr(fp8, "_scaled_mm_ok", {})
+    monkeypatch.setattr(torch, "_scaled_mm", refuse)
+    x, w = _bf16_case(3, 256, 512, seed=1)
+    weight = fp8.Fp8Weight(*fp8.quantize_weight(w))
+    got = fp8.linear(_quantized_input(x), weight)
+    assert fp8._scaled_mm_ok == {(x.device, False): False}  # remembered: no pre-quantized input asked from now on
+    assert torch.equal(got, fp8._emulated(x, weight, torch.bfloat16))
+
+
+CUDA0 = torch.device("cuda", 0)
+
+
+@pytest.fixture
+def fake_hopper(monkeypatch):
+    """Everything the fused input quantization needs, on this CPU: FP8 weights that say they live on an H100
+    (`cuda:0`, capability 9.0), MILES_FP8_CUDA_KERNELS=1, MILES_FP8_GEMM=cublas, no refusal seen."""
+    monkeypatch.setattr(fp8.Fp8Weight, "device", property(lambda self: CUDA0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(fp8, "CUDA_KERNELS", True)
+    monkeypatch.setattr(fp8, "GEMM", "cublas")
+    monkeypatch.setattr(fp8, "FUSED_INPUT_QUANT", True)
+    monkeypatch.setattr(fp8, "_scaled_mm_ok", {})
+    fp8._hopper.cache_clear()
+    yield
+    fp8._hopper.cache_clear()
+
+
+NO_QUANTIZED_INPUT = {  # each takes one condition away
+    "on_the_cpu": lambda mp: mp.setattr(fp8.Fp8Weight, "device", property(lambda self: self.q.device)),
+    "kernels_off": lambda mp: mp.setattr(fp8, "CUDA_KERNELS", False),
+    "not_hopper": lambda mp: mp.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9)),
+    "triton_gemm": lambda mp: mp.setattr(fp8, "GEMM", "triton"),
+    "refused_before": lambda mp: mp.setitem(fp8._scaled_mm_ok, fp8._mm_key(CUDA0, 384), False),
+    "switched_off": lambda mp: mp.setattr(fp8, "FUSED_INPUT_QUANT", False),
+}
+
+
+@pytest.mark.parametrize("condition", list(NO_QUANTIZED_INPUT))
+def test_a_quantized_input_is_asked_for_only_where_cublaslt_runs_the_gemm(fake_hopper, monkeypatch, condition):
+    weight = fp8.Fp8Weight(*fp8.quantize_weight(torch.randn(256, 384)))
+    assert fp8.takes_quantized_input(weight)
+    NO_QUANTIZED_INPUT[condition](monkeypatch)
+    fp8._hopper.cache_clear()
+    assert not fp8.takes_quantized_input(weight)
+
+
+@pytest.mark.parametrize(("n", "k"), [(256, 320), (200, 256)])  # K, or N, not whole 128-blocks
+def test_no_quantized_input_for_shapes_cublaslt_does_not_take_nor_for_a_bf16_weight(fake_hopper, n, k):
+    assert not fp8.takes_quantized_input(fp8.Fp8Weight(*fp8.quantize_weight(torch.randn(n, k))))
+    assert not fp8.takes_quantized_input(torch.randn(256, 256, dtype=torch.bfloat16))

@@ -12,7 +12,9 @@ is not a multiple of 128 ends in a shorter group).
 On Hopper (CUDA capability 9.x) `torch._scaled_mm` takes the 1x128 activation and 128x128 weight scales
 directly (cuBLASLt's block-scaled path, CUDA >= 12.9); elsewhere, and wherever that call is refused,
 the same W8A8 product is computed by dequantizing both operands (the CPU path CI runs; also every GEMM whose
-K or padded N is not whole blocks). MILES_FP8_GEMM=triton swaps cuBLASLt for fp8_triton.block_scaled_mm (see GEMM
+K or padded N is not whole blocks). Where cuBLASLt serves a GEMM (`takes_quantized_input`) its input may come
+already quantized (a QuantizedInput, written by the engine's norm or SiLU kernel in place of its model-dtype
+output; the same codes). MILES_FP8_GEMM=triton swaps cuBLASLt for fp8_triton.block_scaled_mm (see GEMM
 below). The CUDA kernels
 of the forward are off unless MILES_FP8_CUDA_KERNELS=1 (see CUDA_KERNELS below): on CUDA FP8 serving is
 correct, not fast. A weight push quantizes with the Triton kernel wherever it runs (it works outside the
@@ -48,12 +50,17 @@ CUDA_KERNELS = os.environ.get("MILES_FP8_CUDA_KERNELS") == "1"
 GEMM = os.environ.get("MILES_FP8_GEMM", "cublas")
 if GEMM not in ("cublas", "triton"):
     raise ValueError(f"MILES_FP8_GEMM={GEMM!r}: use cublas or triton")
+# Where cuBLASLt's GEMM serves a linear whose input comes from the engine's own norm or SiLU kernel, that kernel
+# quantizes its output itself (a QuantizedInput: the same codes, no separate quantization launch; an H200 profile
+# of the 7B decode step had those launches at 4% of it). A switch for tests and benchmarks to compare against.
+FUSED_INPUT_QUANT = True
 
 logger = logging.getLogger(__name__)
 
 BLOCK = 128
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
+ROWS_MULTIPLE = 4  # cuBLASLt's block-scaled path wants the activation's rows a multiple of 4
 QUANT_CONFIG = {
     "quant_method": "fp8",
     "fmt": "e4m3",
@@ -151,6 +158,32 @@ def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(M, G * BLOCK)[:, :K], scale
 
 
+@dataclass(slots=True)
+class QuantizedInput:
+    """A linear's input [rows, K] already quantized as cuBLASLt's block-scaled GEMM takes it (what `linear` would
+    otherwise compute with fp8_triton.quantize_activation(x, pad_to=ROWS_MULTIPLE)): `q` [M_pad, K] e4m3 (rows
+    past `rows` zero), `scales` [M_pad, K/128] fp32 with stride (1, M_pad), M_pad = rows rounded up to
+    ROWS_MULTIPLE; `dtype`: the model dtype the unquantized input had, the GEMM's output dtype. The engine's
+    norm and SiLU kernels write one (triton_ops, `quantize=True`) for a weight that `takes_quantized_input`."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    rows: int
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.rows, self.q.shape[1]))
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    def dequantize(self) -> torch.Tensor:
+        """[rows, K] fp32: each code times its group's scale (what the W8A8 product reads)."""
+        return self.q[: self.rows].float() * self.scales[: self.rows].repeat_interleave(BLOCK, 1)
+
+
 # ---- the weight and its GEMM ----------------------------------------------------------------------
 @dataclass(slots=True)
 class Fp8Weight:
@@ -236,15 +269,17 @@ def _triton_gemm(device: torch.device) -> bool:
     )
 
 
-def linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] (model dtype) @ w.T (+ bias) as a W8A8 GEMM; returns x's dtype."""
+def linear(x: torch.Tensor | QuantizedInput, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] (model dtype) @ w.T (+ bias) as a W8A8 GEMM; returns x's dtype. x may come quantized
+    (a QuantizedInput [M, K]): cuBLASLt's GEMM takes it as is, any other path reads its dequantized values
+    (the same operand, so the same product as from the model-dtype input it was quantized from)."""
     shape = x.shape
-    flat = x.reshape(-1, shape[-1])
+    flat = x if isinstance(x, QuantizedInput) else x.reshape(-1, shape[-1])
     N, K = w.q.shape
     out = None
-    if _triton_gemm(x.device):  # the activation quantized inside the GEMM, slice by slice
+    if not isinstance(x, QuantizedInput) and _triton_gemm(x.device):  # the activation quantized inside, slice by slice
         out = fp8_triton.quantized_linear(flat, w.q, w.scale_inv)
-    elif K % BLOCK == 0 and N % BLOCK == 0 and _hopper(x.device) and _scaled_mm_ok.get(_mm_key(x.device, K), True):
+    elif _cublas_serves(x.device, N, K):
         out = _block_scaled_mm(flat, w, x.dtype)
     if out is None:
         out = _emulated(flat, w, x.dtype)
@@ -253,6 +288,24 @@ def linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> t
     if bias is not None:
         out = out + bias
     return out.view(*shape[:-1], out.shape[-1])
+
+
+def takes_quantized_input(w: Fp8Weight | torch.Tensor) -> bool:
+    """Whether `linear` would run this weight's GEMM on cuBLASLt's block-scaled path, which reads a pre-quantized
+    input as is: then the kernel that produces the input may hand it over as a QuantizedInput. False for a
+    plain (bf16) weight, off Hopper or without MILES_FP8_CUDA_KERNELS=1, with MILES_FP8_GEMM=triton (its GEMM
+    quantizes inside), for K or N not whole 128-blocks, once torch refused the call, and with FUSED_INPUT_QUANT
+    off; a refusal after this said True still gives the right product (`linear` dequantizes the input)."""
+    if not FUSED_INPUT_QUANT or GEMM != "cublas" or not isinstance(w, Fp8Weight):
+        return False
+    N, K = w.q.shape
+    return _cublas_serves(w.device, N, K)
+
+
+def _cublas_serves(device: torch.device, N: int, K: int) -> bool:
+    """cuBLASLt's block-scaled GEMM takes w [N, K] on `device`: Hopper with the kernels on, whole blocks, and no
+    refusal of this kind of call seen."""
+    return K % BLOCK == 0 and N % BLOCK == 0 and _hopper(device) and _scaled_mm_ok.get(_mm_key(device, K), True)
 
 
 def _mm_key(device: torch.device, K: int) -> tuple[torch.device, bool]:
@@ -285,30 +338,36 @@ def pad_k_blocks(
     return zero_blocks(xq), xs4, zero_blocks(wq), F.pad(ws, (0, L4 - L), value=1.0)
 
 
-def _block_scaled_mm(x: torch.Tensor, w: Fp8Weight, dtype: torch.dtype) -> torch.Tensor | None:
-    """cuBLASLt's block-scaled FP8 GEMM; None (and the emulation from then on) where torch refuses it."""
-    M = x.shape[0]
-    pad = (-M) % 4  # cuBLASLt wants M a multiple of 4 on this path
+def _quantized(x: torch.Tensor) -> QuantizedInput:
+    """x [M, K] (K % 128 == 0) quantized for cuBLASLt: rows padded to ROWS_MULTIPLE, scales outer-dim-major."""
     if fp8_triton.runs_on(x.device):  # one kernel; scales already outer-dim-major
-        xq, xs = fp8_triton.quantize_activation(x, pad_to=4)
-    else:
-        xq, xs = quantize_activation(F.pad(x, (0, 0, 0, pad)) if pad else x)
-        xs = xs.t().contiguous().t()
-    wq, ws = w.q, w.scale_inv
+        return QuantizedInput(*fp8_triton.quantize_activation(x, pad_to=ROWS_MULTIPLE), x.shape[0], x.dtype)
+    pad = (-x.shape[0]) % ROWS_MULTIPLE
+    xq, xs = quantize_activation(F.pad(x, (0, 0, 0, pad)) if pad else x)
+    return QuantizedInput(xq, xs.t().contiguous().t(), x.shape[0], x.dtype)
+
+
+def _block_scaled_mm(x: torch.Tensor | QuantizedInput, w: Fp8Weight, dtype: torch.dtype) -> torch.Tensor | None:
+    """cuBLASLt's block-scaled FP8 GEMM of x [M, K] (quantized here unless it comes quantized) in `dtype`; None
+    (and the emulation from then on) where torch refuses it."""
+    K = w.q.shape[1]
+    if not isinstance(x, QuantizedInput):
+        x = _quantized(x)
+    xq, xs, wq, ws = x.q, x.scales, w.q, w.scale_inv
     if ws.shape[1] % 4:
         xq, xs, wq, ws = pad_k_blocks(xq, xs, wq, ws)
     try:
         out = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=cublas_weight_scales(ws), out_dtype=dtype)
     except (RuntimeError, ValueError, NotImplementedError) as e:
-        _scaled_mm_ok[_mm_key(x.device, x.shape[1])] = False
+        _scaled_mm_ok[_mm_key(x.device, K)] = False
         logger.warning(
             "torch._scaled_mm refused 128-block FP8 scaling (%s); dequantizing every GEMM whose K/128 is%s a "
             "multiple of 4",
             e,
-            " not" if _mm_key(x.device, x.shape[1])[1] else "",
+            " not" if _mm_key(x.device, K)[1] else "",
         )
         return None
-    return out[:M] if pad else out
+    return out[: x.rows] if out.shape[0] != x.rows else out
 
 
 def dequantize_activation(x: torch.Tensor) -> torch.Tensor:
@@ -317,9 +376,11 @@ def dequantize_activation(x: torch.Tensor) -> torch.Tensor:
     return xq.float() * xs.repeat_interleave(BLOCK, 1)[:, : x.shape[1]]
 
 
-def _emulated(x: torch.Tensor, w: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
-    """The same W8A8 product with both operands dequantized (exact products, fp32 sums)."""
-    return F.linear(dequantize_activation(x), dequantize_weight(w.q, w.scale_inv, torch.float32)).to(dtype)
+def _emulated(x: torch.Tensor | QuantizedInput, w: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
+    """The same W8A8 product with both operands dequantized (exact products, fp32 sums); a QuantizedInput is
+    read as its codes say, not quantized again."""
+    xd = x.dequantize() if isinstance(x, QuantizedInput) else dequantize_activation(x)
+    return F.linear(xd, dequantize_weight(w.q, w.scale_inv, torch.float32)).to(dtype)
 
 
 # ---- checkpoints ------------------------------------------------------------------------------------

@@ -10,28 +10,23 @@ block's scales (the emulation's sum of dequantized products, in another order). 
 masked, so no padding to whole blocks of four) and any N; on CUDA it needs e4m3 tensor cores (capability 8.9+).
 `quantized_linear`: the same GEMM taking the activation in the model dtype and quantizing each slice as
 `quantize_activation` would, inside the GEMM (one launch instead of two, no e4m3 copy of the activation).
+The arithmetic of one group's quantization is `triton_kernels.scaled_groups`, which the engine's norm and SiLU
+kernels also call when they hand an FP8 GEMM its input already quantized (fp8.QuantizedInput).
 """
 
 from __future__ import annotations
 
 import torch
 
-from miles.engines.embedded.triton_kernels import tl, triton
-from miles.engines.embedded.triton_ops import available
+from miles.engines.embedded.triton_kernels import available, tl, triton
 
 E4M3_MAX = 448.0
 GROUP = 128
 ACT_BLOCK_M = 16  # rows a program of the activation quantization takes
 
 if triton is not None:
-
-    @triton.jit
-    def _scaled_rows(x):
-        """x [rows, group] fp32 -> (x / s clamped to the e4m3 range, s = amax / 448 per row): one group's dynamic
-        activation quantization before the cast, shared by the activation kernel and the GEMM that quantizes
-        inside, so both give the same codes."""
-        scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
-        return tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0), scale
+    # one group's quantization, shared with the norm and SiLU kernels that quantize their outputs (the same codes)
+    from miles.engines.embedded.triton_kernels import scaled_groups
 
     @triton.jit
     def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, M_pad, K, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -42,7 +37,7 @@ if triton is not None:
         cols = tl.program_id(1).to(tl.int64) * GROUP + tl.arange(0, GROUP)
         offs = rows[:, None] * K + cols[None, :]
         x = tl.load(x_ptr + offs, mask=(rows[:, None] < M) & (cols[None, :] < K), other=0.0).to(tl.float32)
-        q, scale = _scaled_rows(x)
+        q, scale = scaled_groups(x)
         kept = rows < M_pad
         tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=kept[:, None] & (cols[None, :] < K))
         tl.store(s_ptr + tl.program_id(1).to(tl.int64) * M_pad + rows, scale, mask=kept)
@@ -94,7 +89,7 @@ if triton is not None:
             k_ok = ks[None, :] < K - kb * GROUP
             if QUANT_X:
                 xf = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok, other=0.0).to(tl.float32)
-                x, x_scale = _scaled_rows(xf)
+                x, x_scale = scaled_groups(xf)
                 x = x.to(w_ptr.dtype.element_ty)
             else:
                 x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok, other=0.0)

@@ -40,8 +40,10 @@ def _norm_constants(eps: float, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(eps, dtype=torch.float32), torch.tensor(float(dim), dtype=torch.float32)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | fp8.Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, or the W8A8 GEMM of an FP8 weight (fp8.py)."""
+def linear(
+    x: torch.Tensor | fp8.QuantizedInput, weight: torch.Tensor | fp8.Fp8Weight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """F.linear, or the W8A8 GEMM of an FP8 weight (fp8.py), which may take x already quantized (only it)."""
     if isinstance(weight, fp8.Fp8Weight):
         return fp8.linear(x, weight, bias)
     return F.linear(x, weight, bias)

@@ -4,10 +4,17 @@ Each kernel computes in fp32 and rounds once on store. The kernels index every t
 memory (`ptr + row * width + col`); the launchers make inputs dense and check the tensors written in place.
 The KV cache may be stored in FP8 (kv_cache.py, scale 1): its writes saturate at the format's largest value
 (`_to_cache`), and its reads are widened to the model's dtype before any math (`_from_cache`).
-Without triton installed the module defines no kernels (`triton` and `tl` are None).
+Without triton installed the module defines no kernels (`triton` and `tl` are None); `available()` says
+where they run (here, below every module that launches them: fp8_triton.py asks it too).
+The norm and SiLU kernels can store their output as the FP8 GEMM's quantized input instead (QUANT): e4m3 codes
+and per-128-channel scales, as fp8_triton's activation quantization would give for the stored output.
 """
 
 from __future__ import annotations
+
+import os
+
+import torch
 
 try:  # triton ships with CUDA builds of torch; CPU installs usually lack it
     import triton
@@ -16,7 +23,37 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
     triton = None
     tl = None
 
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def available(device: torch.device) -> bool:
+    """True where the kernels can run on `device` (CUDA with triton, or any device when interpreting)."""
+    if triton is None:
+        return False
+    return INTERPRET or device.type == "cuda"
+
+
 if triton is not None:
+
+    @triton.jit
+    def scaled_groups(x):
+        """x [rows, group] fp32 -> (x / s clamped to the e4m3 range, s = amax / 448 per row): one group's dynamic
+        activation quantization before the cast. Every kernel that quantizes an activation (fp8_triton's, the
+        GEMM that quantizes inside, the norm and SiLU below) calls this one, so all give the same codes."""
+        scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 448.0
+        return tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0), scale
+
+    @triton.jit
+    def store_e4m3_groups(v, q_ptr, s_ptr, row, first_col, width, m_pad, BLOCK: tl.constexpr, GROUP: tl.constexpr):
+        """Columns [first_col, first_col + BLOCK) of output row `row`, v [BLOCK] fp32 (first_col a multiple of
+        GROUP, width too), quantized per GROUP columns as fp8_triton.quantize_activation stores them: codes at
+        q_ptr + row * width + col, scales at s_ptr + (col // GROUP) * m_pad + row (outer-dim-major); columns
+        past `width` are not stored."""
+        q, scale = scaled_groups(tl.reshape(v, (BLOCK // GROUP, GROUP)))
+        groups = first_col // GROUP + tl.arange(0, BLOCK // GROUP)
+        cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        tl.store(q_ptr + row * width + cols, q.to(q_ptr.dtype.element_ty), mask=cols < width)
+        tl.store(s_ptr + groups * m_pad + row, scale, mask=groups < width // GROUP)
 
     @triton.jit
     def _to_cache(x, cache_ptr, KV_MAX: tl.constexpr):
@@ -34,11 +71,16 @@ if triton is not None:
         return x.to(like.dtype)
 
     @triton.jit
-    def add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, N, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
-        """out = RMSNorm(x + res) * w; res <- x + res (the new residual stream), one row per program."""
+    def add_rms_norm_kernel(
+        x_ptr, res_ptr, w_ptr, out_ptr, q_ptr, s_ptr, M, N, eps,
+        HAS_RES: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+    ):  # fmt: skip
+        """out = RMSNorm(x + res) * w, rounded to out's dtype; res <- x + res (the new residual stream), one row
+        per program. QUANT: out is not stored but quantized (`store_e4m3_groups`) into q [M_pad, N] and its scales,
+        the grid is M_pad rows, and rows >= M store a zero row's codes and scales; out_ptr only names the dtype."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
-        mask = cols < N
+        mask = (cols < N) & (row < M)
         x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_RES:
             x = x + tl.load(res_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
@@ -48,7 +90,12 @@ if triton is not None:
         var = tl.sum(x * x, axis=0) / N
         y = (x * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * N + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+        out = (w * y).to(out_ptr.dtype.element_ty)
+        if QUANT:  # the stored value, read back as the unfused quantization reads it; pad rows +0 (no -0 codes)
+            v = tl.where(mask, out.to(tl.float32), 0.0)
+            store_e4m3_groups(v, q_ptr, s_ptr, row, 0, N, tl.num_programs(0), BLOCK, GROUP)
+        else:
+            tl.store(out_ptr + row * N + cols, out, mask=mask)
 
     @triton.jit
     def rope_kv_kernel(
@@ -272,15 +319,24 @@ if triton is not None:
         tl.store(out_ptr + bh * HD + d, out.to(out_ptr.dtype.element_ty))
 
     @triton.jit
-    def silu_mul_kernel(gate_up_ptr, out_ptr, N, BLOCK: tl.constexpr):
-        """out[b] = silu(gate_up[b, :N]) * gate_up[b, N:]."""
+    def silu_mul_kernel(
+        gate_up_ptr, out_ptr, q_ptr, s_ptr, M, N, QUANT: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr
+    ):
+        """out[b] = silu(gate_up[b, :N]) * gate_up[b, N:], rounded to out's dtype. QUANT: quantized as the norm's
+        (`add_rms_norm_kernel`) instead of stored, over a grid of M_pad rows (BLOCK a multiple of GROUP)."""
         b = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < N
+        first = tl.program_id(1) * BLOCK
+        cols = first + tl.arange(0, BLOCK)
+        mask = (cols < N) & (b < M)
         gate = tl.load(gate_up_ptr + b * 2 * N + cols, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(gate_up_ptr + b * 2 * N + N + cols, mask=mask, other=0.0).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(out_ptr + b * N + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+        out = (act * up).to(out_ptr.dtype.element_ty)
+        if QUANT:
+            v = tl.where(mask, out.to(tl.float32), 0.0)
+            store_e4m3_groups(v, q_ptr, s_ptr, b, first, N, tl.num_programs(0), BLOCK, GROUP)
+        else:
+            tl.store(out_ptr + b * N + cols, out, mask=mask)
 
     @triton.jit
     def sample_stats_kernel(

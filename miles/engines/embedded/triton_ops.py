@@ -16,6 +16,10 @@ every bf16 op, so bf16 results differ in the last bits (fp32 agrees to rounding)
 implements the same inverse-CDF rule as `sampler._inverse_cdf` (first index whose running mass exceeds
 u x total), in two passes over the logits instead of five.
 
+FP8 serving: the norm and SiLU kernels can hand the next GEMM its input already quantized (`quantize=True`:
+an fp8.QuantizedInput, the codes and scales fp8_triton.quantize_activation would give for the output they
+would have stored), which spares that GEMM its own quantization launch where cuBLASLt runs it.
+
 Everything here also runs under Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors, which is how
 the tests check it where there is no GPU. `available()` says whether the kernels can be used at all.
 """
@@ -24,22 +28,14 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 
+from miles.engines.embedded import fp8
 from miles.engines.embedded import triton_kernels as kernels
 from miles.engines.embedded.kv_cache import is_fp8
-from miles.engines.embedded.triton_kernels import triton
-
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def available(device: torch.device) -> bool:
-    """True where the kernels can run on `device` (CUDA with triton, or any device when interpreting)."""
-    if triton is None:
-        return False
-    return INTERPRET or device.type == "cuda"
+from miles.engines.embedded.triton_kernels import INTERPRET, triton
+from miles.engines.embedded.triton_kernels import available as available  # where the engine asks it
 
 
 def converts_e4m3(device: torch.device) -> bool:
@@ -84,19 +80,49 @@ def _check_dense(**tensors: torch.Tensor | None) -> None:
             )
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, out=None):
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor | None = None,
+    quantize: bool = False,
+) -> torch.Tensor | fp8.QuantizedInput:
     """RMSNorm(x + residual) * weight over the last dim, in the weight's dtype; `residual` (if given) becomes
-    x + residual, kept in its own dtype (an fp32 stream under bf16 GEMM outputs, or `x` itself fp32)."""
+    x + residual, kept in its own dtype (an fp32 stream under bf16 GEMM outputs, or `x` itself fp32).
+    quantize: return the output as the FP8 GEMM's quantized input instead (`_quantized_output`)."""
     n = x.shape[-1]
     rows = x.numel() // n
     (x, weight) = _dense(x, weight)
     _check_dense(residual=residual, out=out)
-    out = torch.empty_like(x, dtype=weight.dtype) if out is None else out
-    kernels.add_rms_norm_kernel[(rows,)](
-        x, residual if residual is not None else x, weight, out, n, eps,
-        HAS_RES=residual is not None, BLOCK=_next_pow2(n),
+    if quantize:
+        qi = _quantized_output(rows, n, weight.dtype, x.device, out)
+        grid_rows, out, q, scales = qi.q.shape[0], weight, qi.q, qi.scales  # out: the weight names the dtype alone
+    else:
+        out = torch.empty_like(x, dtype=weight.dtype) if out is None else out
+        grid_rows, q, scales = rows, out, out
+    kernels.add_rms_norm_kernel[(grid_rows,)](
+        x, residual if residual is not None else x, weight, out, q, scales, rows, n, eps,
+        HAS_RES=residual is not None, QUANT=quantize, BLOCK=_next_pow2(n), GROUP=fp8.BLOCK,
     )  # fmt: skip
-    return out
+    return qi if quantize else out
+
+
+def _quantized_output(
+    rows: int, width: int, dtype: torch.dtype, device: torch.device, out: torch.Tensor | None
+) -> fp8.QuantizedInput:
+    """Room for a kernel's [rows, width] output (model dtype `dtype`) stored as its e4m3 quantization, in the
+    layout `fp8_triton.quantize_activation(output, pad_to=fp8.ROWS_MULTIPLE)` writes and with its codes: rows
+    padded to fp8.ROWS_MULTIPLE (pad rows: zero codes), scales outer-dim-major. What an FP8 GEMM on cuBLASLt takes
+    as is (fp8.takes_quantized_input); the kernel quantizes the value it would have stored, rounded to `dtype`."""
+    if out is not None:
+        raise ValueError("quantize=True returns its own codes and scales; pass out=None")
+    if width % fp8.BLOCK:
+        raise ValueError(f"a quantized output needs whole groups of {fp8.BLOCK} channels; width is {width}")
+    m_pad = -(-rows // fp8.ROWS_MULTIPLE) * fp8.ROWS_MULTIPLE
+    q = torch.empty((m_pad, width), dtype=fp8.E4M3, device=device)
+    scales = torch.empty((width // fp8.BLOCK, m_pad), dtype=torch.float32, device=device).t()
+    return fp8.QuantizedInput(q, scales, rows, dtype)
 
 
 def rope_kv_write(
@@ -241,16 +267,25 @@ class DecodeAttention:
         return out
 
 
-def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(gate) * up of gate_up [B, 2N] -> [B, N]."""
+def silu_mul(
+    gate_up: torch.Tensor, out: torch.Tensor | None = None, quantize: bool = False
+) -> torch.Tensor | fp8.QuantizedInput:
+    """silu(gate) * up of gate_up [B, 2N] -> [B, N]; quantize: as the FP8 GEMM's input (`_quantized_output`)."""
     b, n2 = gate_up.shape
     n = n2 // 2
     (gate_up,) = _dense(gate_up)
     _check_dense(out=out)
-    out = torch.empty((b, n), dtype=gate_up.dtype, device=gate_up.device) if out is None else out
-    block = min(1024, _next_pow2(n))
-    kernels.silu_mul_kernel[(b, triton.cdiv(n, block))](gate_up, out, n, BLOCK=block)
-    return out
+    block = min(1024, _next_pow2(n))  # quantizing, n is whole 128-groups: so are a program's columns
+    if quantize:
+        qi = _quantized_output(b, n, gate_up.dtype, gate_up.device, out)
+        grid_rows, out, q, scales = qi.q.shape[0], gate_up, qi.q, qi.scales  # out: gate_up names the dtype alone
+    else:
+        out = torch.empty((b, n), dtype=gate_up.dtype, device=gate_up.device) if out is None else out
+        grid_rows, q, scales = b, out, out
+    kernels.silu_mul_kernel[(grid_rows, triton.cdiv(n, block))](
+        gate_up, out, q, scales, b, n, QUANT=quantize, BLOCK=block, GROUP=fp8.BLOCK
+    )
+    return qi if quantize else out
 
 
 def sample_rows(
