@@ -1,14 +1,16 @@
 """FP8 on Hopper: the block-scaled torch._scaled_mm path agrees with the dequantizing emulation, and an FP8
 engine (CUDA graphs) scores close to its bf16 source, with the forward's CUDA kernels (Triton activation
 quantization, cuBLASLt's block-scaled GEMM: fp8.CUDA_KERNELS) off as by default and switched on. Weights
-are quantized by the Triton kernel on CUDA either way."""
+are quantized by the Triton kernel on CUDA either way. With the kernels on, the norm and SiLU kernels hand
+cuBLASLt its inputs quantized (fp8.FUSED_INPUT_QUANT): the same codes as the activation kernel's, so the same
+scores as with that switched off."""
 
 import asyncio
 
 import pytest
 import torch
 
-from miles.engines.embedded import fp8
+from miles.engines.embedded import fp8, fp8_triton, triton_ops
 from miles.engines.embedded.engine import EmbeddedEngine
 from miles.engines.embedded.fp8_checkpoint import write_fp8_checkpoint
 from miles.models.tiny import make_tiny_model
@@ -111,6 +113,49 @@ def test_the_fp8_cuda_kernels_score_as_the_dequantizing_path(checkpoints, kernel
     assert len(greedy_kernels["output_ids"]) == 16
 
 
+@hopper
+def test_the_fused_input_quantization_scores_as_the_separate_kernel(checkpoints, kernels_on, monkeypatch):
+    """The norms and SiLU quantize for cuBLASLt (CUDA graphs: the decode step captured with them): the same greedy
+    tokens and the same log-probs, bit for bit, as with each GEMM quantizing its input in its own kernel."""
+    _, dst, ids = checkpoints
+    quantized_inputs = []
+    linear = fp8.linear
+
+    def recorded(x, w, bias=None):
+        quantized_inputs.append(isinstance(x, fp8.QuantizedInput))
+        return linear(x, w, bias)
+
+    monkeypatch.setattr(fp8, "linear", recorded)
+    lp_fused, greedy_fused = _score(dst, ids)
+    assert any(quantized_inputs) and not fp8._scaled_mm_ok, "no GEMM took a quantized input on cuBLASLt"
+    quantized_inputs.clear()
+    monkeypatch.setattr(fp8, "FUSED_INPUT_QUANT", False)
+    lp_separate, greedy_separate = _score(dst, ids)
+    assert quantized_inputs and not any(quantized_inputs)
+    assert greedy_fused["output_ids"] == greedy_separate["output_ids"]
+    assert torch.equal(lp_fused, lp_separate), (lp_fused - lp_separate).abs().max().item()
+
+
+@pytest.mark.parametrize(("rows", "hidden", "intermediate"), [(3, 256, 512), (256, 3584, 18944)])  # tiny; 7B
+def test_the_norm_and_silu_kernels_quantize_as_the_activation_kernel_on_cuda(rows, hidden, intermediate):
+    """Codes and scales bit-equal to quantize_activation(output, pad_to=4) of the bf16 output the kernels would
+    have stored (Triton's fp32 division on the GPU is not IEEE's, but it is the same instruction in both)."""
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, hidden, device="cuda", generator=g, dtype=torch.bfloat16)
+    stream = torch.randn(rows, hidden, device="cuda", generator=g)  # the fp32 residual stream
+    weight = torch.randn(hidden, device="cuda", generator=g, dtype=torch.bfloat16)
+    gate_up = torch.randn(rows, 2 * intermediate, device="cuda", generator=g, dtype=torch.bfloat16)
+    stream_fused = stream.clone()
+    norm_fused = triton_ops.add_rms_norm(x, stream_fused, weight, 1e-6, quantize=True)
+    norm = triton_ops.add_rms_norm(x, stream, weight, 1e-6)
+    pairs = [(norm_fused, norm), (triton_ops.silu_mul(gate_up, quantize=True), triton_ops.silu_mul(gate_up))]
+    assert torch.equal(stream_fused, stream)
+    for got, output in pairs:
+        q, scales = fp8_triton.quantize_activation(output, pad_to=4)
+        assert torch.equal(got.q.view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(got.scales, scales) and got.scales.stride() == scales.stride()
+
+
 def _captured(fn):
     """fn's output recomputed by a CUDA graph captured after two eager warm-ups, as the engine's runner does."""
     stream = torch.cuda.Stream()
@@ -128,19 +173,22 @@ def _captured(fn):
 
 
 @hopper
-@pytest.mark.parametrize("piece", ["quantize_activation", "linear"])
+@pytest.mark.parametrize("piece", ["quantize_activation", "linear", "quantizing_norm_then_linear"])
 @pytest.mark.parametrize("k", [256, 512])
 def test_the_fp8_kernels_capture_in_a_cuda_graph(kernels_on, piece, k):
     g = torch.Generator(device="cuda").manual_seed(0)
     w = (torch.randn(1024, k, device="cuda", generator=g) / 20).to(torch.bfloat16)
     x = torch.randn(256, k, device="cuda", generator=g, dtype=torch.bfloat16)
     weight = fp8.Fp8Weight(*fp8.quantize_weight(w))
-    if piece == "quantize_activation":
-        from miles.engines.embedded import fp8_triton
-
-        fn = lambda: fp8_triton.quantize_activation(x, pad_to=4)[1]  # noqa: E731
-    else:
-        fn = lambda: fp8.linear(x, weight)  # noqa: E731
+    norm = torch.randn(k, device="cuda", generator=g, dtype=torch.bfloat16)
+    pieces = {
+        "quantize_activation": lambda: fp8_triton.quantize_activation(x, pad_to=4)[1],
+        "linear": lambda: fp8.linear(x, weight),
+        "quantizing_norm_then_linear": lambda: fp8.linear(
+            triton_ops.add_rms_norm(x, None, norm, 1e-6, quantize=True), weight
+        ),
+    }
+    fn = pieces[piece]
     eager = fn().clone()
     assert torch.equal(_captured(fn), eager)
 

@@ -2,7 +2,9 @@
 
 A kernel asked to quantize stores, instead of its model-dtype output, the e4m3 codes and scales that
 `fp8_triton.quantize_activation(output, pad_to=4)` gives for that output: bit for bit, pad rows and scale
-layout included, so the FP8 GEMM reading them computes what it computed from the separate quantization.
+layout included, so the FP8 GEMM reading them computes what it computed from the separate quantization. The
+fused decode and prefill hand such inputs to the qkv, gate/up and down GEMMs where cuBLASLt runs them (faked
+here: `_hopper` true and torch._scaled_mm computed as cuBLASLt reads its operands), with the same hidden states.
 
 On a CUDA machine the checks run on the GPU; elsewhere in a child process under Triton's interpreter (as in
 test_triton_ops.py), whose fp32 -> bf16 and -> e4m3 conversions are made to round to nearest even as the GPU's
@@ -13,11 +15,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import round_to_nearest_under_interpreter, run_under_triton_interpreter
+from harness import cublaslt_scaled_mm, round_to_nearest_under_interpreter, run_under_triton_interpreter
 
 triton = pytest.importorskip("triton")
 
 from miles.engines.embedded import fp8, fp8_triton, triton_ops  # noqa: E402
+from miles.engines.embedded import model as model_module  # noqa: E402
+from miles.engines.embedded.kv_cache import KVCache  # noqa: E402
+from miles.engines.embedded.model import CausalLM  # noqa: E402
+from miles.models.tiny import make_tiny_model  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 RUNS_HERE = triton_ops.available(DEVICE)
@@ -89,3 +95,67 @@ def test_the_silu_kernel_quantizes_the_output_it_would_have_stored(gpu_rounding,
 def test_a_quantized_output_needs_whole_groups_of_128():
     with pytest.raises(ValueError, match="whole groups of 128 channels; width is 200"):
         triton_ops.silu_mul(_randn(2, 400, seed=0), quantize=True)
+
+
+# ---- the fused forwards hand the FP8 GEMMs quantized inputs
+
+
+def _fp8_model(tmp_path) -> tuple[CausalLM, dict[int, str]]:
+    """A tiny FP8 model every GEMM of which is whole 128-blocks, in fp16 (the interpreter has no bf16 tl.dot),
+    and its FP8 weights' roles by identity."""
+    path = make_tiny_model(
+        str(tmp_path / "m"), hidden=256, heads=4, kv_heads=2, intermediate=256, layers=2, init_std=0.05, seed=2
+    )
+    model = CausalLM.from_pretrained(path, DEVICE, torch.float16)
+    model.quantize_fp8()
+    roles = {id(model.storage[n[r]]): r for n in model._layer_names for r in ("qkv", "o", "gate_up", "down")}
+    return model, roles
+
+
+def _run_fused(model: CausalLM, path: str) -> torch.Tensor:
+    """decode_fused of 3 rows (8 prefilled positions each), or prefill_fused of 2 rows of 5 and 3 tokens."""
+    s = model.spec
+    kw = dict(num_layers=s.num_layers, num_slots=4, max_seq_len=40, num_kv_heads=s.num_kv_heads)
+    kv = KVCache(**kw, head_dim=s.head_dim, dtype=model.dtype, device=DEVICE)
+    attention = triton_ops.DecodeAttention(s.num_heads, s.num_kv_heads, s.head_dim, kv.capacity, 4)
+    g = torch.Generator().manual_seed(3)
+    if path == "decode":  # keys and values of 8 earlier positions
+        kv.k.copy_(torch.randn(kv.k.shape, generator=g))
+        kv.v.copy_(torch.randn(kv.v.shape, generator=g))
+        tokens = torch.randint(3, s.vocab_size, (3,), generator=g).to(DEVICE)
+        positions = torch.tensor([8, 8, 8], device=DEVICE)
+        return model.decode_fused(tokens, positions, positions + 1, kv, attention)
+    tokens = torch.randint(3, s.vocab_size, (2, 5), generator=g).to(DEVICE)
+    pos = torch.arange(5, device=DEVICE)[None].expand(2, 5)
+    last = torch.tensor([4, 2], device=DEVICE)
+    write = torch.where(pos <= last[:, None], pos, kv.scratch_pos)
+    return model.prefill_fused(tokens, pos, write, last, kv, 0, attention)
+
+
+@needs_kernels
+@pytest.mark.parametrize("path", ["decode", "prefill"])
+def test_the_fused_paths_hand_qkv_gate_up_and_down_their_inputs_quantized(tmp_path, monkeypatch, gpu_rounding, path):
+    """Where cuBLASLt runs the GEMMs, the norms feed qkv and gate/up and SiLU feeds down as QuantizedInputs, o
+    takes the attention's model-dtype output; the hidden states are bit-equal to those with FUSED_INPUT_QUANT off
+    (each GEMM quantizing its input in the activation kernel), which cuBLASLt's layouts read the same way."""
+    model, roles = _fp8_model(tmp_path)
+    monkeypatch.setattr(fp8, "_hopper", lambda device: True)
+    monkeypatch.setattr(fp8, "_scaled_mm_ok", {})
+    monkeypatch.setattr(torch, "_scaled_mm", cublaslt_scaled_mm)
+    inputs: list[tuple[str, bool]] = []
+    linear = model_module.linear
+
+    def recorded(x, weight, bias=None):
+        inputs.append((roles[id(weight)], isinstance(x, fp8.QuantizedInput)))
+        return linear(x, weight, bias)
+
+    monkeypatch.setattr(model_module, "linear", recorded)
+    fused = _run_fused(model, path)
+    per_layer = [("qkv", True), ("o", False), ("gate_up", True), ("down", True)]
+    assert inputs == per_layer * model.spec.num_layers and not fp8._scaled_mm_ok
+    inputs.clear()
+    monkeypatch.setattr(fp8, "FUSED_INPUT_QUANT", False)
+    separate = _run_fused(model, path)
+    assert [quantized for _, quantized in inputs] == [False] * 4 * model.spec.num_layers
+    assert fused.dtype == torch.float16 and torch.isfinite(fused).all()
+    assert torch.equal(fused, separate)

@@ -255,9 +255,9 @@ def test_a_half_precision_model_keeps_an_fp32_residual_stream_in_the_fused_paths
     streams = []
     add_rms_norm = triton_ops.add_rms_norm
 
-    def recorded(x, residual, weight, eps, out=None):
+    def recorded(x, residual, weight, eps, out=None, quantize=False):
         streams.append((residual if residual is not None else x).dtype)
-        result = add_rms_norm(x, residual, weight, eps, out)
+        result = add_rms_norm(x, residual, weight, eps, out, quantize)
         assert result.dtype == torch.float16
         return result
 

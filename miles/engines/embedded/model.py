@@ -278,17 +278,14 @@ class CausalLM:
         h = F.embedding(tokens, st["model.embed_tokens.weight"])  # the residual stream, updated in place
         if self.fp32_residual:
             h = h.float()
-        x = triton_ops.add_rms_norm(h, None, st[self._layer_names[0]["ln1"]], eps)
+        x = self._fused_norm(h, None, *self._norm_before(0))
         for i, names in enumerate(self._layer_names):
             qkv = linear(x, st[names["qkv"]], st.get(names["qkv_b"]))
             attn = attention.rope_attend(
                 qkv, positions, lens, table, kv.k[i], kv.v[i], st.get(names["qn"]), st.get(names["kn"]), eps
             ).view(B, H * s.head_dim)
-            x = triton_ops.add_rms_norm(linear(attn, st[names["o"]], st.get(names["ob"])), h, st[names["ln2"]], eps)
-            mlp = linear(triton_ops.silu_mul(linear(x, st[names["gate_up"]])), st[names["down"]])
-            last = i + 1 == s.num_layers
-            next_norm = st["model.norm.weight"] if last else st[self._layer_names[i + 1]["ln1"]]
-            x = triton_ops.add_rms_norm(mlp, h, next_norm, eps)
+            x = self._fused_norm(linear(attn, st[names["o"]], st.get(names["ob"])), h, names["ln2"], names["gate_up"])
+            x = self._fused_norm(self._fused_mlp(names, x), h, *self._norm_before(i + 1))
         return x
 
     def prefill_fused(
@@ -325,7 +322,7 @@ class CausalLM:
         h = F.embedding(tokens.reshape(-1), st["model.embed_tokens.weight"])
         if self.fp32_residual:
             h = h.float()
-        x = triton_ops.add_rms_norm(h, None, st[self._layer_names[0]["ln1"]], eps)
+        x = self._fused_norm(h, None, *self._norm_before(0))
         for i, names in enumerate(self._layer_names):
             last = i + 1 == s.num_layers
             qkv = linear(x, st[names["qkv"]], st.get(names["qkv_b"]))
@@ -347,11 +344,32 @@ class CausalLM:
                     enable_gqa=H != KVH,
                 )
                 attn = attn.transpose(1, 2).reshape(n, H * hd)
-            x = triton_ops.add_rms_norm(linear(attn, st[names["o"]], st.get(names["ob"])), h, st[names["ln2"]], eps)
-            mlp = linear(triton_ops.silu_mul(linear(x, st[names["gate_up"]])), st[names["down"]])
-            next_norm = st["model.norm.weight"] if last else st[self._layer_names[i + 1]["ln1"]]
-            x = triton_ops.add_rms_norm(mlp, h, next_norm, eps)
+            x = self._fused_norm(linear(attn, st[names["o"]], st.get(names["ob"])), h, names["ln2"], names["gate_up"])
+            x = self._fused_norm(self._fused_mlp(names, x), h, *self._norm_before(i + 1))
         return x
+
+    # The fused paths' norms and SiLU hand an FP8 GEMM on cuBLASLt its input already quantized (fp8.QuantizedInput:
+    # the codes the GEMM's own quantization would give, one launch fewer per GEMM); everywhere else model dtype.
+    def _fused_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: str, feeds: str | None
+    ) -> torch.Tensor | fp8.QuantizedInput:
+        """triton_ops.add_rms_norm by the norm weight named `norm`, quantized for the weight named `feeds` (the
+        GEMM its output goes to) where that GEMM takes it so (fp8.takes_quantized_input)."""
+        quantize = feeds is not None and fp8.takes_quantized_input(self.storage[feeds])
+        return triton_ops.add_rms_norm(x, residual, self.storage[norm], self.spec.rms_norm_eps, quantize=quantize)
+
+    def _norm_before(self, layer: int) -> tuple[str, str | None]:
+        """(the norm before `layer`'s attention, the weight its output feeds); past the last layer the final norm,
+        which feeds the LM head (in the model dtype)."""
+        if layer == self.spec.num_layers:
+            return "model.norm.weight", None
+        return self._layer_names[layer]["ln1"], self._layer_names[layer]["qkv"]
+
+    def _fused_mlp(self, names: dict[str, str], x: torch.Tensor | fp8.QuantizedInput) -> torch.Tensor:
+        """The dense MLP of normed x: gate/up GEMM, SiLU * up (quantized for the down GEMM where it takes that), down."""
+        down = self.storage[names["down"]]
+        gate_up = linear(x, self.storage[names["gate_up"]])
+        return linear(triton_ops.silu_mul(gate_up, quantize=fp8.takes_quantized_input(down)), down)
 
     def logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
         """LM-head logits; fp32 False keeps the model dtype (the fused sampler reads bf16 as fp32 itself)."""
