@@ -22,9 +22,13 @@ CPU smoke: python bench/fp8.py --hidden 256 --layers 2 --heads 4 --kv-heads 2 --
           --vocab 512 --batch 4 --new-tokens 8 --reps 1
 --kv-cache-dtype (SGLang's values; default auto) sets the FP8 side's KV cache: fp8_e4m3 times FP8 weights
 with an FP8 cache against BF16 with a bf16 one.
+With MILES_FP8_CUDA_KERNELS=1 on Hopper the FP8 side runs cuBLASLt's block-scaled GEMMs, whose inputs from the
+norms and SiLU come quantized by those kernels (fp8.FUSED_INPUT_QUANT); --separate-input-quant quantizes every
+GEMM input in its own kernel instead, the way to time what the fused quantization saves.
 
 Ends with one JSON line: bf16_tok_s, fp8_tok_s, tok_s_ratio, bf16_install_s, fp8_install_s, install_ratio,
-bf16_push_s, fp8_push_s, push_ratio (the goal: <= 1.3), and the FP8 side's kv_cache_dtype.
+bf16_push_s, fp8_push_s, push_ratio (the goal: <= 1.3), the FP8 side's kv_cache_dtype, fp8_cuda_kernels,
+fused_input_quant (the switch) and fused_input_quant_served (whether the FP8 engine's GEMMs took such inputs).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import torch
 from engine_throughput import EngineSide, make_prompts, measure
 
 from miles.config import EMBEDDED_KV_CACHE_DTYPES
+from miles.engines.embedded import fp8
 from miles.engines.embedded.engine import EmbeddedEngine
 from miles.engines.embedded.request import decode_step_summary
 from miles.models.tiny import make_tiny_model
@@ -66,6 +71,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         choices=EMBEDDED_KV_CACHE_DTYPES,
         help="the FP8 engine's KV cache (the BF16 engine's stays in its dtype)",
+    )
+    p.add_argument(
+        "--separate-input-quant",
+        action="store_true",
+        help="fp8.FUSED_INPUT_QUANT off: every FP8 GEMM on cuBLASLt quantizes its input in its own kernel",
     )
     return p.parse_args(argv)
 
@@ -131,8 +141,17 @@ def make_model(args: argparse.Namespace, tmp: str) -> str:
     )
 
 
+def fused_input_quant_served(engine: EmbeddedEngine) -> bool:
+    """Whether the engine's norms and SiLU hand its FP8 GEMMs their inputs quantized: its forward is the fused
+    one (the Triton kernels) and its qkv, gate/up or down GEMMs take such inputs (o's comes from attention)."""
+    fed = [t for name, t in engine.model.storage.items() if not name.endswith("o_proj.weight")]
+    return engine.runner.fused_kernels and any(fp8.takes_quantized_input(t) for t in fed)
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.separate_input_quant:
+        fp8.FUSED_INPUT_QUANT = False
     dtype = "bfloat16" if args.device == "cuda" else "float32"
     with tempfile.TemporaryDirectory() as tmp:
         path = make_model(args, tmp)
@@ -153,6 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
     chunks = buckets(source, args.bucket_mb * 2**20)
     try:
         rates, timelines = measure(sides, args.new_tokens, args.reps)
+        served = fused_input_quant_served(engines["fp8"])  # after the rounds: a refusal there turns it off
         pushes, installs = {}, {}
         for name, side in sides.items():  # while the engines live: their weights go with shutdown
             side.loop.run_until_complete(side.engine.pause_generation("retract"))
@@ -178,6 +198,9 @@ def main(argv: list[str] | None = None) -> dict:
         "new_tokens": args.new_tokens,
         "device": args.device,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "fp8_cuda_kernels": fp8.CUDA_KERNELS,
+        "fused_input_quant": fp8.FUSED_INPUT_QUANT,
+        "fused_input_quant_served": served,
         "shape": {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab")},
     }
     print(

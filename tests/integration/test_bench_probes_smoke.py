@@ -47,6 +47,8 @@ def test_fp8_bench_reports_speed_install_and_colocated_push():
     for key in ("tok_s", "install_s", "push_s"):
         assert line[f"bf16_{key}"] > 0 and line[f"fp8_{key}"] > 0, key
     assert line["push_ratio"] > 0 and line["install_ratio"] > 0 and line["kv_cache_dtype"] == "fp8_e4m3"
+    # the switch is on, but on a CPU no GEMM runs on cuBLASLt, so no norm or SiLU quantizes for one
+    assert line["fused_input_quant"] is True and line["fused_input_quant_served"] is False
     for side in ("bf16", "fp8"):  # 7 decode steps of the whole batch, 6 back to back in each of the timed rounds
         assert line["decode_steps"][side]["steps"] == 6 and line["decode_steps"][side]["step_ms"] > 0, side
 
