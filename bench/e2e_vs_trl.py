@@ -38,7 +38,9 @@ over its streams of a seed, and prints miles' minus TRL's last-five reward with 
 and 57-61 s with three TRL runs sharing it): the learning fields only, as the runs share the device. A TRL
 run that passes `--timeout-s` keeps the steps it finished (its seed line says `cut_short`), and the call
 then compares every run over the steps all of them finished (`steps_compared`); a later miles-only call
-pairs with such lines by `--steps` of that count.
+pairs with such lines by `--steps` of that count. `--trl-continuous-batching` has TRL generate with
+transformers' continuous batching (its own faster path) for longer learning runs; the seed lines say so, and
+TRL's recorded step-time baseline stays the default `model.generate`'s.
 """
 
 from __future__ import annotations
@@ -145,6 +147,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "only (the runs share the GPU, so no step time, ratio or start-up is printed); mind the GPU's memory "
         "(e.g. --miles-extra '--max-tokens-per-gpu 8192') and the host's: each miles run sizes itself by the "
         "memory free when it starts, and three at once ran out of an H200's (default 1: one after the other)",
+    )
+    p.add_argument(
+        "--trl-continuous-batching",
+        action="store_true",
+        help="TRL generates with transformers' continuous batching (GRPOConfig use_transformers_continuous_batching) "
+        "instead of model.generate: TRL's own faster generation, for learning runs longer than its default allows "
+        "in a call; its step times are then not the recorded TRL baseline's",
     )
     p.add_argument("--work-dir", default=None)
     p.add_argument("--timeout-s", type=float, default=900.0, help="per side and seed")
@@ -336,6 +345,7 @@ def run_trl(args: argparse.Namespace, model: str, data: Path, work: Path, seed: 
         "samples": args.samples,
         "max_new": max_new_tokens(args),
         "force": args.job == "long",
+        "continuous_batching": args.trl_continuous_batching,
         "job": args.job,
         "device": device,
         "out": str(work / f"trl-{seed}.json"),
@@ -425,6 +435,7 @@ def trl_worker(spec_path: str) -> int:
         shuffle_dataset=False,  # seed_data ordered the prompts for both sides
         use_cpu=not cuda,
         generation_kwargs=gen_kwargs,
+        use_transformers_continuous_batching=spec.get("continuous_batching", False),
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
@@ -473,6 +484,7 @@ def trl_worker(spec_path: str) -> int:
                 "startup_s": first_step_start[0] - launched if first_step_start else None,
                 "phases": {"generate": timings["generate"]},
                 "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
+                "continuous_batching": bool(spec.get("continuous_batching")),
                 "command": f"GRPOTrainer {json.dumps({k: v for k, v in spec.items() if k not in ('out', 'launched')})}",
             }
         )
@@ -596,6 +608,8 @@ def _seed_line(side: str, seed: int, stream: int, run: dict) -> dict:
         line["peak_mem_gb"] = run["peak_mem_gb"]  # TRL's allocator peak, to size --concurrent
     if run.get("cut_short"):
         line["cut_short"] = True
+    if run.get("continuous_batching"):
+        line["trl_continuous_batching"] = True  # TRL generated with transformers' continuous batching
     return line | ({"stream": stream} if stream else {})
 
 

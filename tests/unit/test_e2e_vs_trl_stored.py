@@ -162,3 +162,21 @@ def test_a_trl_run_cut_short_keeps_the_steps_it_finished(tmp_path):
     )
     assert line["reward_last5_diff"] == pytest.approx([0.2 - 0.2])
     assert line["trl_startup_s"] is None
+
+
+def test_trls_continuous_batching_reaches_its_worker_and_its_seed_line(tmp_path, monkeypatch):
+    specs = []
+
+    def fake_run(cmd, **kw):  # the worker's process: read its spec, write its result
+        spec = json.loads(open(cmd[-1]).read())
+        specs.append(spec)
+        result = {"steps": [1.0], "rewards": [0.5], "startup_s": 1.0, "phases": {"generate": [0.5]}}
+        open(spec["out"], "w").write(json.dumps(result | {"continuous_batching": spec["continuous_batching"]}))
+        return bench.subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    for flag in ([], ["--trl-continuous-batching"]):
+        args = bench.parse_args(["--sides", "trl", "--steps", "1", *flag])
+        run = bench.run_trl(args, "model", tmp_path / "d.jsonl", tmp_path, 0, "cpu")
+        assert specs[-1]["continuous_batching"] is bool(flag)
+        assert bench._seed_line("trl", 0, 0, run).get("trl_continuous_batching", False) is bool(flag)
