@@ -85,7 +85,7 @@ POOL_IGNORES = (
         "trl_rewards",
         "concurrent",
     ),
-    *("long_tokens", "model", "work_dir", "timeout_s"),
+    *("long_tokens", "model", "work_dir", "timeout_s", "trl_continuous_batching"),
 )
 STREAM_STRIDE = 7919  # --stream K adds STREAM_STRIDE * K to every random seed of both sides
 MILES_PHASES = {
@@ -158,7 +158,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--work-dir", default=None)
     p.add_argument("--timeout-s", type=float, default=900.0, help="per side and seed")
     p.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)  # internal: run TRL from a spec file
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.trl_continuous_batching and "trl" not in args.sides and not args.pool:
+        p.error("--trl-continuous-batching sets how TRL generates, and this call runs no TRL side: add trl to --sides")
+    return args
 
 
 # ---- the job ----------------------------------------------------------------------------------------

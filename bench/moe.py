@@ -220,9 +220,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--engine-moe-rounding",
         choices=("transformers", "fused"),
-        default="fused",
-        help="where the engine's grouped expert kernels round in bf16 (CUDA and the interpreter): once, on store "
-        "(the engine's default) or as transformers' experts do (moe_triton.ROUND_AS_TRANSFORMERS)",
+        default=None,
+        help="where the engine's grouped expert kernels round in bf16: once, on store (fused, the engine's "
+        "default) or as transformers' experts do (moe_triton.ROUND_AS_TRANSFORMERS); refused where those kernels "
+        "do not run (off CUDA without Triton's interpreter: the torch path there rounds as transformers does)",
     )
     p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--skip-mismatch", action="store_true")
@@ -232,7 +233,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run(a: argparse.Namespace) -> dict:
     device = torch.device(a.device)
-    moe_triton.ROUND_AS_TRANSFORMERS = a.engine_moe_rounding == "transformers"
+    if a.engine_moe_rounding is not None:
+        if not moe_triton.usable(torch.empty(0, device=device)):
+            raise SystemExit(
+                f"--engine-moe-rounding {a.engine_moe_rounding}: the grouped expert kernels do not run on {device} "
+                "(the engine's torch path rounds as transformers' experts do); drop the flag, or run on CUDA"
+            )
+        moe_triton.ROUND_AS_TRANSFORMERS = a.engine_moe_rounding == "transformers"
     cfg = hf_config(a)
     weights = random_weights(cfg, device, a.seed, getattr(torch, a.engine_dtype))
     engine = engine_model(cfg, weights, device, getattr(torch, a.engine_dtype))

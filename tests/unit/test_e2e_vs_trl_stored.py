@@ -180,3 +180,10 @@ def test_trls_continuous_batching_reaches_its_worker_and_its_seed_line(tmp_path,
         run = bench.run_trl(args, "model", tmp_path / "d.jsonl", tmp_path, 0, "cpu")
         assert specs[-1]["continuous_batching"] is bool(flag)
         assert bench._seed_line("trl", 0, 0, run).get("trl_continuous_batching", False) is bool(flag)
+
+
+def test_trls_continuous_batching_is_refused_where_no_trl_side_runs():
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--sides", "miles", "--trl-continuous-batching"])
+    with pytest.raises(SystemExit, match="--trl-continuous-batching would be ignored"):
+        bench.pool_lines(bench.parse_args(["--pool", "x.jsonl", "--trl-continuous-batching"]))
