@@ -277,3 +277,12 @@ def smollm2_hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     assert proc.returncode == 0, proc.stderr[-3000:]
     yield out
     shutil.rmtree(out, ignore_errors=True)  # 0.5 GB; pytest keeps its last temporary directories
+
+
+@pytest.fixture
+def gpu_rounding(monkeypatch):
+    """Under Triton's interpreter: fp32 -> bf16 and -> FP8 conversions round to nearest even (torch's casts), as
+    the GPU's do; the interpreter's own truncate (harness.round_to_nearest_under_interpreter). No-op elsewhere."""
+    from harness import round_to_nearest_under_interpreter
+
+    round_to_nearest_under_interpreter(monkeypatch, ("bf16", "fp8e4nv", "fp8e5"))

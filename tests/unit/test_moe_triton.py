@@ -12,7 +12,6 @@ import sys
 
 import pytest
 import torch
-from harness import round_to_nearest_under_interpreter
 
 from miles.engines.embedded import moe, moe_triton, triton_ops
 
@@ -84,12 +83,11 @@ def test_grouped_kernels_in_bf16_stay_close_to_the_fp32_loop():
 
 
 @needs_kernels
-def test_grouped_kernels_round_where_the_torch_path_and_transformers_do(monkeypatch):
+def test_grouped_kernels_round_where_the_torch_path_and_transformers_do(monkeypatch, gpu_rounding):
     """With ROUND_AS_TRANSFORMERS the kernels round the gate and up products, SiLU(gate), the activation, the
     down product and its weighted value in bf16 as the torch path (and transformers' experts) do: their output
     is the torch path's, but where the two GEMMs sum in another order. Kept in fp32 until the store (the
     default), it is not."""
-    round_to_nearest_under_interpreter(monkeypatch, ("bf16",))
     x, w, ex, gu, dn = (t.bfloat16() if t.is_floating_point() else t for t in _case(40, 4, 9, 64, 48, 3))
     want = moe._experts_sorted_torch(x, w, ex, gu, dn)
     # the interpreter does not emulate a bf16 tl.dot: there the operands go in as fp32 (their bf16 values,

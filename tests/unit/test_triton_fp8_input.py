@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import cublaslt_scaled_mm, round_to_nearest_under_interpreter, run_under_triton_interpreter
+from harness import cublaslt_scaled_mm, run_under_triton_interpreter
 
 triton = pytest.importorskip("triton")
 
@@ -34,12 +34,6 @@ BF16, FP32 = torch.bfloat16, torch.float32
 @pytest.mark.skipif(RUNS_HERE or triton_ops.INTERPRET, reason="the checks run directly here")
 def test_kernels_under_interpreter():
     run_under_triton_interpreter(__file__)
-
-
-@pytest.fixture
-def gpu_rounding(monkeypatch):
-    """Under the interpreter: fp32 -> bf16 and -> e4m3 round to nearest even (torch's casts, as the GPU's)."""
-    round_to_nearest_under_interpreter(monkeypatch, ("fp8e4nv", "bf16"))
 
 
 def _randn(*shape: int, seed: int, dtype: torch.dtype = BF16) -> torch.Tensor:

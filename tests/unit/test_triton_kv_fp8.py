@@ -7,7 +7,7 @@ for the values they store into a cache of the model's dtype (the same kernel, so
 On a CUDA machine the checks run on the GPU; elsewhere in a child process under Triton's interpreter (as in
 test_triton_ops.py). The interpreter's fp32 -> FP8 conversion (triton 3.6) is not the GPU's: it truncates or
 rounds half away from zero and loses the carry of a round-up into the next power of two (31.5 -> 16), so
-there the `gpu_fp8_rounding` fixture makes it round to nearest even as the GPU's cvt.rn does, by torch's cast;
+there the `gpu_rounding` fixture makes it round to nearest even as the GPU's cvt.rn does, by torch's cast;
 the kernels' own code (clamp, conversions, addresses) is what runs.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import round_to_nearest_under_interpreter, run_under_triton_interpreter
+from harness import run_under_triton_interpreter
 
 triton = pytest.importorskip("triton")
 
@@ -34,12 +34,6 @@ H, KVH, HD, CAP = 6, 2, 16, 600
 @pytest.mark.skipif(RUNS_HERE or triton_ops.INTERPRET, reason="the checks run directly here")
 def test_kernels_under_interpreter():
     run_under_triton_interpreter(__file__)
-
-
-@pytest.fixture
-def gpu_fp8_rounding(monkeypatch):
-    """Under the interpreter: fp32 -> FP8 conversions round to nearest even (torch's cast, as the GPU's)."""
-    round_to_nearest_under_interpreter(monkeypatch, ("fp8e4nv", "fp8e5"))
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -101,7 +95,7 @@ def _caches(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @needs_kernels
 @pytest.mark.parametrize("fp8", FP8)
-def test_rope_kv_write_stores_the_clamped_cast_of_what_it_stores_in_full_precision(fp8, gpu_fp8_rounding):
+def test_rope_kv_write_stores_the_clamped_cast_of_what_it_stores_in_full_precision(fp8, gpu_rounding):
     qkv, positions, _, table = _rope_inputs(seed=3, scale=300.0)
     qkv[:, ::7] *= 300.0  # and some past e5m2's 57344
     slots = torch.arange(4, device=DEVICE)
@@ -119,7 +113,7 @@ def test_rope_kv_write_stores_the_clamped_cast_of_what_it_stores_in_full_precisi
 @needs_kernels
 @pytest.mark.parametrize("fp8", FP8)
 @pytest.mark.parametrize("splits_sms", [1, 64])
-def test_rope_attend_on_an_fp8_cache_equals_rope_write_then_attention(fp8, splits_sms, gpu_fp8_rounding):
+def test_rope_attend_on_an_fp8_cache_equals_rope_write_then_attention(fp8, splits_sms, gpu_rounding):
     """The one-launch kernel's new token enters the softmax as stored (FP8-rounded), as the two kernels it
     replaces read it back; both leave the same codes everywhere."""
     qkv, positions, lens, table = _rope_inputs(seed=5, scale=3.0)
@@ -151,7 +145,7 @@ def _model_and_two_caches(tmp_path, arch: str, seed: int, fp8: torch.dtype) -> t
 
 @needs_kernels
 @pytest.mark.parametrize("fp8", FP8)
-def test_fused_decode_step_on_an_fp8_cache_equals_the_torch_step(tmp_path, fp8, gpu_fp8_rounding):
+def test_fused_decode_step_on_an_fp8_cache_equals_the_torch_step(tmp_path, fp8, gpu_rounding):
     """A batch prefilled by the torch forward into two FP8 caches, then one decode step through each path
     (fp32 model): the same hidden states, and the new entries written as the same codes."""
     model, caches = _model_and_two_caches(tmp_path, "qwen3", 3, fp8)
@@ -177,7 +171,7 @@ def test_fused_decode_step_on_an_fp8_cache_equals_the_torch_step(tmp_path, fp8, 
 
 
 @needs_kernels
-def test_fused_prefill_on_an_fp8_cache_equals_the_torch_prefill(tmp_path, gpu_fp8_rounding):
+def test_fused_prefill_on_an_fp8_cache_equals_the_torch_prefill(tmp_path, gpu_rounding):
     """The last layer of a prefill attends over the keys just written to the cache: through FP8 in both paths."""
     model, caches = _model_and_two_caches(tmp_path, "qwen2", 4, FP8[0])
     s, B, width = model.spec, len(LENS), max(LENS)
