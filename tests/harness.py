@@ -263,17 +263,13 @@ def round_to_nearest_under_interpreter(monkeypatch, names: tuple[str, ...]) -> N
     from triton.runtime import interpreter
 
     convert = interpreter._convert_float  # noqa: SLF001 - the interpreter's conversion, replaced for `names`
-    targets = {
-        n: tuple(getattr(torch, t) for t in _INTERPRETER_TARGETS[n][:2]) + (_INTERPRETER_TARGETS[n][2],) for n in names
-    }
 
     def rounded(data, input_dtype, output_dtype, rounding_mode):
-        target = targets.get(output_dtype.name)
-        if target is None or input_dtype.name != "fp32":
+        if output_dtype.name not in names or input_dtype.name != "fp32":
             return convert(data, input_dtype, output_dtype, rounding_mode)
-        torch_dtype, code_dtype, numpy_codes = target
-        codes = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).to(torch_dtype).view(code_dtype)
-        return codes.numpy().view(numpy_codes).reshape(data.shape)
+        torch_dtype, code_dtype, numpy_codes = _INTERPRETER_TARGETS[output_dtype.name]
+        codes = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).to(getattr(torch, torch_dtype))
+        return codes.view(getattr(torch, code_dtype)).numpy().view(numpy_codes).reshape(data.shape)
 
     monkeypatch.setattr(interpreter, "_convert_float", rounded)
 
