@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The GPU re-checks of the embedded engine's kernels, FP8 serving, the FP8 KV cache and the MoE path, in
+# groups that each fit a 10-minute call on one H100 / H200. CI cannot see CUDA: after a change to the
+# engine's kernels, forwards, scheduler or weight paths, run `kernels` before anything is called verified,
+# then the figure groups whose results files the change touches.
+#
+#   bash bench/gpu_checks.sh kernels            # the GPU-marked and interpreter-capable kernel tests on CUDA
+#   bash bench/gpu_checks.sh fp8                # FP8 / BF16 tokens/s on the 7B shape: fused input quantization,
+#                                               #   then the separate quantization kernel, then with an FP8 KV cache
+#   bash bench/gpu_checks.sh kv                 # the 0.5B shape at batch 256: bf16 KV against fp8_e4m3 KV
+#   bash bench/gpu_checks.sh moe                # R3's gap at real proportions with the bf16 trainer's fp32 stream:
+#                                               #   the expert kernels' own rounding against transformers'
+#   bash bench/gpu_checks.sh all                # kernels, fp8, kv, moe (about 25 minutes on an H200)
+#
+# Each figure group prints the bench's lines and its closing JSON line; the results files that read them:
+# bench/results/fp8.md, engine_throughput.md, moe.md. Logs go to ${OUT:-runs/gpu_checks}/<group>.log too.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-runs/gpu_checks}"
+mkdir -p "$out"
+
+kernels() {
+    python -m pytest -q -x tests/unit/test_triton_ops.py tests/unit/test_triton_fp8_input.py \
+        tests/unit/test_triton_kv_fp8.py tests/unit/test_moe_triton.py tests/gpu/test_engine_gpu.py \
+        tests/gpu/test_fp8_gpu.py tests/gpu/test_kv_fp8_gpu.py tests/gpu/test_moe_gpu.py \
+        tests/gpu/test_prefix_cache_gpu.py tests/gpu/test_engine_weight_cycles_gpu.py
+}
+
+fp8() {
+    local shape=(--device cuda --batch 256 --prompt-len 128 --new-tokens 512 --reps 2 --install-reps 3)
+    MILES_FP8_CUDA_KERNELS=1 python bench/fp8.py "${shape[@]}"
+    MILES_FP8_CUDA_KERNELS=1 python bench/fp8.py "${shape[@]}" --separate-input-quant
+    MILES_FP8_CUDA_KERNELS=1 python bench/fp8.py "${shape[@]}" --kv-cache-dtype fp8_e4m3
+}
+
+kv() {
+    local shape=(--device cuda --batch 256 --prompt-len 128 --new-tokens 256 --hidden 896 --layers 24 --heads 14
+        --kv-heads 2 --intermediate 4864 --vocab 151936 --skip-hf --reps 3)
+    python bench/engine_throughput.py "${shape[@]}"
+    python bench/engine_throughput.py "${shape[@]}" --kv-cache-dtype fp8_e4m3
+}
+
+moe() {
+    local shape=(--layers 24 --hidden 2048 --heads 32 --kv-heads 4 --experts 128 --topk 8 --moe-intermediate 768
+        --batch 256 --context 512 --reps 3 --new-tokens 32 --skip-decode --train-micro-batch 32
+        --trainer-dtype bfloat16 --trainer-residual-dtype float32)
+    python bench/moe.py "${shape[@]}" --engine-moe-rounding fused
+    python bench/moe.py "${shape[@]}" --engine-moe-rounding transformers
+}
+
+run_group() {
+    echo "== $1 ($(date -u +%H:%M:%S))"
+    "$1" 2>&1 | tee "$out/$1.log"
+    return "${PIPESTATUS[0]}"
+}
+
+case "${1:-}" in
+    kernels | fp8 | kv | moe) run_group "$1" ;;
+    all)
+        status=0
+        for group in kernels fp8 kv moe; do run_group "$group" || status=1; done
+        exit "$status"
+        ;;
+    *)
+        echo "usage: bash bench/gpu_checks.sh kernels|fp8|kv|moe|all (see the comment at the top)" >&2
+        exit 2
+        ;;
+esac
