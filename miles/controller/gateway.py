@@ -15,9 +15,10 @@ import os
 from typing import Any
 
 from miles.agent.families import resolve_family
+from miles.agent.gateway import Gateway
 from miles.agent.matchers import resolve_matcher
 from miles.agent.openai_protocol import ChatDefaults
-from miles.agent.server import Gateway, GatewayHandle, start_gateway
+from miles.agent.server import GatewayHandle, start_gateway
 from miles.agent.sessions import RULES
 from miles.agent.tito import TitoTokenizer, check_append_only
 from miles.config import MilesConfig

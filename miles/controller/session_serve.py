@@ -19,9 +19,10 @@ import os
 import signal
 
 from miles.agent.families import FAMILIES, resolve_family
+from miles.agent.gateway import Gateway
 from miles.agent.matchers import MATCHERS, resolve_matcher
 from miles.agent.openai_protocol import ChatDefaults
-from miles.agent.server import DEFAULT_MAX_BODY_MB, Gateway, start_gateway
+from miles.agent.server import DEFAULT_MAX_BODY_MB, start_gateway
 from miles.agent.sessions import RULES
 from miles.agent.tito import TitoTokenizer, check_append_only
 from miles.config import NUMBER_RANGES as R

@@ -16,8 +16,9 @@ import aiohttp
 import pytest
 
 from miles.agent.families import FAMILIES
+from miles.agent.gateway import Gateway
 from miles.agent.openai_protocol import ChatDefaults
-from miles.agent.server import Gateway, start_gateway
+from miles.agent.server import start_gateway
 from miles.agent.tito import TitoTokenizer
 from miles.models.tiny import build_tokenizer
 

@@ -14,9 +14,10 @@ import aiohttp
 import pytest
 
 from miles.agent.families import FAMILIES
+from miles.agent.gateway import Gateway
 from miles.agent.matchers import MATCHERS
 from miles.agent.openai_protocol import ChatDefaults
-from miles.agent.server import Gateway, start_gateway
+from miles.agent.server import start_gateway
 from miles.agent.tito import TitoTokenizer, normalize_message
 from miles.controller.router import Router
 from miles.engines.client import EngineClient
