@@ -24,7 +24,8 @@ from miles.config.rules.derive import fp8_serving
 from miles.controller.machine import Machine, plan_run, resolve_machine
 from miles.controller.placement import Placement
 from miles.controller.run_dirs import RunDirError, check_save_reuse
-from miles.rollout.data_source import DataError, DataSource, JsonlDataSource, PromptLimit, load_data_source
+from miles.rollout.data_source import DataSource, JsonlDataSource, load_data_source
+from miles.rollout.prompt_rows import DataError, PromptLimit
 from miles.rollout.sft_data import SupervisedDataSource
 from miles.utils.misc import PluginError, load_function, missing_file_line
 from miles.wire.launch_env import LaunchEnv, launch_env, with_controller_flags

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from miles.config import DataConfig
-from miles.rollout.data_source import (
-    JsonlDataSource,
+from miles.rollout.data_source import JsonlDataSource
+from miles.rollout.prompt_rows import (
     PromptLimit,
     PromptRow,
     PromptTooLong,

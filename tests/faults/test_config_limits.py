@@ -7,7 +7,8 @@ import json
 import pytest
 
 from miles.config import FIELDS, NUMBER_RANGES, ConfigError, DataConfig, in_range, load_config
-from miles.rollout.data_source import DataRowError, JsonlDataSource
+from miles.rollout.data_source import JsonlDataSource
+from miles.rollout.prompt_rows import DataRowError
 
 
 def test_every_numeric_flag_states_a_range_its_default_lies_in():

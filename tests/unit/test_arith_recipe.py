@@ -12,7 +12,7 @@ import pytest
 
 from miles.config import DataConfig
 from miles.recipes import arith
-from miles.rollout.data_source import parse_row
+from miles.rollout.prompt_rows import parse_row
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from miles.config import DataConfig
-from miles.rollout.data_source import DataRowError, DataSource, JsonlDataSource, PromptLimit, load_data_source
+from miles.rollout.data_source import DataSource, JsonlDataSource, load_data_source
+from miles.rollout.prompt_rows import DataRowError, PromptLimit
 from miles.rollout.sample import Sample
 
 
@@ -347,7 +348,7 @@ def test_prompts_tokenised_in_batches_get_the_tokens_of_one_at_a_time(tmp_path: 
 
 
 def test_a_missing_relative_path_says_where_it_was_looked_for(tmp_path: Path, monkeypatch) -> None:
-    from miles.rollout.data_source import DataError
+    from miles.rollout.prompt_rows import DataError
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(DataError) as info:

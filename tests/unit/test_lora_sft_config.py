@@ -8,7 +8,7 @@ import pytest
 
 from miles.config import ConfigError, DataConfig, WeightsConfig, load_config
 from miles.controller.placement import plan_placement
-from miles.rollout.data_source import PromptRow
+from miles.rollout.prompt_rows import PromptRow
 from miles.rollout.sft_data import SupervisedDataSource, chat_tokens, supervised_tokens
 from miles.weights.registry import make_updater
 

@@ -10,7 +10,8 @@ import pytest
 
 from miles.config import DataConfig
 from miles.rollout import prompt_files
-from miles.rollout.data_source import DataError, DataRowError, JsonlDataSource
+from miles.rollout.data_source import JsonlDataSource
+from miles.rollout.prompt_rows import DataError, DataRowError
 
 ROWS = [
     {"input": "what is 1+1?", "label": 2, "metadata": {"level": 1}},
