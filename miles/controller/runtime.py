@@ -8,6 +8,10 @@ every peer and turns the first death or hang into one ``WorkerDied`` (role, rank
 or signal, log tail): every pending and later call raises it, ``wait_failure()`` returns it, and
 the whole run is torn down. ``shutdown()`` is idempotent and ends every child on every path;
 workers also leave by themselves if the controller vanishes (see ``miles.workers.main``).
+
+The parts it delegates: ``control_socket`` (the IPC socket file, stale ones of killed runs),
+``peer_watch`` (heartbeats and the verdict that a peer died, hung or was late) and ``teardown``
+(waiting for, then killing, the local children; stopping the node agents' workers).
 """
 
 from __future__ import annotations
@@ -17,10 +21,7 @@ import atexit
 import logging
 import os
 import secrets
-import shutil
 import signal
-import socket
-import tempfile
 import threading
 import time
 import uuid
@@ -29,41 +30,19 @@ from typing import Any
 
 import zmq
 
+from miles.controller import peer_watch, teardown
+from miles.controller.control_socket import ipc_socket_path, remove_ipc_socket
 from miles.controller.peers import Peer, WorkerHandle
 from miles.wire import codec, procs
 from miles.wire.router_dealer import RouterEndpoint
 from miles.wire.rpc import RpcClosed, RpcStats
-from miles.wire.specs import AGENT_ROLE, RunInterrupted, RuntimeOptions, WorkerDied, WorkerSpec, validate_specs
+from miles.wire.specs import AGENT_ROLE, RunInterrupted, RuntimeOptions, WorkerSpec, validate_specs
 
 logger = logging.getLogger(__name__)
 
 # Seconds past the heartbeat time-out that a call whose peer's connection is gone waits for the loss to be
 # declared (the monitor polls every 0.1 s), so that it raises the failure naming the worker, not the socket's
 LOSS_GRACE_S = 2.0
-
-
-def remove_stale_sockets(run_dir: str) -> list[str]:
-    """Remove the control sockets a killed controller left in `run_dir` (no one listens on them).
-
-    A socket someone still listens on belongs to a live run in the same directory: it is kept.
-    """
-    removed = []
-    for path in Path(run_dir).glob(".ctl-*.sock"):
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(str(path))
-        except (ConnectionRefusedError, FileNotFoundError):
-            path.unlink(missing_ok=True)
-            removed.append(str(path))
-        except OSError as e:  # not a socket, or not ours to judge: leave it
-            logger.debug("leaving %s: %s", path, e)
-        else:
-            logger.warning("another run is listening on %s in this run directory; its files may mix with these", path)
-        finally:
-            probe.close()
-    if removed:
-        logger.info("removed %d stale control socket(s) of an earlier run: %s", len(removed), ", ".join(removed))
-    return removed
 
 
 class Runtime:
@@ -84,16 +63,8 @@ class Runtime:
         self._ipc_dir: str | None = None
         self._ipc_path: str | None = None
         if transport == "ipc":
-            # IPC frames are unsigned: the endpoint makes the socket file 0600, so only this user can connect.
-            # Unix socket paths are limited to ~107 bytes: fall back to a 0700 temp dir.
-            ipc_path = os.path.join(self.run_dir, f".ctl-{self.run_id}.sock")
-            if len(ipc_path) > 100:
-                self._ipc_dir = tempfile.mkdtemp(prefix=f"miles-{self.run_id}-")
-                ipc_path = os.path.join(self._ipc_dir, "ctl.sock")
-            Path(self.run_dir).mkdir(parents=True, exist_ok=True)
-            remove_stale_sockets(self.run_dir)
-            self._ipc_path = ipc_path
-            bind = f"ipc://{ipc_path}"
+            self._ipc_path, self._ipc_dir = ipc_socket_path(self.run_dir, self.run_id)
+            bind = f"ipc://{self._ipc_path}"
         else:
             bind = f"tcp://{opts.host}:{opts.port}"
         self._peers: dict[bytes, Peer] = {}
@@ -280,19 +251,7 @@ class Runtime:
             if reporter is None or reporter.role != AGENT_ROLE:  # only node agents report deaths
                 logger.warning("ignored worker_exited from %s, which is not a node agent", ident.decode())
                 return
-            p = payload
-            self._fail(
-                WorkerDied(
-                    p["role"],
-                    p["rank"],
-                    p["pid"],
-                    p["exitcode"],
-                    p["signal"],
-                    p["log_tail"],
-                    node=p["node"],
-                    log_path=p["log_path"],
-                )
-            )
+            self._fail(peer_watch.reported_death(payload))
 
     # ------------------------------------------------------------------ monitoring
     async def _monitor(self) -> None:
@@ -300,45 +259,14 @@ class Runtime:
         next_beat = 0.0
         while not self._closing:
             now = time.monotonic()
-            failure = self._check_peers(now)
+            failure = peer_watch.check_peers(self._peers.values(), now, self._started_at, self.opts)
             if failure is not None:
                 self._fail(failure)
                 return
             if now >= next_beat:
                 next_beat = now + self.opts.heartbeat_interval_s
-                for peer in self._peers.values():
-                    if peer.registered:
-                        try:
-                            self.rpc.notify(peer.identity, "hb")
-                        except RpcClosed:
-                            pass  # it left: its exit is noticed by poll or by its agent
+                peer_watch.send_heartbeats(self.rpc, self._peers.values())
             await asyncio.sleep(poll_s)
-
-    def _check_peers(self, now: float) -> WorkerDied | None:
-        for peer in self._peers.values():
-            if peer.child is not None and peer.child.popen.poll() is not None:
-                return self._died(peer, "exited")
-            if peer.registered and now - peer.last_seen > self.opts.heartbeat_timeout_s:
-                return self._died(
-                    peer,
-                    f"hung: no heartbeat for {now - peer.last_seen:.1f} s "
-                    f"(heartbeat_timeout_s={self.opts.heartbeat_timeout_s})",
-                )
-            if not peer.ready and now - self._started_at > self.opts.register_timeout_s:
-                return self._died(
-                    peer,
-                    f"was not ready within register_timeout_s={self.opts.register_timeout_s} "
-                    f"(registered={peer.registered})",
-                )
-        return None
-
-    def _died(self, peer: Peer, reason: str) -> WorkerDied:
-        code = peer.child.popen.poll() if peer.child is not None else None
-        exitcode, sig = procs.describe_exit(code)
-        tail = procs.read_log_tail(peer.log_path) if peer.log_path else ""
-        return WorkerDied(
-            peer.role, peer.rank, peer.pid, exitcode, sig, tail, reason=reason, node=peer.node, log_path=peer.log_path
-        )
 
     def _fail(self, exc: BaseException) -> None:
         if self._failure is not None or self._closing:
@@ -425,48 +353,20 @@ class Runtime:
                     self.rpc.notify(peer.identity, "shutdown")
                 except RpcClosed:
                     pass
-        await self._wait_children_exit(self.opts.shutdown_grace_s)
+        await teardown.wait_children_exit(
+            self.rpc, self._peers.values(), self.opts.shutdown_grace_s, self.opts.heartbeat_timeout_s
+        )
         await asyncio.to_thread(self._kill_children_sync)
         self.rpc.fail_pending(self._failure or RpcClosed(f"runtime {self.run_id} shut down"))
         self.rpc.close()
         self._zmq.term()
-        if self._ipc_path is not None and os.path.exists(self._ipc_path):
-            os.unlink(self._ipc_path)
-        if self._ipc_dir is not None:
-            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        remove_ipc_socket(self._ipc_path, self._ipc_dir)
         self._remove_signal_handlers()
         atexit.unregister(self._kill_children_sync)
         logger.info("runtime %s shut down", self.run_id)
 
-    async def _wait_children_exit(self, grace_s: float) -> None:
-        agents = [p for p in self._peers.values() if p.role == AGENT_ROLE and p.registered]
-        now = time.monotonic()
-        for agent in [a for a in agents if now - a.last_seen > self.opts.heartbeat_timeout_s]:
-            # a lost or cut-off node cannot answer; its agent ends its workers once the controller falls silent
-            logger.warning("node %d agent silent for %.1f s: not waiting for it", agent.node, now - agent.last_seen)
-            agents.remove(agent)
-        remote = [self._stop_remote(agent, grace_s) for agent in agents]
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(c.popen.poll() is None for c in self._children()):
-            await asyncio.sleep(0.05)
-        await asyncio.gather(*remote)
-
-    async def _stop_remote(self, agent: Peer, grace_s: float) -> None:
-        """Have a node agent wait for (then kill) its workers, then let the agent itself go."""
-        try:
-            await self.rpc.call(agent.identity, "stop_workers", (grace_s,), {}, grace_s + 5.0)
-        except Exception as e:  # noqa: BLE001 - a dead agent cannot be helped from here; its node cleans up
-            logger.warning("node %d agent did not confirm its workers stopped: %s", agent.node, e)
-        try:
-            self.rpc.notify(agent.identity, "shutdown")
-        except RpcClosed:
-            pass
-
-    def _children(self) -> list[procs.ChildProcess]:
-        return [p.child for p in self._peers.values() if p.child is not None]
-
     def _kill_children_sync(self) -> None:
-        procs.kill_tree(self._children(), grace_s=2.0, run_id=self.run_id)
+        teardown.kill_children(self._peers.values(), self.run_id)
 
     # ------------------------------------------------------------------ signals
     def _install_signal_handlers(self) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from miles.config import FIELDS, NOT_IMPLEMENTED, load_config
+from miles.controller.control_socket import remove_stale_sockets
 from miles.controller.placement import plan_placement
 from miles.controller.preflight import (
     PLUGIN_FIELDS,
@@ -24,7 +25,6 @@ from miles.controller.preflight import (
     check_plugin_paths,
     prompt_limit,
 )
-from miles.controller.runtime import remove_stale_sockets
 from miles.controller.signals import StopRequest
 from miles.errors import as_run_failure
 from miles.trainer.checkpoint import COMPLETE_MARKER, CheckpointWriteError, checkpoint_dir
