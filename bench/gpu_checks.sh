@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # The GPU re-checks of the embedded engine's kernels, FP8 serving, the FP8 KV cache and the MoE path, in
 # groups that each fit a 10-minute call on one H100 / H200. CI cannot see CUDA: after a change to the
-# engine's kernels, forwards, scheduler or weight paths, run `kernels` before anything is called verified,
-# then the figure groups whose results files the change touches.
+# engine's kernels, forwards, scheduler or weight paths, run `kernels` (and `trainer` after one to the trainers
+# or the colocated hand-over) before anything is called verified, then the figure groups whose results files
+# the change touches.
 #
 #   bash bench/gpu_checks.sh kernels            # the GPU-marked and interpreter-capable kernel tests on CUDA
+#   bash bench/gpu_checks.sh trainer            # the trainers' and the colocated weight path's GPU tests (FSDP,
+#                                               #   megatron when megatron-core is installed, offload, async saves)
 #   bash bench/gpu_checks.sh fp8                # FP8 / BF16 tokens/s on the 7B shape: fused input quantization,
 #                                               #   then the separate quantization kernel, then with an FP8 KV cache
 #   bash bench/gpu_checks.sh kv                 # the 0.5B shape at batch 256: bf16 KV against fp8_e4m3 KV
 #   bash bench/gpu_checks.sh moe                # R3's gap at real proportions with the bf16 trainer's fp32 stream:
 #                                               #   the expert kernels' own rounding against transformers'
-#   bash bench/gpu_checks.sh all                # kernels, fp8, kv, moe (about 25 minutes on an H200)
+#   bash bench/gpu_checks.sh all                # every group above, one after the other (over half an hour)
 #
 # Each figure group prints the bench's lines and its closing JSON line; the results files that read them:
 # bench/results/fp8.md, engine_throughput.md, moe.md. Logs go to ${OUT:-runs/gpu_checks}/<group>.log too.
@@ -24,6 +27,11 @@ kernels() {
         tests/unit/test_triton_kv_fp8.py tests/unit/test_moe_triton.py tests/gpu/test_engine_gpu.py \
         tests/gpu/test_fp8_gpu.py tests/gpu/test_kv_fp8_gpu.py tests/gpu/test_moe_gpu.py \
         tests/gpu/test_prefix_cache_gpu.py tests/gpu/test_engine_weight_cycles_gpu.py
+}
+
+trainer() {
+    python -m pytest -q tests/gpu/test_fsdp_gpu.py tests/gpu/test_colocated_gpu.py tests/gpu/test_memory_levers_gpu.py \
+        tests/gpu/test_varlen_attention_gpu.py tests/gpu/test_megatron_gpu.py tests/gpu/test_megatron_moe_gpu.py
 }
 
 fp8() {
@@ -55,14 +63,14 @@ run_group() {
 }
 
 case "${1:-}" in
-    kernels | fp8 | kv | moe) run_group "$1" ;;
+    kernels | trainer | fp8 | kv | moe) run_group "$1" ;;
     all)
         status=0
-        for group in kernels fp8 kv moe; do run_group "$group" || status=1; done
+        for group in kernels trainer fp8 kv moe; do run_group "$group" || status=1; done
         exit "$status"
         ;;
     *)
-        echo "usage: bash bench/gpu_checks.sh kernels|fp8|kv|moe|all (see the comment at the top)" >&2
+        echo "usage: bash bench/gpu_checks.sh kernels|trainer|fp8|kv|moe|all (see the comment at the top)" >&2
         exit 2
         ;;
 esac
