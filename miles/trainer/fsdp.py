@@ -28,6 +28,7 @@ from miles.errors import NonFiniteTraining
 from miles.rollout.train_data import TrainBatch
 from miles.trainer import checkpoint as ckpt
 from miles.trainer.backend import MicroBatchLoss, register_backend
+from miles.trainer.checkpoint_async import BackgroundWriter
 from miles.trainer.forward import dummy_batch, forward_micro_batch, model_layout, response_values, token_index
 from miles.trainer.fsdp_build import ModelBuilder
 from miles.trainer.fsdp_shard import clip_sharded_grad_norm
@@ -63,7 +64,7 @@ class FSDPBackend:
         self.critic_optimizer: torch.optim.Optimizer | None = None
         self.critic_scheduler: LRScheduler | None = None
         self._offloaders: dict[str, HostOffloader | DiskOffloader] = {}
-        self._saver: ckpt.BackgroundWriter | None = None  # --async-save (default): set up with the device
+        self._saver: BackgroundWriter | None = None  # --async-save (default): set up with the device
         self.lora = lora_settings(train)  # None: every policy parameter trains
         self.replay: RoutingReplay | None = None
 
@@ -98,7 +99,7 @@ class FSDPBackend:
         self.dp_group = dist.group.WORLD
         self.mesh = init_device_mesh(self.device.type, (self.dp_size,))
         if self.train_cfg.async_save is not False:
-            self._saver = ckpt.BackgroundWriter(self.device)
+            self._saver = BackgroundWriter(self.device)
         torch.manual_seed(self.train_cfg.seed)
         self.compute_dtype = resolve_compute_dtype(self.model_cfg.dtype, self.device.type)
         self.true_on_policy = self.train_cfg.true_on_policy_mode

@@ -33,20 +33,20 @@ def _backend(model_dir: str, **train):
 
 def _slow_shard_writes() -> None:
     """The background writer's DCP save takes a while."""
-    from miles.trainer import checkpoint
+    from miles.trainer import checkpoint_async
 
-    real = checkpoint.dcp.save
+    real = checkpoint_async.dcp.save
 
     class SlowDCP:
         def __getattr__(self, name):
-            return getattr(checkpoint.torch.distributed.checkpoint, name)
+            return getattr(checkpoint_async.torch.distributed.checkpoint, name)
 
         @staticmethod
         def save(*a, **kw):
             time.sleep(0.5)
             return real(*a, **kw)
 
-    checkpoint.dcp = SlowDCP()
+    checkpoint_async.dcp = SlowDCP()
 
 
 def _fail_shard_writes() -> None:
@@ -63,10 +63,10 @@ def _fail_shard_writes() -> None:
 
 def _shards_in_a_process() -> None:
     """Shards serialized by the writer process on CPU too (the default on CUDA only)."""
-    from miles.trainer import checkpoint
+    from miles.trainer import checkpoint_async
 
-    init = checkpoint.BackgroundWriter.__init__
-    checkpoint.BackgroundWriter.__init__ = lambda self, device, shard_process=None: init(self, device, True)
+    init = checkpoint_async.BackgroundWriter.__init__
+    checkpoint_async.BackgroundWriter.__init__ = lambda self, device, shard_process=None: init(self, device, True)
 
 
 def _params(be) -> dict[str, torch.Tensor]:
