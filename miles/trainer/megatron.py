@@ -9,47 +9,47 @@ routing replay: `mcore_moe`), wrapped in megatron-core's DistributedDataParallel
 trained by its distributed optimizer (Adam states sharded over DP). Parameters stay fp32, the
 checkpoint's values, and `--dtype` is the compute dtype (autocast), as in the FSDP backend: bf16
 parameters would round every weight at load and hide updates smaller than half a bf16 step from
-both the forward and the engines. Micro-batches are THD-packed rows run through megatron-core's forward/backward schedule
-(1F1B across pipeline stages). Losses arrive divided by step-wide denominators
+both the forward and the engines. Micro-batches are THD-packed rows (`megatron_microbatch.py`) run
+through megatron-core's forward/backward schedule (1F1B across pipeline stages). Losses arrive divided by step-wide denominators
 (`calculate_per_token_loss`), so gradients are summed over micro-batches and DP ranks, as in FSDP.
 
 Weights leave as HF tensors (`named_hf_tensors`): tensor-parallel shards are gathered, and each
 pipeline stage broadcasts its layers to the other stages, so every rank yields the same stream, as
 the weight transports expect. Checkpoints keep the shared layout (`checkpoint.py`) with the model
-directory written by megatron-core's `dist_checkpointing`. Needs CUDA and NCCL.
+directory written by megatron-core's `dist_checkpointing` (`megatron_checkpoint.py`). Offload and the
+memory plan: `megatron_offload.py`. Needs CUDA and NCCL.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import resource
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from miles.config import AlgoConfig, ModelConfig, RolloutConfig, TrainConfig
 from miles.rollout.train_data import TrainBatch
-from miles.trainer import checkpoint as ckpt
 from miles.trainer import mcore_convert as mc
 from miles.trainer.backend import MicroBatchLoss, register_backend
 from miles.trainer.forward import log_probs_and_entropy, token_index
 from miles.trainer.hf_io import resolve_compute_dtype, source_dtype, write_hf_dir
 from miles.trainer.lr_schedule import LRSchedule, LRScheduler
-from miles.trainer.mcore_model import build_gpt_model, packed_seq_params, response_logits, transformer_config
+from miles.trainer.mcore_model import build_gpt_model, response_logits, transformer_config
 from miles.trainer.mcore_moe import McoreRoutingReplay
+from miles.trainer.megatron_checkpoint import load_megatron_checkpoint, save_megatron_checkpoint
+from miles.trainer.megatron_microbatch import MicroBatch, pack_thd
+from miles.trainer.megatron_offload import offload_to_host, onload_actor, onloaded, plan_rank_memory
 from miles.trainer.megatron_weights import named_hf_tensors, read_hf_tensors
 from miles.trainer.moe_layout import check_moe_layout
-from miles.trainer.offload import HostOffloader, module_tensors, optimizer_tensors
+from miles.trainer.offload import HostOffloader
 from miles.trainer.packing import plan_micro_batches
 from miles.trainer.routing_replay import replay_scope
 from miles.trainer.train_loop import run_rl_step
@@ -57,51 +57,10 @@ from miles.trainer.train_loop import run_rl_step
 logger = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class MicroBatch:
-    """One THD-packed micro-batch: every sequence of `idx` in one row (+ a padding sequence when
-    sequence parallelism needs the row length to divide by the tensor-parallel size)."""
-
-    idx: list[int]
-    input_ids: torch.Tensor  # [1, t]
-    position_ids: torch.Tensor  # [1, t]
-    seq_params: object  # PackedSeqParams
-    logits_index: torch.Tensor  # positions predicting a response token, TrainBatch order
-    targets: torch.Tensor  # those response tokens
-    sub: TrainBatch | None = None  # the samples themselves (routing replay reads their routed experts)
-
-
-def pack_thd(batch: TrainBatch, idx: list[int], device: torch.device, multiple_of: int = 1) -> MicroBatch:
-    sub = batch.select(idx)
-    seq_lens = [int(x) for x in sub.seq_lens]
-    resp_lens = [int(x) for x in sub.response_lengths]
-    tokens = np.concatenate(sub.sequences()).astype(np.int64)
-    pad = -len(tokens) % multiple_of
-    starts = np.concatenate([[0], np.cumsum(seq_lens)[:-1]])
-    logits_index = np.concatenate(
-        [np.arange(st + s - r - 1, st + s - 1) for st, s, r in zip(starts, seq_lens, resp_lens, strict=True)]
-    )
-    ids = torch.from_numpy(np.concatenate([tokens, np.zeros(pad, np.int64)]))
-    positions = torch.cat([torch.arange(s) for s in [*seq_lens, pad] if s])
-    lens = [*seq_lens, pad] if pad else seq_lens
-    return MicroBatch(
-        idx=idx,
-        input_ids=ids.unsqueeze(0).to(device),
-        position_ids=positions.unsqueeze(0).to(device),
-        seq_params=packed_seq_params(lens, device),
-        logits_index=torch.from_numpy(logits_index).to(device),
-        targets=torch.from_numpy(tokens[logits_index + 1]).to(device),
-        sub=sub,
-    )
-
-
 def _finalize_grads(model: list[torch.nn.Module], num_tokens=None, **kw) -> None:
     """DP / sequence-parallel / tied-embedding gradient reductions, summing: the losses already carry
     the step's denominators, so the per-token division megatron-core would apply is skipped."""
     finalize_model_grads(model, num_tokens=None, **kw)
-
-
-OPTIMIZER_CHECKPOINT_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
 @register_backend("megatron")
@@ -303,7 +262,7 @@ class MegatronBackend:
         was_training = model.training
         model.eval()
         replay = self.replay if which == "actor" else None
-        with torch.no_grad(), self._onloaded(which):
+        with torch.no_grad(), onloaded(self._offloaders, which, self.ref):
             outs = self._run_schedule(model, self._micro_batches(batch), loss, forward_only=True, replay=replay)
         if replay is not None:
             replay.end_pass(first_pass=True)
@@ -317,17 +276,6 @@ class MegatronBackend:
 
     def compute_values(self, batch: TrainBatch) -> np.ndarray:
         raise NotImplementedError("the megatron backend has no critic (PPO is refused at start-up)")
-
-    @contextlib.contextmanager
-    def _onloaded(self, which: str) -> Iterator[None]:
-        off = self._offloaders.get("ref") if which == "ref" else None
-        if off is not None:
-            off.onload()
-        try:
-            yield
-        finally:
-            if off is not None:
-                off.offload(module_tensors(self.ref))
 
     # ---- training ---------------------------------------------------------------------------------
     def train(self, batch: TrainBatch, rollout_id: int) -> dict[str, float]:
@@ -392,92 +340,34 @@ class MegatronBackend:
         dist.barrier()
 
     # ---- checkpoints ----------------------------------------------------------------------------------
-    def _sharded_state(self, *, with_optim: bool, is_loading: bool) -> dict:
-        model_sd = self.actor.module.sharded_state_dict()
-        state = {"model": model_sd}
-        if with_optim:
-            # megatron-core 0.19's default optimizer format ("fully_sharded_model_space") writes ShardedTensors
-            # with a flattened_range that its torch_dist save strategy refuses; "dp_reshardable" writes each
-            # buffer whole (resharding across DP only), for save and load alike
-            state["optimizer"] = self.optimizer.sharded_state_dict(
-                model_sd, is_loading=is_loading, metadata=OPTIMIZER_CHECKPOINT_FORMAT
-            )
-        return state
-
     def save(self, path: str, extra_state: dict) -> None:
         meta = {
             "extra_state": extra_state,
             "weight_version": self.weight_version,
             "lr_schedule": self.scheduler.state_dict(),
         }
-        save_optim = not self.train_cfg.no_save_optim
-
-        def write_model(model_dir: str) -> None:
-            os.makedirs(model_dir, exist_ok=True)
-            dist_checkpointing.save(self._sharded_state(with_optim=save_optim, is_loading=False), model_dir)
-
-        ckpt.save_checkpoint(path, {}, meta, save_optim=save_optim, write_model=write_model)
+        save_megatron_checkpoint(path, self.actor, self.optimizer, meta, save_optim=not self.train_cfg.no_save_optim)
 
     def finish_saves(self) -> None:
         """Checkpoints are written synchronously here (--async-save is refused for megatron)."""
 
     def load(self, path: str) -> dict:
-        resolved = ckpt.resolve_load_path(path)
-        if resolved is None:
-            raise FileNotFoundError(
-                f"no complete checkpoint under {path!r} (looked for iter_*/{ckpt.COMPLETE_MARKER})"
-            )
-
-        @torch.no_grad()  # the optimizer's main parameters are the fp32 model parameters, leaves that need grad
-        def read_model(model_dir: str, has_optim: bool) -> None:
-            state = dist_checkpointing.load(self._sharded_state(with_optim=has_optim, is_loading=True), model_dir)
-            self.actor.module.load_state_dict(state["model"], strict=False)
-            if has_optim:
-                self.optimizer.load_state_dict(state["optimizer"])
-
-        meta = ckpt.load_checkpoint(resolved, {}, read_model=read_model)
+        meta = load_megatron_checkpoint(path, self.actor, self.optimizer)
         self.scheduler.load_state_dict(meta["lr_schedule"])
         return meta.get("extra_state", {})
 
     # ---- offload ------------------------------------------------------------------------------------
-    def _actor_tensors(self) -> Iterator[torch.Tensor]:
-        yield from module_tensors(self.actor.module)
-        for buf in self.actor.buffers + self.actor.expert_parallel_buffers:
-            yield from (t for t in (buf.param_data, buf.grad_data) if t is not None)
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            inner = opt.optimizer
-            yield from (p for group in inner.param_groups for p in group["params"])
-            yield from optimizer_tensors(inner)
-
     def offload(self) -> None:
         """Weights, gradient buffers, fp32 master weights and Adam states to host; the reference model
         too, brought back from then on only for its own forward."""
-        if self.ref is not None and "ref" not in self._offloaders:
-            self._offloaders["ref"] = HostOffloader("ref")
-            self._offloaders["ref"].offload(module_tensors(self.ref))
-        self._offloaders.setdefault("actor", HostOffloader("actor")).offload(self._actor_tensors())
+        offload_to_host(self._offloaders, self.actor, self.optimizer, self.ref)
 
     def onload(self) -> None:
-        off = self._offloaders.get("actor")
-        if off is not None and off.is_offloaded:
-            off.onload()
+        onload_actor(self._offloaders)
 
     def memory_plan(self) -> dict:
-        """Whether this rank trains without offloading beside its colocated engine.
-
-        Megatron's gradient buffers exist from the start; what the first step still allocates is Adam's
-        two fp32 moments of this rank's optimizer shard (the whole local model, as an upper bound) and a
-        micro-batch's activations at the token budget (every layer of the model, also an upper bound).
-        """
-        from miles.trainer.memory_plan import activation_bytes, micro_batch_tokens, plan
-
-        t = self.train_cfg
-        inner = [opt.optimizer for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer])]
-        local = sum(p.numel() for p in self.actor.module.parameters() if p.requires_grad)
-        pending = 0 if any(o.state for o in inner) else 2 * local * 4
-        tokens = micro_batch_tokens(t, self.rollout)
-        acts = activation_bytes(self.hf_config, tokens, checkpointing=t.gradient_checkpointing)
-        return plan(self.device, pending, acts, tokens).to_dict()
+        """Whether this rank trains without offloading beside its colocated engine (megatron_offload.py)."""
+        return plan_rank_memory(self.actor, self.optimizer, self.hf_config, self.train_cfg, self.rollout, self.device)
 
     # ---- metrics helpers ---------------------------------------------------------------------------
     def peak_mem_gb(self) -> float:
