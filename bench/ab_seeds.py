@@ -33,7 +33,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from e2e_vs_trl import half_width
+from e2e_stats import half_width
 from miles_runs import metrics_rows, train_command
 
 REPO = Path(__file__).resolve().parents[1]

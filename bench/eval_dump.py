@@ -25,7 +25,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from e2e_vs_trl import half_width
+from e2e_stats import half_width
 
 from miles.rollout.rm_hub.math_utils import extract_answer_phrase, extract_boxed, extract_hash_answer
 

@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from e2e_vs_trl import SHORT_DATA as DATA  # noqa: E402 - the e2e bench's prompts and interval, shared
-from e2e_vs_trl import half_width  # noqa: E402
+from e2e_job import SHORT_DATA as DATA  # noqa: E402 - the e2e bench's prompts and interval, shared
+from e2e_stats import half_width  # noqa: E402
 
 SIDES = ("engine-bf16", "engine-fp32", "hf-autocast", "hf-bf16", "hf-fp32")
 BASELINE = "hf-autocast"

@@ -1,4 +1,4 @@
-"""bench/e2e_vs_trl.py's paired reading of learning: per-seed differences, their mean and a 95% t-interval."""
+"""bench/e2e_stats.py: the paired reading of learning: per-seed differences, their mean and a 95% t-interval."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from bench_modules import load_bench  # isort: skip  (same folder, rootdir on sy
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_bench("e2e_vs_trl")
+    return load_bench("e2e_stats")
 
 
 def _runs(*last5: float) -> list[dict]:

@@ -9,7 +9,10 @@ import pytest
 from bench_modules import load_bench  # isort: skip
 
 bench = load_bench("e2e_vs_trl")
-STORED = bench.REPO / "bench/results/e2e_vs_trl_short_trl_seeds.jsonl"
+job = load_bench("e2e_job")
+stats = load_bench("e2e_stats")
+trl_side = load_bench("e2e_trl")
+STORED = job.REPO / "bench/results/e2e_vs_trl_short_trl_seeds.jsonl"
 
 
 def _args(tmp_path, lines, **kw):
@@ -23,30 +26,30 @@ def _args(tmp_path, lines, **kw):
 
 def test_the_seeds_of_the_call_are_taken_from_the_file(tmp_path):
     lines = [{"side": "trl", "seed": k, "rewards": [0.1 * k] * 3} for k in range(4)]
-    stored = bench.load_trl_rewards(_args(tmp_path, lines, first_seed=2, seeds=2), "cpu")
+    stored = trl_side.load_trl_rewards(_args(tmp_path, lines, first_seed=2, seeds=2), "cpu")
     assert [d["seed"] for d in stored] == [2, 3]
     miles = [{"rewards": [0.3, 0.3, 0.3]}, {"rewards": [0.2, 0.2, 0.2]}]
-    paired = bench.paired_last5(miles, stored)
+    paired = stats.paired_last5(miles, stored)
     assert paired["reward_last5_diff"] == pytest.approx([0.1, -0.1])
 
 
 def test_missing_seeds_or_steps_and_a_trl_side_are_refused(tmp_path):
     lines = [{"side": "trl", "seed": 0, "rewards": [0.1] * 3}, {"side": "trl", "seed": 1, "rewards": [0.1] * 2}]
     with pytest.raises(SystemExit, match=r"seed\(s\) \[1, 2\]"):
-        bench.load_trl_rewards(_args(tmp_path, lines, seeds=3), "cpu")
+        trl_side.load_trl_rewards(_args(tmp_path, lines, seeds=3), "cpu")
     args = _args(tmp_path, lines)
     args.sides = ["miles", "trl"]
     with pytest.raises(SystemExit, match="--sides miles"):
-        bench.load_trl_rewards(args, "cpu")
+        trl_side.load_trl_rewards(args, "cpu")
 
 
 def test_the_stored_h200_runs_cover_seeds_0_to_5():
-    stored = bench.load_trl_rewards(
+    stored = trl_side.load_trl_rewards(
         bench.parse_args(["--sides", "miles", "--seeds", "6", "--trl-rewards", str(STORED)]), "cuda"
     )
     assert [d["seed"] for d in stored] == list(range(6)) and all(len(d["rewards"]) == 30 for d in stored)
     with pytest.raises(SystemExit, match="on cpu"):  # GPU runs are not paired with a CPU call
-        bench.load_trl_rewards(bench.parse_args(["--sides", "miles", "--trl-rewards", str(STORED)]), "cpu")
+        trl_side.load_trl_rewards(bench.parse_args(["--sides", "miles", "--trl-rewards", str(STORED)]), "cpu")
 
 
 def test_a_stream_shifts_both_sides_seeds_and_pairs_with_its_own_trl_lines(tmp_path):
@@ -54,14 +57,14 @@ def test_a_stream_shifts_both_sides_seeds_and_pairs_with_its_own_trl_lines(tmp_p
         {"side": "trl", "seed": 0, "rewards": [0.1] * 3},
         {"side": "trl", "seed": 0, "stream": 1, "rewards": [0.4] * 3},
     ]
-    assert bench.load_trl_rewards(_args(tmp_path, lines), "cpu")[0]["rewards"] == [0.1] * 3
-    assert bench.load_trl_rewards(_args(tmp_path, lines, stream=1), "cpu")[0]["rewards"] == [0.4] * 3
+    assert trl_side.load_trl_rewards(_args(tmp_path, lines), "cpu")[0]["rewards"] == [0.1] * 3
+    assert trl_side.load_trl_rewards(_args(tmp_path, lines, stream=1), "cpu")[0]["rewards"] == [0.4] * 3
     with pytest.raises(SystemExit, match="stream 2"):
-        bench.load_trl_rewards(_args(tmp_path, lines, stream=2), "cpu")
+        trl_side.load_trl_rewards(_args(tmp_path, lines, stream=2), "cpu")
     args = bench.parse_args(["--stream", "1"])
     cmd = bench.miles_command(args, "m", tmp_path / "d.jsonl", tmp_path / "o", 3, "cpu")
     seeds = {cmd[i]: int(cmd[i + 1]) for i, a in enumerate(cmd) if a in ("--seed", "--rollout-seed")}
-    assert seeds == {"--seed": 1234 + 3 + bench.STREAM_STRIDE, "--rollout-seed": 42 + 3 + bench.STREAM_STRIDE}
+    assert seeds == {"--seed": 1234 + 3 + job.STREAM_STRIDE, "--rollout-seed": 42 + 3 + job.STREAM_STRIDE}
 
 
 def test_pooling_averages_each_side_over_its_streams_and_pairs_seeds_both_sides_ran():
@@ -74,13 +77,13 @@ def test_pooling_averages_each_side_over_its_streams_and_pairs_seeds_both_sides_
         {"side": "miles", "seed": 2, "rewards": [0.9] * 5},  # no TRL line: left out
         {"variant": "x", "seed": 0, "rewards": [0.0] * 5},  # not a side's line
     ]
-    pooled = bench.pooled_last5(lines)
+    pooled = stats.pooled_last5(lines)
     assert pooled["seeds"] == [0, 1] and pooled["streams"] == {"miles": 2, "trl": 3}
     assert pooled["reward_last5_diff"] == pytest.approx([-0.05, 0.1])
     assert pooled["reward_last5_diff_mean"] == pytest.approx(0.025)
     assert pooled["reward_last5_diff_ci95"] == pytest.approx(12.706 * 0.15 / 2**0.5 / 2**0.5, rel=1e-3)
     with pytest.raises(SystemExit, match="both sides"):
-        bench.pooled_last5(lines[:3][:2])
+        stats.pooled_last5(lines[:3][:2])
 
 
 def test_pool_refuses_the_flags_of_a_run(tmp_path, capsys):
@@ -108,7 +111,7 @@ def test_pool_keeps_one_device(tmp_path):
     with pytest.raises(SystemExit, match=r"devices \['cpu', 'cuda'\]; pick one with --device"):
         bench.pool_lines(bench.parse_args(["--pool", str(path)]))
     kept = bench.pool_lines(bench.parse_args(["--pool", str(path), "--device", "cpu"]))
-    assert bench.pooled_last5(kept)["reward_last5_diff_mean"] == pytest.approx(0.2)
+    assert stats.pooled_last5(kept)["reward_last5_diff_mean"] == pytest.approx(0.2)
 
 
 def test_runs_that_shared_the_device_report_learning_only():
@@ -116,7 +119,7 @@ def test_runs_that_shared_the_device_report_learning_only():
     run = {"steps": [1.0, 2.0, 3.0], "rewards": [0.1, 0.2, 0.3], "startup_s": 5.0, "startup_phases": {}}
     miles = [run | {"phases": {"generate": [1.0] * 3}, "command": "miles train"}] * 2
     trl = [run | {"phases": {"generate": [2.0] * 3}}] * 2
-    line = bench.learning_fields(bench.summary(args, "cuda", miles, trl), 3)
+    line = stats.learning_fields(stats.summary(args, "cuda", miles, trl), 3)
     assert line["concurrent"] == 3 and line["reward_last5_diff"] == pytest.approx([0.0, 0.0])
     assert not [k for k in line if "step_s" in k or "startup" in k or "phases" in k or k == "ratio"]
 
@@ -130,22 +133,22 @@ def test_the_gsm_jobs_miles_side_trains_as_the_recipe_does(tmp_path):
 
 def test_a_longer_stored_run_is_compared_over_the_calls_steps(tmp_path):
     lines = [{"side": "trl", "seed": 0, "rewards": [0.1, 0.2, 0.3, 0.9, 0.9]}]
-    assert bench.load_trl_rewards(_args(tmp_path, lines), "cpu")[0]["rewards"] == [0.1, 0.2, 0.3]
+    assert trl_side.load_trl_rewards(_args(tmp_path, lines), "cpu")[0]["rewards"] == [0.1, 0.2, 0.3]
 
 
 def test_a_trl_run_cut_short_keeps_the_steps_it_finished(tmp_path):
     out = tmp_path / "trl-0.json"
     with pytest.raises(SystemExit, match="no step within --timeout-s 5"):
-        bench._cut_short(out, 0, 5.0)
+        trl_side._cut_short(out, 0, 5.0)
     out.with_suffix(".partial.json").write_text(
         json.dumps({"rewards": [0.1, 0.3], "steps": [9.0, 8.0], "generate": [7.0, 6.0]})
     )
-    run = bench._cut_short(out, 0, 5.0)
+    run = trl_side._cut_short(out, 0, 5.0)
     assert run["cut_short"] and run["rewards"] == [0.1, 0.3] and run["startup_s"] is None
     assert bench._seed_line("trl", 0, 0, run)["cut_short"] is True
     miles = {"rewards": [0.2, 0.2, 0.2, 0.5]}
-    assert bench.common_steps([miles, run]) == 2 and miles["rewards"] == [0.2, 0.2]
-    line = bench.summary(
+    assert stats.common_steps([miles, run]) == 2 and miles["rewards"] == [0.2, 0.2]
+    line = stats.summary(
         bench.parse_args(["--steps", "4"]),
         "cpu",
         [
@@ -170,16 +173,19 @@ def test_trls_continuous_batching_reaches_its_worker_and_its_seed_line(tmp_path,
     def fake_run(cmd, **kw):  # the worker's process: read its spec, write its result
         spec = json.loads(open(cmd[-1]).read())
         specs.append(spec)
+        assert cmd[1:3] == [str(trl_side.DRIVER), "--trl-worker"]  # the bench script again, as recorded runs did
         result = {"steps": [1.0], "rewards": [0.5], "startup_s": 1.0, "phases": {"generate": [0.5]}}
         open(spec["out"], "w").write(json.dumps(result | {"continuous_batching": spec["continuous_batching"]}))
-        return bench.subprocess.CompletedProcess(cmd, 0)
+        return trl_side.subprocess.CompletedProcess(cmd, 0)
 
-    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    monkeypatch.setattr(trl_side.subprocess, "run", fake_run)
     for flag in ([], ["--trl-continuous-batching"]):
         args = bench.parse_args(["--sides", "trl", "--steps", "1", *flag])
-        run = bench.run_trl(args, "model", tmp_path / "d.jsonl", tmp_path, 0, "cpu")
+        run = trl_side.run_trl(args, "model", tmp_path / "d.jsonl", tmp_path, 0, "cpu")
         assert specs[-1]["continuous_batching"] is bool(flag)
         assert bench._seed_line("trl", 0, 0, run).get("trl_continuous_batching", False) is bool(flag)
+    assert trl_side.DRIVER == job.REPO / "bench/e2e_vs_trl.py"
+    assert bench.parse_args(["--trl-worker", "spec.json"]).trl_worker == "spec.json"
 
 
 def test_trls_continuous_batching_is_refused_where_no_trl_side_runs():

@@ -50,7 +50,7 @@ def test_the_summary_says_where_the_trainers_set_up_went(tmp_path) -> None:
 
 
 def test_the_gsm_job_takes_the_committed_data_and_its_reward() -> None:
-    e2e = load_bench("e2e_vs_trl")
+    e2e = load_bench("e2e_job")
     args = argparse.Namespace(job="gsm", long_tokens=512)
     assert e2e.job_data(args, None) == e2e.GSM_DATA and e2e.GSM_DATA.is_file()
     assert e2e.max_new_tokens(args) == 512 and e2e.TEMPERATURE["gsm"] == 1.0
