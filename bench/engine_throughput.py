@@ -319,59 +319,75 @@ def decode_roofline(engine: EmbeddedEngine, batch: int, prompt_len: int, new_tok
     return batch * hbm_gbps * 1e9 / step_bytes
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    dtype_name = "bfloat16" if device.type == "cuda" else "float32"
-    with tempfile.TemporaryDirectory() as tmp:
-        model_path = args.model_path or make_tiny_model(
-            tmp,
-            arch=args.arch,
-            layers=args.layers,
-            hidden=args.hidden,
-            heads=args.heads,
-            kv_heads=args.kv_heads,
-            intermediate=args.intermediate,
-            vocab=args.vocab,
-            dtype=dtype_name,
-            init_std=0.02,
-        )
-        engine = EmbeddedEngine(
-            model_path,
-            device=args.device,
-            dtype=dtype_name,
-            max_running_requests=args.batch,
-            max_total_tokens=args.batch * (args.prompt_len + args.new_tokens + 8),
-            cuda_graphs=args.cuda_graphs,
-            fused_kernels=args.fused_kernels,
-            quantization=args.quantization,
-            prefix_cache=not args.no_prefix_cache,
-            kv_cache_dtype=args.kv_cache_dtype,
-        )
-        engine.model.fp32_residual = args.residual_dtype == "float32" and engine.model.dtype != torch.float32
-        prompts = make_prompts(args.batch, args.prompt_len, engine.model.spec.vocab_size)
-        roofline = decode_roofline(engine, args.batch, args.prompt_len, args.new_tokens, args.hbm_gbps)
-        sides = {"engine": EngineSide(engine, prompts)}
-        if not args.skip_hf:
-            sides["hf"] = HFSide(model_path, device, getattr(torch, dtype_name), prompts)
-        try:
-            medians, timelines = measure(sides, args.new_tokens, args.reps)
-            # decode phase alone: a full round minus a prefill-plus-one-token round, same prompts
-            first_token_s = statistics.median(sides["engine"].seconds(1) for _ in range(3))
-            full_s = args.batch * args.new_tokens / medians["engine"]
-            decode_tok_s = args.batch * (args.new_tokens - 1) / max(full_s - first_token_s, 1e-9)
-            mean_context = args.prompt_len + args.new_tokens // 2
-            step_ms = graph_step_ms(engine, args.batch, mean_context) if device.type == "cuda" else None
-            if args.profile:
-                profile_round(sides["engine"], min(args.new_tokens, 32))
-            step_profile = profile_graph_step(engine, args.batch, mean_context) if args.profile_step else None
-            syncs = sync_census(sides["engine"], args.new_tokens) if args.sync_debug else None
-        finally:
-            sides["engine"].close()
-        engine_tok_s, hf_tok_s = medians["engine"], medians.get("hf")
-        decode_steps = decode_step_summary(timelines["engine"], args.batch)
+def build_engine(args: argparse.Namespace, tmp: str, dtype_name: str) -> tuple[str, EmbeddedEngine]:
+    """The model directory (--model-path, else a random model of the flags' shape in `tmp`) and its engine."""
+    model_path = args.model_path or make_tiny_model(
+        tmp,
+        arch=args.arch,
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        intermediate=args.intermediate,
+        vocab=args.vocab,
+        dtype=dtype_name,
+        init_std=0.02,
+    )
+    engine = EmbeddedEngine(
+        model_path,
+        device=args.device,
+        dtype=dtype_name,
+        max_running_requests=args.batch,
+        max_total_tokens=args.batch * (args.prompt_len + args.new_tokens + 8),
+        cuda_graphs=args.cuda_graphs,
+        fused_kernels=args.fused_kernels,
+        quantization=args.quantization,
+        prefix_cache=not args.no_prefix_cache,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
+    engine.model.fp32_residual = args.residual_dtype == "float32" and engine.model.dtype != torch.float32
+    return model_path, engine
+
+
+def measure_sides(
+    args: argparse.Namespace, engine: EmbeddedEngine, model_path: str, device: torch.device, dtype_name: str
+) -> dict:
+    """Every figure of a call: both sides' tok/s, the decode phase's, the roofline, and the optional
+    profiles; the engine side is closed at the end."""
+    prompts = make_prompts(args.batch, args.prompt_len, engine.model.spec.vocab_size)
+    roofline = decode_roofline(engine, args.batch, args.prompt_len, args.new_tokens, args.hbm_gbps)
+    sides = {"engine": EngineSide(engine, prompts)}
+    if not args.skip_hf:
+        sides["hf"] = HFSide(model_path, device, getattr(torch, dtype_name), prompts)
+    try:
+        medians, timelines = measure(sides, args.new_tokens, args.reps)
+        # decode phase alone: a full round minus a prefill-plus-one-token round, same prompts
+        first_token_s = statistics.median(sides["engine"].seconds(1) for _ in range(3))
+        full_s = args.batch * args.new_tokens / medians["engine"]
+        decode_tok_s = args.batch * (args.new_tokens - 1) / max(full_s - first_token_s, 1e-9)
+        mean_context = args.prompt_len + args.new_tokens // 2
+        step_ms = graph_step_ms(engine, args.batch, mean_context) if device.type == "cuda" else None
+        if args.profile:
+            profile_round(sides["engine"], min(args.new_tokens, 32))
+        step_profile = profile_graph_step(engine, args.batch, mean_context) if args.profile_step else None
+        syncs = sync_census(sides["engine"], args.new_tokens) if args.sync_debug else None
+    finally:
+        sides["engine"].close()
+    return {
+        "engine_tok_s": medians["engine"],
+        "hf_tok_s": medians.get("hf"),
+        "decode_steps": decode_step_summary(timelines["engine"], args.batch),
+        "roofline": roofline,
+        "decode_tok_s": decode_tok_s,
+        "step_ms": step_ms,
+        "step_profile": step_profile,
+        "syncs": syncs,
+    }
+
+
+def result_line(args: argparse.Namespace, device: torch.device, engine: EmbeddedEngine, m: dict) -> dict:
+    """The closing JSON line from measure_sides' figures (the roofline ones on CUDA only)."""
+    engine_tok_s, hf_tok_s = m["engine_tok_s"], m["hf_tok_s"]
     result = {
         "engine_tok_s": round(engine_tok_s, 1),
         "hf_tok_s": None if hf_tok_s is None else round(hf_tok_s, 1),
@@ -384,7 +400,7 @@ def main(argv: list[str] | None = None) -> dict:
         "prefix_cache": not args.no_prefix_cache,
         "kv_cache_dtype": args.kv_cache_dtype,
         "residual_dtype": args.residual_dtype,
-        "decode_steps": decode_steps,
+        "decode_steps": m["decode_steps"],
         "shape": {
             "arch": args.arch,
             "hidden": args.hidden,
@@ -396,6 +412,7 @@ def main(argv: list[str] | None = None) -> dict:
         },
     }
     if device.type == "cuda":
+        roofline, decode_tok_s, step_ms = m["roofline"], m["decode_tok_s"], m["step_ms"]
         result |= {
             "cuda_graphs": args.cuda_graphs,
             "fused_kernels": engine.runner.fused_kernels,
@@ -408,10 +425,24 @@ def main(argv: list[str] | None = None) -> dict:
             "graph_step_ms": None if step_ms is None else round(step_ms, 3),
             "decode_step_wall_ms": round(args.batch / decode_tok_s * 1e3, 3),
         }
-        if step_profile is not None:
-            result["step_profile_us"] = step_profile
-        if syncs is not None:
-            result["sync_waits"] = syncs
+        if m["step_profile"] is not None:
+            result["step_profile_us"] = m["step_profile"]
+        if m["syncs"] is not None:
+            result["sync_waits"] = m["syncs"]
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype_name = "bfloat16" if device.type == "cuda" else "float32"
+    with tempfile.TemporaryDirectory() as tmp:
+        model_path, engine = build_engine(args, tmp, dtype_name)
+        m = measure_sides(args, engine, model_path, device, dtype_name)
+    result = result_line(args, device, engine, m)
+    engine_tok_s, hf_tok_s = m["engine_tok_s"], m["hf_tok_s"]
     if hf_tok_s is not None:
         print(
             f"engine {engine_tok_s:,.0f} tok/s vs transformers generate {hf_tok_s:,.0f} tok/s: "

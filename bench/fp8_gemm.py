@@ -87,6 +87,61 @@ def _time_us(fn, reps: int, cuda: bool) -> float:
     return begin.elapsed_time(end) * 1e3 / reps
 
 
+def _triton_settings(
+    x: torch.Tensor, weight: fp8.Fp8Weight, want: torch.Tensor, scale: float, grid: list, reps: int, cuda: bool
+) -> list[dict]:
+    """Each Triton setting of `grid` on one GEMM: its time and largest difference from `want` relative to
+    `scale` (want's largest value), or the error of a setting the compiler or the device refuses."""
+    settings = []
+    for s in grid:
+        try:
+            out = fp8_triton.quantized_linear(x, weight.q, weight.scale_inv, settings=s)
+            us = _time_us(
+                lambda s=s, w=weight, x=x: fp8_triton.quantized_linear(x, w.q, w.scale_inv, settings=s),
+                reps,
+                cuda,
+            )
+        except Exception as e:  # noqa: BLE001 - a setting the compiler or the device refuses is reported
+            settings.append({"settings": list(s), "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            continue
+        rel = (out.float() - want).abs().max().item() / scale
+        settings.append({"settings": list(s), "us": round(us, 2), "rel_diff": rel})
+    return settings
+
+
+def _summary(rows: list[dict], batch: int, device_name: str, cuda: bool) -> dict:
+    """The closing line: the layer's GEMMs summed per path, the paths' ratios, each GEMM's best setting."""
+
+    def total(pick) -> float | None:
+        values = [pick(r) for r in rows]
+        return None if any(v is None for v in values) else round(sum(values), 2)
+
+    def ratio(x: float | None, y: float | None) -> float | None:
+        return None if x is None or y is None else round(x / y, 3)
+
+    layer = {
+        "bf16": total(lambda r: r["bf16_us"]),
+        "cublas": total(lambda r: r.get("cublas_us")),
+        "triton_default": total(lambda r: r["triton_default"]["us"] if r["triton_default"] else None),
+        "triton_best": total(lambda r: r["triton_best"]["us"] if r["triton_best"] else None),
+    }
+    return {
+        "device": device_name,
+        "batch": batch,
+        "layer_us": layer,
+        "triton_best_over_cublas": ratio(layer["triton_best"], layer["cublas"]),
+        "triton_default_over_best": ratio(layer["triton_default"], layer["triton_best"]),
+        "cublas_over_bf16": ratio(layer["cublas"], layer["bf16"]),
+        "triton_best_over_bf16": ratio(layer["triton_best"], layer["bf16"]),
+        "best_settings": {r["gemm"]: r["triton_best"]["settings"] if r["triton_best"] else None for r in rows},
+        "worst_rel_diff": max(
+            (s["rel_diff"] for r in rows for s in [r["triton_default"], r["triton_best"]] if s), default=None
+        ),
+        "refused": sum(len(r["refused"]) for r in rows),
+        "timed_on_cpu": not cuda,  # the interpreter: checks only, the times mean nothing
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     a = parse_args(argv)
     device, cuda, dtype = kernel_device(a.device)
@@ -120,20 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
                     _time_us(lambda x=x, w=weight: fp8._block_scaled_mm(x, w, dtype), a.reps, cuda), 2
                 )
                 line["cublas_rel_diff"] = (out.float() - want).abs().max().item() / scale
-        settings = []
-        for s in grid:
-            try:
-                out = fp8_triton.quantized_linear(x, weight.q, weight.scale_inv, settings=s)
-                us = _time_us(
-                    lambda s=s, w=weight, x=x: fp8_triton.quantized_linear(x, w.q, w.scale_inv, settings=s),
-                    a.reps,
-                    cuda,
-                )
-            except Exception as e:  # noqa: BLE001 - a setting the compiler or the device refuses is reported
-                settings.append({"settings": list(s), "error": f"{type(e).__name__}: {str(e)[:200]}"})
-                continue
-            rel = (out.float() - want).abs().max().item() / scale
-            settings.append({"settings": list(s), "us": round(us, 2), "rel_diff": rel})
+        settings = _triton_settings(x, weight, want, scale, grid, a.reps, cuda)
         timed = [s for s in settings if "us" in s]
         line["triton_default"] = timed[0] if timed and timed[0]["settings"] == list(default_settings) else None
         line["triton_best"] = min(timed, key=lambda s: s["us"]) if timed else None
@@ -141,34 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(line), flush=True)
         rows.append(line)
 
-    def total(pick) -> float | None:
-        values = [pick(r) for r in rows]
-        return None if any(v is None for v in values) else round(sum(values), 2)
-
-    def ratio(x: float | None, y: float | None) -> float | None:
-        return None if x is None or y is None else round(x / y, 3)
-
-    layer = {
-        "bf16": total(lambda r: r["bf16_us"]),
-        "cublas": total(lambda r: r.get("cublas_us")),
-        "triton_default": total(lambda r: r["triton_default"]["us"] if r["triton_default"] else None),
-        "triton_best": total(lambda r: r["triton_best"]["us"] if r["triton_best"] else None),
-    }
-    result = {
-        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
-        "batch": a.batch,
-        "layer_us": layer,
-        "triton_best_over_cublas": ratio(layer["triton_best"], layer["cublas"]),
-        "triton_default_over_best": ratio(layer["triton_default"], layer["triton_best"]),
-        "cublas_over_bf16": ratio(layer["cublas"], layer["bf16"]),
-        "triton_best_over_bf16": ratio(layer["triton_best"], layer["bf16"]),
-        "best_settings": {r["gemm"]: r["triton_best"]["settings"] if r["triton_best"] else None for r in rows},
-        "worst_rel_diff": max(
-            (s["rel_diff"] for r in rows for s in [r["triton_default"], r["triton_best"]] if s), default=None
-        ),
-        "refused": sum(len(r["refused"]) for r in rows),
-        "timed_on_cpu": not cuda,  # the interpreter: checks only, the times mean nothing
-    }
+    result = _summary(rows, a.batch, torch.cuda.get_device_name(device) if cuda else "cpu", cuda)
     print(json.dumps(result))
     return result
 

@@ -51,7 +51,13 @@ class Run:
 
 
 def _runs() -> list[Run]:
-    runs = [
+    """Every run of the matrix, in the order a whole-matrix call takes them."""
+    return [*_demo_runs(), *_smollm2_runs(), *_megatron_runs(), *_pause_runs()]
+
+
+def _demo_runs() -> list[Run]:
+    """The demo job on each placement and weight transport (the core runs)."""
+    return [
         Run("colocate_1gpu", 1, [*DEMO, "--colocate"], "core"),
         Run("disagg_1p1", 2, DEMO, "core"),
         Run("async_1p1", 2, [*DEMO, "--fully-async"], "core"),
@@ -63,6 +69,12 @@ def _runs() -> list[Run]:
             [*DEMO, "--update-weight-transfer-mode", "disk-delta", "--update-weight-disk-dir", "{work}/disk_delta"],
             "core",
         ),
+    ]
+
+
+def _smollm2_runs() -> list[Run]:
+    """SmolLM2: learning on both placements, the tool-calling job, checkpoint precisions, long answers."""
+    return [
         Run("smollm2_colocate", 1, [*SMOLLM2, "--colocate"], "smollm2", learns="heldout"),
         Run("smollm2_disagg", 2, SMOLLM2, "smollm2", learns="heldout"),
         # multi-turn with a tool through the session server; the rollout reward (last 5 steps vs the first) rises
@@ -99,8 +111,12 @@ def _runs() -> list[Run]:
             long_answers=True,
         ),
     ]
+
+
+def _megatron_runs() -> list[Run]:
+    """The megatron trainer: colocated, tensor-parallel, and each weight transport to a separate engine."""
     megatron = [*DEMO, "--colocate", "--train-backend", "megatron"]
-    runs += [
+    return [
         Run("megatron_colocate_1gpu", 1, megatron, "megatron"),
         # two tensor-parallel ranks gather their shards for the engine, whose every tensor is checked
         Run(
@@ -147,6 +163,11 @@ def _runs() -> list[Run]:
             learns="heldout",
         ),  # fmt: skip
     ]
+
+
+def _pause_runs() -> list[Run]:
+    """Each way of pausing generation for a weight update, with and without CUDA graphs."""
+    runs = []
     for mode in ("retract", "in_place", "abort"):
         for graphs in (True, False):
             flags = [*DEMO, "--pause-generation-mode", mode]

@@ -175,7 +175,7 @@ def flops_per_token(cfg, n_params: int, seq_len: int) -> float:
     return 6.0 * n_params + 12.0 * cfg.num_hidden_layers * cfg.hidden_size * seq_len
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--model", default=None, choices=list(SHAPES), help="default: small on CPU, qwen2-0.5b on CUDA")
@@ -207,7 +207,63 @@ def main() -> None:
     ap.add_argument(
         "--profile-dir", default=None, help="also write torch.profiler tables of 2 steps of each side here"
     )
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def time_steps(steps: dict, args: argparse.Namespace, device: torch.device) -> dict[str, list[float]]:
+    """--warmup untimed steps of each side, then --reps timed ones alternating side by side (and the
+    profiler tables of --profile-dir)."""
+    for _ in range(args.warmup):
+        for step in steps.values():
+            step()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(args.reps):  # one timed step of each side per repetition, alternating
+        for name, step in steps.items():
+            times[name].append(timed(step, device))
+    if args.profile_dir:
+        profile_steps(args.profile_dir, device, steps)
+    return times
+
+
+def result_line(args: argparse.Namespace, tok_s: dict[str, float], cfg: object, run: dict) -> dict:
+    """The closing JSON line: tokens/s of each side timed and their ratios to FSDP's, MFU on CUDA; `run`:
+    the call's cuda, shape, params, seq_len, batch_size and the FSDP side's attention implementation."""
+    cuda, n_params, seq_len = run["cuda"], run["params"], run["seq_len"]
+    plain_tok_s, fsdp_tok_s = tok_s["plain"], tok_s["fsdp"]
+    result = {
+        "fsdp_tok_s": round(fsdp_tok_s, 1),
+        "plain_tok_s": round(plain_tok_s, 1),
+        "ratio": round(fsdp_tok_s / plain_tok_s, 3),
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "model": run["shape"],
+        "params": n_params,
+        "seq_len": seq_len,
+        "batch_size": run["batch_size"],
+        "gradient_checkpointing": args.gradient_checkpointing,
+        "compile": args.compile,
+        "reps": args.reps,
+        "attn": run["attn"],
+    }
+    if cuda:
+        fpt = flops_per_token(cfg, n_params, seq_len)
+        result["mfu"] = round(fsdp_tok_s * fpt / PEAK_FLOPS["cuda"], 4)
+        result["plain_mfu"] = round(plain_tok_s * fpt / PEAK_FLOPS["cuda"], 4)
+        result["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    if args.fp32_residual:
+        result["fsdp_fp32_residual_tok_s"] = round(tok_s["fsdp_fp32_residual"], 1)
+        result["fp32_residual_vs_fsdp"] = round(tok_s["fsdp_fp32_residual"] / fsdp_tok_s, 3)
+    if args.fp8_forward:
+        result["fsdp_fp8_forward_tok_s"] = round(tok_s["fsdp_fp8_forward"], 1)
+        result["fp8_forward_vs_fsdp"] = round(tok_s["fsdp_fp8_forward"] / fsdp_tok_s, 3)
+    if "megatron" in tok_s:  # megatron trains on CUDA only, so fpt is set
+        result["megatron_tok_s"] = round(tok_s["megatron"], 1)
+        result["megatron_vs_fsdp"] = round(tok_s["megatron"] / fsdp_tok_s, 3)
+        result["megatron_mfu"] = round(tok_s["megatron"] * fpt / PEAK_FLOPS["cuda"], 4)
+    return result
+
+
+def main() -> None:
+    args = parse_args()
     cuda = args.device == "cuda"
     if args.backend == "megatron" and not cuda:
         raise SystemExit("--backend megatron needs --device cuda (megatron-core trains on GPUs with NCCL)")
@@ -240,46 +296,18 @@ def main() -> None:
         if args.fp8_forward:  # the FP8 rollouts' forward contract, as the FP8 A/B trains it (both flags)
             fsdp8 = build_backend("fsdp", path, batch_size, args, fp32_residual_connection=True, fp8_format="e4m3")
             steps["fsdp_fp8_forward"] = lambda: fsdp8.train(batch, next(rid))
-        for _ in range(args.warmup):
-            for step in steps.values():
-                step()
-        times: dict[str, list[float]] = {name: [] for name in steps}
-        for _ in range(args.reps):  # one timed step of each side per repetition, alternating
-            for name, step in steps.items():
-                times[name].append(timed(step, device))
-        if args.profile_dir:
-            profile_steps(args.profile_dir, device, steps)
+        times = time_steps(steps, args, device)
     tok_s = {name: tokens / statistics.median(t) for name, t in times.items()}
-    plain_tok_s, fsdp_tok_s = tok_s["plain"], tok_s["fsdp"]
-    result = {
-        "fsdp_tok_s": round(fsdp_tok_s, 1),
-        "plain_tok_s": round(plain_tok_s, 1),
-        "ratio": round(fsdp_tok_s / plain_tok_s, 3),
-        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-        "model": shape,
+    run = {
+        "cuda": cuda,
+        "shape": shape,
         "params": n_params,
         "seq_len": seq_len,
         "batch_size": batch_size,
-        "gradient_checkpointing": args.gradient_checkpointing,
-        "compile": args.compile,
-        "reps": args.reps,
         "attn": fsdp.attn_impl,
     }
-    if cuda:
-        fpt = flops_per_token(cfg, n_params, seq_len)
-        result["mfu"] = round(fsdp_tok_s * fpt / PEAK_FLOPS["cuda"], 4)
-        result["plain_mfu"] = round(plain_tok_s * fpt / PEAK_FLOPS["cuda"], 4)
-        result["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-    if args.fp32_residual:
-        result["fsdp_fp32_residual_tok_s"] = round(tok_s["fsdp_fp32_residual"], 1)
-        result["fp32_residual_vs_fsdp"] = round(tok_s["fsdp_fp32_residual"] / fsdp_tok_s, 3)
-    if args.fp8_forward:
-        result["fsdp_fp8_forward_tok_s"] = round(tok_s["fsdp_fp8_forward"], 1)
-        result["fp8_forward_vs_fsdp"] = round(tok_s["fsdp_fp8_forward"] / fsdp_tok_s, 3)
-    if mega is not None:
-        result["megatron_tok_s"] = round(tok_s["megatron"], 1)
-        result["megatron_vs_fsdp"] = round(tok_s["megatron"] / fsdp_tok_s, 3)
-        result["megatron_mfu"] = round(tok_s["megatron"] * fpt / PEAK_FLOPS["cuda"], 4)
+    result = result_line(args, tok_s, cfg, run)
+    plain_tok_s, fsdp_tok_s = tok_s["plain"], tok_s["fsdp"]
     print(
         f"plain {plain_tok_s:,.0f} tok/s | fsdp {fsdp_tok_s:,.0f} tok/s | ratio {result['ratio']:.3f}"
         + (f" | mfu {result['mfu']:.1%} (plain {result['plain_mfu']:.1%})" if cuda else "")
