@@ -19,8 +19,7 @@ from harness import cublaslt_scaled_mm, run_under_triton_interpreter
 
 triton = pytest.importorskip("triton")
 
-from miles.engines.embedded import fp8, fp8_triton, triton_ops  # noqa: E402
-from miles.engines.embedded import model as model_module  # noqa: E402
+from miles.engines.embedded import fp8, fp8_triton, fused_forward, triton_ops  # noqa: E402
 from miles.engines.embedded.kv_cache import KVCache  # noqa: E402
 from miles.engines.embedded.model import CausalLM  # noqa: E402
 from miles.models.tiny import make_tiny_model  # noqa: E402
@@ -102,7 +101,7 @@ def _fp8_model(tmp_path) -> tuple[CausalLM, dict[int, str]]:
     )
     model = CausalLM.from_pretrained(path, DEVICE, torch.float16)
     model.quantize_fp8()
-    roles = {id(model.storage[n[r]]): r for n in model._layer_names for r in ("qkv", "o", "gate_up", "down")}
+    roles = {id(model.storage[n[r]]): r for n in model.layer_names for r in ("qkv", "o", "gate_up", "down")}
     return model, roles
 
 
@@ -118,12 +117,12 @@ def _run_fused(model: CausalLM, path: str) -> torch.Tensor:
         kv.v.copy_(torch.randn(kv.v.shape, generator=g))
         tokens = torch.randint(3, s.vocab_size, (3,), generator=g).to(DEVICE)
         positions = torch.tensor([8, 8, 8], device=DEVICE)
-        return model.decode_fused(tokens, positions, positions + 1, kv, attention)
+        return fused_forward.decode_fused(model, tokens, positions, positions + 1, kv, attention)
     tokens = torch.randint(3, s.vocab_size, (2, 5), generator=g).to(DEVICE)
     pos = torch.arange(5, device=DEVICE)[None].expand(2, 5)
     last = torch.tensor([4, 2], device=DEVICE)
     write = torch.where(pos <= last[:, None], pos, kv.scratch_pos)
-    return model.prefill_fused(tokens, pos, write, last, kv, 0, attention)
+    return fused_forward.prefill_fused(model, tokens, pos, write, last, kv, 0, attention)
 
 
 @needs_kernels
@@ -137,13 +136,13 @@ def test_the_fused_paths_hand_qkv_gate_up_and_down_their_inputs_quantized(tmp_pa
     monkeypatch.setattr(fp8, "_scaled_mm_ok", {})
     monkeypatch.setattr(torch, "_scaled_mm", cublaslt_scaled_mm)
     inputs: list[tuple[str, bool]] = []
-    linear = model_module.linear
+    linear = fused_forward.linear
 
     def recorded(x, weight, bias=None):
         inputs.append((roles[id(weight)], isinstance(x, fp8.QuantizedInput)))
         return linear(x, weight, bias)
 
-    monkeypatch.setattr(model_module, "linear", recorded)
+    monkeypatch.setattr(fused_forward, "linear", recorded)
     fused = _run_fused(model, path)
     per_layer = [("qkv", True), ("o", False), ("gate_up", True), ("down", True)]
     assert inputs == per_layer * model.spec.num_layers and not fp8._scaled_mm_ok

@@ -19,7 +19,7 @@ from harness import run_under_triton_interpreter
 
 triton = pytest.importorskip("triton")
 
-from miles.engines.embedded import triton_ops  # noqa: E402
+from miles.engines.embedded import fused_forward, triton_ops  # noqa: E402
 from miles.engines.embedded.kv_cache import KVCache  # noqa: E402
 from miles.engines.embedded.model import CausalLM  # noqa: E402
 from miles.models.tiny import make_tiny_model  # noqa: E402
@@ -161,7 +161,7 @@ def test_fused_decode_step_on_an_fp8_cache_equals_the_torch_step(tmp_path, fp8, 
     positions = torch.tensor(lens, device=DEVICE)
     ref = model.forward(step[:, None], positions[:, None], caches[0], 0, positions[:, None], width + 1)
     attention = triton_ops.DecodeAttention(s.num_heads, s.num_kv_heads, s.head_dim, caches[1].capacity, 4)
-    fused = model.decode_fused(step, positions, positions + 1, caches[1], attention)
+    fused = fused_forward.decode_fused(model, step, positions, positions + 1, caches[1], attention)
     torch.testing.assert_close(fused, ref[:, 0], rtol=1e-3, atol=1e-3)
     assert caches[1].k.dtype == fp8
     for name in ("k", "v"):
@@ -182,7 +182,7 @@ def test_fused_prefill_on_an_fp8_cache_equals_the_torch_prefill(tmp_path, gpu_ro
     write = torch.where(pos <= last[:, None], pos, caches[0].scratch_pos)
     ref = model.forward(tokens, pos, caches[0], 1, write, kv_len=None, out_index=last)
     attention = triton_ops.DecodeAttention(s.num_heads, s.num_kv_heads, s.head_dim, caches[1].capacity, 4)
-    fused = model.prefill_fused(tokens, pos, write, last, caches[1], 1, attention)
+    fused = fused_forward.prefill_fused(model, tokens, pos, write, last, caches[1], 1, attention)
     torch.testing.assert_close(fused, ref, rtol=1e-3, atol=1e-3)
     for name in ("k", "v"):
         got, want = (getattr(c, name)[:, 1 : 1 + B, :, :width].view(torch.uint8) for c in caches)

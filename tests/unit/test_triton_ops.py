@@ -14,7 +14,7 @@ from harness import run_under_triton_interpreter
 
 triton = pytest.importorskip("triton")
 
-from miles.engines.embedded import fp8, fp8_triton, triton_ops  # noqa: E402
+from miles.engines.embedded import fp8, fp8_triton, fused_forward, triton_ops  # noqa: E402
 from miles.engines.embedded.kv_cache import KVCache  # noqa: E402
 from miles.engines.embedded.layer_ops import rms_norm  # noqa: E402
 from miles.engines.embedded.model import CausalLM  # noqa: E402
@@ -191,7 +191,7 @@ def test_fused_decode_step_equals_the_torch_decode_step(tmp_path, arch):
     positions = torch.tensor(lens, device=DEVICE)
     ref = model.forward(step_tokens[:, None], positions[:, None], caches[0], 0, positions[:, None], max(lens) + 1)
     attention = triton_ops.DecodeAttention(s.num_heads, s.num_kv_heads, s.head_dim, caches[1].capacity, 4)
-    fused = model.decode_fused(step_tokens, positions, positions + 1, caches[1], attention)
+    fused = fused_forward.decode_fused(model, step_tokens, positions, positions + 1, caches[1], attention)
     torch.testing.assert_close(fused, ref[:, 0], rtol=1e-4, atol=1e-5)
     for layer in range(s.num_layers):
         for b, n in enumerate(lens):
@@ -229,7 +229,7 @@ def test_fused_prefill_equals_the_torch_prefill(tmp_path, arch, lens):
     tokens, pos, last, write, caches = _prefill_batch(model, lens, _gen(8), num_slots=B + 2)
     ref = model.forward(tokens, pos, caches[0], start, write, kv_len=None, out_index=last)
     attention = triton_ops.DecodeAttention(s.num_heads, s.num_kv_heads, s.head_dim, caches[1].capacity, 4)
-    fused = model.prefill_fused(tokens, pos, write, last, caches[1], start, attention)
+    fused = fused_forward.prefill_fused(model, tokens, pos, write, last, caches[1], start, attention)
     torch.testing.assert_close(fused, ref, rtol=1e-4, atol=1e-5)
     for layer in range(s.num_layers):
         for b, n in enumerate(lens):
@@ -268,12 +268,12 @@ def test_a_half_precision_model_keeps_an_fp32_residual_stream_in_the_fused_paths
     tokens, pos, last, write, caches = _prefill_batch(model, lens, g, num_slots=B + 1)
     ref = model.forward(tokens, pos, caches[0], 0, write, kv_len=None, out_index=last)
     attention = triton_ops.DecodeAttention(s.num_heads, s.num_kv_heads, s.head_dim, caches[1].capacity, 4)
-    fused = model.prefill_fused(tokens, pos, write, last, caches[1], 0, attention)
+    fused = fused_forward.prefill_fused(model, tokens, pos, write, last, caches[1], 0, attention)
     torch.testing.assert_close(fused, ref, rtol=2e-2, atol=2e-2)
     step = torch.randint(3, s.vocab_size, (B,), generator=g).to(DEVICE)
     positions = torch.tensor(lens, device=DEVICE)
     ref_step = model.forward(step[:, None], positions[:, None], caches[0], 0, positions[:, None], width + 1)
-    fused_step = model.decode_fused(step, positions, positions + 1, caches[1], attention)
+    fused_step = fused_forward.decode_fused(model, step, positions, positions + 1, caches[1], attention)
     torch.testing.assert_close(fused_step, ref_step[:, 0], rtol=2e-2, atol=2e-2)
     assert streams and set(streams) == {torch.float32}, streams
 

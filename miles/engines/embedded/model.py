@@ -6,7 +6,8 @@ that greedy outputs and log-probs agree with `transformers` on CPU.
 
 Parameters live in a flat dict keyed by their HF checkpoint names, which is what weight updates
 address (`load_weights`) and what `named_weights` returns: no module tree to keep in sync. Reading the
-checkpoint is checkpoint.py's; the eager norm and linear ops are layer_ops.py's.
+checkpoint is checkpoint.py's; the eager norm and linear ops are layer_ops.py's; the forward with the Triton
+kernels (`decode_fused`, `prefill_fused`) is fused_forward.py's.
 
 In a bf16 (or fp16) model every forward (eager, and the fused `decode_fused` / `prefill_fused`) keeps the
 residual stream in fp32: the layers' sums are never rounded, not twice per layer, while every GEMM still
@@ -22,7 +23,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from miles.engines.embedded import fp8, moe, triton_ops
+from miles.engines.embedded import fp8, moe
 from miles.engines.embedded.checkpoint import (
     FUSED_PARTS,
     ModelSpec,
@@ -53,7 +54,7 @@ class CausalLM:
         self.dtype = dtype
         self.fp32_residual = dtype != torch.float32  # the residual stream's dtype (see the module doc)
         check_params(spec, params)
-        self._layer_names = [layer_names(i) for i in range(spec.num_layers)]
+        self.layer_names = [layer_names(i) for i in range(spec.num_layers)]
         self.storage: dict[str, torch.Tensor] = {}
         self._views: dict[str, tuple[str, tuple] | None] = {}  # HF name -> (storage key, index) or whole
         self._fuse(params)
@@ -87,7 +88,7 @@ class CausalLM:
     # ---- parameter bookkeeping -------------------------------------------------------------------
     def _fuse(self, params: dict[str, torch.Tensor]) -> None:
         params = dict(params)
-        for names in self._layer_names:
+        for names in self.layer_names:
             for fused, parts in FUSED_PARTS.items():
                 hf_names = [names[p] for p in parts]
                 if not all(n in params for n in hf_names):
@@ -99,7 +100,7 @@ class CausalLM:
                     self._views[n] = (names[fused], (slice(row, row + t.shape[0]),))
                     row += t.shape[0]
         for i in self.spec.moe_layers:
-            names = self._layer_names[i]
+            names = self.layer_names[i]
             storage, views = moe.fuse_experts(params, names["experts_gate_up"], names["experts_down"], self.spec)
             self.storage.update(storage)
             self._views.update(views)
@@ -176,10 +177,10 @@ class CausalLM:
         """rope() of positions < limit by one table lookup (same elementwise values as rope())."""
         if limit > self._rope_table_len:
             return self.rope(positions)
-        emb = F.embedding(positions, self._rope_table_covering(0))
+        emb = F.embedding(positions, self.rope_table_covering(0))
         return emb[..., : self.spec.head_dim], emb[..., self.spec.head_dim :]
 
-    def _rope_table_covering(self, n: int) -> torch.Tensor:
+    def rope_table_covering(self, n: int) -> torch.Tensor:
         """The [P, 2 x head_dim] cos | signed-sin table, built once, grown to at least n positions."""
         if self._rope_table is None or self._rope_table.shape[0] < n:
             self._rope_table_len = max(self._rope_table_len, n)
@@ -187,7 +188,8 @@ class CausalLM:
             self._rope_table = torch.cat((cos, sin), dim=-1)
         return self._rope_table
 
-    def _arange(self, n: int) -> torch.Tensor:
+    def arange(self, n: int) -> torch.Tensor:
+        """torch.arange(n) on the model's device, a view of one kept tensor (no allocation per step)."""
         if self._aranges is None or self._aranges.shape[0] < n:
             self._aranges = torch.arange(max(n, 4096), device=self.device)
         return self._aranges[:n]
@@ -240,16 +242,16 @@ class CausalLM:
         rows = kv.cache_rows(slot_start, write_pos)  # [B * T, kv_heads]: where this step's K/V go
         keep = None if kv_len is None else self._decode_mask(positions[:, -1], kv_len)
         if extend_len is not None:  # [B, 1, T, L]: each token sees the cache up to its own position
-            keep = torch.where(self._arange(extend_len)[None, None, :] <= positions[:, :, None], *self._mask_values())
+            keep = torch.where(self.arange(extend_len)[None, None, :] <= positions[:, :, None], *self._mask_values())
             keep, kv_len = keep[:, None], extend_len
         select = None
-        for i, names in enumerate(self._layer_names):
+        for i, names in enumerate(self.layer_names):
             if out_index is not None and i + 1 == s.num_layers:
-                select = self._arange(B) * T + out_index  # flat rows of the tokens that go on
+                select = self.arange(B) * T + out_index  # flat rows of the tokens that go on
                 if extend_len is None:
                     keep, kv_len = self._decode_mask(out_index, T), T
                 else:
-                    keep = self._decode_mask(positions[self._arange(B), out_index], extend_len)
+                    keep = self._decode_mask(positions[self.arange(B), out_index], extend_len)
             x = rms_norm(h, st[names["ln1"]], s.rms_norm_eps)
             extend = extend_len is not None and select is None
             h = self._attention(i, names, x, h, (B, T), cos, sin, kv, rows, slot_start, keep, kv_len, select, extend)
@@ -257,119 +259,6 @@ class CausalLM:
             h = (h + self._moe(names, x, routing)) if i in s.moe_layers else self._mlp(names, x, h)
         h = rms_norm(h, st["model.norm.weight"], s.rms_norm_eps)
         return h if out_index is not None else h.view(B, T, -1)
-
-    def decode_fused(
-        self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
-        lens: torch.Tensor,
-        kv: KVCache,
-        attention: triton_ops.DecodeAttention,
-    ) -> torch.Tensor:
-        """One decode token for each of the slots 0..B-1 with the Triton kernels (see triton_ops).
-
-        tokens, positions [B] (the token's position; its K/V are written there), lens [B] (keys each row
-        attends to: position + 1). Returns the final-normed hidden [B, D]. Dense models only.
-        """
-        s, st = self.spec, self.storage
-        eps = s.rms_norm_eps
-        B, H = tokens.shape[0], s.num_heads
-        table = self._rope_table_covering(kv.k.shape[3])
-        h = F.embedding(tokens, st["model.embed_tokens.weight"])  # the residual stream, updated in place
-        if self.fp32_residual:
-            h = h.float()
-        x = self._fused_norm(h, None, *self._norm_before(0))
-        for i, names in enumerate(self._layer_names):
-            qkv = linear(x, st[names["qkv"]], st.get(names["qkv_b"]))
-            attn = attention.rope_attend(
-                qkv, positions, lens, table, kv.k[i], kv.v[i], st.get(names["qn"]), st.get(names["kn"]), eps
-            ).view(B, H * s.head_dim)
-            x = self._fused_norm(linear(attn, st[names["o"]], st.get(names["ob"])), h, names["ln2"], names["gate_up"])
-            x = self._fused_norm(self._fused_mlp(names, x), h, *self._norm_before(i + 1))
-        return x
-
-    def prefill_fused(
-        self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
-        write_pos: torch.Tensor,
-        last_idx: torch.Tensor,
-        kv: KVCache,
-        slot_start: int,
-        attention: triton_ops.DecodeAttention,
-    ) -> torch.Tensor:
-        """`forward(..., kv_len=None, out_index=last_idx)` with the Triton kernels: prefill tokens [B, T]
-        into slots [slot_start, slot_start + B) and return the final-normed hidden of token last_idx[b] of
-        each row, [B, D]. Dense models only.
-
-        Norms, residual adds, RoPE + the KV write and SiLU*up are the decode step's kernels over all B x T
-        tokens; attention is SDPA's causal kernel over the fresh keys (padded keys stay in the batch, so
-        the cache's stale tail is never read). The last layer attends from the B selected tokens alone,
-        over the keys just written to the cache (the decode attention kernel), and runs its output
-        projection and MLP for those B tokens.
-        """
-        s, st = self.spec, self.storage
-        eps = s.rms_norm_eps
-        B, T = tokens.shape
-        H, KVH, hd = s.num_heads, s.num_kv_heads, s.head_dim
-        n = B * T
-        table = self._rope_table_covering(kv.k.shape[3])
-        rows = self._arange(B)
-        slots = (slot_start + rows).repeat_interleave(T)  # dense: one slot per token, B = 1 included
-        select = rows * T + last_idx
-        pos, wpos = positions.reshape(-1), write_pos.reshape(-1)
-        keys = torch.empty((n, KVH, hd), dtype=self.dtype, device=self.device)
-        h = F.embedding(tokens.reshape(-1), st["model.embed_tokens.weight"])
-        if self.fp32_residual:
-            h = h.float()
-        x = self._fused_norm(h, None, *self._norm_before(0))
-        for i, names in enumerate(self._layer_names):
-            last = i + 1 == s.num_layers
-            qkv = linear(x, st[names["qkv"]], st.get(names["qkv_b"]))
-            q = triton_ops.rope_kv_write(
-                qkv, pos, slots, table, kv.k[i], kv.v[i], H, KVH, st.get(names["qn"]), st.get(names["kn"]), eps,
-                write_positions=wpos, k_out=None if last else keys,
-            )  # fmt: skip
-            if last:
-                k_cache, v_cache = kv.k[i][slot_start:], kv.v[i][slot_start:]
-                attn = attention(q[select], k_cache, v_cache, last_idx + 1).view(B, H * hd)
-                h = h[select]
-            else:
-                values = qkv.view(B, T, H + 2 * KVH, hd)[:, :, H + KVH :]
-                attn = F.scaled_dot_product_attention(
-                    q.view(B, T, H, hd).transpose(1, 2),
-                    keys.view(B, T, KVH, hd).transpose(1, 2),
-                    values.transpose(1, 2),
-                    is_causal=True,
-                    enable_gqa=H != KVH,
-                )
-                attn = attn.transpose(1, 2).reshape(n, H * hd)
-            x = self._fused_norm(linear(attn, st[names["o"]], st.get(names["ob"])), h, names["ln2"], names["gate_up"])
-            x = self._fused_norm(self._fused_mlp(names, x), h, *self._norm_before(i + 1))
-        return x
-
-    # The fused paths' norms and SiLU hand an FP8 GEMM on cuBLASLt its input already quantized (fp8.QuantizedInput:
-    # the codes the GEMM's own quantization would give, one launch fewer per GEMM); everywhere else model dtype.
-    def _fused_norm(
-        self, x: torch.Tensor, residual: torch.Tensor | None, norm: str, feeds: str | None
-    ) -> torch.Tensor | fp8.QuantizedInput:
-        """triton_ops.add_rms_norm by the norm weight named `norm`, quantized for the weight named `feeds` (the
-        GEMM its output goes to) where that GEMM takes it so (fp8.takes_quantized_input)."""
-        quantize = feeds is not None and fp8.takes_quantized_input(self.storage[feeds])
-        return triton_ops.add_rms_norm(x, residual, self.storage[norm], self.spec.rms_norm_eps, quantize=quantize)
-
-    def _norm_before(self, layer: int) -> tuple[str, str | None]:
-        """(the norm before `layer`'s attention, the weight its output feeds); past the last layer the final norm,
-        which feeds the LM head (in the model dtype)."""
-        if layer == self.spec.num_layers:
-            return "model.norm.weight", None
-        return self._layer_names[layer]["ln1"], self._layer_names[layer]["qkv"]
-
-    def _fused_mlp(self, names: dict[str, str], x: torch.Tensor | fp8.QuantizedInput) -> torch.Tensor:
-        """The dense MLP of normed x: gate/up GEMM, SiLU * up (quantized for the down GEMM where it takes that), down."""
-        down = self.storage[names["down"]]
-        gate_up = linear(x, self.storage[names["gate_up"]])
-        return linear(triton_ops.silu_mul(gate_up, quantize=fp8.takes_quantized_input(down)), down)
 
     def logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
         """LM-head logits; fp32 False keeps the model dtype (the fused sampler reads bf16 as fp32 itself)."""
@@ -431,7 +320,7 @@ class CausalLM:
     def _decode_mask(self, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
         """The additive mask (0 / -inf) of the cache positions < kv_len each row attends to (those at or
         before its token's position [B]), built once per step in the layout `_decode_attention` takes."""
-        keep = torch.where(self._arange(kv_len)[None, :] <= positions[:, None], *self._mask_values())[:, None, None, :]
+        keep = torch.where(self.arange(kv_len)[None, :] <= positions[:, None], *self._mask_values())[:, None, None, :]
         if not self._bmm_attention:
             return keep  # [B, 1, 1, L]: SDPA broadcasts it over the heads (the float form it would build itself)
         s = self.spec

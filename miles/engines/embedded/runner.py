@@ -26,7 +26,7 @@ from typing import TypeVar
 
 import torch
 
-from miles.engines.embedded import triton_ops
+from miles.engines.embedded import fused_forward, triton_ops
 from miles.engines.embedded.kv_cache import KVCache
 from miles.engines.embedded.model import CausalLM
 from miles.engines.embedded.moe import Routing
@@ -75,7 +75,7 @@ class DecodeGraphs:
     def _step(self, bucket: int) -> torch.Tensor:
         if self.attention is not None:
             tok, pos, lens = self.tokens[:bucket], self.positions[:bucket], self.lens[:bucket]
-            hidden = self.model.decode_fused(tok, pos, lens, self.kv, self.attention)
+            hidden = fused_forward.decode_fused(self.model, tok, pos, lens, self.kv, self.attention)
             return self.model.logits(hidden, fp32=False)
         tok, pos = self.tokens[:bucket, None], self.positions[:bucket, None]
         hidden = self.model.forward(tok, pos, self.kv, 0, pos, kv_len=self.kv.k.shape[3])
@@ -229,8 +229,8 @@ class ModelRunner:
         with self.lock:
             if not any(want_all) and routing is None:  # only the last tokens' hidden states are needed
                 if self.attention is not None:  # the Triton kernels
-                    last_hidden = self.model.prefill_fused(
-                        tokens, positions, write_pos, last_idx, self.kv, slot_start, self.attention
+                    last_hidden = fused_forward.prefill_fused(
+                        self.model, tokens, positions, write_pos, last_idx, self.kv, slot_start, self.attention
                     )
                 else:
                     last_hidden = self.model.forward(
@@ -290,7 +290,7 @@ class ModelRunner:
             device = self.model.device
             if self.attention is not None:
                 tok, pos = to_device(tokens, device), to_device(positions, device)
-                hidden = self.model.decode_fused(tok, pos, pos + 1, self.kv, self.attention)
+                hidden = fused_forward.decode_fused(self.model, tok, pos, pos + 1, self.kv, self.attention)
                 return self.model.logits(hidden, fp32=False)
             tok, pos = to_device(tokens, device)[:, None], to_device(positions, device)[:, None]
             hidden = self.model.forward(tok, pos, self.kv, 0, pos, kv_len=max(positions) + 1)
