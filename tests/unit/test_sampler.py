@@ -138,18 +138,17 @@ def test_to_device_keeps_values_and_dtypes():
 def test_the_scheduler_reuses_a_batch_and_compares_later_steps_by_identity(monkeypatch):
     """A new round's requests carry new but equal parameters: their batch is reused, and the steps after
     the first compare the same objects again, not 256 dataclasses field by field every step."""
-    from miles.engines.embedded.scheduler import Scheduler
+    from miles.engines.embedded.step_sampling import StepSampling
 
     compared = []
     field_eq = SamplingParams.__eq__
     monkeypatch.setattr(SamplingParams, "__eq__", lambda a, b: compared.append(1) or field_eq(a, b))
-    sched = Scheduler.__new__(Scheduler)
-    sched._sampling_cache = None
+    sampling = StepSampling(runner=None, batch_generator=None)  # sampling batches need neither
     first_round = [SamplingParams(top_p=0.5) for _ in range(4)]
-    batch = sched._sampling_batch(list(first_round))
+    batch = sampling.sampling_batch(list(first_round))
     second_round = [SamplingParams(top_p=0.5) for _ in range(4)]
-    assert sched._sampling_batch(list(second_round)) is batch and len(compared) == 4
+    assert sampling.sampling_batch(list(second_round)) is batch and len(compared) == 4
     for _ in range(3):  # the decode steps of the second round
-        assert sched._sampling_batch(list(second_round)) is batch
+        assert sampling.sampling_batch(list(second_round)) is batch
     assert len(compared) == 4
-    assert sched._sampling_batch([SamplingParams(top_p=0.9)] * 4) is not batch
+    assert sampling.sampling_batch([SamplingParams(top_p=0.9)] * 4) is not batch

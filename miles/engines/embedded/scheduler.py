@@ -21,7 +21,8 @@ requests is launched right away, feeding those tokens, before the host does the 
 the host work then overlaps the GPU work. The next iteration uses that lookahead for every request
 still running (a removed request's row is simply ignored; slot compaction copies the KV the lookahead
 wrote) and discards it if the weights or the KV epoch changed meanwhile. It is not used while any
-request samples from its own generator (its random stream would advance for a discarded step).
+request samples from its own generator (its random stream would advance for a discarded step). Sampling a
+step's tokens and launching the lookahead are step_sampling.py's.
 """
 
 from __future__ import annotations
@@ -35,13 +36,13 @@ from collections.abc import Callable
 
 import torch
 
-from miles.engines.embedded.decode_plan import DecodePlan, apply_step
-from miles.engines.embedded.logprob_extras import Extras, input_logprobs, output_extras
+from miles.engines.embedded.decode_plan import apply_step
+from miles.engines.embedded.logprob_extras import Extras, input_logprobs
 from miles.engines.embedded.moe import Routing, routed_rows
 from miles.engines.embedded.prefix_sharing import PrefixSharing
 from miles.engines.embedded.request import Lookahead, Request, StepCounts, StepResult, StepTime
 from miles.engines.embedded.runner import ModelRunner
-from miles.engines.embedded.sampler import SamplingBatch, SamplingParams, sample
+from miles.engines.embedded.step_sampling import StepSampling
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,6 @@ class Scheduler:
         self.check_stop_strings = check_stop_strings
         self.weight_version = weight_version
         self.max_prefill_tokens = max_prefill_tokens
-        self.batch_generator = batch_generator
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.paused = False
@@ -83,8 +83,7 @@ class Scheduler:
         self.lookahead = lookahead
         self._lookahead: Lookahead | None = None
         self.step_delay_s = float(os.environ.get(STEP_DELAY_ENV, "0") or 0)
-        self._sampling_cache: tuple[list[SamplingParams], SamplingBatch] | None = None
-        self._decode_plan: DecodePlan | None = None  # the running batch's (decode_plan.py)
+        self.sampling = StepSampling(runner, batch_generator)  # sampling batch, decode plan, lookahead launch
         self._aborts = False  # an abort was asked for since the last reap
         self._checked_epoch = -1  # every running request's KV was of this epoch at the last look
         self.lookahead_used = 0  # decode steps served by a lookahead (tests and benches read these)
@@ -312,8 +311,15 @@ class Scheduler:
             if prefill:
                 logits.append(prefill_logits)
             reqs = decode + prefill
-            tokens_dev, lps_dev, output_extras = self._sample(reqs, prefill, logits, ahead, rows)
-            tokens, lps, lookahead, wait_s = self._fetch_results(reqs, tokens_dev, lps_dev, epoch, version)
+            if ahead is not None:
+                self.lookahead_used += 1
+            tokens_dev, lps_dev, output_extras = self.sampling.sample_tokens(
+                reqs, prefill, logits, ahead, rows, self.extras_in_use
+            )
+            look_ahead = self._may_look_ahead(reqs)
+            tokens, lps, lookahead, wait_s = self.sampling.fetch_results(
+                reqs, tokens_dev, lps_dev, epoch, version, look_ahead
+            )
             routed = routed_rows(decode, prefill, decode_routing, prefill_routing)
             return StepResult(
                 tokens, lps, input_lps, version, lookahead, output_extras, routed, ahead is not None, wait_s
@@ -337,111 +343,19 @@ class Scheduler:
             req.prefill_count += 1
         return res.last_logits, input_lps
 
-    def _sample(
-        self,
-        reqs: list[Request],
-        prefill: list[Request],
-        logits: list[torch.Tensor],
-        ahead: Lookahead | None,
-        rows: range | list[int] | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, dict[int, Extras]]:
-        """This step's (tokens, log-probs) on the device for `reqs` in step order: the decode rows from the
-        lookahead when one is used, the rest sampled from `logits`; and the extras asked for (step index ->)."""
-        sampled = reqs if ahead is None else prefill
-        parts: list[tuple[torch.Tensor, torch.Tensor]] = []
-        if ahead is not None:
-            self.lookahead_used += 1
-            parts.append(ahead.take(rows))
-        step_extras: dict[int, Extras] = {}
-        if sampled:
-            batch = self._sampling_batch([r.params for r in sampled])
-            step_logits = torch.cat(logits) if len(logits) > 1 else logits[0]
-            if self.extras_in_use:
-                step_extras = output_extras(sampled, step_logits, len(reqs) - len(sampled))
-            parts.append(
-                sample(
-                    step_logits,
-                    batch,
-                    [r.generator for r in sampled],
-                    self.batch_generator,
-                    fused=self.runner.fused_kernels,
-                )
-            )
-        tokens_dev = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
-        lps_dev = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
-        return tokens_dev, lps_dev, step_extras
-
-    def _fetch_results(
-        self, reqs: list[Request], tokens_dev: torch.Tensor, lps_dev: torch.Tensor, epoch: int, version: int
-    ) -> tuple[list[int], list[float], Lookahead | None, float]:
-        """The step's tokens and log-probs on the host, the next decode step launched ahead where allowed
-        (on CUDA queued behind the copy of this step's results, so the host work overlaps it), and the
-        seconds the host waited for the results (on CUDA: for the device to reach them)."""
-        lookahead = None
-        look_ahead = self._may_look_ahead(reqs)
-        if not look_ahead or tokens_dev.device.type != "cuda":
-            wait_start = time.perf_counter()
-            tokens, lps = tokens_dev.tolist(), lps_dev.tolist()
-            wait_s = time.perf_counter() - wait_start
-            if look_ahead:  # nothing runs asynchronously here: results, then the lookahead
-                lookahead = self._launch_lookahead(reqs, tokens_dev, epoch, version)
-            return tokens, lps, lookahead, wait_s
-        # copy this step's results out first, then queue the next decode step behind the copy
-        host_tokens = torch.empty(tokens_dev.shape, dtype=tokens_dev.dtype, pin_memory=True)
-        host_lps = torch.empty(lps_dev.shape, dtype=lps_dev.dtype, pin_memory=True)
-        host_tokens.copy_(tokens_dev, non_blocking=True)
-        host_lps.copy_(lps_dev, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        lookahead = self._launch_lookahead(reqs, tokens_dev, epoch, version)
-        wait_start = time.perf_counter()
-        copied.synchronize()
-        wait_s = time.perf_counter() - wait_start
-        return host_tokens.tolist(), host_lps.tolist(), lookahead, wait_s
-
-    def _launch_lookahead(self, reqs: list[Request], tokens: torch.Tensor, epoch: int, version: int) -> Lookahead:
-        """Queue the next decode step of `reqs`, fed this step's device `tokens` at their next positions."""
-        plan = self._plan(reqs)
-        logits = self.runner.decode(tokens, plan.positions())
-        batch = self._sampling_batch(plan.params)
-        next_tokens, next_lps = sample(
-            logits, batch, [None] * len(reqs), self.batch_generator, fused=self.runner.fused_kernels
-        )
-        return Lookahead(reqs, next_tokens, next_lps, epoch, version)
-
     def _may_look_ahead(self, reqs: list[Request]) -> bool:
         """A lookahead needs no private generators and room for one more token in every request."""
         if not self.lookahead or self.paused or not reqs:
             return False
         # the lookahead's forward records no routing and samples from the batch generator only; at least
         # one request must go on after this step (else the lookahead is wasted work)
-        return self._plan(reqs).may_look_ahead()
-
-    def _plan(self, reqs: list[Request]) -> DecodePlan:
-        """The plan of this batch of requests (in step order), made again whenever the batch changed."""
-        plan = self._decode_plan
-        if plan is None or not plan.covers(reqs):
-            plan = self._decode_plan = DecodePlan.of(reqs, self.runner.max_seq_len)
-        return plan
-
-    def _sampling_batch(self, params: list[SamplingParams]) -> SamplingBatch:
-        """The batch's sampling parameters; reused while the same requests run in the same order (the list
-        comparison checks identity first, element by element, in C). A batch equal by value (new requests
-        with the same parameters) is reused too, and the new list is kept, so that the next steps compare
-        by identity again rather than field by field."""
-        cached = self._sampling_cache
-        if cached is not None and cached[0] == params:
-            batch = cached[1]
-        else:
-            batch = SamplingBatch(params)
-        self._sampling_cache = (params, batch)
-        return batch
+        return self.sampling.plan(reqs).may_look_ahead()
 
     # ---- bookkeeping (event loop thread) -----------------------------------------------------------------
     def _apply(self, result: StepResult, n_decode: int) -> None:
         # the host's share of every step, once per token: decode_plan.apply_step
         finished = apply_step(
-            self.running, result, self._plan(self.running), self.check_stop_strings, self.runner.max_seq_len
+            self.running, result, self.sampling.plan(self.running), self.check_stop_strings, self.runner.max_seq_len
         )
         self._retire(finished)
 
@@ -449,7 +363,7 @@ class Scheduler:
         for i, reason in reversed(finished):
             self._remove_running(i, reason)
         if not self.running:
-            self._decode_plan = None  # it holds the finished requests
+            self.sampling.drop_plan()  # it holds the finished requests
 
     def _remove_slot(self, i: int) -> Request:
         """Take request i out of the running batch; the last request moves into slot i."""
