@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from miles.engines.client import EngineClient, EngineHTTPError
-from miles.engines.embedded.engine import INLINE_TOKENIZE_CHARS, EmbeddedEngine
+from miles.engines.embedded.engine import EmbeddedEngine
+from miles.engines.embedded.request_intake import INLINE_TOKENIZE_CHARS
 from miles.engines.http_front import start_http_server
 from miles.weights.receiver import MATERIALISE_BASE
 

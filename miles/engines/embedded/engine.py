@@ -4,11 +4,6 @@ Loads a HF causal LM (safetensors) and its tokenizer from a local directory and 
 through the continuous-batching scheduler. Weight updates copy into the live tensors by HF name;
 `weight_version` is recorded for every generated token.
 
-Determinism: with `deterministic=True` every request samples from its own torch.Generator seeded with
-`sampling_seed` (or engine seed + a stable hash of its rid), so its tokens do not depend on the other
-requests in the batch (on CPU fp32; GPU kernels are not made batch-invariant). Without it, requests
-that pass `sampling_seed` still get their own generator; the rest share the engine's generator.
-
 Prefix sharing (prefix_cache.py; on unless `prefix_cache=False`, the embedded form of SGLang's
 `--disable-radix-cache`): full pages of K/V are shared by requests whose tokens start alike (a group's
 samples, a session's turns), so a prefill computes only what the cache lacks; `cached_tokens` in the
@@ -33,8 +28,8 @@ the event loop instead of a worker thread (the hand-off would cost as much as th
 decode steps while a lookahead is queued; `lookahead` (default: with CUDA graphs) launches the next
 decode step before the host's bookkeeping of the current one (scheduler.py).
 
-Rooms: engine_setup.py sizes and loads what the engine is built from, engine_weights.py changes its
-weights and memory, responses.py writes its answers in SGLang's shape.
+Rooms: engine_setup.py sizes and loads what the engine is built from, engine_weights.py changes its weights and
+memory, request_intake.py checks prompts and seeds samples (determinism), responses.py answers in SGLang's shape.
 """
 
 from __future__ import annotations
@@ -42,11 +37,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-import zlib
 
 import torch
 
-from miles.engines.embedded import engine_setup
+from miles.engines.embedded import engine_setup, request_intake
 from miles.engines.embedded.checkpoint import read_config
 from miles.engines.embedded.engine_weights import EngineWeights
 from miles.engines.embedded.logprob_extras import Extras, ExtrasRequest, check_request, extras_of, input_extras
@@ -58,10 +52,6 @@ from miles.engines.embedded.sampler import SamplingParams
 from miles.engines.embedded.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
-
-# Prompts up to this many characters are tokenised on the event loop (about a millisecond); longer
-# ones in a thread, so one huge prompt does not stall every other request.
-INLINE_TOKENIZE_CHARS = 4096
 
 
 class EmbeddedEngine(EngineWeights):
@@ -186,7 +176,7 @@ class EmbeddedEngine(EngineWeights):
             raise RuntimeError("EmbeddedEngine.start() called twice")
         self.scheduler = Scheduler(
             self.runner,
-            check_stop_strings=self._check_stop_strings,
+            check_stop_strings=lambda req: request_intake.check_stop_strings(self.tokenizer, req),
             weight_version=lambda: self.weight_version,
             max_prefill_tokens=self._max_prefill_tokens,
             batch_generator=self._batch_generator,
@@ -239,7 +229,15 @@ class EmbeddedEngine(EngineWeights):
         base64 int32 [seq_len - 1 - routed_experts_start_len, moe_layers, k] (miles/utils/routing.py)."""
         scheduler = self._require_started()
         params = SamplingParams.from_dict(sampling_params)
-        prompt = await self._prompt(input_ids, text, params)
+        prompt = await request_intake.prompt_ids(
+            input_ids,
+            text,
+            params,
+            tokenizer=self.tokenizer,
+            vocab_size=self.model.spec.vocab_size,
+            max_seq_len=self.max_seq_len,
+            max_prompt_chars=self.max_prompt_chars,
+        )
         if logprob_start_len >= len(prompt):
             raise ValueError(f"logprob_start_len={logprob_start_len} must be < prompt length {len(prompt)}")
         extras = check_request(top_logprobs_num, token_ids_logprob, self.model.spec.vocab_size)
@@ -252,7 +250,9 @@ class EmbeddedEngine(EngineWeights):
         scoring = return_logprob and logprob_start_len >= 0 and params.max_new_tokens == 0 and params.n == 1
         if scoring and self.reference is not None and not return_routed_experts:
             return await self._reference_score(scheduler, rid, prompt, params, logprob_start_len, extras)
-        rids = self._sample_rids(rid, params.n)
+        rids = request_intake.sample_rids(rid, params.n, self.runner.max_running_requests)
+        if params.n > 1:
+            self._children[rid] = rids  # an abort of `rid` reaches every sample
         reqs = [
             self._request(
                 r,
@@ -276,24 +276,6 @@ class EmbeddedEngine(EngineWeights):
         outs = [generate_response(req, self.tokenizer, self.weight_version) for req in done]
         return outs[0] if params.n == 1 else outs
 
-    async def _prompt(self, input_ids: list[int] | None, text: str | None, params: SamplingParams) -> list[int]:
-        """The prompt's token ids, from `input_ids` or the tokenised `text` (exactly one), checked to fit."""
-        if (input_ids is None) == (text is None):
-            raise ValueError("pass exactly one of input_ids or text")
-        return self._check_prompt(list(input_ids) if input_ids is not None else await self._encode(text), params)
-
-    def _sample_rids(self, rid: str, n: int) -> list[str]:
-        """One rid per sample (`rid-i` for n > 1, kept as the parent's children so an abort of `rid` reaches them)."""
-        if n > self.runner.max_running_requests:
-            raise ValueError(
-                f"n={n} is over the engine's {self.runner.max_running_requests} running requests "
-                "(max_running_requests); ask for fewer samples per request"
-            )
-        rids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
-        if n > 1:
-            self._children[rid] = rids
-        return rids
-
     def _request(
         self,
         rid: str,
@@ -315,58 +297,14 @@ class EmbeddedEngine(EngineWeights):
             return_logprob=return_logprob,
             logprob_start_len=logprob_start_len,
             future=asyncio.get_running_loop().create_future(),
-            generator=self._request_generator(params, rid, index),
+            generator=request_intake.request_generator(
+                params, rid, index, engine_seed=self.seed, deterministic=self.deterministic, device=self.device
+            ),
             stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids),
             extras=extras,
             routed=routed_buffer(self.model.spec, routed_capacity),
             routed_start=routed_start,
         )
-
-    async def _encode(self, text: str) -> list[int]:
-        if not isinstance(text, str):
-            raise ValueError(f"text must be a string, got {type(text).__name__}")
-        if len(text) > self.max_prompt_chars:
-            raise ValueError(
-                f"prompt of {len(text)} characters cannot fit the engine's {self.max_seq_len}-token context per "
-                f"request (refused above {self.max_prompt_chars} characters, before tokenising); shorten it"
-            )
-        if len(text) <= INLINE_TOKENIZE_CHARS:
-            return self.tokenizer(text)["input_ids"]
-        return (await asyncio.to_thread(self.tokenizer, text))["input_ids"]
-
-    def _check_prompt(self, ids: list[int], params: SamplingParams) -> list[int]:
-        if not ids:
-            raise ValueError("the prompt is empty; pass at least one token")
-        vocab = self.model.spec.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"input_ids contain ids outside [0, {vocab}): {bad[:5]}")
-        limit = self.max_seq_len - (1 if params.max_new_tokens > 0 else 0)
-        if len(ids) > limit:
-            raise ValueError(
-                f"prompt of {len(ids)} tokens does not fit the engine's {self.max_seq_len}-token "
-                f"context per request; shorten it or raise max_total_tokens"
-            )
-        return ids
-
-    def _request_generator(self, params: SamplingParams, rid: str, index: int) -> torch.Generator | None:
-        if params.sampling_seed is not None:
-            seed = params.sampling_seed + index
-        elif self.deterministic:
-            seed = self.seed + zlib.crc32(rid.encode())  # stable across processes, unlike hash()
-        else:
-            return None
-        return torch.Generator(device=self.device).manual_seed(seed)
-
-    def _check_stop_strings(self, req: Request) -> dict | None:
-        """A stop string in the output's tail (the scheduler checks stop ids and lengths itself)."""
-        p = req.params
-        window = 4 * max(len(s) for s in p.stop) + 4  # a token decodes to >= 1 char or a byte piece
-        tail = self.tokenizer.decode(req.output_ids[-window:], skip_special_tokens=False)
-        for s in p.stop:
-            if s in tail:
-                return {"type": "stop", "matched": s}
-        return None
 
     # ---- true-on-policy scoring ---------------------------------------------------------------------------
     async def _reference_score(
