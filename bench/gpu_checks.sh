@@ -23,7 +23,7 @@ out="${OUT:-runs/gpu_checks}"
 mkdir -p "$out"
 
 kernels() {
-    python -m pytest -q -x tests/unit/test_triton_ops.py tests/unit/test_triton_fp8_input.py \
+    python -m pytest -q tests/unit/test_triton_ops.py tests/unit/test_triton_fp8_input.py \
         tests/unit/test_triton_kv_fp8.py tests/unit/test_moe_triton.py tests/gpu/test_engine_gpu.py \
         tests/gpu/test_fp8_gpu.py tests/gpu/test_kv_fp8_gpu.py tests/gpu/test_moe_gpu.py \
         tests/gpu/test_prefix_cache_gpu.py tests/gpu/test_engine_weight_cycles_gpu.py
