@@ -1,0 +1,49 @@
+"""bench/gpu_checks.sh runs only on a GPU host, where a stale flag or a moved test file costs a whole call:
+every bench command it holds parses with that bench's own argument parser, and every test path exists."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from tests.unit.bench_modules import load_bench
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = (REPO / "bench" / "gpu_checks.sh").read_text()
+PARSERS = {"fp8": "parse_args", "engine_throughput": "parse_args", "moe": "parse"}
+
+
+def bench_commands(script: str) -> list[tuple[str, list[str]]]:
+    """(bench name, argv) of every `python bench/<name>.py ...` line, the group's `local shape=(...)` array
+    put in place of `"${shape[@]}"`."""
+    commands = []
+    for body in re.split(r"\n\w+\(\) \{\n", script)[1:]:
+        array = re.search(r"local shape=\((.*?)\)", body, re.S)
+        shape = shlex.split(array.group(1)) if array else []
+        for line in re.findall(r"python (bench/\S+\.py .*)", body):
+            words = shlex.split(line.replace('"${shape[@]}"', shlex.join(shape)))
+            commands.append((Path(words[0]).stem, words[1:]))
+    return commands
+
+
+def test_the_script_holds_the_figure_groups_commands():
+    names = [name for name, _ in bench_commands(SCRIPT)]
+    assert names.count("fp8") == 3 and names.count("engine_throughput") == 2 and names.count("moe") == 2
+
+
+@pytest.mark.parametrize("name, argv", bench_commands(SCRIPT), ids=lambda v: v if isinstance(v, str) else None)
+def test_each_bench_command_parses(name, argv):
+    args = getattr(load_bench(name), PARSERS[name])(argv)  # argparse exits on an unknown flag or a bad choice
+    if name == "moe":  # its device defaults to CUDA where there is one; the group compares the two roundings
+        assert args.engine_moe_rounding in ("fused", "transformers") and args.trainer_dtype == "bfloat16"
+    else:
+        assert args.device == "cuda"
+
+
+def test_each_test_path_exists():
+    paths = re.findall(r"tests/[\w/]+\.py", SCRIPT)
+    assert len(paths) >= 15
+    assert [p for p in paths if not (REPO / p).is_file()] == []
