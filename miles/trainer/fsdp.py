@@ -35,7 +35,7 @@ from miles.trainer.fsdp_shard import clip_sharded_grad_norm
 from miles.trainer.hf_io import resolve_compute_dtype, source_dtype, trainer_attention, write_hf_dir
 from miles.trainer.lora import adapter_tensors, export_lora_hf, lora_settings
 from miles.trainer.lr_schedule import LRScheduler
-from miles.trainer.offload import DiskOffloader, HostOffloader, module_tensors, optimizer_tensors
+from miles.trainer.offload import DiskOffloader, HostOffloader, module_onloaded, module_tensors, optimizer_tensors
 from miles.trainer.offload_optim import OffloadedAdamW
 from miles.trainer.packing import layout_for, pack_sequences, plan_micro_batches
 from miles.trainer.routing_replay import RoutingReplay, replay_scope
@@ -191,18 +191,10 @@ class FSDPBackend:
         self.critic.train()
         return values
 
-    @contextlib.contextmanager
-    def _onloaded(self, which: str) -> Iterator[None]:
+    def _onloaded(self, which: str) -> contextlib.AbstractContextManager[None]:
         """The ref model lives on host between uses once `offload_ref()` was called."""
         off = self._offloaders.get("ref") if which == "ref" else None
-        if off is not None:
-            off.onload()
-        try:
-            yield
-        finally:
-            if off is not None:
-                self._reshard_all(self.ref)
-                off.offload(module_tensors(self.ref))
+        return module_onloaded(off, self.ref, before_offload=lambda: self._reshard_all(self.ref))
 
     def offload_ref(self) -> None:
         """Keep the frozen reference model on host; it is brought back only for its forward."""

@@ -19,7 +19,7 @@ import torch
 from megatron.core.distributed import DistributedDataParallel
 
 from miles.config import RolloutConfig, TrainConfig
-from miles.trainer.offload import HostOffloader, module_tensors, optimizer_tensors
+from miles.trainer.offload import HostOffloader, module_onloaded, module_tensors, optimizer_tensors
 
 
 def actor_tensors(actor: DistributedDataParallel, optimizer: Any) -> Iterator[torch.Tensor]:
@@ -53,17 +53,11 @@ def onload_actor(offloaders: dict[str, HostOffloader]) -> None:
         off.onload()
 
 
-@contextlib.contextmanager
-def onloaded(offloaders: dict[str, HostOffloader], which: str, ref: torch.nn.Module | None) -> Iterator[None]:
+def onloaded(
+    offloaders: dict[str, HostOffloader], which: str, ref: torch.nn.Module | None
+) -> contextlib.AbstractContextManager[None]:
     """The model `which` ("actor", "ref") on the device for the body; an offloaded ref goes back after it."""
-    off = offloaders.get("ref") if which == "ref" else None
-    if off is not None:
-        off.onload()
-    try:
-        yield
-    finally:
-        if off is not None:
-            off.offload(module_tensors(ref))
+    return module_onloaded(offloaders.get("ref") if which == "ref" else None, ref)
 
 
 def plan_rank_memory(

@@ -13,11 +13,12 @@ bus's bandwidth.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -47,6 +48,26 @@ def module_tensors(module: torch.nn.Module, *, grads: bool = True) -> Iterator[t
         if grads and p.grad is not None:
             yield p.grad
     yield from module.buffers()
+
+
+@contextlib.contextmanager
+def module_onloaded(
+    off: HostOffloader | DiskOffloader | None,
+    module: torch.nn.Module | None,
+    before_offload: Callable[[], None] | None = None,
+) -> Iterator[None]:
+    """An offloaded frozen `module` (the reference model) on the device for the body and back off it after;
+    with no offloader, just the body. `before_offload` runs first on the way out (FSDP reshards there)."""
+    if off is None or module is None:
+        yield
+        return
+    off.onload()
+    try:
+        yield
+    finally:
+        if before_offload is not None:
+            before_offload()
+        off.offload(module_tensors(module))
 
 
 class HostOffloader:
