@@ -24,11 +24,13 @@ CPU smoke: python bench/fp8.py --hidden 256 --layers 2 --heads 4 --kv-heads 2 --
 with an FP8 cache against BF16 with a bf16 one.
 With MILES_FP8_CUDA_KERNELS=1 on Hopper the FP8 side runs cuBLASLt's block-scaled GEMMs, whose inputs from the
 norms and SiLU come quantized by those kernels (fp8.FUSED_INPUT_QUANT); --separate-input-quant quantizes every
-GEMM input in its own kernel instead, the way to time what the fused quantization saves.
+GEMM input in its own kernel instead, the way to time what the fused quantization saves. MILES_FP8_SPLIT_K=auto
+cuts the K range of those GEMMs that have few output tiles into chunks on parallel streams (fp8_split_k.py).
 
 Ends with one JSON line: bf16_tok_s, fp8_tok_s, tok_s_ratio, bf16_install_s, fp8_install_s, install_ratio,
 bf16_push_s, fp8_push_s, push_ratio (the goal: <= 1.3), the FP8 side's kv_cache_dtype, fp8_cuda_kernels,
-fused_input_quant (the switch) and fused_input_quant_served (whether the FP8 engine's GEMMs took such inputs).
+fused_input_quant (the switch), fused_input_quant_served (whether the FP8 engine's GEMMs took such inputs),
+fp8_split_k and split_k_refused.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import torch
 from engine_throughput import EngineSide, make_prompts, measure
 
 from miles.config import EMBEDDED_KV_CACHE_DTYPES
-from miles.engines.embedded import fp8
+from miles.engines.embedded import fp8, fp8_split_k
 from miles.engines.embedded.engine import EmbeddedEngine
 from miles.engines.embedded.request import decode_step_summary
 from miles.models.tiny import make_tiny_model
@@ -201,6 +203,8 @@ def main(argv: list[str] | None = None) -> dict:
         "fp8_cuda_kernels": fp8.CUDA_KERNELS,
         "fused_input_quant": fp8.FUSED_INPUT_QUANT,
         "fused_input_quant_served": served,
+        "fp8_split_k": fp8_split_k.SPLIT_K,  # MILES_FP8_SPLIT_K
+        "split_k_refused": not all(fp8._split_ok.values()),
         "shape": {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab")},
     }
     print(

@@ -8,7 +8,9 @@ and `fp8_triton.quantized_linear`, which quantizes the activation inside the GEM
 MILES_FP8_GEMM=triton too), at every setting of a small grid (rows and columns a tile, warps, pipeline stages).
 Both FP8 timings start from the bf16 activation; each output is checked against the fp32 product of the
 activation kernel's codes. It prints one line per GEMM, then the layer's totals: bf16, cuBLASLt, the Triton
-kernel at its default settings and at each GEMM's best, and the ratios.
+kernel at its default settings and at each GEMM's best, and the ratios. On Hopper it also times cuBLASLt's GEMM
+cut into K chunks on parallel streams (fp8_split_k) at each count of --splits that the GEMM's K allows and at
+MILES_FP8_SPLIT_K=auto's choice, each checked like the others (`cublas_split_us`, `cublas_auto_us`).
 
     python bench/fp8_gemm.py --device cuda                                   # the Qwen2.5-7B layer, batch 256
     python bench/fp8_gemm.py --device cuda --hidden 896 --intermediate 4864 --heads 14 --kv-heads 2 --head-dim 64
@@ -28,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from decode_attention import kernel_device
 
-from miles.engines.embedded import fp8, fp8_triton
+from miles.engines.embedded import fp8, fp8_split_k, fp8_triton
 
 
 def _ints(text: str) -> list[int]:
@@ -45,6 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-n", type=_ints, default=[64, 128])
     p.add_argument("--num-warps", type=_ints, default=[4, 8])
     p.add_argument("--num-stages", type=_ints, default=[3, 4])
+    p.add_argument("--splits", type=_ints, default=[2, 3, 4], help="K chunk counts of cuBLASLt's split GEMM")
     return p.parse_args(argv)
 
 
@@ -109,6 +112,37 @@ def _triton_settings(
     return settings
 
 
+def _cublas_timings(
+    x: torch.Tensor, weight: fp8.Fp8Weight, want: torch.Tensor, scale: float, a: argparse.Namespace, dtype
+) -> dict:
+    """cuBLASLt's block-scaled GEMM whole, in each allowed count of --splits K chunks, and at "auto"'s count:
+    microseconds and largest difference from `want` relative to `scale`."""
+    N, K = weight.q.shape
+    counts = {"whole": 0} | {str(n): n for n in a.splits if fp8_split_k.splits_for(a.batch, N, K, x.device, n) == n}
+    counts["auto"] = "auto"
+    times, diffs = {}, {}
+    for label, splits in counts.items():
+        out = fp8._block_scaled_mm(x, weight, dtype, splits=splits)
+        if out is None:
+            break
+        times[label] = round(
+            _time_us(lambda x=x, w=weight, n=splits: fp8._block_scaled_mm(x, w, dtype, splits=n), a.reps, True), 2
+        )
+        diffs[label] = (out.float() - want).abs().max().item() / scale
+    if "whole" not in times:
+        return {}
+    split_times = {k: v for k, v in times.items() if k not in ("whole", "auto")}
+    return {
+        "cublas_us": times["whole"],
+        "cublas_rel_diff": max(diffs.values()),
+        "cublas_split_us": split_times,
+        "cublas_split_best_us": min([times["whole"], *split_times.values()]),
+        "cublas_auto_us": times.get("auto"),
+        "auto_splits": fp8_split_k.splits_for(a.batch, N, K, x.device, "auto"),
+        "split_refused": not fp8._split_ok.get(x.device, True),
+    }
+
+
 def _summary(rows: list[dict], batch: int, device_name: str, cuda: bool) -> dict:
     """The closing line: the layer's GEMMs summed per path, the paths' ratios, each GEMM's best setting."""
 
@@ -122,6 +156,8 @@ def _summary(rows: list[dict], batch: int, device_name: str, cuda: bool) -> dict
     layer = {
         "bf16": total(lambda r: r["bf16_us"]),
         "cublas": total(lambda r: r.get("cublas_us")),
+        "cublas_split_best": total(lambda r: r.get("cublas_split_best_us")),
+        "cublas_auto": total(lambda r: r.get("cublas_auto_us")),
         "triton_default": total(lambda r: r["triton_default"]["us"] if r["triton_default"] else None),
         "triton_best": total(lambda r: r["triton_best"]["us"] if r["triton_best"] else None),
     }
@@ -132,6 +168,8 @@ def _summary(rows: list[dict], batch: int, device_name: str, cuda: bool) -> dict
         "triton_best_over_cublas": ratio(layer["triton_best"], layer["cublas"]),
         "triton_default_over_best": ratio(layer["triton_default"], layer["triton_best"]),
         "cublas_over_bf16": ratio(layer["cublas"], layer["bf16"]),
+        "cublas_split_best_over_cublas": ratio(layer["cublas_split_best"], layer["cublas"]),
+        "cublas_auto_over_cublas": ratio(layer["cublas_auto"], layer["cublas"]),
         "triton_best_over_bf16": ratio(layer["triton_best"], layer["bf16"]),
         "best_settings": {r["gemm"]: r["triton_best"]["settings"] if r["triton_best"] else None for r in rows},
         "worst_rel_diff": max(
@@ -169,12 +207,7 @@ def main(argv: list[str] | None = None) -> dict:
         line: dict = {"gemm": name, "n": N, "k": K, "weight_mb": round(N * K / 2**20, 1)}
         line["bf16_us"] = round(_time_us(lambda x=x, w=w: F.linear(x, w), a.reps, cuda), 2)
         if hopper and K % fp8.BLOCK == 0 and N % fp8.BLOCK == 0:  # the engine's condition for cuBLASLt
-            out = fp8._block_scaled_mm(x, weight, dtype)
-            if out is not None:
-                line["cublas_us"] = round(
-                    _time_us(lambda x=x, w=weight: fp8._block_scaled_mm(x, w, dtype), a.reps, cuda), 2
-                )
-                line["cublas_rel_diff"] = (out.float() - want).abs().max().item() / scale
+            line |= _cublas_timings(x, weight, want, scale, a, dtype)
         settings = _triton_settings(x, weight, want, scale, grid, a.reps, cuda)
         timed = [s for s in settings if "us" in s]
         line["triton_default"] = timed[0] if timed and timed[0]["settings"] == list(default_settings) else None

@@ -8,8 +8,9 @@
 #   bash bench/gpu_checks.sh kernels            # the GPU-marked and interpreter-capable kernel tests on CUDA
 #   bash bench/gpu_checks.sh trainer            # the trainers' and the colocated weight path's GPU tests (FSDP,
 #                                               #   megatron when megatron-core is installed, offload, async saves)
-#   bash bench/gpu_checks.sh fp8                # FP8 / BF16 tokens/s on the 7B shape: fused input quantization,
-#                                               #   then the separate quantization kernel, then with an FP8 KV cache
+#   bash bench/gpu_checks.sh fp8                # a 7B layer's FP8 GEMMs whole and split-K, then FP8 / BF16 tokens/s
+#                                               #   on the 7B shape: fused input quantization, + split-K GEMMs,
+#                                               #   + an FP8 KV cache, then the separate quantization kernel
 #   bash bench/gpu_checks.sh kv                 # the 0.5B shape at batch 256: bf16 KV against fp8_e4m3 KV
 #   bash bench/gpu_checks.sh moe                # R3's gap at real proportions with the bf16 trainer's fp32 stream:
 #                                               #   the expert kernels' own rounding against transformers'
@@ -36,9 +37,11 @@ trainer() {
 
 fp8() {
     local shape=(--device cuda --batch 256 --prompt-len 128 --new-tokens 512 --reps 2 --install-reps 3)
+    python bench/fp8_gemm.py --device cuda --block-m 64 --block-n 128 --num-warps 4 --num-stages 3
     MILES_FP8_CUDA_KERNELS=1 python bench/fp8.py "${shape[@]}"
+    MILES_FP8_CUDA_KERNELS=1 MILES_FP8_SPLIT_K=auto python bench/fp8.py "${shape[@]}"
+    MILES_FP8_CUDA_KERNELS=1 MILES_FP8_SPLIT_K=auto python bench/fp8.py "${shape[@]}" --kv-cache-dtype fp8_e4m3
     MILES_FP8_CUDA_KERNELS=1 python bench/fp8.py "${shape[@]}" --separate-input-quant
-    MILES_FP8_CUDA_KERNELS=1 python bench/fp8.py "${shape[@]}" --kv-cache-dtype fp8_e4m3
 }
 
 kv() {

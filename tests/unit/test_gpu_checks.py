@@ -13,7 +13,7 @@ from tests.unit.bench_modules import load_bench
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = (REPO / "bench" / "gpu_checks.sh").read_text()
-PARSERS = {"fp8": "parse_args", "engine_throughput": "parse_args", "moe": "parse"}
+PARSERS = {"fp8": "parse_args", "fp8_gemm": "parse_args", "engine_throughput": "parse_args", "moe": "parse"}
 
 
 def bench_commands(script: str) -> list[tuple[str, list[str]]]:
@@ -31,7 +31,12 @@ def bench_commands(script: str) -> list[tuple[str, list[str]]]:
 
 def test_the_script_holds_the_figure_groups_commands():
     names = [name for name, _ in bench_commands(SCRIPT)]
-    assert names.count("fp8") == 3 and names.count("engine_throughput") == 2 and names.count("moe") == 2
+    assert (
+        names.count("fp8") == 4
+        and names.count("fp8_gemm") == 1
+        and names.count("engine_throughput") == 2
+        and names.count("moe") == 2
+    )
 
 
 @pytest.mark.parametrize("name, argv", bench_commands(SCRIPT), ids=lambda v: v if isinstance(v, str) else None)

@@ -14,8 +14,9 @@ directly (cuBLASLt's block-scaled path, CUDA >= 12.9); elsewhere, and wherever t
 the same W8A8 product is computed by dequantizing both operands (the CPU path CI runs; also every GEMM whose
 K or padded N is not whole blocks). Where cuBLASLt serves a GEMM (`takes_quantized_input`) its input may come
 already quantized (a QuantizedInput, written by the engine's norm or SiLU kernel in place of its model-dtype
-output; the same codes). MILES_FP8_GEMM=triton swaps cuBLASLt for fp8_triton.block_scaled_mm (see GEMM
-below). The CUDA kernels
+output; the same codes), and MILES_FP8_SPLIT_K cuts the K range of a GEMM with few output tiles into chunks
+on parallel streams (fp8_split_k.py). MILES_FP8_GEMM=triton swaps cuBLASLt for fp8_triton.block_scaled_mm (see
+GEMM below). The CUDA kernels
 of the forward are off unless MILES_FP8_CUDA_KERNELS=1 (see CUDA_KERNELS below): on CUDA FP8 serving is
 correct, not fast. A weight push quantizes with the Triton kernel wherever it runs (it works outside the
 forward and its CUDA graphs, and matches the torch form: tests/unit/test_triton_ops.py).
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from miles.engines.embedded import fp8_triton
+from miles.engines.embedded import fp8_split_k, fp8_triton
 
 # The CUDA kernels of this module (Triton quantization, cuBLASLt's block-scaled GEMM) gave log-probs 0.37 nats
 # (mean) away from bf16 on an H200, where the dequantizing path that CPU tests check stays close: cuBLASLt
@@ -250,6 +251,8 @@ class Fp8Weight:
 # (device, whether K is grown to a multiple of 512) -> torch._scaled_mm takes the call: a refusal of one kind
 # (see pad_k_blocks) leaves the other on cuBLASLt
 _scaled_mm_ok: dict[tuple[torch.device, bool], bool] = {}
+# device -> split-K GEMMs (fp8_split_k) run there: a refused chunk leaves the whole GEMMs on cuBLASLt
+_split_ok: dict[torch.device, bool] = {}
 
 
 @functools.cache
@@ -347,15 +350,25 @@ def _quantized(x: torch.Tensor) -> QuantizedInput:
     return QuantizedInput(xq, xs.t().contiguous().t(), x.shape[0], x.dtype)
 
 
-def _block_scaled_mm(x: torch.Tensor | QuantizedInput, w: Fp8Weight, dtype: torch.dtype) -> torch.Tensor | None:
+def _block_scaled_mm(
+    x: torch.Tensor | QuantizedInput, w: Fp8Weight, dtype: torch.dtype, splits: int | str | None = None
+) -> torch.Tensor | None:
     """cuBLASLt's block-scaled FP8 GEMM of x [M, K] (quantized here unless it comes quantized) in `dtype`; None
-    (and the emulation from then on) where torch refuses it."""
-    K = w.q.shape[1]
+    (and the emulation from then on) where torch refuses it. `splits`: the K chunks' policy (fp8_split_k; its
+    SPLIT_K when None)."""
+    N, K = w.q.shape
     if not isinstance(x, QuantizedInput):
         x = _quantized(x)
     xq, xs, wq, ws = x.q, x.scales, w.q, w.scale_inv
     if ws.shape[1] % 4:
         xq, xs, wq, ws = pad_k_blocks(xq, xs, wq, ws)
+    elif _split_ok.get(x.device, True) and (n := fp8_split_k.splits_for(xq.shape[0], N, K, x.device, splits)) > 1:
+        try:
+            out = fp8_split_k.split_k_mm(xq, xs, wq, ws, dtype, n)
+            return out[: x.rows] if out.shape[0] != x.rows else out
+        except (RuntimeError, ValueError, NotImplementedError) as e:
+            _split_ok[x.device] = False
+            logger.warning("torch._scaled_mm refused a K chunk of a split FP8 GEMM (%s); GEMMs run whole", e)
     try:
         out = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=cublas_weight_scales(ws), out_dtype=dtype)
     except (RuntimeError, ValueError, NotImplementedError) as e:
