@@ -11,7 +11,8 @@
 #   bash bench/gpu_checks.sh fp8                # a 7B layer's FP8 GEMMs whole and split-K, then FP8 / BF16 tokens/s
 #                                               #   on the 7B shape: fused input quantization, + split-K GEMMs,
 #                                               #   + an FP8 KV cache, then the separate quantization kernel
-#   bash bench/gpu_checks.sh kv                 # the 0.5B shape at batch 256: bf16 KV against fp8_e4m3 KV
+#   bash bench/gpu_checks.sh kv                 # the 0.5B shape at batch 256: bf16 KV against fp8_e4m3 KV; then
+#                                               #   the decode attention's launch settings at the 7B shape
 #   bash bench/gpu_checks.sh moe                # R3's gap at real proportions with the bf16 trainer's fp32 stream:
 #                                               #   the expert kernels' own rounding against transformers'
 #   bash bench/gpu_checks.sh all                # every group above, one after the other (over half an hour)
@@ -49,6 +50,7 @@ kv() {
         --kv-heads 2 --intermediate 4864 --vocab 151936 --skip-hf --reps 3)
     python bench/engine_throughput.py "${shape[@]}"
     python bench/engine_throughput.py "${shape[@]}" --kv-cache-dtype fp8_e4m3
+    python bench/decode_attention.py --device cuda --heads 28 --kv-heads 4 --head-dim 128 --context 384
 }
 
 moe() {

@@ -13,7 +13,13 @@ from tests.unit.bench_modules import load_bench
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = (REPO / "bench" / "gpu_checks.sh").read_text()
-PARSERS = {"fp8": "parse_args", "fp8_gemm": "parse_args", "engine_throughput": "parse_args", "moe": "parse"}
+PARSERS = {
+    "fp8": "parse_args",
+    "fp8_gemm": "parse_args",
+    "decode_attention": "parse_args",
+    "engine_throughput": "parse_args",
+    "moe": "parse",
+}
 
 
 def bench_commands(script: str) -> list[tuple[str, list[str]]]:
