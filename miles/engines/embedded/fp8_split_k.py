@@ -10,7 +10,8 @@ branches), writes fp32, and the chunks are summed and rounded once to the model 
 up to the order of the fp32 sums.
 
 MILES_FP8_SPLIT_K: "0" (off, the default until a GPU has timed it), "auto" (as many chunks as the SMs hold
-copies of the output's tiles, at most MAX_SPLITS, only where that is two or more), or a fixed count.
+copies of the output's tiles, at most MAX_SPLITS and no chunk under AUTO_MIN_CHUNK_BLOCKS blocks of K), or a
+fixed count.
 `bench/fp8_gemm.py --splits` times each count beside the whole GEMM.
 """
 
@@ -26,6 +27,9 @@ BLOCK = 128
 GROUP_BLOCKS = 4  # cuBLASLt reads the weight scales in groups of four 128-blocks of K
 TILE = 128  # the output tile assumed by "auto"
 MAX_SPLITS = 4
+# "auto" keeps at least this many 128-blocks of K in a chunk: a chunk's share of the scale copy, the fp32 sum and
+# the cast (three small kernels, a few microseconds) must stay small beside its GEMM
+AUTO_MIN_CHUNK_BLOCKS = 32
 
 
 def parse(text: str) -> int | str:
@@ -52,7 +56,7 @@ def splits_for(rows: int, n: int, k: int, device: torch.device, policy: int | st
     groups = k // (BLOCK * GROUP_BLOCKS) if k % (BLOCK * GROUP_BLOCKS) == 0 else 0
     if policy == "auto":
         tiles = -(-rows // TILE) * -(-n // TILE)
-        policy = min(_sm_count(device) // tiles, MAX_SPLITS)
+        policy = min(_sm_count(device) // tiles, k // (BLOCK * AUTO_MIN_CHUNK_BLOCKS), MAX_SPLITS)
     return max(1, min(int(policy), groups))
 
 
