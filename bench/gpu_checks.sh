@@ -9,8 +9,9 @@
 #   bash bench/gpu_checks.sh trainer            # the trainers' and the colocated weight path's GPU tests (FSDP,
 #                                               #   megatron when megatron-core is installed, offload, async saves)
 #   bash bench/gpu_checks.sh fp8                # a 7B layer's FP8 GEMMs whole and split-K, then FP8 / BF16 tokens/s
-#                                               #   on the 7B shape (each run against BF16 in itself): split-K GEMMs,
-#                                               #   + an FP8 KV cache, whole GEMMs, the separate quantization kernel
+#                                               #   on the 7B shape (each run against BF16 in itself): split-K GEMMs
+#                                               #   and an FP8 KV cache, split-K alone, whole GEMMs, then the
+#                                               #   separate quantization kernel
 #   bash bench/gpu_checks.sh kv                 # the 0.5B shape at batch 256: bf16 KV against fp8_e4m3 KV; then
 #                                               #   the decode attention's launch settings at the 7B shape
 #   bash bench/gpu_checks.sh moe                # R3's gap at real proportions with the bf16 trainer's fp32 stream:
@@ -39,8 +40,8 @@ trainer() {
 fp8() {
     local shape=(--device cuda --batch 256 --prompt-len 128 --new-tokens 512 --reps 2 --install-reps 3)
     python bench/fp8_gemm.py --device cuda --block-m 64 --block-n 128 --num-warps 4 --num-stages 3
-    MILES_FP8_CUDA_KERNELS=1 MILES_FP8_SPLIT_K=auto python bench/fp8.py "${shape[@]}"
     MILES_FP8_CUDA_KERNELS=1 MILES_FP8_SPLIT_K=auto python bench/fp8.py "${shape[@]}" --kv-cache-dtype fp8_e4m3
+    MILES_FP8_CUDA_KERNELS=1 MILES_FP8_SPLIT_K=auto python bench/fp8.py "${shape[@]}"
     MILES_FP8_CUDA_KERNELS=1 python bench/fp8.py "${shape[@]}"
     MILES_FP8_CUDA_KERNELS=1 python bench/fp8.py "${shape[@]}" --separate-input-quant
 }
