@@ -89,7 +89,9 @@ def split_k_mm(
     mm = torch._scaled_mm if mm is None else mm
     chunks = chunk_blocks(ws.shape[1], splits)
     # cuBLASLt reads a chunk's weight scales with a leading dimension of its own block count: each chunk's copy
-    # (small: NB x chunk blocks); the activation's scales are outer-dim-major, so a column range is one piece
+    # (small: NB x chunk blocks), made at every call (and every graph replay) rather than cached, since pushes
+    # write the scales in place, the colocated one from the trainer's process through CUDA IPC; the activation's
+    # scales are outer-dim-major, so a column range is one piece
     scales = [ws[:, a:b].contiguous() for a, b in chunks]
 
     def chunk(i: int) -> torch.Tensor:
