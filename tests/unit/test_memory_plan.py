@@ -124,3 +124,24 @@ def test_start_up_says_when_the_state_alone_leaves_no_room(caplog):
     with caplog.at_level("WARNING", logger="miles.controller.offload"):
         asyncio.run(resolve_offload(cfg, _Trainers([crowded]), "cuda"))
     assert "leaves no room" in caplog.text and "--max-tokens-per-gpu 0" not in caplog.text
+
+
+def test_module_onloaded_brings_an_offloaded_module_back_for_the_body_only():
+    """The reference model's context, shared by the FSDP and megatron backends: onloaded for the body with its
+    values, back off the device after it (the hook first), also when the body raises; no offloader, body only."""
+    from miles.trainer.offload import HostOffloader, module_onloaded, module_tensors
+
+    ref = torch.nn.Linear(4, 3)
+    want = ref.weight.detach().clone()
+    off = HostOffloader("ref")
+    off.offload(module_tensors(ref))
+    assert ref.weight.untyped_storage().nbytes() == 0
+    hooks = []
+    with module_onloaded(off, ref, before_offload=lambda: hooks.append(ref.weight.untyped_storage().nbytes())):
+        assert torch.equal(ref.weight, want)
+    assert hooks == [want.numel() * 4] and ref.weight.untyped_storage().nbytes() == 0
+    with pytest.raises(ValueError), module_onloaded(off, ref):
+        raise ValueError("the forward failed")
+    assert ref.weight.untyped_storage().nbytes() == 0 and off.is_offloaded
+    with module_onloaded(None, ref):  # no offloader given: nothing is brought back
+        assert ref.weight.untyped_storage().nbytes() == 0
