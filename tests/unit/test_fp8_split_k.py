@@ -139,3 +139,18 @@ def test_the_gemm_bench_times_whole_split_and_auto_gemms_and_checks_each(monkeyp
     assert set(got["cublas_split_us"]) == {"2", "3", "4"} and got["auto_splits"] == 1
     assert got["cublas_us"] == 11.0 and got["cublas_split_best_us"] == 11.0 and got["cublas_auto_us"] == 15.0
     assert got["cublas_rel_diff"] < 1e-2 and not got["split_refused"] and len(timed) == 5
+
+
+@pytest.mark.parametrize("env", [{}, {"MILES_FP8_CUDA_KERNELS": "1", "MILES_FP8_GEMM": "triton"}])
+def test_split_k_without_the_cublas_kernels_is_refused_at_import(env):
+    import os
+    import subprocess
+    import sys
+
+    full = (
+        {k: v for k, v in os.environ.items() if not k.startswith("MILES_FP8_")} | env | {"MILES_FP8_SPLIT_K": "auto"}
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", "import miles.engines.embedded.fp8"], env=full, capture_output=True, text=True
+    )
+    assert proc.returncode != 0 and "unset MILES_FP8_SPLIT_K" in proc.stderr

@@ -51,6 +51,11 @@ CUDA_KERNELS = os.environ.get("MILES_FP8_CUDA_KERNELS") == "1"
 GEMM = os.environ.get("MILES_FP8_GEMM", "cublas")
 if GEMM not in ("cublas", "triton"):
     raise ValueError(f"MILES_FP8_GEMM={GEMM!r}: use cublas or triton")
+if fp8_split_k.SPLIT_K and (not CUDA_KERNELS or GEMM != "cublas"):  # it splits cuBLASLt's GEMMs only
+    raise ValueError(
+        f"MILES_FP8_SPLIT_K={fp8_split_k.SPLIT_K} splits cuBLASLt's GEMMs, which run only with "
+        "MILES_FP8_CUDA_KERNELS=1 and MILES_FP8_GEMM=cublas: set those, or unset MILES_FP8_SPLIT_K"
+    )
 # Where cuBLASLt's GEMM serves a linear whose input comes from the engine's own norm or SiLU kernel, that kernel
 # quantizes its output itself (a QuantizedInput: the same codes, no separate quantization launch; an H200 profile
 # of the 7B decode step had those launches at 4% of it). A switch for tests and benchmarks to compare against.

@@ -1,15 +1,16 @@
 """Split-K for cuBLASLt's block-scaled FP8 GEMMs of few output tiles: the K range cut into chunks that run at once.
 
 At decode batch sizes a GEMM's output has few 128 x 128 tiles: the 7B shape's down projection at 256 rows has
-2 x 28 = 56, on an H200's 132 SMs, and cuBLASLt's block-scaled kernel gives each tile one program over the whole
-K (18,944). An H100 timed it at 60 us in a CUDA graph, against ~17 us for its 68 MB of e4m3 weights at the HBM's
-rate and ~18 us for its FLOPs at the FP8 peak (`bench/results/fp8.md`). Here the K range is cut into chunks of
+2 x 28 = 56, on an H100's or H200's 132 SMs, and cuBLASLt's block-scaled kernel gives each tile one program over
+the whole K (18,944). An H100 timed it at 60 us in a CUDA graph, against ~20 us for its 68 MB of e4m3 weights at
+that GPU's 3.35 TB/s and ~18 us for its FLOPs at the FP8 peak (`bench/results/fp8.md`). Here the K range is cut into chunks of
 whole groups of four 128-blocks (cuBLASLt's scale layout: see fp8.pad_k_blocks); each chunk's GEMM runs on a
 stream of its own, forked from and joined back to the current one (inside a CUDA graph they become parallel
 branches), writes fp32, and the chunks are summed and rounded once to the model dtype: the same W8A8 product
 up to the order of the fp32 sums.
 
-MILES_FP8_SPLIT_K: "0" (off, the default until a GPU has timed it), "auto" (as many chunks as the SMs hold
+MILES_FP8_SPLIT_K (refused at import unless MILES_FP8_CUDA_KERNELS=1 with the cuBLASLt GEMM): "0" (off, the
+default until a GPU has timed it), "auto" (as many chunks as the SMs hold
 copies of the output's tiles, at most MAX_SPLITS and no chunk under AUTO_MIN_CHUNK_BLOCKS blocks of K), or a
 fixed count.
 `bench/fp8_gemm.py --splits` times each count beside the whole GEMM.
