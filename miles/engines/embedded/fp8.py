@@ -63,7 +63,7 @@ FUSED_INPUT_QUANT = True
 
 logger = logging.getLogger(__name__)
 
-BLOCK = 128
+BLOCK = fp8_split_k.BLOCK  # the quantization block: 128 x 128 weights, 1 x 128 activations
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 ROWS_MULTIPLE = 4  # cuBLASLt's block-scaled path wants the activation's rows a multiple of 4

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-BLOCK = 128
+BLOCK = 128  # the FP8 quantization block (fp8.BLOCK reads it from here: fp8 imports this module)
 GROUP_BLOCKS = 4  # cuBLASLt reads the weight scales in groups of four 128-blocks of K
 TILE = 128  # the output tile assumed by "auto"
 MAX_SPLITS = 4
