@@ -187,3 +187,35 @@ def test_fused_prefill_on_an_fp8_cache_equals_the_torch_prefill(tmp_path, gpu_ro
     for name in ("k", "v"):
         got, want = (getattr(c, name)[:, 1 : 1 + B, :, :width].view(torch.uint8) for c in caches)
         assert (got == want).float().mean().item() > 0.98, name
+
+
+@needs_kernels
+def test_fused_extend_on_an_fp8_cache_equals_the_torch_extend(tmp_path, gpu_rounding):
+    """After cached prefixes (prefix cache hits) every layer attends over the cache read back through FP8, the
+    fresh keys included, in both paths: the same hidden states and codes."""
+    model, caches = _model_and_two_caches(tmp_path, "qwen3", 5, FP8[0])
+    s, g = model.spec, _gen(9)
+    starts, lens = [4, 2, 0], [3, 5, 2]
+    width = max(lens)
+    seqs = [torch.randint(3, s.vocab_size, (a + n,), generator=g).tolist() for a, n in zip(starts, lens, strict=True)]
+    for kv in caches:  # the cached prefixes
+        for b, a in enumerate(starts):
+            if a:
+                tok, pos = torch.tensor([seqs[b][:a]], device=DEVICE), torch.arange(a, device=DEVICE)[None]
+                model.forward(tok, pos, kv, b, pos, kv_len=None, out_index=torch.tensor([a - 1], device=DEVICE))
+    tokens = torch.tensor(
+        [q[a:] + [0] * (width - n) for q, a, n in zip(seqs, starts, lens, strict=True)], device=DEVICE
+    )
+    offsets = torch.arange(width, device=DEVICE)[None]
+    valid = offsets < torch.tensor(lens, device=DEVICE)[:, None]
+    positions = torch.where(valid, offsets + torch.tensor(starts, device=DEVICE)[:, None], 0)
+    write = torch.where(valid, positions, caches[0].scratch_pos)
+    last, kv_len = torch.tensor(lens, device=DEVICE) - 1, max(a + n for a, n in zip(starts, lens, strict=True))
+    ref = model.forward(tokens, positions, caches[0], 0, write, kv_len=None, out_index=last, extend_len=kv_len)
+    attention = triton_ops.DecodeAttention(s.num_heads, s.num_kv_heads, s.head_dim, caches[1].capacity, 4)
+    fused = fused_forward.prefill_fused(model, tokens, positions, write, last, caches[1], 0, attention, kv_len)
+    torch.testing.assert_close(fused, ref, rtol=1e-3, atol=1e-3)
+    for name in ("k", "v"):
+        for b, (a, n) in enumerate(zip(starts, lens, strict=True)):
+            got, want = (getattr(c, name)[:, b, :, : a + n].view(torch.uint8) for c in caches)
+            assert (got == want).float().mean().item() > 0.98, name

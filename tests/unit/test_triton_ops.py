@@ -245,6 +245,83 @@ def test_fused_prefill_equals_the_torch_prefill(tmp_path, arch, lens):
 
 
 @needs_kernels
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_fused_extend_equals_the_torch_extend(tmp_path, arch):
+    """A prefill after cached prefixes (prefix cache hits: 3 and 6 cached tokens, and a row from position 0,
+    as a batch of hits and misses has): the last tokens' hidden states and every cache entry match the eager
+    extend, and the padding writes only the scratch position."""
+    path = make_tiny_model(str(tmp_path / arch), arch=arch, init_std=0.2, seed=6)
+    model = CausalLM.from_pretrained(path, DEVICE, torch.float32)
+    s, g = model.spec, _gen(9)
+    starts, lens, slot0 = [3, 0, 6], [4, 5, 1], 1
+    B, width = len(lens), max(lens)
+    kw = dict(num_layers=s.num_layers, num_slots=B + 2, max_seq_len=40, num_kv_heads=s.num_kv_heads)
+    caches = [KVCache(**kw, head_dim=s.head_dim, dtype=model.dtype, device=DEVICE) for _ in range(2)]
+    seqs = [torch.randint(3, s.vocab_size, (a + n,), generator=g).tolist() for a, n in zip(starts, lens, strict=True)]
+    for cache in caches:  # the cached prefixes, written by the eager prefill
+        for b, a in enumerate(starts):
+            if a:
+                tok = torch.tensor([seqs[b][:a]], device=DEVICE)
+                pos = torch.arange(a, device=DEVICE)[None]
+                model.forward(tok, pos, cache, slot0 + b, pos, kv_len=None, out_index=torch.tensor([a - 1]))
+    tokens = torch.tensor(
+        [q[a:] + [0] * (width - n) for q, a, n in zip(seqs, starts, lens, strict=True)], device=DEVICE
+    )
+    offsets = torch.arange(width, device=DEVICE)[None]
+    valid = offsets < torch.tensor(lens, device=DEVICE)[:, None]
+    positions = torch.where(valid, offsets + torch.tensor(starts, device=DEVICE)[:, None], 0)
+    write = torch.where(valid, positions, caches[0].scratch_pos)
+    last, kv_len = torch.tensor(lens, device=DEVICE) - 1, max(a + n for a, n in zip(starts, lens, strict=True))
+    ref = model.forward(tokens, positions, caches[0], slot0, write, kv_len=None, out_index=last, extend_len=kv_len)
+    attention = triton_ops.DecodeAttention(s.num_heads, s.num_kv_heads, s.head_dim, caches[1].capacity, 4)
+    fused = fused_forward.prefill_fused(model, tokens, positions, write, last, caches[1], slot0, attention, kv_len)
+    torch.testing.assert_close(fused, ref, rtol=1e-4, atol=1e-5)
+    scratch = caches[0].scratch_pos
+    for cache in ("k", "v"):
+        got, want = getattr(caches[1], cache), getattr(caches[0], cache)
+        for b, (a, n) in enumerate(zip(starts, lens, strict=True)):
+            torch.testing.assert_close(got[:, slot0 + b, :, : a + n], want[:, slot0 + b, :, : a + n])
+            assert not got[:, slot0 + b, :, a + n : scratch].any()
+
+
+@needs_kernels
+def test_an_engine_on_the_kernels_shares_a_groups_prompt_with_equal_greedy_tokens(tmp_path, monkeypatch):
+    """The engine with its Triton kernels (no CUDA graphs here): a group of 3 prefills its prompt once, the other
+    samples extend it through the fused extend, and the greedy tokens equal those with prefix sharing off."""
+    import asyncio
+
+    from miles.engines.embedded.engine import EmbeddedEngine
+    from miles.engines.embedded.prefix_cache import DEFAULT_PAGE_SIZE
+
+    path = make_tiny_model(str(tmp_path / "qwen2"), arch="qwen2", init_std=0.2, seed=7)
+    prompt = torch.randint(3, 200, (2 * DEFAULT_PAGE_SIZE + 1,), generator=_gen(10)).tolist()  # whole pages shared
+    extends = []
+    prefill_fused = fused_forward.prefill_fused
+
+    def counted(*args, **kwargs):
+        extends.append(len(args) > 8 or kwargs.get("extend_len") is not None)  # the runner passes it ninth
+        return prefill_fused(*args, **kwargs)
+
+    async def group(**kwargs):
+        engine = EmbeddedEngine(path, device=str(DEVICE), dtype="float32", cuda_graphs=False, **kwargs)
+        await engine.start()
+        try:
+            assert engine.runner.fused_kernels
+            params = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 2, "n": 3}
+            outs = await engine.generate(input_ids=prompt, sampling_params=params)
+            return [o["output_ids"] for o in outs], engine.prefix_cache_stats()
+        finally:
+            await engine.shutdown()
+
+    monkeypatch.setattr(fused_forward, "prefill_fused", counted)
+    shared, stats = asyncio.run(group())
+    plain, _ = asyncio.run(group(prefix_cache=False))
+    assert shared == plain
+    assert stats["prefill_tokens_computed"] == len(prompt) + 2
+    assert any(extends), "no prefix hit went through the fused extend"
+
+
+@needs_kernels
 def test_a_half_precision_model_keeps_an_fp32_residual_stream_in_the_fused_paths(tmp_path, monkeypatch):
     """fp16 (the interpreter has no bf16): the fused prefill and decode carry the residual stream in fp32, as
     the eager forward does, and agree with it; the norms hand the GEMMs fp16."""

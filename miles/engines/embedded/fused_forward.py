@@ -59,16 +59,19 @@ def prefill_fused(
     kv: KVCache,
     slot_start: int,
     attention: triton_ops.DecodeAttention,
+    extend_len: int | None = None,
 ) -> torch.Tensor:
-    """`forward(..., kv_len=None, out_index=last_idx)` with the Triton kernels: prefill tokens [B, T]
-    into slots [slot_start, slot_start + B) and return the final-normed hidden of token last_idx[b] of
-    each row, [B, D]. Dense models only.
+    """`forward(..., kv_len=None, out_index=last_idx, extend_len=extend_len)` with the Triton kernels: prefill
+    tokens [B, T] into slots [slot_start, slot_start + B) and return the final-normed hidden of token
+    last_idx[b] of each row, [B, D]. Dense models only.
 
     Norms, residual adds, RoPE + the KV write and SiLU*up are the decode step's kernels over all B x T
-    tokens; attention is SDPA's causal kernel over the fresh keys (padded keys stay in the batch, so
-    the cache's stale tail is never read). The last layer attends from the B selected tokens alone,
-    over the keys just written to the cache (the decode attention kernel), and runs its output
-    projection and MLP for those B tokens.
+    tokens. From position 0 (extend_len None) attention is SDPA's causal kernel over the fresh keys (padded
+    keys stay in the batch, so the cache's stale tail is never read). With extend_len (a prefix cache hit:
+    the slots hold K/V before each row's first position) every token attends over its slot's cache up to its
+    own position, as the eager extend does: the keys are written first, then read back with the cache's
+    rounding. The last layer attends from the B selected tokens alone, over the cache up to their positions
+    (the decode attention kernel), and runs its output projection and MLP for those B tokens.
     """
     s, st = model.spec, model.storage
     eps = s.rms_norm_eps
@@ -80,7 +83,10 @@ def prefill_fused(
     slots = (slot_start + rows).repeat_interleave(T)  # dense: one slot per token, B = 1 included
     select = rows * T + last_idx
     pos, wpos = positions.reshape(-1), write_pos.reshape(-1)
-    keys = torch.empty((n, KVH, hd), dtype=model.dtype, device=model.device)
+    extend = extend_len is not None
+    keys = None if extend else torch.empty((n, KVH, hd), dtype=model.dtype, device=model.device)
+    keep = model.extend_mask(positions, extend_len) if extend else None
+    last_lens = positions[rows, last_idx] + 1  # the selected tokens attend to the cache up to themselves
     h = F.embedding(tokens.reshape(-1), st["model.embed_tokens.weight"])
     if model.fp32_residual:
         h = h.float()
@@ -90,12 +96,17 @@ def prefill_fused(
         qkv = linear(x, st[names["qkv"]], st.get(names["qkv_b"]))
         q = triton_ops.rope_kv_write(
             qkv, pos, slots, table, kv.k[i], kv.v[i], H, KVH, st.get(names["qn"]), st.get(names["kn"]), eps,
-            write_positions=wpos, k_out=None if last else keys,
+            write_positions=wpos, k_out=None if last or extend else keys,
         )  # fmt: skip
         if last:
             k_cache, v_cache = kv.k[i][slot_start:], kv.v[i][slot_start:]
-            attn = attention(q[select], k_cache, v_cache, last_idx + 1).view(B, H * hd)
+            attn = attention(q[select], k_cache, v_cache, last_lens).view(B, H * hd)
             h = h[select]
+        elif extend:
+            cached_k, cached_v = kv.read(i, slot_start, B, extend_len)
+            q_heads = q.view(B, T, H, hd).transpose(1, 2)
+            attn = F.scaled_dot_product_attention(q_heads, cached_k, cached_v, attn_mask=keep, enable_gqa=H != KVH)
+            attn = attn.transpose(1, 2).reshape(n, H * hd)
         else:
             values = qkv.view(B, T, H + 2 * KVH, hd)[:, :, H + KVH :]
             attn = F.scaled_dot_product_attention(

@@ -241,9 +241,8 @@ class CausalLM:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B * T, 1, hd]: the same for every head
         rows = kv.cache_rows(slot_start, write_pos)  # [B * T, kv_heads]: where this step's K/V go
         keep = None if kv_len is None else self._decode_mask(positions[:, -1], kv_len)
-        if extend_len is not None:  # [B, 1, T, L]: each token sees the cache up to its own position
-            keep = torch.where(self.arange(extend_len)[None, None, :] <= positions[:, :, None], *self._mask_values())
-            keep, kv_len = keep[:, None], extend_len
+        if extend_len is not None:
+            keep, kv_len = self.extend_mask(positions, extend_len), extend_len
         select = None
         for i, names in enumerate(self.layer_names):
             if out_index is not None and i + 1 == s.num_layers:
@@ -316,6 +315,12 @@ class CausalLM:
         else:
             out = self._decode_attention(q, kv, layer, slot_start, keep, kv_len).reshape(-1, H * s.head_dim)
         return linear_residual(h, out, st[names["o"]], st.get(names["ob"]))
+
+    def extend_mask(self, positions: torch.Tensor, extend_len: int) -> torch.Tensor:
+        """The additive mask [B, 1, T, L] of an extend (positions [B, T]): each token sees the cache positions
+        < extend_len at or before its own."""
+        keep = torch.where(self.arange(extend_len)[None, None, :] <= positions[:, :, None], *self._mask_values())
+        return keep[:, None]
 
     def _decode_mask(self, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
         """The additive mask (0 / -inf) of the cache positions < kv_len each row attends to (those at or

@@ -249,8 +249,8 @@ class ModelRunner:
         return PrefillResult(last_logits, all_logits)
 
     def _prefill_extend(self, seqs: list[list[int]], slot_start: int, starts: list[int]) -> PrefillResult:
-        """Prefill the tokens after cached prefixes: each attends over its slot's cache (prefix + itself).
-        Runs the plain forward (the Triton prefill attends over fresh keys only); returns last logits."""
+        """Prefill the tokens after cached prefixes: each attends over its slot's cache (prefix + itself), with
+        the Triton kernels where they run; returns last logits."""
         device = self.model.device
         lens = [len(s) for s in seqs]
         width = max(lens)
@@ -264,9 +264,21 @@ class ModelRunner:
         last_idx = lens_dev - 1
         kv_len = max(s + n for s, n in zip(starts, lens, strict=True))
         with self.lock:
-            last_hidden = self.model.forward(
-                tokens, positions, self.kv, slot_start, write_pos, kv_len=None, out_index=last_idx, extend_len=kv_len
-            )
+            if self.attention is not None:  # the Triton kernels
+                last_hidden = fused_forward.prefill_fused(
+                    self.model, tokens, positions, write_pos, last_idx, self.kv, slot_start, self.attention, kv_len
+                )
+            else:
+                last_hidden = self.model.forward(
+                    tokens,
+                    positions,
+                    self.kv,
+                    slot_start,
+                    write_pos,
+                    kv_len=None,
+                    out_index=last_idx,
+                    extend_len=kv_len,
+                )
             return PrefillResult(self.model.logits(last_hidden), [None] * len(seqs))
 
     @torch.inference_mode()
