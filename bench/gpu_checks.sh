@@ -12,8 +12,9 @@
 #                                               #   on the 7B shape (each run against BF16 in itself): split-K GEMMs
 #                                               #   and an FP8 KV cache, split-K alone, whole GEMMs, then the
 #                                               #   separate quantization kernel
-#   bash bench/gpu_checks.sh kv                 # the 0.5B shape at batch 256: bf16 KV against fp8_e4m3 KV; then
-#                                               #   the decode attention's launch settings at the 7B shape
+#   bash bench/gpu_checks.sh kv                 # the 0.5B shape at batch 256: bf16 KV against fp8_e4m3 KV, and
+#                                               #   without prefix sharing (its hits through the fused extend);
+#                                               #   then the decode attention's launch settings at the 7B shape
 #   bash bench/gpu_checks.sh moe                # R3's gap at real proportions with the bf16 trainer's fp32 stream:
 #                                               #   the expert kernels' own rounding against transformers'
 #   bash bench/gpu_checks.sh all                # every group above, one after the other (over half an hour)
@@ -51,6 +52,7 @@ kv() {
         --kv-heads 2 --intermediate 4864 --vocab 151936 --skip-hf --reps 3)
     python bench/engine_throughput.py "${shape[@]}"
     python bench/engine_throughput.py "${shape[@]}" --kv-cache-dtype fp8_e4m3
+    python bench/engine_throughput.py "${shape[@]}" --no-prefix-cache
     python bench/decode_attention.py --device cuda --heads 28 --kv-heads 4 --head-dim 128 --context 384
 }
 
