@@ -329,3 +329,31 @@ def with_engine(body, **engine_kwargs):
             await engine.shutdown()
 
     return asyncio.run(main())
+
+
+def extend_batch(model, caches, starts: list[int], lens: list[int], slot0: int, generator) -> tuple:
+    """A prefill after cached prefixes, as the engine runs its prefix hits: random sequences whose first
+    starts[b] tokens the eager forward writes into slot slot0 + b of every cache in `caches`, then their other
+    lens[b] tokens as one padded batch. Returns (tokens, positions, write positions, last index, extend length);
+    padding sits at position 0 and writes the scratch position."""
+    import torch
+
+    device, vocab = model.device, model.spec.vocab_size
+    seqs = [torch.randint(3, vocab, (a + n,), generator=generator).tolist() for a, n in zip(starts, lens, strict=True)]
+    for cache in caches:
+        for b, a in enumerate(starts):
+            if a:
+                tok, pos = torch.tensor([seqs[b][:a]], device=device), torch.arange(a, device=device)[None]
+                model.forward(
+                    tok, pos, cache, slot0 + b, pos, kv_len=None, out_index=torch.tensor([a - 1], device=device)
+                )
+    width = max(lens)
+    tokens = torch.tensor(
+        [q[a:] + [0] * (width - n) for q, a, n in zip(seqs, starts, lens, strict=True)], device=device
+    )
+    offsets = torch.arange(width, device=device)[None]
+    valid = offsets < torch.tensor(lens, device=device)[:, None]
+    positions = torch.where(valid, offsets + torch.tensor(starts, device=device)[:, None], 0)
+    write = torch.where(valid, positions, caches[0].scratch_pos)
+    last = torch.tensor(lens, device=device) - 1
+    return tokens, positions, write, last, max(a + n for a, n in zip(starts, lens, strict=True))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import run_under_triton_interpreter
+from harness import extend_batch, run_under_triton_interpreter
 
 triton = pytest.importorskip("triton")
 
@@ -196,21 +196,7 @@ def test_fused_extend_on_an_fp8_cache_equals_the_torch_extend(tmp_path, gpu_roun
     model, caches = _model_and_two_caches(tmp_path, "qwen3", 5, FP8[0])
     s, g = model.spec, _gen(9)
     starts, lens = [4, 2, 0], [3, 5, 2]
-    width = max(lens)
-    seqs = [torch.randint(3, s.vocab_size, (a + n,), generator=g).tolist() for a, n in zip(starts, lens, strict=True)]
-    for kv in caches:  # the cached prefixes
-        for b, a in enumerate(starts):
-            if a:
-                tok, pos = torch.tensor([seqs[b][:a]], device=DEVICE), torch.arange(a, device=DEVICE)[None]
-                model.forward(tok, pos, kv, b, pos, kv_len=None, out_index=torch.tensor([a - 1], device=DEVICE))
-    tokens = torch.tensor(
-        [q[a:] + [0] * (width - n) for q, a, n in zip(seqs, starts, lens, strict=True)], device=DEVICE
-    )
-    offsets = torch.arange(width, device=DEVICE)[None]
-    valid = offsets < torch.tensor(lens, device=DEVICE)[:, None]
-    positions = torch.where(valid, offsets + torch.tensor(starts, device=DEVICE)[:, None], 0)
-    write = torch.where(valid, positions, caches[0].scratch_pos)
-    last, kv_len = torch.tensor(lens, device=DEVICE) - 1, max(a + n for a, n in zip(starts, lens, strict=True))
+    tokens, positions, write, last, kv_len = extend_batch(model, caches, starts, lens, 0, g)
     ref = model.forward(tokens, positions, caches[0], 0, write, kv_len=None, out_index=last, extend_len=kv_len)
     attention = triton_ops.DecodeAttention(s.num_heads, s.num_kv_heads, s.head_dim, caches[1].capacity, 4)
     fused = fused_forward.prefill_fused(model, tokens, positions, write, last, caches[1], 0, attention, kv_len)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import run_under_triton_interpreter
+from harness import extend_batch, run_under_triton_interpreter
 
 triton = pytest.importorskip("triton")
 
@@ -254,24 +254,9 @@ def test_fused_extend_equals_the_torch_extend(tmp_path, arch):
     model = CausalLM.from_pretrained(path, DEVICE, torch.float32)
     s, g = model.spec, _gen(9)
     starts, lens, slot0 = [3, 0, 6], [4, 5, 1], 1
-    B, width = len(lens), max(lens)
-    kw = dict(num_layers=s.num_layers, num_slots=B + 2, max_seq_len=40, num_kv_heads=s.num_kv_heads)
+    kw = dict(num_layers=s.num_layers, num_slots=len(lens) + 2, max_seq_len=40, num_kv_heads=s.num_kv_heads)
     caches = [KVCache(**kw, head_dim=s.head_dim, dtype=model.dtype, device=DEVICE) for _ in range(2)]
-    seqs = [torch.randint(3, s.vocab_size, (a + n,), generator=g).tolist() for a, n in zip(starts, lens, strict=True)]
-    for cache in caches:  # the cached prefixes, written by the eager prefill
-        for b, a in enumerate(starts):
-            if a:
-                tok = torch.tensor([seqs[b][:a]], device=DEVICE)
-                pos = torch.arange(a, device=DEVICE)[None]
-                model.forward(tok, pos, cache, slot0 + b, pos, kv_len=None, out_index=torch.tensor([a - 1]))
-    tokens = torch.tensor(
-        [q[a:] + [0] * (width - n) for q, a, n in zip(seqs, starts, lens, strict=True)], device=DEVICE
-    )
-    offsets = torch.arange(width, device=DEVICE)[None]
-    valid = offsets < torch.tensor(lens, device=DEVICE)[:, None]
-    positions = torch.where(valid, offsets + torch.tensor(starts, device=DEVICE)[:, None], 0)
-    write = torch.where(valid, positions, caches[0].scratch_pos)
-    last, kv_len = torch.tensor(lens, device=DEVICE) - 1, max(a + n for a, n in zip(starts, lens, strict=True))
+    tokens, positions, write, last, kv_len = extend_batch(model, caches, starts, lens, slot0, g)
     ref = model.forward(tokens, positions, caches[0], slot0, write, kv_len=None, out_index=last, extend_len=kv_len)
     attention = triton_ops.DecodeAttention(s.num_heads, s.num_kv_heads, s.head_dim, caches[1].capacity, 4)
     fused = fused_forward.prefill_fused(model, tokens, positions, write, last, caches[1], slot0, attention, kv_len)
