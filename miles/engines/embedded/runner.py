@@ -266,7 +266,15 @@ class ModelRunner:
         with self.lock:
             if self.attention is not None:  # the Triton kernels
                 last_hidden = fused_forward.prefill_fused(
-                    self.model, tokens, positions, write_pos, last_idx, self.kv, slot_start, self.attention, kv_len
+                    self.model,
+                    tokens,
+                    positions,
+                    write_pos,
+                    last_idx,
+                    self.kv,
+                    slot_start,
+                    self.attention,
+                    extend_len=kv_len,
                 )
             else:
                 last_hidden = self.model.forward(
