@@ -141,10 +141,10 @@ if triton is not None:
             w_mask = (offs_n[None, :] < N) & (offs_k[:, None] < K)
             w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
             a = a.to(w.dtype)  # no-op but where the activation is stored narrower than the weights (tests)
-            acc += tl.dot(a, w)
+            acc += tl.dot(a, w, input_precision="ieee")  # ieee: an fp32 model stays fp32 (not tf32)
             if SILU_GATE:
                 wu = tl.load(w_base + (offs_n[None, :] + N) * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
-                acc_up += tl.dot(a, wu)
+                acc_up += tl.dot(a, wu, input_precision="ieee")
         dt = c_ptr.dtype.element_ty
         if SILU_GATE:
             if ROUND:  # gate and up as the GEMM's outputs, SiLU(gate), then their product: each rounded
