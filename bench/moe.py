@@ -13,8 +13,9 @@ scores the sequences through the FSDP trainer's own forward (`forward_micro_batc
 then with R3 (`RoutingReplay`, the engine's routing). Reported per mode: the share of routed tokens whose
 experts in the trainer's forward differ from the engine's (any MoE layer), and mean / max |Δ log-prob| over
 the sampled tokens. `--router-noise` adds relative noise to the trainer's router weights only (a stand-in for
-kernels that disagree more than dtype alone). `--engine-moe-rounding transformers` makes the engine's
-grouped expert kernels round where transformers' experts do (`moe_triton.ROUND_AS_TRANSFORMERS`).
+kernels that disagree more than dtype alone). `--engine-moe-rounding fused|transformers` makes the engine's
+grouped expert kernels round once on store, or where transformers' experts do (`moe_triton.ROUND_AS_TRANSFORMERS`,
+the engine's default).
 
     python bench/moe.py                                    # H200: 24 layers, 128 experts, top-8, bf16 engine
     python bench/moe.py --device cpu --layers 2 --hidden 64 --experts 8 --topk 2 --moe-intermediate 32 \\
@@ -221,8 +222,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--engine-moe-rounding",
         choices=("transformers", "fused"),
         default=None,
-        help="where the engine's grouped expert kernels round in bf16: once, on store (fused, the engine's "
-        "default) or as transformers' experts do (moe_triton.ROUND_AS_TRANSFORMERS); refused where those kernels "
+        help="where the engine's grouped expert kernels round in bf16: as transformers' experts do (the engine's "
+        "default, moe_triton.ROUND_AS_TRANSFORMERS) or once, on store (fused); refused where those kernels "
         "do not run (off CUDA without Triton's interpreter: the torch path there rounds as transformers does)",
     )
     p.add_argument("--skip-decode", action="store_true")

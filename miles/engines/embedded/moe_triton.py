@@ -11,13 +11,15 @@ Kernels, each over (blocks, output-column tiles), fp32 accumulation:
 2. y[pair] = weight[pair] * (act[pair] @ down_e^T)              (down [E, D, I]);
 then out[token] = sum over its k pairs of y, in torch (no atomics: deterministic).
 
-Rounding (`ROUND_AS_TRANSFORMERS`): by default every intermediate stays in fp32 and each kernel rounds once,
-on store. On, the kernels round where transformers' experts (and the engine's torch path, `moe.py`) do, in the
-output dtype: the gate and up products, SiLU(gate), the activation, the down product and its weighted value,
-each once. The trainer scores with transformers' experts, so with routing replayed the two forwards then
-differ only in the order of the GEMMs' fp32 sums (under the interpreter the outputs equal the torch path's,
-tests/unit/test_moe_triton.py). It stays off until its effect on the train/rollout gap is measured on a GPU
-(`bench/moe.py --engine-moe-rounding transformers`, beside `fused`).
+Rounding (`ROUND_AS_TRANSFORMERS`, on by default): the kernels round where transformers' experts (and the
+engine's torch path, `moe.py`) do, in the output dtype: the gate and up products, SiLU(gate), the activation,
+the down product and its weighted value, each once. The trainer scores with transformers' experts, so with
+routing replayed the two forwards differ only in the order of the GEMMs' fp32 sums (under the interpreter the
+outputs equal the torch path's, tests/unit/test_moe_triton.py). Off, every intermediate stays in fp32 and each
+kernel rounds once, on store. On an H100 at real proportions (bench/results/moe.md) rounding as transformers
+does lowered the train/rollout log-prob gap with R3 from 3.59e-3 to 2.71e-3 nats a token (max 3.1e-2 to
+1.6e-2) and the tokens routed differently without R3 from 75% to 54%
+(`bench/moe.py --engine-moe-rounding transformers|fused` sets it).
 
 Runs on CUDA, and under Triton's interpreter on CPU tensors (TRITON_INTERPRET=1), as the tests check it.
 """
@@ -30,7 +32,7 @@ from miles.engines.embedded import triton_ops
 from miles.engines.embedded.triton_kernels import tl, triton
 
 BLOCK_M = 16  # pairs per block: tl.dot's minimum; decode batches give each expert only a few pairs
-ROUND_AS_TRANSFORMERS = False  # see the module doc
+ROUND_AS_TRANSFORMERS = True  # see the module doc
 
 
 def usable(x: torch.Tensor) -> bool:
