@@ -246,6 +246,8 @@ def measure_sides(
         sides["hf"] = HFSide(model_path, device, getattr(torch, dtype_name), prompts)
     try:
         medians, timelines = measure(sides, args.new_tokens, args.reps)
+        prefix = engine.prefix_cache_stats()  # over the warm-up and timed rounds
+        prefix["evicted_pages"] = engine.runner.prefix_cache.evicted if prefix["enabled"] else 0
         # decode phase alone: a full round minus a prefill-plus-one-token round, same prompts
         first_token_s = statistics.median(sides["engine"].seconds(1) for _ in range(3))
         full_s = args.batch * args.new_tokens / medians["engine"]
@@ -267,6 +269,7 @@ def measure_sides(
         "step_ms": step_ms,
         "step_profile": step_profile,
         "syncs": syncs,
+        "prefix": prefix,
     }
 
 
@@ -286,6 +289,7 @@ def result_line(args: argparse.Namespace, device: torch.device, engine: Embedded
         "kv_cache_dtype": args.kv_cache_dtype,
         "residual_dtype": args.residual_dtype,
         "decode_steps": m["decode_steps"],
+        "prefix": {k: round(v, 3) if isinstance(v, float) else v for k, v in m["prefix"].items()},
         "shape": {
             "arch": args.arch,
             "hidden": args.hidden,

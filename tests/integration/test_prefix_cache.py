@@ -130,3 +130,34 @@ def test_a_small_pool_evicts_unreferenced_pages_and_stays_correct(model_dir):
     plain, _ = run(model_dir, body, prefix_cache=False)
     assert outs == plain
     assert cache.evicted > 0 and cache.cached_pages <= 4
+
+
+def test_hits_and_misses_admitted_together_prefill_apart_and_keep_input_logprobs(model_dir):
+    """A step that admits a cache hit beside misses (one of them asking for its prompt's log-probs): the misses
+    run as an ordinary prefill and the hit as an extend of its new tokens alone, not padded to a miss's prompt;
+    tokens and input log-probs equal the engine's without sharing."""
+    cached, fresh, scored = _prompt(3 * P + 1, seed=1), _prompt(3 * P + 5, seed=2), _prompt(2 * P + 3, seed=3)
+    hit = cached[:-1] + _prompt(4, seed=4)  # the cached prompt's 3 full pages, then 4 new tokens
+
+    async def body(engine):
+        await engine.generate(input_ids=cached, sampling_params={**GREEDY, "max_new_tokens": 1})
+        runner, extends = engine.runner, []
+        plain_extend = runner._prefill_extend
+        if runner.prefix_cache is not None:  # record each extend's rows and width
+            runner._prefill_extend = lambda seqs, *a: extends.append([len(s) for s in seqs]) or plain_extend(seqs, *a)
+        new = {**GREEDY, "max_new_tokens": 3}
+        outs = await asyncio.gather(
+            engine.generate(input_ids=hit, sampling_params=new),
+            engine.generate(input_ids=fresh, sampling_params=new),
+            engine.generate(input_ids=scored, sampling_params=new, return_logprob=True, logprob_start_len=0),
+        )
+        tokens = [o["output_ids"] for o in outs]
+        return tokens, outs[2]["meta_info"]["input_token_logprobs"], [o["meta_info"]["cached_tokens"] for o in outs], extends
+
+    tokens, input_lps, cached_tokens, extends = run(model_dir, body)
+    plain_tokens, plain_lps, _, _ = run(model_dir, body, prefix_cache=False)
+    assert tokens == plain_tokens
+    assert [t for _, t, _ in input_lps] == scored and input_lps[0][0] is None
+    torch.testing.assert_close([lp for lp, _, _ in input_lps[1:]], [lp for lp, _, _ in plain_lps[1:]], rtol=0, atol=1e-4)
+    assert cached_tokens == [3 * P, 0, 0]
+    assert extends == [[len(hit) - 3 * P]]  # one extend: the hit alone, its 4 new tokens

@@ -97,3 +97,56 @@ def test_an_fp8_cache_and_pool_move_pages_code_for_code():
         codes = t.view(torch.uint8)
         assert torch.equal(codes[:, 1, :, : 2 * P], codes[:, 0, :, : 2 * P])
         assert codes[:, 0, :, : 2 * P].any()
+
+
+def test_a_batch_of_extends_and_loads_moves_each_requests_pages_as_one_at_a_time_would(monkeypatch):
+    """extend_many / load_many (a prefill's or a step's finished requests together), with the copies cut into
+    chunks of two pages: the pool and the slots end as the requests one by one leave them, and a chain two
+    requests of the batch share is copied once (the second finds the first's pages)."""
+    import miles.engines.embedded.prefix_cache as prefix_cache
+
+    kw = dict(num_layers=2, num_kv_heads=2, head_dim=2, dtype=torch.float32, device="cpu")
+    kv = KVCache(num_slots=4, max_seq_len=32, **kw)
+    kv.k.copy_(torch.randn(kv.k.shape))
+    kv.v.copy_(torch.randn(kv.v.shape))
+    one = PrefixCache(page_size=P, num_pages=12, **kw)
+    many = PrefixCache(page_size=P, num_pages=12, **kw)
+    per_page = many.k[:, 0].numel() * many.k.element_size()
+    monkeypatch.setattr(prefix_cache, "COPY_CHUNK_BYTES", 2 * per_page)
+    ids = [list(range(3 * P + 1)), list(range(100, 100 + 2 * P)), list(range(3 * P + 1))]  # the third = the first
+    kv.k[:, 2], kv.v[:, 2] = kv.k[:, 0], kv.v[:, 0]
+    leases_one = [one.match(t) for t in ids]
+    for slot, (lease, t) in enumerate(zip(leases_one, ids)):
+        one.extend(lease, t, kv, slot)
+    leases_many = [many.match(t) for t in ids]
+    many.extend_many([(lease, t, slot) for slot, (lease, t) in enumerate(zip(leases_many, ids))], kv)
+    assert [len(lease.pages) for lease in leases_many] == [3, 2, 3] and leases_many[2].pages == leases_many[0].pages
+    assert many.cached_pages == 5 and [lease.pages for lease in leases_many] == [lease.pages for lease in leases_one]
+    assert torch.equal(many.k, one.k) and torch.equal(many.v, one.v)
+    for slot, lease in enumerate(leases_many[:2]):  # each page holds its tokens' K/V, in order
+        for j, pid in enumerate(lease.pages):
+            assert torch.equal(many.k[:, pid], kv.k[:, slot, :, j * P : (j + 1) * P])
+            assert torch.equal(many.v[:, pid], kv.v[:, slot, :, j * P : (j + 1) * P])
+    target = KVCache(num_slots=4, max_seq_len=32, **kw)
+    got = many.load_many([(many.match(ids[1]), 3), (many.match(ids[0]), 1)], target)
+    assert got == [2 * P, 3 * P]
+    for pool_slot, src_slot, n in ((3, 1, 2 * P), (1, 0, 3 * P)):
+        assert torch.equal(target.k[:, pool_slot, :, :n], kv.k[:, src_slot, :, :n])
+        assert torch.equal(target.v[:, pool_slot, :, :n], kv.v[:, src_slot, :, :n])
+    assert not target.k[:, 1, :, 3 * P :].any() and not target.k[:, 0].any()  # nothing past them, no other slot
+
+
+def test_pages_added_without_eviction_take_free_pages_only():
+    """A finished request's pages (evict=False) fill free pages and stop there; cached pages nobody holds stay."""
+    kv, cache = _setup(pages=3)
+    a = cache.match([])
+    cache.extend(a, list(range(8)), kv, slot=0)  # a0 -> a1, then released: both evictable
+    cache.release_lease(a)
+    b = cache.match([])
+    cache.extend_many([(b, [7] * 12, 1)], kv, evict=False)  # 3 pages wanted, 1 free
+    again = cache.match(list(range(8)))
+    assert len(b.pages) == 1 and cache.evicted == 0 and len(again.pages) == 2
+    cache.release_lease(again)
+    c = cache.match([])
+    cache.extend_many([(c, [5] * 4, 0)], kv)  # evicting is allowed by default: a1 goes
+    assert len(c.pages) == 1 and cache.evicted == 1

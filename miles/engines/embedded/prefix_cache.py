@@ -39,6 +39,7 @@ from miles.engines.embedded.transfer import to_device
 logger = logging.getLogger(__name__)
 
 DEFAULT_PAGE_SIZE = 16
+COPY_CHUNK_BYTES = 64 << 20  # the most one batched page copy gathers at once (K or V)
 
 
 @dataclass(slots=True)
@@ -146,26 +147,34 @@ class PrefixCache:
     def extend(self, lease: Lease, ids: list[int], kv: KVCache, slot: int) -> None:
         """Add to `lease` the full pages of `ids` past its chain, whose K/V sit in `slot` at positions
         [0, len(ids)): found in the cache or copied into free pages (the pool full, the chain stops)."""
+        self.extend_many([(lease, ids, slot)], kv)
+
+    def extend_many(self, items: list[tuple[Lease, list[int], int]], kv: KVCache, *, evict: bool = True) -> None:
+        """`extend` for each (lease, ids, slot), in order, with the new pages of all of them copied in a few
+        launches (a batch's prefill, a step's finished requests) instead of two per request. evict=False: new
+        pages take free pages only (a chain stops where the pool has none), evicting nothing."""
+        copies: list[tuple[int, int, int]] = []  # (page, slot, first position) of every new page
         with self._lock:
-            if lease.generation != self.generation or self.k is None:
+            if self.k is None:
                 return
             P = self.page_size
-            parent = lease.pages[-1] if lease.pages else -1
-            first_new, new = None, []  # a page not in the cache has no cached child: the rest are new too
-            for start in range(len(lease.pages) * P, len(ids) - P + 1, P):
-                key = (parent, tuple(ids[start : start + P]))
-                pid = self._index.get(key)
-                if pid is None:
-                    pid = self._new_page(key, parent)
+            for lease, ids, slot in items:
+                if lease.generation != self.generation:
+                    continue
+                parent = lease.pages[-1] if lease.pages else -1
+                for start in range(len(lease.pages) * P, len(ids) - P + 1, P):
+                    key = (parent, tuple(ids[start : start + P]))
+                    pid = self._index.get(key)
                     if pid is None:
-                        break
-                    first_new = start if first_new is None else first_new
-                    new.append(pid)
-                self._ref(pid)
-                lease.pages.append(pid)
-                parent = pid
-            if new:  # one copy of K and one of V for all of them, not two per page
-                self._copy_from_slot(kv, slot, first_new, new)
+                        pid = self._new_page(key, parent, evict)
+                        if pid is None:
+                            break
+                        copies.append((pid, slot, start))
+                    self._ref(pid)
+                    lease.pages.append(pid)
+                    parent = pid
+            if copies:  # inside the lock: a page is never evicted and reused before its K/V is queued
+                self._copy_pages(kv, copies, into_pool=True)
 
     def release_lease(self, lease: Lease) -> None:
         """Drop a request's references (a lease from an older generation holds none)."""
@@ -177,14 +186,18 @@ class PrefixCache:
 
     def load(self, lease: Lease, kv: KVCache, slot: int) -> int:
         """Copy the lease's pages into `slot` at positions [0, n); return n (0 for a void lease)."""
-        if lease.generation != self.generation or not lease.pages:
-            return 0
-        n = len(lease.pages) * self.page_size
-        index = to_device(lease.pages, self.device)
-        for pool, cache in ((self.k, kv.k), (self.v, kv.v)):
-            pages = as_codes(pool).index_select(1, index)  # [layers, m, kvh, P, hd]
-            as_codes(cache)[:, slot, :, :n] = pages.transpose(1, 2).flatten(2, 3)
-        return n
+        return self.load_many([(lease, slot)], kv)[0]
+
+    def load_many(self, items: list[tuple[Lease, int]], kv: KVCache) -> list[int]:
+        """`load` for each (lease, slot), the pages of all of them copied in a few launches."""
+        copies, counts = [], []
+        for lease, slot in items:
+            pages = lease.pages if lease.generation == self.generation else []
+            copies.extend((pid, slot, j * self.page_size) for j, pid in enumerate(pages))
+            counts.append(len(pages) * self.page_size)
+        if copies:
+            self._copy_pages(kv, copies, into_pool=False)
+        return counts
 
     # ---- pages -----------------------------------------------------------------------------------
     def _ref(self, pid: int) -> None:
@@ -200,8 +213,8 @@ class PrefixCache:
         if page.refs == 0 and page.children == 0:
             self._evictable[pid] = None
 
-    def _new_page(self, key: tuple, parent: int) -> int | None:
-        if not self._free and not self._evict_one():
+    def _new_page(self, key: tuple, parent: int, evict: bool = True) -> int | None:
+        if not self._free and (not evict or not self._evict_one()):
             return None
         pid = self._free.pop()
         self._pages[pid] = Page(key, parent)
@@ -227,12 +240,22 @@ class PrefixCache:
                 self._evictable.move_to_end(page.parent, last=False)  # its only extension was the coldest
         return True
 
-    def _copy_from_slot(self, kv: KVCache, slot: int, start: int, pids: list[int]) -> None:
-        """Pages `pids` take the K/V of `slot` at positions [start, start + len(pids) x page_size), in order."""
-        n, P = len(pids), self.page_size
-        index = to_device(pids, self.device)
-        for pool, cache in ((self.k, kv.k), (self.v, kv.v)):
-            pages = (
-                as_codes(cache)[:, slot, :, start : start + n * P].unflatten(2, (n, P)).transpose(1, 2)
-            )  # [layers, n, kvh, P, hd]
-            as_codes(pool).index_copy_(1, index, pages)
+    def _copy_pages(self, kv: KVCache, copies: list[tuple[int, int, int]], *, into_pool: bool) -> None:
+        """For each (page, slot, start): the slot's K/V at positions [start, start + page_size) into the pool's
+        page (into_pool) or back. One gather and one scatter of K and of V per chunk of pages; chunks bound
+        the gathered copy's memory (COPY_CHUNK_BYTES)."""
+        P = self.page_size
+        per_page = self.k[:, 0].numel() * self.k.element_size()
+        chunk = max(1, COPY_CHUNK_BYTES // per_page)
+        for c in range(0, len(copies), chunk):
+            pids, slots, starts = to_device(list(zip(*copies[c : c + chunk])), self.device)
+            positions = starts[:, None] + torch.arange(P, device=self.device)  # [n, P]
+            for pool, cache in ((self.k, kv.k), (self.v, kv.v)):
+                pool_pages = as_codes(pool).transpose(0, 1)  # [pages, layers, kvh, P, hd]
+                slot_tokens = as_codes(cache).permute(1, 3, 0, 2, 4)  # [slots, positions, layers, kvh, hd]
+                if into_pool:
+                    pages = slot_tokens[slots[:, None], positions]  # [n, P, layers, kvh, hd]
+                    pool_pages.index_copy_(0, pids, pages.permute(0, 2, 3, 1, 4))
+                else:
+                    pages = pool_pages.index_select(0, pids).permute(0, 3, 1, 2, 4)  # [n, P, layers, kvh, hd]
+                    slot_tokens.index_put_((slots[:, None], positions), pages)

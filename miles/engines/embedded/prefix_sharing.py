@@ -8,7 +8,8 @@ n samples computes its prompt once, not n times. Requests that want every prompt
 log-probs compute every position and take nothing (they still share what they computed).
 
 Finishing: a request's K/V up to its last fed token go into the cache before its slot is reused, so a
-session's next turn (its prompt extends this one's tokens) computes only what is new.
+session's next turn (its prompt extends this one's tokens) computes only what is new. They take free pages
+only: nothing cached is evicted for them.
 """
 
 from __future__ import annotations
@@ -77,12 +78,24 @@ class PrefixSharing:
     def drop(self, req: SharingRequest, kv_tokens: int = 0, slot: int = -1) -> None:
         """Release the request's pages; first share the full pages of its first `kv_tokens` tokens, whose
         K/V its `slot` holds (a finished turn)."""
-        if req.lease is None:
+        self.drop_many([(req, kv_tokens, slot)])
+
+    def drop_many(self, finished: list[tuple[SharingRequest, int, int]]) -> None:
+        """`drop` for each (request, kv_tokens, slot) of a step's finished requests, their new pages copied
+        into the cache together, before any of their slots is reused. Those pages take free pages only: a
+        finished answer, which only a session's next turn reads again, never evicts a cached prompt (a full
+        pool keeps the prompts a group's later samples and the next rounds share; a session's next turn then
+        computes the last answer again and caches it with its own prompt)."""
+        held = [(req, n, slot) for req, n, slot in finished if req.lease is not None]
+        if not held:
             return
-        if kv_tokens > 0 and req.kv_epoch == self.runner.kv_epoch and self.runner.kv.allocated:
-            self.cache.extend(req.lease, req.all_ids[:kv_tokens], self.runner.kv, slot)
-        self.cache.release_lease(req.lease)
-        req.lease = None
+        if self.runner.kv.allocated:
+            epoch = self.runner.kv_epoch
+            shared = [(r.lease, r.all_ids[:n], slot) for r, n, slot in held if n > 0 and r.kv_epoch == epoch]
+            self.cache.extend_many(shared, self.runner.kv, evict=False)
+        for req, _, _ in held:
+            self.cache.release_lease(req.lease)
+            req.lease = None
 
     # ---- the prefill (step thread, under the runner's lock) --------------------------------------
     def load(
@@ -90,17 +103,18 @@ class PrefixSharing:
     ) -> tuple[list[list[int]], list[int]]:
         """Copy each request's pages into its slot; the tokens left to compute and where they start.
         reuse=False computes every token (a step that records MoE routing runs whole sequences)."""
-        seqs, starts = [], []
-        for j, req in enumerate(prefill):
-            start = 0
-            if req.lease is not None and reuse:
-                start = self.cache.load(req.lease, self.runner.kv, slot_start + j)
-                if start == 0:  # a void lease (the cache was dropped since): start over with an empty one
-                    self.cache.release_lease(req.lease)
-                    req.lease = self.cache.match([])
+        hits = [j for j, req in enumerate(prefill) if req.lease is not None and reuse]
+        loaded = self.cache.load_many([(prefill[j].lease, slot_start + j) for j in hits], self.runner.kv) if hits else []
+        starts = [0] * len(prefill)
+        for j, n in zip(hits, loaded, strict=True):
+            starts[j] = n
+            if n == 0:  # a void lease (the cache was dropped since): start over with an empty one
+                self.cache.release_lease(prefill[j].lease)
+                prefill[j].lease = self.cache.match([])
+        seqs = []
+        for req, start in zip(prefill, starts, strict=True):
             ids = req.all_ids
             seqs.append(ids[start:])
-            starts.append(start)
             self.prefill_tokens_requested += len(ids)
             self.prefill_tokens_computed += len(ids) - start
             if req.cached_tokens is None:
@@ -109,6 +123,6 @@ class PrefixSharing:
 
     def share(self, prefill: list[SharingRequest], slot_start: int) -> None:
         """Put the full pages the prefill just computed into the cache (held by their requests)."""
-        for j, req in enumerate(prefill):
-            if req.lease is not None:
-                self.cache.extend(req.lease, req.all_ids, self.runner.kv, slot_start + j)
+        items = [(req.lease, req.all_ids, slot_start + j) for j, req in enumerate(prefill) if req.lease is not None]
+        if items:
+            self.cache.extend_many(items, self.runner.kv)

@@ -212,11 +212,20 @@ class ModelRunner:
         """Prefill sequences into slots [slot_start, slot_start + len(seqs)). starts[i] > 0: the slot already
         holds the K/V of that many leading tokens (a prefix cache hit) and seqs[i] are the tokens after them.
         `routing` collects every MoE layer's experts of all [B x width] tokens (padding included, see
-        forward); it needs every sequence computed from position 0."""
+        forward); it needs every sequence computed from position 0. Sequences from position 0 that come before
+        the first hit run as an ordinary prefill, the rest as an extend (the scheduler puts hits last): a hit's
+        few new tokens are not padded to a miss's whole prompt."""
         if starts is not None and any(starts):
             if routing is not None:
                 raise ValueError("prefill: routing is recorded over whole sequences; reuse no cached prefix")
-            return self._prefill_extend(seqs, slot_start, starts)
+            m = next(j for j, start in enumerate(starts) if start)
+            if any(want_all[m:]):
+                raise ValueError("prefill: input log-probs need every position computed; order such requests first")
+            if m == 0:
+                return self._prefill_extend(seqs, slot_start, starts)
+            head = self.prefill(seqs[:m], slot_start, want_all[:m])
+            tail = self._prefill_extend(seqs[m:], slot_start + m, starts[m:])
+            return PrefillResult(torch.cat([head.last_logits, tail.last_logits]), head.all_logits + tail.all_logits)
         device = self.model.device
         lens = [len(s) for s in seqs]
         width = max(lens)

@@ -265,6 +265,7 @@ class Scheduler:
         to compute waits for the next step (then its prefix is cached: a group's prompt is prefilled once)."""
         width = 0
         count = 0
+        first_new = len(self.running)
         sharing = self.sharing
         deferred: list[Request] = []
         admitted: dict[tuple, list[Request]] = {}  # first page of tokens -> requests admitted now
@@ -282,6 +283,8 @@ class Scheduler:
             sharing.admit(req, lease, admitted)
             self.running.append(self.waiting.popleft())
         self.waiting.extendleft(reversed(deferred))
+        # cache hits after the requests computed from position 0: the runner prefills the two apart
+        self.running[first_new:] = sorted(self.running[first_new:], key=lambda r: bool(r.lease and r.lease.pages))
 
     # ---- step (worker thread) ------------------------------------------------------------------------
     def _compute(self, decode: list[Request], prefill: list[Request]) -> StepResult:
@@ -360,8 +363,10 @@ class Scheduler:
         self._retire(finished)
 
     def _retire(self, finished: list[tuple[int, dict]]) -> None:
+        # their pages go into the prefix cache together, from their slots as they are before any moves
+        self.sharing.drop_many([(self.running[i], self.running[i].seq_len - 1, i) for i, _ in finished])
         for i, reason in reversed(finished):
-            self._remove_running(i, reason)
+            self._finish(self._remove_slot(i), reason)
         if not self.running:
             self.sampling.drop_plan()  # it holds the finished requests
 
