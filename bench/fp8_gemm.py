@@ -5,7 +5,10 @@ the bytes of bf16 ones and take about as long through cuBLASLt (`bench/results/f
 GEMM of a layer (qkv, o, gate/up, down) at `--batch` rows, the bf16 `F.linear`, cuBLASLt's block-scaled
 `torch._scaled_mm` after the activation quantization kernel (the engine's path with MILES_FP8_CUDA_KERNELS=1)
 and `fp8_triton.quantized_linear`, which quantizes the activation inside the GEMM (the path with
-MILES_FP8_GEMM=triton too), at every setting of a small grid (rows and columns a tile, warps, pipeline stages).
+MILES_FP8_GEMM=triton too), at every setting of a small grid (rows and columns a tile, warps, pipeline stages,
+and `--triton-splits`, the K chunks the kernel sums apart). `--triton-input prequant` times the Triton kernel
+after the activation quantization kernel instead (`block_scaled_mm`, as cuBLASLt's path): inside, every
+column tile quantizes its rows' activation again.
 Both FP8 timings start from the bf16 activation; each output is checked against the fp32 product of the
 activation kernel's codes. It prints one line per GEMM, then the layer's totals: bf16, cuBLASLt, the Triton
 kernel at its default settings and at each GEMM's best, and the ratios. On Hopper it also times cuBLASLt's GEMM
@@ -48,6 +51,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-warps", type=_ints, default=[4, 8])
     p.add_argument("--num-stages", type=_ints, default=[3, 4])
     p.add_argument("--splits", type=_ints, default=[2, 3, 4], help="K chunk counts of cuBLASLt's split GEMM")
+    p.add_argument("--triton-splits", type=_ints, default=[1], help="K chunk counts of the Triton kernel's grid")
+    p.add_argument(
+        "--triton-input",
+        choices=("inside", "prequant"),
+        default="inside",
+        help="the Triton kernel quantizes the activation inside (quantized_linear) or takes the activation "
+        "kernel's codes (quantize_activation, then block_scaled_mm)",
+    )
     return p.parse_args(argv)
 
 
@@ -90,20 +101,32 @@ def _time_us(fn, reps: int, cuda: bool) -> float:
     return begin.elapsed_time(end) * 1e3 / reps
 
 
+def _triton_gemm(x: torch.Tensor, weight: fp8.Fp8Weight, setting: tuple, prequant: bool) -> torch.Tensor:
+    """The Triton GEMM at `setting` (block_m, block_n, warps, stages, K splits) from the bf16 activation."""
+    tiles, splits = setting[:4], setting[4]
+    if prequant:
+        xq, xs = fp8_triton.quantize_activation(x, pad_to=4)
+        return fp8_triton.block_scaled_mm(xq[: x.shape[0]], xs, weight.q, weight.scale_inv, x.dtype, tiles, splits)
+    return fp8_triton.quantized_linear(x, weight.q, weight.scale_inv, settings=tiles, splits=splits)
+
+
 def _triton_settings(
-    x: torch.Tensor, weight: fp8.Fp8Weight, want: torch.Tensor, scale: float, grid: list, reps: int, cuda: bool
+    x: torch.Tensor,
+    weight: fp8.Fp8Weight,
+    want: torch.Tensor,
+    scale: float,
+    grid: list,
+    a: argparse.Namespace,
+    cuda: bool,
 ) -> list[dict]:
     """Each Triton setting of `grid` on one GEMM: its time and largest difference from `want` relative to
     `scale` (want's largest value), or the error of a setting the compiler or the device refuses."""
     settings = []
+    prequant = a.triton_input == "prequant"
     for s in grid:
         try:
-            out = fp8_triton.quantized_linear(x, weight.q, weight.scale_inv, settings=s)
-            us = _time_us(
-                lambda s=s, w=weight, x=x: fp8_triton.quantized_linear(x, w.q, w.scale_inv, settings=s),
-                reps,
-                cuda,
-            )
+            out = _triton_gemm(x, weight, s, prequant)
+            us = _time_us(lambda s=s, w=weight, x=x: _triton_gemm(x, w, s, prequant), a.reps, cuda)
         except Exception as e:  # noqa: BLE001 - a setting the compiler or the device refuses is reported
             settings.append({"settings": list(s), "error": f"{type(e).__name__}: {str(e)[:200]}"})
             continue
@@ -187,10 +210,10 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"{torch.cuda.get_device_name(device)} has no e4m3 tensor cores (CUDA capability 8.9+)")
     g = torch.Generator(device="cpu").manual_seed(a.seed)
     hopper = cuda and torch.cuda.get_device_capability(device)[0] == 9
-    default_settings = fp8_triton.gemm_settings(a.batch)
+    default_settings = (*fp8_triton.gemm_settings(a.batch), 1)
     grid = [default_settings] + [
         s
-        for s in itertools.product(a.block_m, a.block_n, a.num_warps, a.num_stages)
+        for s in itertools.product(a.block_m, a.block_n, a.num_warps, a.num_stages, a.triton_splits)
         if s != default_settings and fp8_triton.GROUP % s[1] == 0
     ]
     rows = []
@@ -208,7 +231,7 @@ def main(argv: list[str] | None = None) -> dict:
         line["bf16_us"] = round(_time_us(lambda x=x, w=w: F.linear(x, w), a.reps, cuda), 2)
         if hopper and K % fp8.BLOCK == 0 and N % fp8.BLOCK == 0:  # the engine's condition for cuBLASLt
             line |= _cublas_timings(x, weight, want, scale, a, dtype)
-        settings = _triton_settings(x, weight, want, scale, grid, a.reps, cuda)
+        settings = _triton_settings(x, weight, want, scale, grid, a, cuda)
         timed = [s for s in settings if "us" in s]
         line["triton_default"] = timed[0] if timed and timed[0]["settings"] == list(default_settings) else None
         line["triton_best"] = min(timed, key=lambda s: s["us"]) if timed else None
@@ -217,6 +240,7 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append(line)
 
     result = _summary(rows, a.batch, torch.cuda.get_device_name(device) if cuda else "cpu", cuda)
+    result["triton_input"] = a.triton_input
     print(json.dumps(result))
     return result
 

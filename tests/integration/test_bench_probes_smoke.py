@@ -124,13 +124,16 @@ def test_forward_alignment_bench_finds_the_aligned_trainer_exact_on_cpu(tmp_path
     assert line["layer0"] == {"weights_max_diff": 0.0, "product_max_diff": 0.0, "product_mean_diff": 0.0}
 
 
-def test_fp8_gemm_bench_checks_every_setting_against_the_dequantized_product():
-    """Under Triton's interpreter: each GEMM of a small layer runs at the default and every swept setting, each
-    equal to the fp32 product of the same codes, and the summary adds up the layer (no cuBLASLt on CPU)."""
+@pytest.mark.parametrize("triton_input", ["inside", "prequant"])
+def test_fp8_gemm_bench_checks_every_setting_against_the_dequantized_product(triton_input):
+    """Under Triton's interpreter: each GEMM of a small layer runs at the default and every swept setting (K
+    whole and in two chunks; the activation quantized inside the GEMM or by its own kernel first), each equal
+    to the fp32 product of the same codes, and the summary adds up the layer (no cuBLASLt on CPU)."""
     pytest.importorskip("triton")
     cmd = [sys.executable, "bench/fp8_gemm.py", "--device", "cpu", "--batch", "8", "--hidden", "256",
            "--intermediate", "384", "--heads", "2", "--kv-heads", "1", "--head-dim", "128", "--block-m", "16",
-           "--block-n", "64,128", "--num-warps", "4", "--num-stages", "2", "--reps", "1"]  # fmt: skip
+           "--block-n", "64,128", "--num-warps", "4", "--num-stages", "2", "--reps", "1", "--triton-splits", "1,2",
+           "--triton-input", triton_input]  # fmt: skip
     env = dict(os.environ, TRITON_INTERPRET="1", MILES_TORCH_THREADS="1")
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -141,3 +144,6 @@ def test_fp8_gemm_bench_checks_every_setting_against_the_dequantized_product():
     assert summary["refused"] == 0 and summary["worst_rel_diff"] < 1e-5
     assert summary["layer_us"]["cublas"] is None and summary["triton_best_over_cublas"] is None
     assert set(summary["best_settings"]) == {"qkv", "o", "gate_up", "down"} and summary["timed_on_cpu"] is True
+    assert summary["triton_input"] == triton_input and summary["refused"] == 0
+    swept = [s["settings"] for g in gemms for s in [g["triton_default"], g["triton_best"]]]
+    assert all(len(s) == 5 for s in swept) and gemms[0]["triton_default"]["settings"][4] == 1

@@ -39,7 +39,7 @@ def test_the_script_holds_the_figure_groups_commands():
     names = [name for name, _ in bench_commands(SCRIPT)]
     assert (
         names.count("fp8") == 4
-        and names.count("fp8_gemm") == 1
+        and names.count("fp8_gemm") == 2
         and names.count("engine_throughput") == 3
         and names.count("moe") == 2
     )

@@ -419,6 +419,28 @@ def test_fp8_block_scaled_gemm_kernel_matches_the_emulation(m, n, k, settings):
 
 
 @needs_kernels
+@pytest.mark.parametrize(("splits", "quant_x"), [(2, False), (3, False), (4, False), (2, True)])
+def test_fp8_gemm_kernel_split_over_k_equals_the_emulation(splits, quant_x):
+    """K = 600 (five 128-slices, the last not whole; 2 splits make two chunks of 3 slices, 3 and 4 make three
+    of 2: the last chunk's sixth slice lies past K, masked): the partial tiles summed equal the product of the same codes; with
+    the activation quantized inside, the unsplit kernel's product (the interpreter's e4m3 rounding is not
+    torch's, see below, but the same for both)."""
+    g = torch.Generator().manual_seed(splits)
+    x, w = torch.randn(37, 600, generator=g), torch.randn(200, 600, generator=g) * 0.05
+    xq, xs = fp8.quantize_activation(x)
+    wq, ws = fp8.quantize_weight(w)
+    if quant_x:
+        on = [t.to(DEVICE) for t in (x, wq, ws)]
+        got = fp8_triton.quantized_linear(*on, torch.float32, splits=splits)
+        want = fp8_triton.quantized_linear(*on, torch.float32).cpu()
+    else:
+        got = fp8_triton.block_scaled_mm(*(t.to(DEVICE) for t in (xq, xs, wq, ws)), torch.float32, splits=splits)
+        want = fp8._emulated(x, fp8.Fp8Weight(wq, ws), torch.float32)
+    assert got.shape == (37, 200) and got.dtype == torch.float32
+    torch.testing.assert_close(got.cpu(), want, **_fp8_mma_tolerance(want))
+
+
+@needs_kernels
 def test_fp8_block_scaled_gemm_kernel_reads_the_activation_kernels_padded_outer_dim_major_scales():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(37, 384, generator=g).to(torch.bfloat16).to(DEVICE)

@@ -61,14 +61,15 @@ if triton is not None:
     def _block_scaled_mm_kernel(
         x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_xs_m, stride_xs_k, stride_ws_n,
         KB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, GROUP_M: tl.constexpr,
-        QUANT_X: tl.constexpr,
+        QUANT_X: tl.constexpr, KB_PER: tl.constexpr,
     ):  # fmt: skip
         """out[tile] = sum over K slices kb of (x[tile rows, kb] @ w[tile cols, kb].T) * xs[rows, kb] * ws[nb, kb],
         nb the 128-row block of the tile's columns (BLOCK_N divides 128, so a tile's columns share it). Tiles
         are visited GROUP_M row tiles at a time per column tile, so a weight tile read from HBM serves them
         from L2. QUANT_X: x is the activation in the model dtype, each slice quantized here as
         `_act_quant_kernel` does (the same codes and scales; xs unused), so no separate launch and no e4m3
-        copy of the activation."""
+        copy of the activation. Split-K (KB_PER < KB): program (tile, s) sums slices [s * KB_PER, (s + 1) *
+        KB_PER) and stores its fp32 partial tile at out_ptr + s * M * N, for the caller to sum."""
         pid = tl.program_id(0)
         tiles_m = tl.cdiv(M, BLOCK_M)
         tiles_n = tl.cdiv(N, BLOCK_N)
@@ -81,11 +82,15 @@ if triton is not None:
         cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, GROUP)
         row_ok, col_ok = rows < M, cols < N
-        x_ptrs = x_ptr + rows[:, None] * K + ks[None, :]
-        w_ptrs = w_ptr + cols[:, None] * K + ks[None, :]
+        # KB_PER slices from first_kb (past KB masked: the last chunk may be short), a constant trip count
+        first_kb = tl.program_id(1) * KB_PER
+        offs = tl.program_id(1).to(tl.int64) * M * N + rows[:, None] * N + cols[None, :]  # a split's own plane
+        x_ptrs = x_ptr + rows[:, None] * K + first_kb * GROUP + ks[None, :]
+        w_ptrs = w_ptr + cols[:, None] * K + first_kb * GROUP + ks[None, :]
         ws_row = ws_ptr + ((pid_n * BLOCK_N) // GROUP).to(tl.int64) * stride_ws_n
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(0, KB):  # KB (K's 128-slices) a constant: one compilation per K of the model
+        for i in range(0, KB_PER):
+            kb = first_kb + i
             k_ok = ks[None, :] < K - kb * GROUP
             if QUANT_X:
                 xf = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok, other=0.0).to(tl.float32)
@@ -93,13 +98,12 @@ if triton is not None:
                 x = x.to(w_ptr.dtype.element_ty)
             else:
                 x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok, other=0.0)
-                x_scale = tl.load(xs_ptr + rows * stride_xs_m + kb * stride_xs_k, mask=row_ok, other=0.0)
+                x_scale = tl.load(xs_ptr + rows * stride_xs_m + kb * stride_xs_k, mask=row_ok & (kb < KB), other=0.0)
             w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok, other=0.0)
-            w_scale = tl.load(ws_row + kb)
+            w_scale = tl.load(ws_row + kb, mask=kb < KB, other=0.0)
             acc += tl.dot(x, tl.trans(w)) * (x_scale[:, None] * w_scale)
             x_ptrs += GROUP
             w_ptrs += GROUP
-        offs = rows[:, None] * N + cols[None, :]
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -163,11 +167,15 @@ def block_scaled_mm(
     ws: torch.Tensor,
     out_dtype: torch.dtype,
     settings: tuple[int, int, int, int] | None = None,
+    splits: int = 1,
 ) -> torch.Tensor:
     """xq [M, K] e4m3 with scales xs [>= M, ceil(K/128)] fp32 (any strides: the activation quantization's
     outer-dim-major ones too) times wq [N, K] e4m3 with ws [ceil(N/128), ceil(K/128)] fp32, transposed:
-    [M, N] in `out_dtype`. `settings`: (block_m, block_n, num_warps, num_stages), default `gemm_settings(M)`."""
-    return _launch(xq, xs, wq, ws, out_dtype, settings, quant_x=False)
+    [M, N] in `out_dtype`. `settings`: (block_m, block_n, num_warps, num_stages), default `gemm_settings(M)`.
+    `splits` > 1 cuts K's 128-slices into that many chunks (fewer where K has fewer slices), one program per
+    tile and chunk, whose fp32 partial tiles are summed and rounded once: more programs for a GEMM of few
+    output tiles."""
+    return _launch(xq, xs, wq, ws, out_dtype, settings, quant_x=False, splits=splits)
 
 
 def quantized_linear(
@@ -176,13 +184,14 @@ def quantized_linear(
     ws: torch.Tensor,
     out_dtype: torch.dtype | None = None,
     settings: tuple[int, int, int, int] | None = None,
+    splits: int = 1,
 ) -> torch.Tensor:
     """x [M, K] (model dtype) times wq [N, K] e4m3 with ws, transposed, as `block_scaled_mm` of x's 1x128
     quantization, which the GEMM computes slice by slice (one launch; the codes `quantize_activation` gives)."""
-    return _launch(x, x, wq, ws, out_dtype or x.dtype, settings, quant_x=True)
+    return _launch(x, x, wq, ws, out_dtype or x.dtype, settings, quant_x=True, splits=splits)
 
 
-def _launch(x, xs, wq, ws, out_dtype, settings, *, quant_x: bool) -> torch.Tensor:
+def _launch(x, xs, wq, ws, out_dtype, settings, *, quant_x: bool, splits: int = 1) -> torch.Tensor:
     M, K = x.shape
     N = wq.shape[0]
     KB = -(-K // GROUP)
@@ -196,12 +205,19 @@ def _launch(x, xs, wq, ws, out_dtype, settings, *, quant_x: bool) -> torch.Tenso
     block_m, block_n, num_warps, num_stages = settings or gemm_settings(M)
     if GROUP % block_n:
         raise ValueError(f"block_n={block_n} must divide {GROUP}: a tile's columns share one weight scale row")
+    if splits < 1:
+        raise ValueError(f"block_scaled_mm: splits={splits}; use 1 (whole K) or more")
     x, wq = x.contiguous(), wq.contiguous()
-    out = torch.empty((M, N), dtype=out_dtype, device=x.device)
-    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
+    kb_per = -(-KB // splits)
+    planes = -(-KB // kb_per)  # chunks of kb_per slices, none empty
+    if planes == 1:
+        out = torch.empty((M, N), dtype=out_dtype, device=x.device)
+    else:
+        out = torch.empty((planes, M, N), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), planes)
     _block_scaled_mm_kernel[grid](
         x, xs, wq, ws, out, M, N, K, xs.stride(0), xs.stride(1), ws.stride(0),
         KB=KB, BLOCK_M=block_m, BLOCK_N=block_n, GROUP=GROUP, GROUP_M=GEMM_GROUP_M, QUANT_X=quant_x,
-        num_warps=num_warps, num_stages=num_stages,
+        KB_PER=KB if planes == 1 else kb_per, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    return out
+    return out if planes == 1 else out.sum(0).to(out_dtype)
