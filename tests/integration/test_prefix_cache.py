@@ -152,12 +152,19 @@ def test_hits_and_misses_admitted_together_prefill_apart_and_keep_input_logprobs
             engine.generate(input_ids=scored, sampling_params=new, return_logprob=True, logprob_start_len=0),
         )
         tokens = [o["output_ids"] for o in outs]
-        return tokens, outs[2]["meta_info"]["input_token_logprobs"], [o["meta_info"]["cached_tokens"] for o in outs], extends
+        return (
+            tokens,
+            outs[2]["meta_info"]["input_token_logprobs"],
+            [o["meta_info"]["cached_tokens"] for o in outs],
+            extends,
+        )
 
     tokens, input_lps, cached_tokens, extends = run(model_dir, body)
     plain_tokens, plain_lps, _, _ = run(model_dir, body, prefix_cache=False)
     assert tokens == plain_tokens
     assert [t for _, t, _ in input_lps] == scored and input_lps[0][0] is None
-    torch.testing.assert_close([lp for lp, _, _ in input_lps[1:]], [lp for lp, _, _ in plain_lps[1:]], rtol=0, atol=1e-4)
+    torch.testing.assert_close(
+        [lp for lp, _, _ in input_lps[1:]], [lp for lp, _, _ in plain_lps[1:]], rtol=0, atol=1e-4
+    )
     assert cached_tokens == [3 * P, 0, 0]
     assert extends == [[len(hit) - 3 * P]]  # one extend: the hit alone, its 4 new tokens

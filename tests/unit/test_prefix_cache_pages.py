@@ -116,10 +116,10 @@ def test_a_batch_of_extends_and_loads_moves_each_requests_pages_as_one_at_a_time
     ids = [list(range(3 * P + 1)), list(range(100, 100 + 2 * P)), list(range(3 * P + 1))]  # the third = the first
     kv.k[:, 2], kv.v[:, 2] = kv.k[:, 0], kv.v[:, 0]
     leases_one = [one.match(t) for t in ids]
-    for slot, (lease, t) in enumerate(zip(leases_one, ids)):
+    for slot, (lease, t) in enumerate(zip(leases_one, ids, strict=True)):
         one.extend(lease, t, kv, slot)
     leases_many = [many.match(t) for t in ids]
-    many.extend_many([(lease, t, slot) for slot, (lease, t) in enumerate(zip(leases_many, ids))], kv)
+    many.extend_many([(lease, t, slot) for slot, (lease, t) in enumerate(zip(leases_many, ids, strict=True))], kv)
     assert [len(lease.pages) for lease in leases_many] == [3, 2, 3] and leases_many[2].pages == leases_many[0].pages
     assert many.cached_pages == 5 and [lease.pages for lease in leases_many] == [lease.pages for lease in leases_one]
     assert torch.equal(many.k, one.k) and torch.equal(many.v, one.v)

@@ -248,7 +248,7 @@ class PrefixCache:
         per_page = self.k[:, 0].numel() * self.k.element_size()
         chunk = max(1, COPY_CHUNK_BYTES // per_page)
         for c in range(0, len(copies), chunk):
-            pids, slots, starts = to_device(list(zip(*copies[c : c + chunk])), self.device)
+            pids, slots, starts = to_device(list(zip(*copies[c : c + chunk], strict=True)), self.device)
             positions = starts[:, None] + torch.arange(P, device=self.device)  # [n, P]
             for pool, cache in ((self.k, kv.k), (self.v, kv.v)):
                 pool_pages = as_codes(pool).transpose(0, 1)  # [pages, layers, kvh, P, hd]

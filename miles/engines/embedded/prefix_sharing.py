@@ -104,7 +104,9 @@ class PrefixSharing:
         """Copy each request's pages into its slot; the tokens left to compute and where they start.
         reuse=False computes every token (a step that records MoE routing runs whole sequences)."""
         hits = [j for j, req in enumerate(prefill) if req.lease is not None and reuse]
-        loaded = self.cache.load_many([(prefill[j].lease, slot_start + j) for j in hits], self.runner.kv) if hits else []
+        loaded = (
+            self.cache.load_many([(prefill[j].lease, slot_start + j) for j in hits], self.runner.kv) if hits else []
+        )
         starts = [0] * len(prefill)
         for j, n in zip(hits, loaded, strict=True):
             starts[j] = n
