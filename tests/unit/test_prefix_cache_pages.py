@@ -136,17 +136,33 @@ def test_a_batch_of_extends_and_loads_moves_each_requests_pages_as_one_at_a_time
     assert not target.k[:, 1, :, 3 * P :].any() and not target.k[:, 0].any()  # nothing past them, no other slot
 
 
-def test_pages_added_without_eviction_take_free_pages_only():
-    """A finished request's pages (evict=False) fill free pages and stop there; cached pages nobody holds stay."""
-    kv, cache = _setup(pages=3)
-    a = cache.match([])
-    cache.extend(a, list(range(8)), kv, slot=0)  # a0 -> a1, then released: both evictable
-    cache.release_lease(a)
-    b = cache.match([])
-    cache.extend_many([(b, [7] * 12, 1)], kv, evict=False)  # 3 pages wanted, 1 free
+def test_a_finished_answer_evicts_only_other_answers_and_a_prompt_hit_makes_its_pages_a_prompt():
+    """Pages a finished request adds (answers=True) take free pages or evict answer pages, never a prompt's;
+    the pages a later prompt matches are prompt pages from then on."""
+    kv, cache = _setup(pages=4)
+    prompt = cache.match([])
+    cache.extend(prompt, list(range(8)), kv, slot=0)  # p0 -> p1, a prefill's pages
+    cache.release_lease(prompt)  # both unheld; p1 an evictable leaf
+    first = cache.match([])
+    cache.extend_many([(first, [7] * 12, 1)], kv, answers=True)  # 3 pages wanted, 2 free, no prompt evicted
+    assert len(first.pages) == 2 and cache.evicted == 0
+    cache.release_lease(first)  # its leaf is an evictable answer page
+    second = cache.match([])
+    cache.extend_many([(second, [5] * 4, 0)], kv, answers=True)  # evicts the older answer's leaf, not p1
+    assert len(second.pages) == 1 and cache.evicted == 1
     again = cache.match(list(range(8)))
-    assert len(b.pages) == 1 and cache.evicted == 0 and len(again.pages) == 2
+    assert len(again.pages) == 2  # the prompt survived
     cache.release_lease(again)
-    c = cache.match([])
-    cache.extend_many([(c, [5] * 4, 0)], kv)  # evicting is allowed by default: a1 goes
-    assert len(c.pages) == 1 and cache.evicted == 1
+    cache.release_lease(second)
+    turn = cache.match([5] * 4 + [1])  # a session's next turn starts with the answer: a prompt page now
+    cache.release_lease(turn)
+    third = cache.match([])
+    cache.extend_many([(third, [9] * 8, 1)], kv, answers=True)  # one answer page left to evict: first's root
+    assert len(third.pages) == 1 and cache.evicted == 2
+    kept = [cache.match([5] * 4), cache.match(list(range(8)))]
+    assert [len(lease.pages) for lease in kept] == [1, 2]  # the promoted answer and the prompt stayed
+    for lease in kept:
+        cache.release_lease(lease)
+    fourth = cache.match([])
+    cache.extend(fourth, [3] * 4, kv, slot=0)  # a prefill's page may evict any unheld leaf
+    assert len(fourth.pages) == 1 and cache.evicted == 3

@@ -13,7 +13,8 @@ and the prefill computes only the tokens after them.
 Reference counts: a request holds a reference on every page of its chain while it runs (acquired when
 it is admitted, released when it finishes or is retracted). Pages nobody references stay cached for
 later turns and requests until the pool needs room; then the least recently used unreferenced page
-that no other page extends is evicted first.
+that no other page extends is evicted first. Pages a finished request adds (answers) make room only by
+evicting other answer pages, never a prompt's (`extend_many(..., answers=True)`).
 
 Pages hold what the slots hold, in the KV cache's storage dtype (FP8 too: `dtype` is the cache's
 `storage_dtype`), and are copied as codes, so a page loaded into a slot is bit for bit the K/V it was
@@ -48,6 +49,7 @@ class Page:
     parent: int
     refs: int = 0
     children: int = 0
+    answer: bool = False  # added by a finished request, never yet part of a prompt (see extend_many)
 
 
 @dataclass(slots=True)
@@ -84,6 +86,7 @@ class PrefixCache:
         self._index: dict[tuple, int] = {}
         self._free: list[int] = []
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
+        self._evictable_answers: collections.OrderedDict[int, None] = collections.OrderedDict()  # its answer pages
         self.evicted = 0
         self.allocate()
 
@@ -113,6 +116,7 @@ class PrefixCache:
         self._pages.clear()
         self._index.clear()
         self._evictable.clear()
+        self._evictable_answers.clear()
         self._free = list(range(self.num_pages - 1, -1, -1))
 
     # ---- counts ----------------------------------------------------------------------------------
@@ -140,6 +144,7 @@ class PrefixCache:
                 if pid is None:
                     break
                 self._ref(pid)
+                self._pages[pid].answer = False  # a prompt now (a session's next turn)
                 lease.pages.append(pid)
                 parent = pid
             return lease
@@ -149,10 +154,12 @@ class PrefixCache:
         [0, len(ids)): found in the cache or copied into free pages (the pool full, the chain stops)."""
         self.extend_many([(lease, ids, slot)], kv)
 
-    def extend_many(self, items: list[tuple[Lease, list[int], int]], kv: KVCache, *, evict: bool = True) -> None:
+    def extend_many(self, items: list[tuple[Lease, list[int], int]], kv: KVCache, *, answers: bool = False) -> None:
         """`extend` for each (lease, ids, slot), in order, with the new pages of all of them copied in a few
-        launches (a batch's prefill, a step's finished requests) instead of two per request. evict=False: new
-        pages take free pages only (a chain stops where the pool has none), evicting nothing."""
+        launches (a batch's prefill, a step's finished requests) instead of two per request. answers=True (a
+        finished request's pages): the new pages are answer pages, which a full pool evicts only for other
+        answer pages, so answers never push out a prompt; otherwise the pages found become prompt pages and
+        new ones may evict any unheld leaf."""
         copies: list[tuple[int, int, int]] = []  # (page, slot, first position) of every new page
         with self._lock:
             if self.k is None:
@@ -166,10 +173,12 @@ class PrefixCache:
                     key = (parent, tuple(ids[start : start + P]))
                     pid = self._index.get(key)
                     if pid is None:
-                        pid = self._new_page(key, parent, evict)
+                        pid = self._new_page(key, parent, answers)
                         if pid is None:
                             break
                         copies.append((pid, slot, start))
+                    elif not answers:
+                        self._pages[pid].answer = False
                     self._ref(pid)
                     lease.pages.append(pid)
                     parent = pid
@@ -203,7 +212,7 @@ class PrefixCache:
     def _ref(self, pid: int) -> None:
         page = self._pages[pid]
         page.refs += 1
-        self._evictable.pop(pid, None)
+        self._held(pid)
 
     def _unref(self, pid: int) -> None:
         page = self._pages.get(pid)
@@ -211,23 +220,37 @@ class PrefixCache:
             return
         page.refs -= 1
         if page.refs == 0 and page.children == 0:
-            self._evictable[pid] = None
+            self._evictable_now(pid)
 
-    def _new_page(self, key: tuple, parent: int, evict: bool = True) -> int | None:
-        if not self._free and (not evict or not self._evict_one()):
+    def _evictable_now(self, pid: int, coldest: bool = False) -> None:
+        """`pid` may be evicted: the most recently used, or (coldest) the next to go."""
+        for order in (self._evictable, self._evictable_answers) if self._pages[pid].answer else (self._evictable,):
+            order[pid] = None
+            if coldest:
+                order.move_to_end(pid, last=False)
+
+    def _held(self, pid: int) -> None:
+        self._evictable.pop(pid, None)
+        self._evictable_answers.pop(pid, None)
+
+    def _new_page(self, key: tuple, parent: int, answer: bool = False) -> int | None:
+        if not self._free and not self._evict_one(answers_only=answer):
             return None
         pid = self._free.pop()
-        self._pages[pid] = Page(key, parent)
+        self._pages[pid] = Page(key, parent, answer=answer)
         self._index[key] = pid
         if parent >= 0:
             self._pages[parent].children += 1
-            self._evictable.pop(parent, None)
+            self._held(parent)
         return pid
 
-    def _evict_one(self) -> bool:
-        if not self._evictable:
+    def _evict_one(self, answers_only: bool = False) -> bool:
+        """Evict the least recently used unheld leaf (answers_only: the least recently used answer page)."""
+        order = self._evictable_answers if answers_only else self._evictable
+        if not order:
             return False
-        pid, _ = self._evictable.popitem(last=False)
+        pid = next(iter(order))
+        self._held(pid)
         page = self._pages.pop(pid)
         del self._index[page.key]
         self._free.append(pid)
@@ -236,8 +259,7 @@ class PrefixCache:
             parent = self._pages[page.parent]
             parent.children -= 1
             if parent.children == 0 and parent.refs == 0:
-                self._evictable[page.parent] = None
-                self._evictable.move_to_end(page.parent, last=False)  # its only extension was the coldest
+                self._evictable_now(page.parent, coldest=True)  # its only extension was the coldest
         return True
 
     def _copy_pages(self, kv: KVCache, copies: list[tuple[int, int, int]], *, into_pool: bool) -> None:

@@ -8,8 +8,8 @@ n samples computes its prompt once, not n times. Requests that want every prompt
 log-probs compute every position and take nothing (they still share what they computed).
 
 Finishing: a request's K/V up to its last fed token go into the cache before its slot is reused, so a
-session's next turn (its prompt extends this one's tokens) computes only what is new. They take free pages
-only: nothing cached is evicted for them.
+session's next turn (its prompt extends this one's tokens) computes only what is new. A full pool makes
+room for those pages only by evicting other finished answers, never a prompt's pages.
 """
 
 from __future__ import annotations
@@ -82,17 +82,17 @@ class PrefixSharing:
 
     def drop_many(self, finished: list[tuple[SharingRequest, int, int]]) -> None:
         """`drop` for each (request, kv_tokens, slot) of a step's finished requests, their new pages copied
-        into the cache together, before any of their slots is reused. Those pages take free pages only: a
-        finished answer, which only a session's next turn reads again, never evicts a cached prompt (a full
-        pool keeps the prompts a group's later samples and the next rounds share; a session's next turn then
-        computes the last answer again and caches it with its own prompt)."""
+        into the cache together, before any of their slots is reused. They are answer pages (which only a
+        session's next turn reads again): a full pool makes room for them only by evicting other answers,
+        never a prompt that a group's later samples or the next rounds share. Where no answer can go, a
+        session's next turn computes the last answer again and caches it with its own prompt."""
         held = [(req, n, slot) for req, n, slot in finished if req.lease is not None]
         if not held:
             return
         if self.runner.kv.allocated:
             epoch = self.runner.kv_epoch
             shared = [(r.lease, r.all_ids[:n], slot) for r, n, slot in held if n > 0 and r.kv_epoch == epoch]
-            self.cache.extend_many(shared, self.runner.kv, evict=False)
+            self.cache.extend_many(shared, self.runner.kv, answers=True)
         for req, _, _ in held:
             self.cache.release_lease(req.lease)
             req.lease = None
