@@ -27,7 +27,8 @@ norms and SiLU come quantized by those kernels (fp8.FUSED_INPUT_QUANT); --separa
 GEMM input in its own kernel instead, the way to time what the fused quantization saves. MILES_FP8_SPLIT_K=auto
 cuts the K range of those GEMMs that have few output tiles into chunks on parallel streams (fp8_split_k.py).
 
-Ends with one JSON line: bf16_tok_s, fp8_tok_s, tok_s_ratio, bf16_install_s, fp8_install_s, install_ratio,
+Ends with one JSON line: bf16_tok_s, fp8_tok_s, tok_s_ratio, decode_step_ratio (BF16's median decode step over
+FP8's), bf16_install_s, fp8_install_s, install_ratio,
 bf16_push_s, fp8_push_s, push_ratio (the goal: <= 1.3), the FP8 side's kv_cache_dtype, fp8_cuda_kernels,
 fused_input_quant (the switch), fused_input_quant_served (whether the FP8 engine's GEMMs took such inputs),
 fp8_split_k and split_k_refused.
@@ -183,10 +184,16 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         for side in sides.values():
             side.close()
+    steps = {name: decode_step_summary(timeline, args.batch) for name, timeline in timelines.items()}
     result = {
         "bf16_tok_s": round(rates["bf16"], 1),
         "fp8_tok_s": round(rates["fp8"], 1),
         "tok_s_ratio": round(rates["fp8"] / rates["bf16"], 3),
+        # BF16's decode step over FP8's (medians over every full-batch step of the timed rounds): the decode
+        # speed-up alone, steadier than the rounds' ratio when one side's round is slow outside its steps
+        "decode_step_ratio": (
+            round(steps["bf16"]["step_ms"] / steps["fp8"]["step_ms"], 3) if steps["bf16"] and steps["fp8"] else None
+        ),
         "bf16_install_s": round(installs["bf16"], 4),
         "fp8_install_s": round(installs["fp8"], 4),
         "install_ratio": round(installs["fp8"] / installs["bf16"], 3),
@@ -194,7 +201,7 @@ def main(argv: list[str] | None = None) -> dict:
         "fp8_push_s": round(pushes["fp8"], 4),
         "push_ratio": round(pushes["fp8"] / pushes["bf16"], 3),
         # each side's full-batch decode steps as the host saw them (is the step the device's or the host's?)
-        "decode_steps": {name: decode_step_summary(steps, args.batch) for name, steps in timelines.items()},
+        "decode_steps": steps,
         "batch": args.batch,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
@@ -208,7 +215,8 @@ def main(argv: list[str] | None = None) -> dict:
         "shape": {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab")},
     }
     print(
-        f"FP8 (KV cache {args.kv_cache_dtype}) {rates['fp8']:,.0f} tok/s vs BF16 {rates['bf16']:,.0f} tok/s: {result['tok_s_ratio']:.2f}x; "
+        f"FP8 (KV cache {args.kv_cache_dtype}) {rates['fp8']:,.0f} tok/s vs BF16 {rates['bf16']:,.0f} tok/s: {result['tok_s_ratio']:.2f}x "
+        f"(decode step {result['decode_step_ratio']}x); "
         f"weight install {installs['fp8']:.3f} s vs {installs['bf16']:.3f} s: {result['install_ratio']:.2f}x; "
         f"colocated push {pushes['fp8']:.3f} s vs {pushes['bf16']:.3f} s: {result['push_ratio']:.2f}x"
     )

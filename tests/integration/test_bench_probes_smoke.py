@@ -53,6 +53,8 @@ def test_fp8_bench_reports_speed_install_and_colocated_push():
     assert line["fused_input_quant"] is True and line["fused_input_quant_served"] is False
     for side in ("bf16", "fp8"):  # 7 decode steps of the whole batch, 6 back to back in each of the timed rounds
         assert line["decode_steps"][side]["steps"] == 6 and line["decode_steps"][side]["step_ms"] > 0, side
+    steps = line["decode_steps"]
+    assert line["decode_step_ratio"] == round(steps["bf16"]["step_ms"] / steps["fp8"]["step_ms"], 3)
 
 
 def test_engine_throughput_bench_reads_its_decode_steps_from_the_scheduler():
