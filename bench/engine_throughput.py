@@ -247,7 +247,6 @@ def measure_sides(
     try:
         medians, timelines = measure(sides, args.new_tokens, args.reps)
         prefix = engine.prefix_cache_stats()  # over the warm-up and timed rounds
-        prefix["evicted_pages"] = engine.runner.prefix_cache.evicted if prefix["enabled"] else 0
         # decode phase alone: a full round minus a prefill-plus-one-token round, same prompts
         first_token_s = statistics.median(sides["engine"].seconds(1) for _ in range(3))
         full_s = args.batch * args.new_tokens / medians["engine"]

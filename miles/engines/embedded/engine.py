@@ -157,7 +157,8 @@ class EmbeddedEngine(EngineWeights):
         )
 
     def prefix_cache_stats(self) -> dict:
-        """Prefill tokens requested and computed since the start, and the pool's pages (cached, referenced)."""
+        """Prefill tokens requested and computed since the start, and the pool's pages (cached, referenced,
+        evicted since the start)."""
         sched, cache = self.scheduler, self.runner.prefix_cache
         requested = sched.sharing.prefill_tokens_requested if sched else 0
         computed = sched.sharing.prefill_tokens_computed if sched else 0
@@ -168,6 +169,7 @@ class EmbeddedEngine(EngineWeights):
             "prefix_hit_rate": (requested - computed) / requested if requested else 0.0,
             "cached_pages": cache.cached_pages if cache else 0,
             "referenced_pages": cache.referenced_pages if cache else 0,
+            "evicted_pages": cache.evicted if cache else 0,
         }
 
     # ---- lifecycle ---------------------------------------------------------------------------------------

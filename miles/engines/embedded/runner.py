@@ -237,14 +237,7 @@ class ModelRunner:
         last_idx = lens_dev - 1
         with self.lock:
             if not any(want_all) and routing is None:  # only the last tokens' hidden states are needed
-                if self.attention is not None:  # the Triton kernels
-                    last_hidden = fused_forward.prefill_fused(
-                        self.model, tokens, positions, write_pos, last_idx, self.kv, slot_start, self.attention
-                    )
-                else:
-                    last_hidden = self.model.forward(
-                        tokens, positions, self.kv, slot_start, write_pos, kv_len=None, out_index=last_idx
-                    )
+                last_hidden = self._last_hidden(tokens, positions, write_pos, last_idx, slot_start)
                 return PrefillResult(self.model.logits(last_hidden), [None] * len(seqs))
             hidden = self.model.forward(
                 tokens, positions, self.kv, slot_start, write_pos, kv_len=None, routing=routing
@@ -273,30 +266,20 @@ class ModelRunner:
         last_idx = lens_dev - 1
         kv_len = max(s + n for s, n in zip(starts, lens, strict=True))
         with self.lock:
-            if self.attention is not None:  # the Triton kernels
-                last_hidden = fused_forward.prefill_fused(
-                    self.model,
-                    tokens,
-                    positions,
-                    write_pos,
-                    last_idx,
-                    self.kv,
-                    slot_start,
-                    self.attention,
-                    extend_len=kv_len,
-                )
-            else:
-                last_hidden = self.model.forward(
-                    tokens,
-                    positions,
-                    self.kv,
-                    slot_start,
-                    write_pos,
-                    kv_len=None,
-                    out_index=last_idx,
-                    extend_len=kv_len,
-                )
+            last_hidden = self._last_hidden(tokens, positions, write_pos, last_idx, slot_start, extend_len=kv_len)
             return PrefillResult(self.model.logits(last_hidden), [None] * len(seqs))
+
+    def _last_hidden(self, tokens, positions, write_pos, last_idx, slot_start, extend_len=None) -> torch.Tensor:
+        """A prefill's (or, with extend_len, an extend's) final-normed hidden at each row's last_idx: through the
+        Triton kernels where they run, else the eager forward."""
+        if self.attention is not None:
+            return fused_forward.prefill_fused(
+                self.model, tokens, positions, write_pos, last_idx, self.kv, slot_start, self.attention,
+                extend_len=extend_len,
+            )  # fmt: skip
+        return self.model.forward(
+            tokens, positions, self.kv, slot_start, write_pos, kv_len=None, out_index=last_idx, extend_len=extend_len
+        )
 
     @torch.inference_mode()
     def decode(
