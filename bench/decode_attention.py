@@ -10,6 +10,8 @@ output from the engine's default setting's; then the best against the default.
 
     python bench/decode_attention.py --device cuda                      # the 0.5B shape, batch 256, 256 keys
     python bench/decode_attention.py --device cuda --num-warps 4,8 --block-n 64,128
+    python bench/decode_attention.py --device cuda --heads 28 --kv-heads 4 --head-dim 128 --layers 28 \
+        --kv-cache-dtype fp8_e4m3                                       # the 7B shape, an FP8 cache
 
 On CPU it runs under Triton's interpreter (TRITON_INTERPRET=1) for its checks only; times there mean nothing.
 Ends with one JSON line.
@@ -18,13 +20,16 @@ Ends with one JSON line.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import time
 
 import torch
 
+from miles.config.sections.engine import EMBEDDED_KV_CACHE_DTYPES
 from miles.engines.embedded import triton_ops
+from miles.engines.embedded.kv_cache import storage_dtype
 
 DEFAULT = {"num_warps": 4, "num_stages": 2, "block_n": 64, "programs_per_sm": 2, "blocks_per_split": 4}
 SWEPT = tuple(DEFAULT)
@@ -41,6 +46,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                           ("layers", 24), ("replays", 20), ("seed", 0)):  # fmt: skip
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--capacity", type=int, default=0, help="cache positions per slot (default: 1.5 x context)")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=EMBEDDED_KV_CACHE_DTYPES,
+        help="what the caches store, as the engine's flag: auto (the model's dtype) or an FP8 format",
+    )
+    p.add_argument("--bias", action="store_true", help="the kernel adds a q/k/v bias (as an FP8 qkv GEMM's)")
     p.add_argument("--num-warps", type=_ints, default=[2, 4, 8])
     p.add_argument("--num-stages", type=_ints, default=[2, 3])
     p.add_argument("--block-n", type=_ints, default=[32, 64, 128])
@@ -75,8 +87,9 @@ def main(argv: list[str] | None = None) -> dict:
     g = torch.Generator(device="cpu").manual_seed(a.seed)
     B, H, KVH, HD = a.batch, a.heads, a.kv_heads, a.head_dim
     qkv = torch.randn(B, (H + 2 * KVH) * HD, generator=g).to(device, dtype)
+    stored = storage_dtype(a.kv_cache_dtype, dtype)  # N(0, 1) values: within every FP8 format's range
     caches = [
-        (torch.randn(B, KVH, cap, HD, generator=g).to(device, dtype), torch.randn(B, KVH, cap, HD, generator=g).to(device, dtype))
+        (torch.randn(B, KVH, cap, HD, generator=g).to(device, stored), torch.randn(B, KVH, cap, HD, generator=g).to(device, stored))
         for _ in range(a.layers)
     ]  # fmt: skip
     positions = torch.full((B,), a.context - 1, device=device)
@@ -87,12 +100,17 @@ def main(argv: list[str] | None = None) -> dict:
     sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 8
     kv_bytes = B * KVH * a.context * HD * 2 * caches[0][0].element_size()
 
+    bias = torch.randn(qkv.shape[1], generator=g).to(device, dtype) if a.bias else None
+
+    def call(attn, k, v) -> torch.Tensor:
+        return attn.rope_attend(qkv, positions, lens, table, k, v, bias=bias)
+
     rows, reference = [], None
     for setting in settings_grid(a):
         attn = triton_ops.DecodeAttention(H, KVH, HD, cap, sms, **setting)
         try:
-            out = attn.rope_attend(qkv, positions, lens, table, *caches[0])  # compiles
-            us = _time_us(attn, qkv, positions, lens, table, caches, a.replays, cuda)
+            out = call(attn, *caches[0])  # compiles
+            us = _time_us(functools.partial(call, attn), caches, a.replays, cuda)
         except Exception as e:  # noqa: BLE001 - a setting the compiler or the device refuses is reported, not fatal
             rows.append({**setting, "error": f"{type(e).__name__}: {str(e)[:200]}"})
             continue
@@ -107,6 +125,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "device": str(device),
         "shape": {"batch": B, "heads": H, "kv_heads": KVH, "head_dim": HD, "context": a.context, "capacity": cap},
+        "kv_cache_dtype": a.kv_cache_dtype,
+        "bias": a.bias,
         "kv_mb_per_call": round(kv_bytes / 2**20, 2),
         "default": default,
         "best": best,
@@ -118,23 +138,23 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
-def _time_us(attn, qkv, positions, lens, table, caches, replays: int, cuda: bool) -> float:
-    """Microseconds per call: CUDA graphs of one call per cache (as a decode step's layers), replayed."""
+def _time_us(call, caches, replays: int, cuda: bool) -> float:
+    """Microseconds per call(k, v): CUDA graphs of one call per cache (as a decode step's layers), replayed."""
     if not cuda:
         start = time.perf_counter()
         for k, v in caches:
-            attn.rope_attend(qkv, positions, lens, table, k, v)
+            call(k, v)
         return (time.perf_counter() - start) / len(caches) * 1e6
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for k, v in caches:  # warm the allocator's pool outside the capture
-            attn.rope_attend(qkv, positions, lens, table, k, v)
+            call(k, v)
     torch.cuda.current_stream().wait_stream(stream)
     with torch.cuda.graph(graph):
         for k, v in caches:
-            attn.rope_attend(qkv, positions, lens, table, k, v)
+            call(k, v)
     graph.replay()
     torch.cuda.synchronize()
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -283,3 +283,59 @@ def test_an_engine_with_split_k_gemms_scores_as_with_whole_ones(tmp_path, kernel
     gap = (lp_split - lp_whole).abs().max().item()
     print(f"split-K vs whole GEMMs: {gap:.2e} nats (max); greedy equal: {greedy_split == greedy_whole}")
     assert gap < 1e-2
+
+
+def _decode(path: str, ids: list[int]) -> tuple[list[int], list[float], list[float]]:
+    """A 24-token greedy decode (CUDA graphs) of ids: its tokens, their log-probs, and the same tokens' log-probs
+    scored by a prefill of ids + tokens (teacher-forced, through the prefill's own kernels)."""
+
+    async def main():
+        engine = EmbeddedEngine(path, device="cuda", dtype="bfloat16")
+        await engine.start()
+        try:
+            params = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 24}
+            out = await engine.generate(input_ids=ids, sampling_params=params, return_logprob=True)
+            tokens = out["output_ids"]
+            scored = await engine.generate(
+                input_ids=ids + tokens, sampling_params={"max_new_tokens": 0, "temperature": 0.0},
+                return_logprob=True, logprob_start_len=0,
+            )  # fmt: skip
+            prefill = [lp for lp, _, _ in scored["meta_info"]["input_token_logprobs"][len(ids) :]]
+            return tokens, [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]], prefill
+        finally:
+            await engine.shutdown()
+
+    return asyncio.run(main())
+
+
+@hopper
+def test_the_decode_attention_adds_the_qkv_bias_the_fp8_gemm_left_out(tmp_path, kernels_on, monkeypatch):
+    """Non-zero q/k/v biases: in the captured decode step the FP8 qkv GEMM runs without its bias and the attention
+    kernel adds it; the prefill (where `linear` adds it) scores the decoded tokens alike, which a bias left out
+    (0.5 a channel) would not."""
+    from safetensors.torch import load_file, save_file
+
+    src = make_tiny_model(str(tmp_path / "bf16"), hidden=256, layers=2, heads=2, kv_heads=1, intermediate=512,
+                          init_std=0.02)  # fmt: skip
+    weights = load_file(f"{src}/model.safetensors")
+    g = torch.Generator().manual_seed(3)
+    biases = [name for name in weights if name.endswith("proj.bias")]
+    assert biases, "the tiny qwen2 has no q/k/v biases"
+    for name in biases:
+        weights[name] = (torch.randn(weights[name].shape, generator=g) * 0.5).to(weights[name].dtype)
+    save_file(weights, f"{src}/model.safetensors", metadata={"format": "pt"})
+    dst = write_fp8_checkpoint(src, str(tmp_path / "fp8"))
+    ids = torch.randint(3, 200, (12,), generator=torch.Generator().manual_seed(0)).tolist()
+    calls = []
+    rope_attend = triton_ops.DecodeAttention.rope_attend
+
+    def recorded(self, *args, **kwargs):
+        calls.append(kwargs.get("bias") is not None)
+        return rope_attend(self, *args, **kwargs)
+
+    monkeypatch.setattr(triton_ops.DecodeAttention, "rope_attend", recorded)
+    tokens, logprobs, prefill = _decode(dst, ids)
+    assert calls and all(calls), calls
+    gap = (torch.tensor(logprobs) - torch.tensor(prefill)).abs().max().item()
+    print(f"fp8 decode vs its prefill's scores of the same {len(tokens)} tokens: {gap:.2e} nats (max)")
+    assert gap < 0.02

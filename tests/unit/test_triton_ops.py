@@ -117,6 +117,33 @@ def test_rope_attend_equals_rope_write_then_attention(splits_sms, qk_norm):
 
 
 @needs_kernels
+@pytest.mark.parametrize("splits_sms", [1, 64])
+def test_rope_attend_adds_the_bias_as_the_unfused_add(splits_sms):
+    """bias=: the same outputs and cache writes as attending over `qkv + bias` (bf16 on CUDA, so the add's
+    rounding counts; the interpreter's bf16 dots are wrong, so fp32 there), with one key split and several."""
+    g = _gen(11)
+    H, KVH, HD, CAP = 4, 2, 32, 600
+    dt = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+    positions = torch.tensor([576, 0, 299], device=DEVICE)
+    lens = positions + 1
+    B = len(positions)
+    qkv = torch.randn(B, (H + 2 * KVH) * HD, generator=g).to(DEVICE, dt)
+    bias = torch.randn((H + 2 * KVH) * HD, generator=g).to(DEVICE, dt)
+    k = torch.randn(B, KVH, CAP, HD, generator=g).to(DEVICE, dt)
+    v = torch.randn(B, KVH, CAP, HD, generator=g).to(DEVICE, dt)
+    table = _rope_table(CAP, HD).to(DEVICE)
+    attn = triton_ops.DecodeAttention(H, KVH, HD, CAP, num_sms=splits_sms)
+    assert (attn.splits(B) > 1) == (splits_sms > 1)
+    caches = [(k.clone(), v.clone()) for _ in range(2)]
+    ref = attn.rope_attend(qkv + bias, positions, lens, table, *caches[0])
+    out = attn.rope_attend(qkv, positions, lens, table, *caches[1], bias=bias)
+    assert torch.equal(out, ref)
+    assert torch.equal(caches[1][0], caches[0][0]) and torch.equal(caches[1][1], caches[0][1])
+    with pytest.raises(ValueError, match="bias"):
+        attn.rope_attend(qkv, positions, lens, table, *caches[1], bias=bias[:-1])
+
+
+@needs_kernels
 def test_fused_sampler_follows_the_inverse_cdf_rule():
     g = _gen(3)
     temps = (1.0, 0.7, 0.0, 1.3, 1.0, 0.5, 0.8)

@@ -41,10 +41,14 @@ def decode_fused(
         h = h.float()
     x = _fused_norm(model, h, None, *_norm_before(model, 0))
     for i, names in enumerate(model.layer_names):
-        qkv = linear(x, st[names["qkv"]], st.get(names["qkv_b"]))
+        w_qkv, bias = st[names["qkv"]], st.get(names["qkv_b"])
+        # an FP8 GEMM has no bias epilogue: the attention kernel adds the bias, rounding as `qkv + bias` would
+        in_attention = bias is not None and isinstance(w_qkv, fp8.Fp8Weight)
+        qkv = linear(x, w_qkv, None if in_attention else bias)
         attn = attention.rope_attend(
-            qkv, positions, lens, table, kv.k[i], kv.v[i], st.get(names["qn"]), st.get(names["kn"]), eps
-        ).view(B, H * s.head_dim)
+            qkv, positions, lens, table, kv.k[i], kv.v[i], st.get(names["qn"]), st.get(names["kn"]), eps,
+            bias=bias if in_attention else None,
+        ).view(B, H * s.head_dim)  # fmt: skip
         x = _fused_norm(model, linear(attn, st[names["o"]], st.get(names["ob"])), h, names["ln2"], names["gate_up"])
         x = _fused_norm(model, _fused_mlp(model, names, x), h, *_norm_before(model, i + 1))
     return x

@@ -166,8 +166,9 @@ class ModelRunner:
             cuda = model.device.type == "cuda"
             sms = torch.cuda.get_device_properties(model.device).multi_processor_count if cuda else 8
             self.attention = triton_ops.DecodeAttention(
-                spec.num_heads, spec.num_kv_heads, spec.head_dim, self.kv.capacity, sms
-            )
+                spec.num_heads, spec.num_kv_heads, spec.head_dim, self.kv.capacity, sms,
+                **triton_ops.attention_settings(self.kv.storage_dtype),
+            )  # fmt: skip
         self.graphs: DecodeGraphs | None = None
         # graph captures warm up on this one stream (see the module doc)
         self._warmup_stream = torch.cuda.Stream(model.device) if self.use_cuda_graphs else None

@@ -237,11 +237,12 @@ if triton is not None:
 
     @triton.jit
     def rope_decode_attention_kernel(
-        qkv_ptr, pos_ptr, lens_ptr, table_ptr, qn_ptr, kn_ptr, k_cache_ptr, v_cache_ptr,
+        qkv_ptr, pos_ptr, lens_ptr, table_ptr, qn_ptr, kn_ptr, bias_ptr, k_cache_ptr, v_cache_ptr,
         out_ptr, part_o_ptr, part_lse_ptr, scale_log2, eps,
         H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, HD: tl.constexpr, CAP: tl.constexpr,
         CHUNK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
         QK_NORM: tl.constexpr, PIPELINE: tl.constexpr, NUM_STAGES: tl.constexpr, KV_MAX: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
     ):  # fmt: skip
         """`rope_kv_kernel` and `decode_attention_kernel` in one launch, for one new token per row.
 
@@ -272,6 +273,15 @@ if triton is not None:
         k = tl.load(k_row + d).to(tl.float32)
         k_rolled = tl.load(k_row + d_rolled).to(tl.float32)
         v = tl.load(row + (H + KVH + kh) * HD + d).to(tl.float32)
+        if HAS_BIAS:  # qkv + bias, each rounded once to the model's dtype as torch's add rounds
+            q_bias = bias_ptr + (kh * G + g)[:, None] * HD
+            x = (x + tl.load(q_bias + d[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)).to(dt).to(tl.float32)
+            rolled = rolled + tl.load(q_bias + d_rolled[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+            rolled = rolled.to(dt).to(tl.float32)
+            k_bias = bias_ptr + (H + kh) * HD
+            k = (k + tl.load(k_bias + d).to(tl.float32)).to(dt).to(tl.float32)
+            k_rolled = (k_rolled + tl.load(k_bias + d_rolled).to(tl.float32)).to(dt).to(tl.float32)
+            v = (v + tl.load(bias_ptr + (H + KVH + kh) * HD + d).to(tl.float32)).to(dt).to(tl.float32)
         cos = tl.load(table_ptr + pos * 2 * HD + d).to(tl.float32)
         sin = tl.load(table_ptr + pos * 2 * HD + HD + d).to(tl.float32)
         if QK_NORM:  # per-head RMSNorm before RoPE (qwen3), rounded as the unfused kernel rounds
