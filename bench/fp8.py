@@ -22,7 +22,7 @@ CPU smoke: python bench/fp8.py --hidden 256 --layers 2 --heads 4 --kv-heads 2 --
           --vocab 512 --batch 4 --new-tokens 8 --reps 1
 --kv-cache-dtype (SGLang's values; default auto) sets the FP8 side's KV cache: fp8_e4m3 times FP8 weights
 with an FP8 cache against BF16 with a bf16 one.
-With MILES_FP8_CUDA_KERNELS=1 on Hopper the FP8 side runs cuBLASLt's block-scaled GEMMs, whose inputs from the
+On Hopper (MILES_FP8_CUDA_KERNELS on, the default) the FP8 side runs cuBLASLt's block-scaled GEMMs, whose inputs from the
 norms and SiLU come quantized by those kernels (fp8.FUSED_INPUT_QUANT); --separate-input-quant quantizes every
 GEMM input in its own kernel instead, the way to time what the fused quantization saves. MILES_FP8_SPLIT_K=auto
 cuts the K range of those GEMMs that have few output tiles into chunks on parallel streams (fp8_split_k.py).

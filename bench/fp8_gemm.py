@@ -3,7 +3,7 @@
 FP8 serving's decode step on the 7B shape spends most of its time in the block-scaled GEMMs, which read half
 the bytes of bf16 ones and take about as long through cuBLASLt (`bench/results/fp8.md`). This times, for each
 GEMM of a layer (qkv, o, gate/up, down) at `--batch` rows, the bf16 `F.linear`, cuBLASLt's block-scaled
-`torch._scaled_mm` after the activation quantization kernel (the engine's path with MILES_FP8_CUDA_KERNELS=1)
+`torch._scaled_mm` after the activation quantization kernel (the engine's path on Hopper, MILES_FP8_CUDA_KERNELS on by default)
 and `fp8_triton.quantized_linear`, which quantizes the activation inside the GEMM (the path with
 MILES_FP8_GEMM=triton too), at every setting of a small grid (rows and columns a tile, warps, pipeline stages,
 and `--triton-splits`, the K chunks the kernel sums apart). `--triton-input prequant` times the Triton kernel

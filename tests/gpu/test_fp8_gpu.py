@@ -1,6 +1,6 @@
 """FP8 on Hopper: the block-scaled torch._scaled_mm path agrees with the dequantizing emulation, and an FP8
 engine (CUDA graphs) scores close to its bf16 source, with the forward's CUDA kernels (Triton activation
-quantization, cuBLASLt's block-scaled GEMM: fp8.CUDA_KERNELS) off as by default and switched on. Weights
+quantization, cuBLASLt's block-scaled GEMM: fp8.CUDA_KERNELS) on, as by default, and switched off. Weights
 are quantized by the Triton kernel on CUDA either way. With the kernels on, the norm and SiLU kernels hand
 cuBLASLt its inputs quantized (fp8.FUSED_INPUT_QUANT): the same codes as the activation kernel's, so the same
 scores as with that switched off."""

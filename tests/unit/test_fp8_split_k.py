@@ -141,7 +141,7 @@ def test_the_gemm_bench_times_whole_split_and_auto_gemms_and_checks_each(monkeyp
     assert got["cublas_rel_diff"] < 1e-2 and not got["split_refused"] and len(timed) == 5
 
 
-@pytest.mark.parametrize("env", [{}, {"MILES_FP8_CUDA_KERNELS": "1", "MILES_FP8_GEMM": "triton"}])
+@pytest.mark.parametrize("env", [{"MILES_FP8_CUDA_KERNELS": "0"}, {"MILES_FP8_GEMM": "triton"}])
 def test_split_k_without_the_cublas_kernels_is_refused_at_import(env):
     import os
     import subprocess
@@ -154,3 +154,21 @@ def test_split_k_without_the_cublas_kernels_is_refused_at_import(env):
         [sys.executable, "-c", "import miles.engines.embedded.fp8"], env=full, capture_output=True, text=True
     )
     assert proc.returncode != 0 and "unset MILES_FP8_SPLIT_K" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("env", "kernels"),
+    [({}, True), ({"MILES_FP8_CUDA_KERNELS": "0"}, False), ({"MILES_FP8_CUDA_KERNELS": "yes"}, None)],
+)
+def test_the_cuda_kernels_are_on_unless_switched_off_and_other_values_are_refused(env, kernels):
+    import os
+    import subprocess
+    import sys
+
+    full = {k: v for k, v in os.environ.items() if not k.startswith("MILES_FP8_")} | env
+    code = "from miles.engines.embedded import fp8; print(fp8.CUDA_KERNELS)"
+    proc = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True)
+    if kernels is None:
+        assert proc.returncode != 0 and "MILES_FP8_CUDA_KERNELS='yes': use 1" in proc.stderr
+    else:
+        assert proc.returncode == 0 and proc.stdout.strip() == str(kernels)

@@ -16,9 +16,8 @@ K or padded N is not whole blocks). Where cuBLASLt serves a GEMM (`takes_quantiz
 already quantized (a QuantizedInput, written by the engine's norm or SiLU kernel in place of its model-dtype
 output; the same codes), and MILES_FP8_SPLIT_K cuts the K range of a GEMM with few output tiles into chunks
 on parallel streams (fp8_split_k.py). MILES_FP8_GEMM=triton swaps cuBLASLt for fp8_triton.block_scaled_mm (see
-GEMM below). The CUDA kernels
-of the forward are off unless MILES_FP8_CUDA_KERNELS=1 (see CUDA_KERNELS below): on CUDA FP8 serving is
-correct, not fast. A weight push quantizes with the Triton kernel wherever it runs (it works outside the
+GEMM below). MILES_FP8_CUDA_KERNELS=0 turns the forward's CUDA kernels off (see CUDA_KERNELS below): CUDA then
+takes the dequantizing path, correct and slow. A weight push quantizes with the Triton kernel wherever it runs (it works outside the
 forward and its CUDA graphs, and matches the torch form: tests/unit/test_triton_ops.py).
 """
 
@@ -35,15 +34,20 @@ import torch.nn.functional as F
 
 from miles.engines.embedded import fp8_split_k, fp8_triton
 
-# The CUDA kernels of this module (Triton quantization, cuBLASLt's block-scaled GEMM) gave log-probs 0.37 nats
-# (mean) away from bf16 on an H200, where the dequantizing path that CPU tests check stays close: cuBLASLt
-# reads the weight scales with a leading dimension of K/128 rounded up to 4, so every GEMM with K/128 % 4 != 0
-# (that model's K = 256) used wrong scales. Padded scales of that shape are refused by torch 2.11, while
-# K = 512 matched the emulation on the H200; such GEMMs now run with K grown by zero blocks (pad_k_blocks).
-# tests/gpu/test_fp8_gpu.py passes with that on an H200, but one engine run with the kernels failed a CUDA-graph
-# capture once, unexplained; until it is, CUDA takes the dequantizing path too, and MILES_FP8_CUDA_KERNELS=1
-# turns the kernels on. The weight quantization of a push is not part of that forward (quantize_weight).
-CUDA_KERNELS = os.environ.get("MILES_FP8_CUDA_KERNELS") == "1"
+# The CUDA kernels of this module (Triton quantization, cuBLASLt's block-scaled GEMM) on Hopper: on by default,
+# MILES_FP8_CUDA_KERNELS=0 takes the dequantizing path CPU tests check (correct, and slower than bf16). History:
+# they once gave log-probs 0.37 nats (mean) away from bf16 on an H200, because cuBLASLt reads the weight scales with
+# a leading dimension of K/128 rounded up to 4 and every GEMM with K/128 % 4 != 0 used wrong scales; such GEMMs now
+# run with K grown by zero blocks (pad_k_blocks). One engine run with the kernels then failed a CUDA-graph capture,
+# unexplained, so they stayed off by default; it never recurred over the GPU test runs and the dozens of bench
+# engine runs with them on (H200 and H100, bench/results/fp8.md) since. The weight quantization of a push is not
+# part of that forward (quantize_weight).
+_KERNELS_ENV = os.environ.get("MILES_FP8_CUDA_KERNELS", "1")
+if _KERNELS_ENV not in ("0", "1"):
+    raise ValueError(
+        f"MILES_FP8_CUDA_KERNELS={_KERNELS_ENV!r}: use 1 (the default: the CUDA kernels) or 0 (dequantize)"
+    )
+CUDA_KERNELS = _KERNELS_ENV == "1"
 # Which GEMM the kernels use: "cublas" (torch._scaled_mm's block-scaled cuBLASLt path, measured on an H200: it
 # reads half bf16's bytes and takes about as long) or "triton" (fp8_triton.quantized_linear: the activation
 # quantized inside the GEMM, any K and N, no padding; checked against the emulation on CPU under Triton's
@@ -54,7 +58,7 @@ if GEMM not in ("cublas", "triton"):
 if fp8_split_k.SPLIT_K and (not CUDA_KERNELS or GEMM != "cublas"):  # it splits cuBLASLt's GEMMs only
     raise ValueError(
         f"MILES_FP8_SPLIT_K={fp8_split_k.SPLIT_K} splits cuBLASLt's GEMMs, which run only with "
-        "MILES_FP8_CUDA_KERNELS=1 and MILES_FP8_GEMM=cublas: set those, or unset MILES_FP8_SPLIT_K"
+        "the CUDA kernels (MILES_FP8_CUDA_KERNELS, on unless 0) and MILES_FP8_GEMM=cublas: set those, or unset MILES_FP8_SPLIT_K"
     )
 # Where cuBLASLt's GEMM serves a linear whose input comes from the engine's own norm or SiLU kernel, that kernel
 # quantizes its output itself (a QuantizedInput: the same codes, no separate quantization launch; an H200 profile
@@ -301,7 +305,7 @@ def linear(x: torch.Tensor | QuantizedInput, w: Fp8Weight, bias: torch.Tensor | 
 def takes_quantized_input(w: Fp8Weight | torch.Tensor) -> bool:
     """Whether `linear` would run this weight's GEMM on cuBLASLt's block-scaled path, which reads a pre-quantized
     input as is: then the kernel that produces the input may hand it over as a QuantizedInput. False for a
-    plain (bf16) weight, off Hopper or without MILES_FP8_CUDA_KERNELS=1, with MILES_FP8_GEMM=triton (its GEMM
+    plain (bf16) weight, off Hopper or with MILES_FP8_CUDA_KERNELS=0, with MILES_FP8_GEMM=triton (its GEMM
     quantizes inside), for K or N not whole 128-blocks, once torch refused the call, and with FUSED_INPUT_QUANT
     off; a refusal after this said True still gives the right product (`linear` dequantizes the input)."""
     if not FUSED_INPUT_QUANT or GEMM != "cublas" or not isinstance(w, Fp8Weight):

@@ -9,7 +9,7 @@ stream of its own, forked from and joined back to the current one (inside a CUDA
 branches), writes fp32, and the chunks are summed and rounded once to the model dtype: the same W8A8 product
 up to the order of the fp32 sums.
 
-MILES_FP8_SPLIT_K (refused at import unless MILES_FP8_CUDA_KERNELS=1 with the cuBLASLt GEMM): "0" (off, the
+MILES_FP8_SPLIT_K (refused at import with MILES_FP8_CUDA_KERNELS=0 or the Triton GEMM): "0" (off, the
 default: on an H100 auto made the 7B down projection 11% faster and the engine no faster, bench/results/fp8.md),
 "auto" (as many chunks as the SMs hold copies of the output's tiles, at most MAX_SPLITS and no chunk under
 AUTO_MIN_CHUNK_BLOCKS blocks of K), or a fixed count.
