@@ -217,6 +217,7 @@ def build_engine(args: argparse.Namespace, tmp: str, dtype_name: str) -> tuple[s
         vocab=args.vocab,
         dtype=dtype_name,
         init_std=0.02,
+        device=args.device,  # a GPU draws large shapes in seconds
     )
     engine = EmbeddedEngine(
         model_path,

@@ -141,6 +141,7 @@ def make_model(args: argparse.Namespace, tmp: str) -> str:
         vocab=args.vocab,
         dtype="bfloat16",
         init_std=0.02,
+        device=args.device,  # a GPU draws the 7B shape in seconds
     )
 
 
