@@ -37,7 +37,8 @@ kernels() {
 
 trainer() {
     python -m pytest -q tests/gpu/test_fsdp_gpu.py tests/gpu/test_colocated_gpu.py tests/gpu/test_memory_levers_gpu.py \
-        tests/gpu/test_varlen_attention_gpu.py tests/gpu/test_megatron_gpu.py tests/gpu/test_megatron_moe_gpu.py
+        tests/gpu/test_varlen_attention_gpu.py tests/gpu/test_megatron_gpu.py tests/gpu/test_megatron_moe_gpu.py \
+        tests/gpu/test_fp32_residual_gpu.py
 }
 
 fp8() {
