@@ -7,7 +7,8 @@
 #
 #   bash bench/gpu_checks.sh kernels            # the GPU-marked and interpreter-capable kernel tests on CUDA
 #   bash bench/gpu_checks.sh trainer            # the trainers' and the colocated weight path's GPU tests (FSDP,
-#                                               #   megatron when megatron-core is installed, offload, async saves)
+#                                               #   megatron when megatron-core is installed, offload, async saves,
+#                                               #   the fp32 residual stream and the FP8 forward contract)
 #   bash bench/gpu_checks.sh fp8                # a 7B layer's FP8 GEMMs whole and split-K (cuBLASLt; Triton's
 #                                               #   with the activation quantized inside, then by its kernel
 #                                               #   first, K whole and in 2 and 4 chunks), then FP8 / BF16 tokens/s
@@ -45,10 +46,11 @@ fp8() {
     local shape=(--device cuda --batch 256 --prompt-len 128 --new-tokens 512 --reps 2 --install-reps 3)
     python bench/fp8_gemm.py --device cuda --block-m 64 --block-n 128 --num-warps 4 --num-stages 3
     python bench/fp8_gemm.py --device cuda --block-m 64 --block-n 128 --num-warps 4 --num-stages 3 --triton-input prequant --triton-splits 1,2,4
-    MILES_FP8_CUDA_KERNELS=1 MILES_FP8_SPLIT_K=auto python bench/fp8.py "${shape[@]}" --kv-cache-dtype fp8_e4m3
-    MILES_FP8_CUDA_KERNELS=1 MILES_FP8_SPLIT_K=auto python bench/fp8.py "${shape[@]}"
-    MILES_FP8_CUDA_KERNELS=1 python bench/fp8.py "${shape[@]}"
-    MILES_FP8_CUDA_KERNELS=1 python bench/fp8.py "${shape[@]}" --separate-input-quant
+    # the FP8 CUDA kernels are on by default (MILES_FP8_CUDA_KERNELS=0 would dequantize)
+    MILES_FP8_SPLIT_K=auto python bench/fp8.py "${shape[@]}" --kv-cache-dtype fp8_e4m3
+    MILES_FP8_SPLIT_K=auto python bench/fp8.py "${shape[@]}"
+    python bench/fp8.py "${shape[@]}"
+    python bench/fp8.py "${shape[@]}" --separate-input-quant
 }
 
 kv() {
