@@ -33,6 +33,8 @@ def run_trl(args: argparse.Namespace, model: str, data: Path, work: Path, seed: 
         "max_new": max_new_tokens(args),
         "force": args.job == "long",
         "continuous_batching": args.trl_continuous_batching,
+        # TRL's default cache takes half the free memory; runs sharing the GPU split that half between them
+        "cb_memory_percent": 0.5 / max(1, args.concurrent),
         "job": args.job,
         "device": device,
         "out": str(work / f"trl-{seed}.json"),
@@ -154,6 +156,9 @@ def _grpo_config(spec: dict):
         use_cpu=not cuda,
         generation_kwargs={"min_new_tokens": spec["max_new"]} if spec["force"] else None,
         use_transformers_continuous_batching=spec.get("continuous_batching", False),
+        transformers_continuous_batching_config=(
+            {"max_memory_percent": spec["cb_memory_percent"]} if spec.get("continuous_batching") else None
+        ),
         dataloader_num_workers=0,
         disable_tqdm=True,
     )

@@ -39,8 +39,9 @@ and 57-61 s with three TRL runs sharing it): the learning fields only, as the ru
 run that passes `--timeout-s` keeps the steps it finished (its seed line says `cut_short`), and the call
 then compares every run over the steps all of them finished (`steps_compared`); a later miles-only call
 pairs with such lines by `--steps` of that count. `--trl-continuous-batching` has TRL generate with
-transformers' continuous batching (its own faster path) for longer learning runs; the seed lines say so, and
-TRL's recorded step-time baseline stays the default `model.generate`'s.
+transformers' continuous batching instead of `model.generate`; the seed lines say so, and TRL's recorded
+step-time baseline stays the default `model.generate`'s (on the gsm job the continuous batching measured
+slower: 55-62 s a step on an H100, bench/results/gsm.md).
 
 This script is the driver (flags, miles' side, the call); the job both sides run is `e2e_job.py`, TRL's side
 `e2e_trl.py`, and the medians, paired interval and summary line `e2e_stats.py`.
@@ -154,8 +155,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--trl-continuous-batching",
         action="store_true",
         help="TRL generates with transformers' continuous batching (GRPOConfig use_transformers_continuous_batching) "
-        "instead of model.generate: TRL's own faster generation, for learning runs longer than its default allows "
-        "in a call; its step times are then not the recorded TRL baseline's",
+        "instead of model.generate (on the gsm job it measured slower: bench/results/gsm.md); its step times are "
+        "then not the recorded TRL baseline's; its paged cache takes half the free GPU memory (TRL's default) "
+        "split between the --concurrent runs",
     )
     p.add_argument("--work-dir", default=None)
     p.add_argument("--timeout-s", type=float, default=900.0, help="per side and seed")

@@ -7,8 +7,12 @@
 #
 #   bash bench/gpu_checks.sh kernels            # the GPU-marked and interpreter-capable kernel tests on CUDA
 #   bash bench/gpu_checks.sh trainer            # the trainers' and the colocated weight path's GPU tests (FSDP,
-#                                               #   megatron when megatron-core is installed, offload, async saves,
-#                                               #   the fp32 residual stream and the FP8 forward contract)
+#                                               #   megatron when megatron-core is installed, offload, async saves;
+#                                               #   over 8 minutes on an H200: a call of its own)
+#   bash bench/gpu_checks.sh stream             # compiled colocated runs, two each: the fp32 residual stream and
+#                                               #   LoRA's merged forward against the plain ones (about 5 minutes)
+#   bash bench/gpu_checks.sh contract           # the same with FP8 rollouts: the trainer's FP8 forward contract,
+#                                               #   the engine dequantizing and with its CUDA kernels (5.1 min, H100)
 #   bash bench/gpu_checks.sh fp8                # a 7B layer's FP8 GEMMs whole and split-K (cuBLASLt; Triton's
 #                                               #   with the activation quantized inside, then by its kernel
 #                                               #   first, K whole and in 2 and 4 chunks), then FP8 / BF16 tokens/s
@@ -38,8 +42,16 @@ kernels() {
 
 trainer() {
     python -m pytest -q tests/gpu/test_fsdp_gpu.py tests/gpu/test_colocated_gpu.py tests/gpu/test_memory_levers_gpu.py \
-        tests/gpu/test_varlen_attention_gpu.py tests/gpu/test_megatron_gpu.py tests/gpu/test_megatron_moe_gpu.py \
-        tests/gpu/test_fp32_residual_gpu.py
+        tests/gpu/test_varlen_attention_gpu.py tests/gpu/test_megatron_gpu.py tests/gpu/test_megatron_moe_gpu.py
+}
+
+# each test trains twice, compiled: two files' worth of runs would not fit one call beside the trainer group
+stream() {
+    python -m pytest -q -s tests/gpu/test_fp32_residual_gpu.py -k "not fp8_rollouts"
+}
+
+contract() {
+    python -m pytest -q -s tests/gpu/test_fp32_residual_gpu.py -k fp8_rollouts
 }
 
 fp8() {
@@ -77,14 +89,14 @@ run_group() {
 }
 
 case "${1:-}" in
-    kernels | trainer | fp8 | kv | moe) run_group "$1" ;;
+    kernels | trainer | stream | contract | fp8 | kv | moe) run_group "$1" ;;
     all)
         status=0
-        for group in kernels trainer fp8 kv moe; do run_group "$group" || status=1; done
+        for group in kernels trainer stream contract fp8 kv moe; do run_group "$group" || status=1; done
         exit "$status"
         ;;
     *)
-        echo "usage: bash bench/gpu_checks.sh kernels|trainer|fp8|kv|moe|all (see the comment at the top)" >&2
+        echo "usage: bash bench/gpu_checks.sh kernels|trainer|stream|contract|fp8|kv|moe|all (see the comment at the top)" >&2
         exit 2
         ;;
 esac

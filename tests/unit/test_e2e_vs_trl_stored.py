@@ -188,6 +188,26 @@ def test_trls_continuous_batching_reaches_its_worker_and_its_seed_line(tmp_path,
     assert bench.parse_args(["--trl-worker", "spec.json"]).trl_worker == "spec.json"
 
 
+def test_runs_sharing_the_gpu_split_the_paged_caches_share_of_memory(tmp_path, monkeypatch):
+    pytest.importorskip("trl")
+    specs = []
+
+    def fake_run(cmd, **kw):
+        specs.append(json.loads(open(cmd[-1]).read()))
+        open(specs[-1]["out"], "w").write(json.dumps({"steps": [1.0], "rewards": [0.5], "startup_s": 1.0}))
+        return trl_side.subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(trl_side.subprocess, "run", fake_run)
+    for concurrent, share in ((1, 0.5), (3, 0.5 / 3)):
+        flags = ["--sides", "trl", "--steps", "1", "--trl-continuous-batching", "--concurrent", str(concurrent)]
+        trl_side.run_trl(bench.parse_args(flags), "model", tmp_path / "d.jsonl", tmp_path, 0, "cpu")
+        config = trl_side._grpo_config(specs[-1] | {"out": str(tmp_path / "o.json")})
+        assert config.use_transformers_continuous_batching
+        assert config.transformers_continuous_batching_config == {"max_memory_percent": pytest.approx(share)}
+    plain = trl_side._grpo_config(specs[-1] | {"continuous_batching": False, "out": str(tmp_path / "o.json")})
+    assert not plain.use_transformers_continuous_batching and plain.transformers_continuous_batching_config is None
+
+
 def test_trls_continuous_batching_is_refused_where_no_trl_side_runs():
     with pytest.raises(SystemExit):
         bench.parse_args(["--sides", "miles", "--trl-continuous-batching"])
