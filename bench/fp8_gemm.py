@@ -13,7 +13,10 @@ Both FP8 timings start from the bf16 activation; each output is checked against 
 activation kernel's codes. It prints one line per GEMM, then the layer's totals: bf16, cuBLASLt, the Triton
 kernel at its default settings and at each GEMM's best, and the ratios. On Hopper it also times cuBLASLt's GEMM
 cut into K chunks on parallel streams (fp8_split_k) at each count of --splits that the GEMM's K allows and at
-MILES_FP8_SPLIT_K=auto's choice, each checked like the others (`cublas_split_us`, `cublas_auto_us`).
+MILES_FP8_SPLIT_K=auto's choice, each checked like the others (`cublas_split_us`, `cublas_auto_us`), and with
+`--scale-layouts` the block-scaled forms torch offers beside the engine's on the same codes, the GEMM alone: both
+operands in 1x128 groups (the weight's block scales repeated over their rows) and A and B swapped (the weight as
+A, which gives cuBLASLt the large dimension as M; out^T copied back), per GEMM `cublas_layouts`, summed `layouts_us`.
 
     python bench/fp8_gemm.py --device cuda                                   # the Qwen2.5-7B layer, batch 256
     python bench/fp8_gemm.py --device cuda --hidden 896 --intermediate 4864 --heads 14 --kv-heads 2 --head-dim 64
@@ -58,6 +61,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="inside",
         help="the Triton kernel quantizes the activation inside (quantized_linear) or takes the activation "
         "kernel's codes (quantize_activation, then block_scaled_mm)",
+    )
+    p.add_argument(
+        "--scale-layouts",
+        action="store_true",
+        help="on Hopper, also time cuBLASLt's other block-scaled forms on the same codes (both operands 1x128, and "
+        "A and B swapped), the GEMM alone (`cublas_layouts` per GEMM, `layouts_us` summed)",
     )
     return p.parse_args(argv)
 
@@ -166,6 +175,62 @@ def _cublas_timings(
     }
 
 
+def _scale_layouts(wq: torch.Tensor, ws: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor, N: int) -> dict:
+    """The block-scaled products torch._scaled_mm offers on Hopper for the same codes and scales, each a list of
+    candidate operand layouts (the first that torch takes and that computes right is timed): the engine's
+    (activation 1x128 groups, weight 128x128 blocks); both 1x128, the weight's block scales repeated over their
+    128 rows (exact); and A and B swapped (weight 128x128 as A, the activation's groups as B, out^T transposed
+    back), which hands cuBLASLt the large dimension as M."""
+    xs_outer = xs.t().contiguous().t()  # [M, L], outer-dim-major, as the engine passes it
+    w_rows = ws.repeat_interleave(fp8.BLOCK, 0)[:N]  # [N, L]: each row's own copy of its block's scales
+
+    def mm(a, b, sa, sb, transpose=False):
+        def run():
+            out = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+            return out.t().contiguous() if transpose else out
+
+        return run
+
+    return {
+        "1x128_128x128": [mm(xq, wq.t(), xs_outer, ws.contiguous().t())],
+        "1x128_1x128": [mm(xq, wq.t(), xs_outer, w_rows.t()), mm(xq, wq.t(), xs_outer, w_rows.t().contiguous())],
+        "swapped_128x128_1x128": [
+            mm(wq, xq.t(), ws.contiguous(), xs_outer.t(), transpose=True),
+            mm(wq, xq.t(), ws.t().contiguous().t(), xs_outer.t(), transpose=True),
+            mm(wq, xq.t(), ws.contiguous(), xs_outer.t().contiguous(), transpose=True),
+        ],
+    }
+
+
+def _cublas_layout_timings(
+    weight: fp8.Fp8Weight, xq: torch.Tensor, xs: torch.Tensor, want: torch.Tensor, scale: float, reps: int
+) -> dict:
+    """Each of `_scale_layouts`' products from the activation's codes (the quantization not timed): microseconds
+    and largest difference from `want` relative to `scale`, or why none of its layouts ran."""
+    N, K = weight.q.shape
+    if (K // fp8.BLOCK) % 4:  # cuBLASLt's padded scale rows (fp8.pad_k_blocks): the 7B layer's K are whole fours
+        return {}
+    rows = want.shape[0]
+    timings = {}
+    for label, candidates in _scale_layouts(weight.q, weight.scale_inv, xq, xs, N).items():
+        errors = []
+        for i, run in enumerate(candidates):
+            try:
+                out = run()[:rows]
+            except (RuntimeError, ValueError, NotImplementedError) as e:
+                errors.append(f"{i}: {type(e).__name__}: {str(e)[:160]}")
+                continue
+            rel = (out.float() - want).abs().max().item() / scale
+            if rel > 1e-2:  # taken, but read the scales another way: wrong
+                errors.append(f"{i}: rel_diff {rel:.3g}")
+                continue
+            timings[label] = {"layout": i, "us": round(_time_us(run, reps, True), 2), "rel_diff": rel}
+            break
+        else:
+            timings[label] = {"errors": errors}
+    return {"cublas_layouts": timings}
+
+
 def _summary(rows: list[dict], batch: int, device_name: str, cuda: bool) -> dict:
     """The closing line: the layer's GEMMs summed per path, the paths' ratios, each GEMM's best setting."""
 
@@ -231,6 +296,8 @@ def main(argv: list[str] | None = None) -> dict:
         line["bf16_us"] = round(_time_us(lambda x=x, w=w: F.linear(x, w), a.reps, cuda), 2)
         if hopper and K % fp8.BLOCK == 0 and N % fp8.BLOCK == 0:  # the engine's condition for cuBLASLt
             line |= _cublas_timings(x, weight, want, scale, a, dtype)
+            if a.scale_layouts:
+                line |= _cublas_layout_timings(weight, xq, xs, want, scale, a.reps)
         settings = _triton_settings(x, weight, want, scale, grid, a, cuda)
         timed = [s for s in settings if "us" in s]
         line["triton_default"] = timed[0] if timed and timed[0]["settings"] == list(default_settings) else None
@@ -241,6 +308,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     result = _summary(rows, a.batch, torch.cuda.get_device_name(device) if cuda else "cpu", cuda)
     result["triton_input"] = a.triton_input
+    if a.scale_layouts:  # each form's GEMMs summed over the layer, where every GEMM ran it
+        forms = {label for r in rows for label in r.get("cublas_layouts", {})}
+        result["layouts_us"] = {
+            label: round(sum(r["cublas_layouts"][label]["us"] for r in rows), 2)
+            for label in sorted(forms)
+            if all("us" in r.get("cublas_layouts", {}).get(label, {}) for r in rows)
+        }
     print(json.dumps(result))
     return result
 

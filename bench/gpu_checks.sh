@@ -13,9 +13,10 @@
 #                                               #   LoRA's merged forward against the plain ones (about 5 minutes)
 #   bash bench/gpu_checks.sh contract           # the same with FP8 rollouts: the trainer's FP8 forward contract,
 #                                               #   the engine dequantizing and with its CUDA kernels (5.1 min, H100)
-#   bash bench/gpu_checks.sh fp8                # a 7B layer's FP8 GEMMs whole and split-K (cuBLASLt; Triton's
-#                                               #   with the activation quantized inside, then by its kernel
-#                                               #   first, K whole and in 2 and 4 chunks), then FP8 / BF16 tokens/s
+#   bash bench/gpu_checks.sh fp8                # a 7B layer's FP8 GEMMs: cuBLASLt's whole, split-K and in its
+#                                               #   other block-scaled forms (both operands 1x128; A and B swapped),
+#                                               #   Triton's with the activation quantized inside, then by its kernel
+#                                               #   first (K whole and in 2 and 4 chunks); then FP8 / BF16 tokens/s
 #                                               #   on the 7B shape (each run against BF16 in itself): split-K GEMMs
 #                                               #   and an FP8 KV cache, split-K alone, whole GEMMs, then the
 #                                               #   separate quantization kernel
@@ -56,7 +57,7 @@ contract() {
 
 fp8() {
     local shape=(--device cuda --batch 256 --prompt-len 128 --new-tokens 512 --reps 2 --install-reps 3)
-    python bench/fp8_gemm.py --device cuda --block-m 64 --block-n 128 --num-warps 4 --num-stages 3
+    python bench/fp8_gemm.py --device cuda --block-m 64 --block-n 128 --num-warps 4 --num-stages 3 --scale-layouts
     python bench/fp8_gemm.py --device cuda --block-m 64 --block-n 128 --num-warps 4 --num-stages 3 --triton-input prequant --triton-splits 1,2,4
     # the FP8 CUDA kernels are on by default (MILES_FP8_CUDA_KERNELS=0 would dequantize)
     MILES_FP8_SPLIT_K=auto python bench/fp8.py "${shape[@]}" --kv-cache-dtype fp8_e4m3

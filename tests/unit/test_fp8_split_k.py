@@ -172,3 +172,49 @@ def test_the_cuda_kernels_are_on_unless_switched_off_and_other_values_are_refuse
         assert proc.returncode != 0 and "MILES_FP8_CUDA_KERNELS='yes': use 1" in proc.stderr
     else:
         assert proc.returncode == 0 and proc.stdout.strip() == str(kernels)
+
+
+def _any_block_scaled(a, b, scale_a, scale_b, out_dtype):
+    """torch._scaled_mm's three block-scaled forms on Hopper, told apart by the scales' shapes as torch's check
+    tells them: a 1x128 operand has one scale per row (of a) or column (of b) and K block, a 128x128 one per
+    block."""
+    (m, k), n = a.shape, b.shape[1]
+
+    def rows_of(s, count):  # [count or count/128, L] -> [count, K]
+        s = s if s.shape[0] == count else s.repeat_interleave(fp8.BLOCK, 0)[:count]
+        return s.repeat_interleave(fp8.BLOCK, 1)[:, :k]
+
+    assert scale_a.shape[1] == scale_b.shape[0] == k // fp8.BLOCK
+    da = a.float() * rows_of(scale_a, m)
+    db = b.float() * rows_of(scale_b.t(), n).t()
+    return (da @ db).to(out_dtype)
+
+
+def test_the_gemm_bench_times_each_scale_layout_on_the_same_codes(monkeypatch):
+    from tests.unit.bench_modules import load_bench
+
+    bench = load_bench("fp8_gemm")
+    monkeypatch.setattr(torch, "_scaled_mm", _any_block_scaled)
+    monkeypatch.setattr(bench, "_time_us", lambda fn, reps, cuda: 7.0)
+    x, xq, xs, wq, ws = _operands(m=8, n=384, k=512)
+    weight = fp8.Fp8Weight(wq, ws)
+    want = fp8._emulated(x, weight, torch.float32)
+    got = bench._cublas_layout_timings(weight, xq, xs, want, want.abs().max().item(), reps=3)["cublas_layouts"]
+    assert set(got) == {"1x128_128x128", "1x128_1x128", "swapped_128x128_1x128"}
+    for label, timing in got.items():  # each form's first layout computes the engine's product
+        assert timing["layout"] == 0 and timing["us"] == 7.0 and timing["rel_diff"] < 1e-2, (label, timing)
+    # a form whose scales are read another way is not timed: the weight's block scales swapped for others
+    wrong = bench._cublas_layout_timings(fp8.Fp8Weight(wq, ws.flip(0)), xq, xs, want, want.abs().max().item(), 3)
+    assert all("errors" in t for t in wrong["cublas_layouts"].values())
+
+
+def test_each_scale_layouts_operands_pass_torchs_block_scaled_shape_check():
+    from tests.unit.bench_modules import load_bench
+
+    bench = load_bench("fp8_gemm")
+    m, n, k = 256, 512, 1024
+    wq, xq = torch.empty(n, k, dtype=fp8.E4M3, device="meta"), torch.empty(m, k, dtype=fp8.E4M3, device="meta")
+    ws, xs = torch.ones(n // 128, k // 128, device="meta"), torch.ones(m, k // 128, device="meta")
+    for label, candidates in bench._scale_layouts(wq, ws, xq, xs, n).items():
+        for run in candidates:  # torch's meta check refuses shapes of no block-scaled form
+            assert run().shape == (m, n), label
