@@ -33,6 +33,7 @@ def run_trl(args: argparse.Namespace, model: str, data: Path, work: Path, seed: 
         "max_new": max_new_tokens(args),
         "force": args.job == "long",
         "continuous_batching": args.trl_continuous_batching,
+        "static_cache": args.trl_static_cache,
         # TRL's default cache takes half the free memory; runs sharing the GPU split that half between them
         "cb_memory_percent": 0.5 / max(1, args.concurrent),
         "job": args.job,
@@ -155,6 +156,7 @@ def _grpo_config(spec: dict):
         shuffle_dataset=False,  # seed_data ordered the prompts for both sides
         use_cpu=not cuda,
         generation_kwargs={"min_new_tokens": spec["max_new"]} if spec["force"] else None,
+        cache_implementation="static" if spec.get("static_cache") else None,
         use_transformers_continuous_batching=spec.get("continuous_batching", False),
         transformers_continuous_batching_config=(
             {"max_memory_percent": spec["cb_memory_percent"]} if spec.get("continuous_batching") else None
@@ -211,6 +213,7 @@ def _worker_result(spec: dict, timings: dict, rewards: list[float], first_step_s
         "phases": {"generate": timings["generate"]},
         "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
         "continuous_batching": bool(spec.get("continuous_batching")),
+        "static_cache": bool(spec.get("static_cache")),
         "command": f"GRPOTrainer {json.dumps({k: v for k, v in spec.items() if k not in ('out', 'launched')})}",
     }
 

@@ -41,7 +41,8 @@ then compares every run over the steps all of them finished (`steps_compared`); 
 pairs with such lines by `--steps` of that count. `--trl-continuous-batching` has TRL generate with
 transformers' continuous batching instead of `model.generate`; the seed lines say so, and TRL's recorded
 step-time baseline stays the default `model.generate`'s (on the gsm job the continuous batching measured
-slower: 55-62 s a step on an H100, bench/results/gsm.md).
+slower: 55-62 s a step on an H100, bench/results/gsm.md); `--trl-static-cache` keeps `model.generate` with a
+static cache, which transformers compiles on a GPU (the same sampling; its seed lines say so too).
 
 This script is the driver (flags, miles' side, the call); the job both sides run is `e2e_job.py`, TRL's side
 `e2e_trl.py`, and the medians, paired interval and summary line `e2e_stats.py`.
@@ -89,7 +90,7 @@ POOL_IGNORES = (
         "trl_rewards",
         "concurrent",
     ),
-    *("long_tokens", "model", "work_dir", "timeout_s", "trl_continuous_batching"),
+    *("long_tokens", "model", "work_dir", "timeout_s", "trl_continuous_batching", "trl_static_cache"),
 )
 MILES_PHASES = {
     "generate": "perf/rollout/generate_time",
@@ -159,12 +160,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "then not the recorded TRL baseline's; its paged cache takes half the free GPU memory (TRL's default) "
         "split between the --concurrent runs",
     )
+    p.add_argument(
+        "--trl-static-cache",
+        action="store_true",
+        help="TRL's model.generate with a static KV cache (GRPOConfig cache_implementation='static'), which "
+        "transformers compiles on a GPU: the same sampling, meant to make longer TRL learning runs fit a call; "
+        "its step times are then not the recorded TRL baseline's",
+    )
     p.add_argument("--work-dir", default=None)
     p.add_argument("--timeout-s", type=float, default=900.0, help="per side and seed")
     p.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)  # internal: run TRL from a spec file
     args = p.parse_args(argv)
-    if args.trl_continuous_batching and "trl" not in args.sides and not args.pool:
-        p.error("--trl-continuous-batching sets how TRL generates, and this call runs no TRL side: add trl to --sides")
+    for flag in ("trl_continuous_batching", "trl_static_cache"):
+        if getattr(args, flag) and "trl" not in args.sides and not args.pool:
+            name = "--" + flag.replace("_", "-")
+            p.error(f"{name} sets how TRL generates, and this call runs no TRL side: add trl to --sides")
+    if args.trl_continuous_batching and args.trl_static_cache:
+        p.error("--trl-continuous-batching and --trl-static-cache are two ways for TRL to generate: pick one")
     return args
 
 
@@ -286,6 +298,8 @@ def _seed_line(side: str, seed: int, stream: int, run: dict) -> dict:
         line["cut_short"] = True
     if run.get("continuous_batching"):
         line["trl_continuous_batching"] = True  # TRL generated with transformers' continuous batching
+    if run.get("static_cache"):
+        line["trl_static_cache"] = True  # TRL's generate with a static, compiled cache
     return line | ({"stream": stream} if stream else {})
 
 

@@ -208,6 +208,30 @@ def test_runs_sharing_the_gpu_split_the_paged_caches_share_of_memory(tmp_path, m
     assert not plain.use_transformers_continuous_batching and plain.transformers_continuous_batching_config is None
 
 
+def test_trls_static_cache_reaches_its_config_and_its_seed_line(tmp_path, monkeypatch):
+    pytest.importorskip("trl")
+    specs = []
+
+    def fake_run(cmd, **kw):
+        specs.append(json.loads(open(cmd[-1]).read()))
+        result = {"steps": [1.0], "rewards": [0.5], "startup_s": 1.0, "static_cache": specs[-1]["static_cache"]}
+        open(specs[-1]["out"], "w").write(json.dumps(result))
+        return trl_side.subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(trl_side.subprocess, "run", fake_run)
+    for flag in ([], ["--trl-static-cache"]):
+        args = bench.parse_args(["--sides", "trl", "--steps", "1", *flag])
+        run = trl_side.run_trl(args, "model", tmp_path / "d.jsonl", tmp_path, 0, "cpu")
+        config = trl_side._grpo_config(specs[-1] | {"out": str(tmp_path / "o.json")})
+        assert config.cache_implementation == ("static" if flag else None)
+        assert not config.use_transformers_continuous_batching
+        assert bench._seed_line("trl", 0, 0, run).get("trl_static_cache", False) is bool(flag)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--trl-static-cache", "--trl-continuous-batching"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--sides", "miles", "--trl-static-cache"])
+
+
 def test_trls_continuous_batching_is_refused_where_no_trl_side_runs():
     with pytest.raises(SystemExit):
         bench.parse_args(["--sides", "miles", "--trl-continuous-batching"])
