@@ -64,7 +64,10 @@ class NodeRun:
 
 def start_torchrun(hosts: list[Host], out_dir: Path, flags: list[str], env: dict[str, str]) -> list[NodeRun]:
     """`torchrun --nnodes N` on every host, node 0 on hosts[0] and reached by its address."""
-    port = random.randint(20000, 40000)  # fresh namespaces: any port is free; a new one per run skips TIME_WAIT
+    # below the kernel's ephemeral range (32768-60999 by default), which the nodes' own client sockets draw from: a
+    # port there was once taken by one of them (EADDRINUSE at torchrun's store); a new one per run skips TIME_WAIT
+    low, _ = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    port = random.randint(20000, min(low, 32768) - 1)
     runs = []
     for rank, host in enumerate(hosts):
         log = out_dir.parent / f"{out_dir.name}-node{rank}.log"
