@@ -195,9 +195,9 @@ def _scale_layouts(wq: torch.Tensor, ws: torch.Tensor, xq: torch.Tensor, xs: tor
         "1x128_128x128": [mm(xq, wq.t(), xs_outer, ws.contiguous().t())],
         "1x128_1x128": [mm(xq, wq.t(), xs_outer, w_rows.t()), mm(xq, wq.t(), xs_outer, w_rows.t().contiguous())],
         "swapped_128x128_1x128": [
-            mm(wq, xq.t(), ws.contiguous(), xs_outer.t(), transpose=True),
-            mm(wq, xq.t(), ws.t().contiguous().t(), xs_outer.t(), transpose=True),
-            mm(wq, xq.t(), ws.contiguous(), xs_outer.t().contiguous(), transpose=True),
+            mm(wq, xq.t(), sa, sb, transpose=True)
+            for sa in (ws.contiguous(), ws.t().contiguous().t())
+            for sb in (xs_outer.t(), xs.contiguous().t())  # [L, M]: M-major, then L-major
         ],
     }
 
