@@ -131,6 +131,9 @@ def _reward_func(spec: dict, rewards: list[float]):
     return arith_reward
 
 
+STATIC_PROMPT_MULTIPLE = 256
+
+
 def _grpo_config(spec: dict):
     """GRPOConfig of the job: the miles side's batch, sampling, learning rate and seeds, TRL's loss defaults."""
     from trl import GRPOConfig
@@ -157,6 +160,9 @@ def _grpo_config(spec: dict):
         use_cpu=not cuda,
         generation_kwargs={"min_new_tokens": spec["max_new"]} if spec["force"] else None,
         cache_implementation="static" if spec.get("static_cache") else None,
+        # a static cache is compiled for its shape: prompts padded to one length (the gsm job's are under 256
+        # tokens) keep the batch's cache one shape from step to step; the padding is masked
+        pad_to_multiple_of=STATIC_PROMPT_MULTIPLE if spec.get("static_cache") else "auto",
         use_transformers_continuous_batching=spec.get("continuous_batching", False),
         transformers_continuous_batching_config=(
             {"max_memory_percent": spec["cb_memory_percent"]} if spec.get("continuous_batching") else None

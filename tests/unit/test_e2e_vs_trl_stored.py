@@ -209,7 +209,7 @@ def test_runs_sharing_the_gpu_split_the_paged_caches_share_of_memory(tmp_path, m
 
 
 def test_trls_static_cache_reaches_its_config_and_its_seed_line(tmp_path, monkeypatch):
-    pytest.importorskip("trl")
+    trl = pytest.importorskip("trl")
     specs = []
 
     def fake_run(cmd, **kw):
@@ -224,6 +224,8 @@ def test_trls_static_cache_reaches_its_config_and_its_seed_line(tmp_path, monkey
         run = trl_side.run_trl(args, "model", tmp_path / "d.jsonl", tmp_path, 0, "cpu")
         config = trl_side._grpo_config(specs[-1] | {"out": str(tmp_path / "o.json")})
         assert config.cache_implementation == ("static" if flag else None)
+        default = trl.GRPOConfig(output_dir=str(tmp_path / "d"), use_cpu=True).pad_to_multiple_of  # TRL's own
+        assert config.pad_to_multiple_of == (trl_side.STATIC_PROMPT_MULTIPLE if flag else default)
         assert not config.use_transformers_continuous_batching
         assert bench._seed_line("trl", 0, 0, run).get("trl_static_cache", False) is bool(flag)
     with pytest.raises(SystemExit):
