@@ -31,7 +31,8 @@ Ends with one JSON line: bf16_tok_s, fp8_tok_s, tok_s_ratio, decode_step_ratio (
 FP8's), bf16_install_s, fp8_install_s, install_ratio,
 bf16_push_s, fp8_push_s, push_ratio (the goal: <= 1.3), the FP8 side's kv_cache_dtype, fp8_cuda_kernels,
 fused_input_quant (the switch), fused_input_quant_served (whether the FP8 engine's GEMMs took such inputs),
-fp8_split_k and split_k_refused.
+fp8_split_k and split_k_refused, fp8_gemm_form (MILES_FP8_GEMM_FORM) and the scale layout its probe kept
+(fp8_gemm_form_layout).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ import torch
 from engine_throughput import EngineSide, make_prompts, measure
 
 from miles.config import EMBEDDED_KV_CACHE_DTYPES
-from miles.engines.embedded import fp8, fp8_split_k
+from miles.engines.embedded import fp8, fp8_forms, fp8_split_k
 from miles.engines.embedded.engine import EmbeddedEngine
 from miles.engines.embedded.request import decode_step_summary
 from miles.models.tiny import make_tiny_model
@@ -213,6 +214,9 @@ def main(argv: list[str] | None = None) -> dict:
         "fused_input_quant_served": served,
         "fp8_split_k": fp8_split_k.SPLIT_K,  # MILES_FP8_SPLIT_K
         "split_k_refused": not all(fp8._split_ok.values()),
+        "fp8_gemm_form": fp8_forms.FORM,  # MILES_FP8_GEMM_FORM
+        # the scale layout its probe kept on the device (None: torch took none, the block form served)
+        "fp8_gemm_form_layout": fp8_forms.probed(fp8_forms.FORM),
         "shape": {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab")},
     }
     print(

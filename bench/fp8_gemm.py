@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from decode_attention import kernel_device
 
-from miles.engines.embedded import fp8, fp8_split_k, fp8_triton
+from miles.engines.embedded import fp8, fp8_forms, fp8_split_k, fp8_triton
 
 
 def _ints(text: str) -> list[int]:
@@ -175,31 +175,16 @@ def _cublas_timings(
     }
 
 
-def _scale_layouts(wq: torch.Tensor, ws: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor, N: int) -> dict:
-    """The block-scaled products torch._scaled_mm offers on Hopper for the same codes and scales, each a list of
-    candidate operand layouts (the first that torch takes and that computes right is timed): the engine's
-    (activation 1x128 groups, weight 128x128 blocks); both 1x128, the weight's block scales repeated over their
-    128 rows (exact); and A and B swapped (weight 128x128 as A, the activation's groups as B, out^T transposed
-    back), which hands cuBLASLt the large dimension as M."""
-    xs_outer = xs.t().contiguous().t()  # [M, L], outer-dim-major, as the engine passes it
-    w_rows = ws.repeat_interleave(fp8.BLOCK, 0)[:N]  # [N, L]: each row's own copy of its block's scales
+def _scale_layouts(wq: torch.Tensor, ws: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor) -> dict:
+    """Each block-scaled form of the same product that torch._scaled_mm offers on Hopper (fp8_forms: the engine's
+    "block", "rows" and "swapped"), as the list of its candidate scale layouts, each a call giving [M, N] in bf16;
+    the first that torch takes and that computes right is timed."""
+    xs = xs.t().contiguous().t()  # [M, L], outer-dim-major, as the engine passes it
 
-    def mm(a, b, sa, sb, transpose=False):
-        def run():
-            out = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
-            return out.t().contiguous() if transpose else out
+    def run(form: str, layout: int):
+        return lambda: fp8_forms.mm(form, layout, xq, xs, wq, ws, torch.bfloat16)
 
-        return run
-
-    return {
-        "1x128_128x128": [mm(xq, wq.t(), xs_outer, ws.contiguous().t())],
-        "1x128_1x128": [mm(xq, wq.t(), xs_outer, w_rows.t()), mm(xq, wq.t(), xs_outer, w_rows.t().contiguous())],
-        "swapped_128x128_1x128": [
-            mm(wq, xq.t(), sa, sb, transpose=True)
-            for sa in (ws.contiguous(), ws.t().contiguous().t())
-            for sb in (xs_outer.t(), xs.contiguous().t())  # [L, M]: M-major, then L-major
-        ],
-    }
+    return {form: [run(form, i) for i in range(fp8_forms.LAYOUTS[form])] for form in fp8_forms.FORMS}
 
 
 def _cublas_layout_timings(
@@ -207,12 +192,12 @@ def _cublas_layout_timings(
 ) -> dict:
     """Each of `_scale_layouts`' products from the activation's codes (the quantization not timed): microseconds
     and largest difference from `want` relative to `scale`, or why none of its layouts ran."""
-    N, K = weight.q.shape
+    K = weight.q.shape[1]
     if (K // fp8.BLOCK) % 4:  # cuBLASLt's padded scale rows (fp8.pad_k_blocks): the 7B layer's K are whole fours
         return {}
     rows = want.shape[0]
     timings = {}
-    for label, candidates in _scale_layouts(weight.q, weight.scale_inv, xq, xs, N).items():
+    for label, candidates in _scale_layouts(weight.q, weight.scale_inv, xq, xs).items():
         errors = []
         for i, run in enumerate(candidates):
             try:

@@ -13,8 +13,10 @@
 #                                               #   LoRA's merged forward against the plain ones (about 5 minutes)
 #   bash bench/gpu_checks.sh contract           # the same with FP8 rollouts: the trainer's FP8 forward contract,
 #                                               #   the engine dequantizing and with its CUDA kernels (5.1 min, H100)
-#   bash bench/gpu_checks.sh fp8                # a 7B layer's FP8 GEMMs: cuBLASLt's whole, split-K and in its
-#                                               #   other block-scaled forms (both operands 1x128; A and B swapped),
+#   bash bench/gpu_checks.sh forms              # cuBLASLt's block-scaled forms (MILES_FP8_GEMM_FORM: block, rows,
+#                                               #   swapped) on a 7B layer's GEMMs, then FP8 / BF16 tokens/s on the
+#                                               #   7B shape through each (about 6 minutes on an H200)
+#   bash bench/gpu_checks.sh fp8                # a 7B layer's FP8 GEMMs: cuBLASLt's whole and split-K,
 #                                               #   Triton's with the activation quantized inside, then by its kernel
 #                                               #   first (K whole and in 2 and 4 chunks); then FP8 / BF16 tokens/s
 #                                               #   on the 7B shape (each run against BF16 in itself): split-K GEMMs
@@ -57,13 +59,24 @@ contract() {
 
 fp8() {
     local shape=(--device cuda --batch 256 --prompt-len 128 --new-tokens 512 --reps 2 --install-reps 3)
-    python bench/fp8_gemm.py --device cuda --block-m 64 --block-n 128 --num-warps 4 --num-stages 3 --scale-layouts
+    python bench/fp8_gemm.py --device cuda --block-m 64 --block-n 128 --num-warps 4 --num-stages 3
     python bench/fp8_gemm.py --device cuda --block-m 64 --block-n 128 --num-warps 4 --num-stages 3 --triton-input prequant --triton-splits 1,2,4
     # the FP8 CUDA kernels are on by default (MILES_FP8_CUDA_KERNELS=0 would dequantize)
     MILES_FP8_SPLIT_K=auto python bench/fp8.py "${shape[@]}" --kv-cache-dtype fp8_e4m3
     MILES_FP8_SPLIT_K=auto python bench/fp8.py "${shape[@]}"
     python bench/fp8.py "${shape[@]}"
     python bench/fp8.py "${shape[@]}" --separate-input-quant
+}
+
+# cuBLASLt's block-scaled forms (fp8_forms.py): each timed on a 7B layer's GEMMs, then the engine serving through
+# each (FP8 KV, against BF16 in the same run), the engine's default form last
+forms() {
+    local shape=(--device cuda --batch 256 --prompt-len 128 --new-tokens 512 --reps 2 --install-reps 1
+        --kv-cache-dtype fp8_e4m3)
+    python bench/fp8_gemm.py --device cuda --block-m 64 --block-n 128 --num-warps 4 --num-stages 3 --scale-layouts
+    MILES_FP8_GEMM_FORM=swapped python bench/fp8.py "${shape[@]}"
+    MILES_FP8_GEMM_FORM=rows python bench/fp8.py "${shape[@]}"
+    python bench/fp8.py "${shape[@]}"
 }
 
 kv() {
@@ -90,14 +103,14 @@ run_group() {
 }
 
 case "${1:-}" in
-    kernels | trainer | stream | contract | fp8 | kv | moe) run_group "$1" ;;
+    kernels | trainer | stream | contract | forms | fp8 | kv | moe) run_group "$1" ;;
     all)
         status=0
-        for group in kernels trainer stream contract fp8 kv moe; do run_group "$group" || status=1; done
+        for group in kernels trainer stream contract forms fp8 kv moe; do run_group "$group" || status=1; done
         exit "$status"
         ;;
     *)
-        echo "usage: bash bench/gpu_checks.sh kernels|trainer|stream|contract|fp8|kv|moe|all (see the comment at the top)" >&2
+        echo "usage: bash bench/gpu_checks.sh kernels|trainer|stream|contract|forms|fp8|kv|moe|all (see the comment at the top)" >&2
         exit 2
         ;;
 esac

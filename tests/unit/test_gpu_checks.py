@@ -38,8 +38,8 @@ def bench_commands(script: str) -> list[tuple[str, list[str]]]:
 def test_the_script_holds_the_figure_groups_commands():
     names = [name for name, _ in bench_commands(SCRIPT)]
     assert (
-        names.count("fp8") == 4
-        and names.count("fp8_gemm") == 2
+        names.count("fp8") == 7
+        and names.count("fp8_gemm") == 3
         and names.count("engine_throughput") == 3
         and names.count("moe") == 2
     )
@@ -58,3 +58,12 @@ def test_each_test_path_exists():
     paths = re.findall(r"tests/[\w/]+\.py", SCRIPT)
     assert len(paths) >= 15
     assert [p for p in paths if not (REPO / p).is_file()] == []
+
+
+def test_each_fp8_setting_it_exports_is_one_the_engine_takes():
+    from miles.engines.embedded import fp8_forms, fp8_split_k
+
+    forms = re.findall(r"MILES_FP8_GEMM_FORM=(\S+)", SCRIPT)
+    assert sorted(set(forms)) == ["rows", "swapped"]
+    assert all(fp8_forms.parse(f) == f for f in forms)
+    assert all(fp8_split_k.parse(v) for v in re.findall(r"MILES_FP8_SPLIT_K=(\S+)", SCRIPT))

@@ -15,7 +15,8 @@ the same W8A8 product is computed by dequantizing both operands (the CPU path CI
 K or padded N is not whole blocks). Where cuBLASLt serves a GEMM (`takes_quantized_input`) its input may come
 already quantized (a QuantizedInput, written by the engine's norm or SiLU kernel in place of its model-dtype
 output; the same codes), and MILES_FP8_SPLIT_K cuts the K range of a GEMM with few output tiles into chunks
-on parallel streams (fp8_split_k.py). MILES_FP8_GEMM=triton swaps cuBLASLt for fp8_triton.block_scaled_mm (see
+on parallel streams (fp8_split_k.py); MILES_FP8_GEMM_FORM hands cuBLASLt the same product in another of its
+block-scaled forms (fp8_forms.py). MILES_FP8_GEMM=triton swaps cuBLASLt for fp8_triton.block_scaled_mm (see
 GEMM below). MILES_FP8_CUDA_KERNELS=0 turns the forward's CUDA kernels off (see CUDA_KERNELS below): CUDA then
 takes the dequantizing path, correct and slow. A weight push quantizes with the Triton kernel wherever it runs (it works outside the
 forward and its CUDA graphs, and matches the torch form: tests/unit/test_triton_ops.py).
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from miles.engines.embedded import fp8_split_k, fp8_triton
+from miles.engines.embedded import fp8_forms, fp8_split_k, fp8_triton
 
 # The CUDA kernels of this module (Triton quantization, cuBLASLt's block-scaled GEMM) on Hopper: on by default,
 # MILES_FP8_CUDA_KERNELS=0 takes the dequantizing path CPU tests check (correct, and slower than bf16). History:
@@ -59,6 +60,12 @@ if fp8_split_k.SPLIT_K and (not CUDA_KERNELS or GEMM != "cublas"):  # it splits 
     raise ValueError(
         f"MILES_FP8_SPLIT_K={fp8_split_k.SPLIT_K} splits cuBLASLt's GEMMs, which run only with "
         "the CUDA kernels (MILES_FP8_CUDA_KERNELS, on unless 0) and MILES_FP8_GEMM=cublas: set those, or unset MILES_FP8_SPLIT_K"
+    )
+if fp8_forms.FORM != "block" and (not CUDA_KERNELS or GEMM != "cublas" or fp8_split_k.SPLIT_K):
+    raise ValueError(
+        f"MILES_FP8_GEMM_FORM={fp8_forms.FORM} is a form of cuBLASLt's whole GEMM, which runs only with the CUDA "
+        "kernels (MILES_FP8_CUDA_KERNELS, on unless 0), MILES_FP8_GEMM=cublas and no MILES_FP8_SPLIT_K: set those, "
+        "or unset MILES_FP8_GEMM_FORM"
     )
 # Where cuBLASLt's GEMM serves a linear whose input comes from the engine's own norm or SiLU kernel, that kernel
 # quantizes its output itself (a QuantizedInput: the same codes, no separate quantization launch; an H200 profile
@@ -378,6 +385,9 @@ def _block_scaled_mm(
         except (RuntimeError, ValueError, NotImplementedError) as e:
             _split_ok[x.device] = False
             logger.warning("torch._scaled_mm refused a K chunk of a split FP8 GEMM (%s); GEMMs run whole", e)
+    if fp8_forms.FORM != "block" and (layout := fp8_forms.layout_for(x.device, fp8_forms.FORM)) is not None:
+        out = fp8_forms.mm(fp8_forms.FORM, layout, xq, xs, wq, ws, dtype)
+        return out[: x.rows] if out.shape[0] != x.rows else out
     try:
         out = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=cublas_weight_scales(ws), out_dtype=dtype)
     except (RuntimeError, ValueError, NotImplementedError) as e:

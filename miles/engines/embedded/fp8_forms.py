@@ -1,0 +1,131 @@
+"""cuBLASLt's other block-scaled forms for the engine's FP8 GEMMs (MILES_FP8_GEMM_FORM).
+
+The engine's GEMM (`fp8._block_scaled_mm`) hands `torch._scaled_mm` the activation as A, in 1x128 groups, and the
+weight as B, in 128x128 blocks ("block"). On Hopper torch takes the same codes and scales in two more forms, each
+the same W8A8 product up to the order of its fp32 sums:
+- "rows": both operands in 1x128 groups, each weight block's scale repeated over its 128 rows (a small kernel a
+  call: a push rewrites the scales in place, so no repeated copy is kept);
+- "swapped": the weight as A (128x128 blocks) and the activation as B (1x128 groups), computing out^T [N, M]. It
+  hands cuBLASLt the large dimension as M where a decode batch (256 rows) leaves few output tiles, as small-M FP8
+  GEMM libraries do; the output is copied back to [M, N] for the kernels that read it.
+
+torch does not write down which memory layout of each scale operand cuBLASLt reads in these two forms. The first
+call on a device (eager: the engine warms every graph up before capturing it) tries each candidate layout on a
+small product against its dequantized value and keeps the first that computes it; where none does, the block form
+serves and a warning says why. `bench/fp8_gemm.py --scale-layouts` times every form on a 7B layer's GEMMs.
+
+MILES_FP8_GEMM_FORM: block (the default), rows or swapped; with the CUDA kernels off, the Triton GEMM or split-K
+it is refused at import (fp8.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+
+import torch
+
+from miles.engines.embedded.fp8_split_k import BLOCK
+
+logger = logging.getLogger(__name__)
+
+FORMS = ("block", "rows", "swapped")
+# the candidate layouts of each form's scale operands, tried in this order (see `operands`)
+LAYOUTS = {"block": 1, "rows": 2, "swapped": 4}
+
+
+def parse(text: str) -> str:
+    if text not in FORMS:
+        raise ValueError(f"MILES_FP8_GEMM_FORM={text!r}: use one of {', '.join(FORMS)} (block is the default)")
+    return text
+
+
+FORM = parse(os.environ.get("MILES_FP8_GEMM_FORM", "block"))
+
+# (device, form) -> the layout that computed the probe's product, or None: torch took none (the block form serves)
+_chosen: dict[tuple[torch.device, str], int | None] = {}
+
+
+def operands(
+    form: str, layout: int, xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """(A, B, scale_a, scale_b, transposed) of `form` at candidate `layout` for x [M, K] @ w [N, K]^T: xq [M, K]
+    e4m3 with xs [M, L] outer-dim-major (as the engine keeps it), wq [N, K] e4m3 with its block scales ws [NB, L].
+    transposed: the product comes out [N, M]."""
+    if form == "block":
+        return xq, wq.t(), xs, ws.contiguous().t(), False
+    if form == "rows":  # [L, N]: each output row's own copy of its block's scales, K-major then N-major
+        rows = ws.repeat_interleave(BLOCK, 0)[: wq.shape[0]]
+        return xq, wq.t(), xs, (rows.t(), rows.t().contiguous())[layout], False
+    if form == "swapped":
+        scale_a = (ws.contiguous(), ws.t().contiguous().t())[layout // 2]
+        scale_b = (xs.t(), xs.contiguous().t())[layout % 2]  # [L, M]: M-major, then L-major
+        return wq, xq.t(), scale_a, scale_b, True
+    raise ValueError(f"unknown FP8 GEMM form {form!r}")
+
+
+def mm(
+    form: str,
+    layout: int,
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    wq: torch.Tensor,
+    ws: torch.Tensor,
+    dtype: torch.dtype,
+    scaled_mm: Callable | None = None,
+) -> torch.Tensor:
+    """The W8A8 product [M, N] in `dtype` through `form` at `layout` (scaled_mm: torch._scaled_mm unless given)."""
+    a, b, scale_a, scale_b, transposed = operands(form, layout, xq, xs, wq, ws)
+    out = (scaled_mm or torch._scaled_mm)(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=dtype)
+    return out.t().contiguous() if transposed else out
+
+
+def layout_for(device: torch.device, form: str) -> int | None:
+    """The layout of `form` that computes a small product right on `device` (probed once, then remembered); None
+    where torch takes none of them, or while a CUDA graph is being captured before any probe ran (nothing can be
+    checked there: the block form serves that call)."""
+    key = (device, form)
+    if key not in _chosen:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        _chosen[key] = _probe(device, form)
+    return _chosen[key]
+
+
+def probed(form: str) -> dict[str, int | None]:
+    """Device name -> the layout of `form` its probe kept (None: the block form serves there), for reports."""
+    return {str(device): layout for (device, f), layout in _chosen.items() if f == form}
+
+
+def _probe(device: torch.device, form: str) -> int | None:
+    from miles.engines.embedded import fp8  # fp8 imports this module
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    rows = (torch.rand(256, 1, generator=g) + 0.05).to(device)  # block scales that differ from block to block
+    w = (torch.randn(256, 512, generator=g).to(device) * rows).to(torch.bfloat16)
+    x = torch.randn(64, 512, generator=g).to(device, torch.bfloat16)
+    xq, xs = fp8.quantize_activation(x)
+    xs = xs.t().contiguous().t()
+    wq, ws = fp8.quantize_weight(w)
+    want = (xq.float() * xs.repeat_interleave(BLOCK, 1)) @ fp8.dequantize_weight(wq, ws, torch.float32).t()
+    why = []
+    for layout in range(LAYOUTS[form]):
+        try:
+            got = mm(form, layout, xq, xs, wq, ws, torch.float32)
+        except (RuntimeError, ValueError, NotImplementedError) as e:
+            why.append(f"layout {layout}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+            continue
+        rel = ((got - want).abs().max() / want.abs().max()).item()
+        if rel < 1e-2:
+            logger.info("MILES_FP8_GEMM_FORM=%s: torch._scaled_mm computes it with scale layout %d", form, layout)
+            return layout
+        why.append(f"layout {layout}: off by {rel:.3g} of the product's largest value")
+    logger.warning(
+        "MILES_FP8_GEMM_FORM=%s: torch._scaled_mm computed none of its scale layouts right on %s (%s); the block "
+        "form serves",
+        form,
+        device,
+        "; ".join(why),
+    )
+    return None
