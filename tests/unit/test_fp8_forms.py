@@ -21,6 +21,7 @@ from tests.unit.test_fp8_split_k import _any_block_scaled, _operands
 @pytest.fixture(autouse=True)
 def _no_probe_kept(monkeypatch):
     monkeypatch.setattr(fp8_forms, "_chosen", {})
+    monkeypatch.setattr(fp8_forms, "_refused_rows", set())
 
 
 @pytest.mark.parametrize("form", fp8_forms.FORMS)
@@ -116,3 +117,28 @@ def test_a_form_with_nothing_to_serve_or_unknown_is_refused_at_import(env):
         [sys.executable, "-c", "import miles.engines.embedded.fp8"], env=full, capture_output=True, text=True
     )
     assert r.returncode != 0 and "MILES_FP8_GEMM_FORM" in r.stderr.splitlines()[-1], r.stderr[-400:]
+
+
+def test_a_shape_torch_refuses_in_the_form_is_served_by_the_block_form_from_then_on(monkeypatch, caplog):
+    x, _, _, wq, ws = _operands(m=4, n=256, k=2048)
+    weight = fp8.Fp8Weight(wq, ws)
+    seen = []
+
+    def scaled_mm(a, b, scale_a, scale_b, out_dtype):
+        swapped = a.shape[0] == 256
+        seen.append(swapped)
+        if swapped and b.shape[1] % 8:  # an output row of 4 bf16 values: not 16-byte aligned
+            raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+        return _any_block_scaled(a, b, scale_a, scale_b, out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    monkeypatch.setattr(fp8_forms, "FORM", "swapped")
+    monkeypatch.setattr(fp8_forms, "_chosen", {(x.device, "swapped"): 0})
+    want = fp8._emulated(x, weight, torch.float32)
+    with caplog.at_level(logging.WARNING, logger=fp8_forms.__name__):
+        got = fp8._block_scaled_mm(x, weight, torch.float32)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert seen == [True, False] and "refused 4 rows" in caplog.text
+    seen.clear()
+    fp8._block_scaled_mm(x, weight, torch.float32)
+    assert seen == [False]  # remembered: not tried again

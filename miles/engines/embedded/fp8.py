@@ -385,8 +385,7 @@ def _block_scaled_mm(
         except (RuntimeError, ValueError, NotImplementedError) as e:
             _split_ok[x.device] = False
             logger.warning("torch._scaled_mm refused a K chunk of a split FP8 GEMM (%s); GEMMs run whole", e)
-    if fp8_forms.FORM != "block" and (layout := fp8_forms.layout_for(x.device, fp8_forms.FORM)) is not None:
-        out = fp8_forms.mm(fp8_forms.FORM, layout, xq, xs, wq, ws, dtype)
+    if (out := fp8_forms.serve(xq, xs, wq, ws, dtype)) is not None:  # MILES_FP8_GEMM_FORM, where it serves
         return out[: x.rows] if out.shape[0] != x.rows else out
     try:
         out = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=cublas_weight_scales(ws), out_dtype=dtype)

@@ -45,6 +45,8 @@ FORM = parse(os.environ.get("MILES_FP8_GEMM_FORM", "block"))
 
 # (device, form) -> the layout that computed the probe's product, or None: torch took none (the block form serves)
 _chosen: dict[tuple[torch.device, str], int | None] = {}
+# (device, rows) whose product torch refused in FORM: the block form serves those
+_refused_rows: set[tuple[torch.device, int]] = set()
 
 
 def operands(
@@ -79,6 +81,29 @@ def mm(
     a, b, scale_a, scale_b, transposed = operands(form, layout, xq, xs, wq, ws)
     out = (scaled_mm or torch._scaled_mm)(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=dtype)
     return out.t().contiguous() if transposed else out
+
+
+def serve(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, dtype: torch.dtype):
+    """The product [M, N] through FORM, or None where the block form should serve it: FORM is block, its probe
+    found no layout, or torch refused this shape (e.g. a row count its output's alignment does not take:
+    remembered per row count, and logged once)."""
+    if FORM == "block":
+        return None
+    device, rows = xq.device, xq.shape[0]
+    layout = layout_for(device, FORM)
+    if layout is None or (device, rows) in _refused_rows:
+        return None
+    try:
+        return mm(FORM, layout, xq, xs, wq, ws, dtype)
+    except (RuntimeError, ValueError, NotImplementedError) as e:
+        _refused_rows.add((device, rows))
+        logger.warning(
+            "MILES_FP8_GEMM_FORM=%s: torch._scaled_mm refused %d rows (%s); the block form serves them",
+            FORM,
+            rows,
+            str(e).splitlines()[0][:160],
+        )
+        return None
 
 
 def layout_for(device: torch.device, form: str) -> int | None:
