@@ -57,12 +57,13 @@ def operands(
     transposed: the product comes out [N, M]."""
     if form == "block":
         return xq, wq.t(), xs, ws.contiguous().t(), False
+    # each layout is built alone: a copy made for a layout not taken would be a kernel of every call
     if form == "rows":  # [L, N]: each output row's own copy of its block's scales, K-major then N-major
-        rows = ws.repeat_interleave(BLOCK, 0)[: wq.shape[0]]
-        return xq, wq.t(), xs, (rows.t(), rows.t().contiguous())[layout], False
+        rows = ws.repeat_interleave(BLOCK, 0)[: wq.shape[0]].t()
+        return xq, wq.t(), xs, rows.contiguous() if layout else rows, False
     if form == "swapped":
-        scale_a = (ws.contiguous(), ws.t().contiguous().t())[layout // 2]
-        scale_b = (xs.t(), xs.contiguous().t())[layout % 2]  # [L, M]: M-major, then L-major
+        scale_a = ws.t().contiguous().t() if layout // 2 else ws.contiguous()
+        scale_b = xs.contiguous().t() if layout % 2 else xs.t()  # [L, M]: M-major, then L-major
         return wq, xq.t(), scale_a, scale_b, True
     raise ValueError(f"unknown FP8 GEMM form {form!r}")
 
