@@ -60,10 +60,12 @@ def test_the_probe_keeps_the_layout_torch_computes_and_remembers_it(monkeypatch,
     calls = []
     only = _only(form, layout)
     monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: calls.append(1) or only(*a, **k))
-    assert fp8_forms.layout_for(torch.device("cpu"), form) == layout
+    assert fp8_forms.layout_for(torch.device("cpu"), form, fp8.form_sample) == layout
     tried = len(calls)
     assert tried == layout + 1  # the layouts before it refused, it computed
-    assert fp8_forms.layout_for(torch.device("cpu"), form) == layout and len(calls) == tried  # probed once
+    assert (
+        fp8_forms.layout_for(torch.device("cpu"), form, fp8.form_sample) == layout and len(calls) == tried
+    )  # probed once
     assert fp8_forms.probed(form) == {"cpu": layout} and fp8_forms.probed("block") == {}
 
 
@@ -73,7 +75,7 @@ def test_a_form_torch_computes_wrong_leaves_the_block_form_with_a_warning(monkey
 
     monkeypatch.setattr(torch, "_scaled_mm", wrong)
     with caplog.at_level(logging.WARNING, logger=fp8_forms.__name__):
-        assert fp8_forms.layout_for(torch.device("cpu"), "swapped") is None
+        assert fp8_forms.layout_for(torch.device("cpu"), "swapped", fp8.form_sample) is None
     assert "MILES_FP8_GEMM_FORM=swapped" in caplog.text and "block form serves" in caplog.text
 
 

@@ -385,7 +385,7 @@ def _block_scaled_mm(
         except (RuntimeError, ValueError, NotImplementedError) as e:
             _split_ok[x.device] = False
             logger.warning("torch._scaled_mm refused a K chunk of a split FP8 GEMM (%s); GEMMs run whole", e)
-    if (out := fp8_forms.serve(xq, xs, wq, ws, dtype)) is not None:  # MILES_FP8_GEMM_FORM, where it serves
+    if (out := fp8_forms.serve(xq, xs, wq, ws, dtype, form_sample)) is not None:  # MILES_FP8_GEMM_FORM
         return out[: x.rows] if out.shape[0] != x.rows else out
     try:
         out = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=cublas_weight_scales(ws), out_dtype=dtype)
@@ -399,6 +399,20 @@ def _block_scaled_mm(
         )
         return None
     return out[: x.rows] if out.shape[0] != x.rows else out
+
+
+def form_sample(device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(xq, xs, wq, ws, want) of a small W8A8 product on `device`, laid out as `_block_scaled_mm` passes its
+    operands (block scales that differ from block to block), and its fp32 value: what fp8_forms probes a GEMM
+    form's scale layouts on."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    rows = torch.rand(256, 1, generator=g) + 0.05
+    w = (torch.randn(256, 512, generator=g) * rows).to(device, torch.bfloat16)
+    x = torch.randn(64, 512, generator=g).to(device, torch.bfloat16)
+    xq, xs = quantize_activation(x)
+    wq, ws = quantize_weight(w)
+    want = (xq.float() * xs.repeat_interleave(BLOCK, 1)) @ dequantize_weight(wq, ws, torch.float32).t()
+    return xq, xs.t().contiguous().t(), wq, ws, want
 
 
 def dequantize_activation(x: torch.Tensor) -> torch.Tensor:

@@ -84,14 +84,18 @@ def mm(
     return out.t().contiguous() if transposed else out
 
 
-def serve(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, dtype: torch.dtype):
+# (device) -> (xq, xs, wq, ws, want): a small product's operands, as the engine lays them out, and its fp32 value
+Sample = Callable[[torch.device], tuple[torch.Tensor, ...]]
+
+
+def serve(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, dtype: torch.dtype, sample: Sample):
     """The product [M, N] through FORM, or None where the block form should serve it: FORM is block, its probe
-    found no layout, or torch refused this shape (e.g. a row count its output's alignment does not take:
-    remembered per row count, and logged once)."""
+    (on `sample`'s product) found no layout, or torch refused this shape (e.g. a row count its output's alignment
+    does not take: remembered per row count, and logged once)."""
     if FORM == "block":
         return None
     device, rows = xq.device, xq.shape[0]
-    layout = layout_for(device, FORM)
+    layout = layout_for(device, FORM, sample)
     if layout is None or (device, rows) in _refused_rows:
         return None
     try:
@@ -107,15 +111,15 @@ def serve(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor
         return None
 
 
-def layout_for(device: torch.device, form: str) -> int | None:
-    """The layout of `form` that computes a small product right on `device` (probed once, then remembered); None
-    where torch takes none of them, or while a CUDA graph is being captured before any probe ran (nothing can be
-    checked there: the block form serves that call)."""
+def layout_for(device: torch.device, form: str, sample: Sample) -> int | None:
+    """The layout of `form` that computes `sample`'s product right on `device` (probed once, then remembered);
+    None where torch takes none of them, or while a CUDA graph is being captured before any probe ran (nothing can
+    be checked there: the block form serves that call)."""
     key = (device, form)
     if key not in _chosen:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
-        _chosen[key] = _probe(device, form)
+        _chosen[key] = _probe(device, form, sample)
     return _chosen[key]
 
 
@@ -124,17 +128,8 @@ def probed(form: str) -> dict[str, int | None]:
     return {str(device): layout for (device, f), layout in _chosen.items() if f == form}
 
 
-def _probe(device: torch.device, form: str) -> int | None:
-    from miles.engines.embedded import fp8  # fp8 imports this module
-
-    g = torch.Generator(device="cpu").manual_seed(0)
-    rows = (torch.rand(256, 1, generator=g) + 0.05).to(device)  # block scales that differ from block to block
-    w = (torch.randn(256, 512, generator=g).to(device) * rows).to(torch.bfloat16)
-    x = torch.randn(64, 512, generator=g).to(device, torch.bfloat16)
-    xq, xs = fp8.quantize_activation(x)
-    xs = xs.t().contiguous().t()
-    wq, ws = fp8.quantize_weight(w)
-    want = (xq.float() * xs.repeat_interleave(BLOCK, 1)) @ fp8.dequantize_weight(wq, ws, torch.float32).t()
+def _probe(device: torch.device, form: str, sample: Sample) -> int | None:
+    xq, xs, wq, ws, want = sample(device)
     why = []
     for layout in range(LAYOUTS[form]):
         try:
