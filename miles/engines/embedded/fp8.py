@@ -331,10 +331,7 @@ def _mm_key(device: torch.device, K: int) -> tuple[torch.device, bool]:
     return device, (K // BLOCK) % 4 != 0
 
 
-def cublas_weight_scales(scale_inv: torch.Tensor) -> torch.Tensor:
-    """`scale_b` of torch._scaled_mm for a 128x128-scaled weight [N, K] whose block scales are scale_inv
-    [NB, L] (L = K/128, a multiple of 4: see `pad_k_blocks`): the [L, NB] transpose, K-block-major."""
-    return scale_inv.contiguous().t()
+cublas_weight_scales = fp8_forms.cublas_weight_scales  # the block form's scale_b, shared with the other forms
 
 
 def pad_k_blocks(
@@ -407,12 +404,9 @@ def form_sample(device: torch.device) -> tuple[torch.Tensor, ...]:
     form's scale layouts on."""
     g = torch.Generator(device="cpu").manual_seed(0)
     rows = torch.rand(256, 1, generator=g) + 0.05
-    w = (torch.randn(256, 512, generator=g) * rows).to(device, torch.bfloat16)
-    x = torch.randn(64, 512, generator=g).to(device, torch.bfloat16)
-    xq, xs = quantize_activation(x)
-    wq, ws = quantize_weight(w)
-    want = (xq.float() * xs.repeat_interleave(BLOCK, 1)) @ dequantize_weight(wq, ws, torch.float32).t()
-    return xq, xs.t().contiguous().t(), wq, ws, want
+    w = Fp8Weight(*quantize_weight((torch.randn(256, 512, generator=g) * rows).to(device, torch.bfloat16)))
+    x = _quantized(torch.randn(64, 512, generator=g).to(device, torch.bfloat16))
+    return x.q, x.scales, w.q, w.scale_inv, _emulated(x, w, torch.float32)
 
 
 def dequantize_activation(x: torch.Tensor) -> torch.Tensor:

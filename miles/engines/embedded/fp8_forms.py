@@ -49,6 +49,12 @@ _chosen: dict[tuple[torch.device, str], int | None] = {}
 _refused_rows: set[tuple[torch.device, int]] = set()
 
 
+def cublas_weight_scales(scale_inv: torch.Tensor) -> torch.Tensor:
+    """`scale_b` of torch._scaled_mm for a 128x128-scaled weight [N, K] whose block scales are scale_inv
+    [NB, L] (L = K/128, a multiple of 4: see fp8.pad_k_blocks): the [L, NB] transpose, K-block-major."""
+    return scale_inv.contiguous().t()
+
+
 def operands(
     form: str, layout: int, xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
@@ -56,7 +62,7 @@ def operands(
     e4m3 with xs [M, L] outer-dim-major (as the engine keeps it), wq [N, K] e4m3 with its block scales ws [NB, L].
     transposed: the product comes out [N, M]."""
     if form == "block":
-        return xq, wq.t(), xs, ws.contiguous().t(), False
+        return xq, wq.t(), xs, cublas_weight_scales(ws), False
     # each layout is built alone: a copy made for a layout not taken would be a kernel of every call
     if form == "rows":  # [L, N]: each output row's own copy of its block's scales, K-major then N-major
         rows = ws.repeat_interleave(BLOCK, 0)[: wq.shape[0]].t()
