@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import json
 from pathlib import Path
 
 import pytest
@@ -125,3 +126,32 @@ def test_the_qwen_specs_name_their_packages_when_missing(tmp_path, monkeypatch) 
     with pytest.raises(ModelNotFound, match=r"is not a file; write gguf:/path/to/model.gguf"):
         resolve_spec(f"gguf:{tmp_path}/absent.gguf")
     assert gguf_specs.is_gguf_spec("qwen25-coder-1.5b:") and not gguf_specs.is_gguf_spec("qwen25-coder-1.5b")
+
+
+def test_trl_and_the_engine_end_a_turn_at_the_same_tokens(tiny_gguf, tmp_path, monkeypatch) -> None:
+    """bench/e2e_vs_trl.py's gsm job compares learning on a converted GGUF: both sides must stop answers at the
+    same end-of-turn token (<|im_end|>), not one of them at <|endoftext|>."""
+    pytest.importorskip("trl")
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from miles.engines.embedded.engine_setup import eos_ids
+
+    path, _ = tiny_gguf
+    monkeypatch.setenv("MILES_CACHE", str(tmp_path))
+    out = Path(resolve_spec(f"gguf:{path}"))
+    tok = AutoTokenizer.from_pretrained(str(out))
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    config = GRPOConfig(
+        output_dir=str(tmp_path / "trl"), per_device_train_batch_size=2, num_generations=2, max_completion_length=4,
+        use_cpu=True, report_to=[], max_steps=1, disable_tqdm=True,
+    )  # fmt: skip
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": "the theme"}]}] * 2)
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=config,
+        train_dataset=data, processing_class=tok,
+    )  # fmt: skip
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    engine_config = json.loads((out / "config.json").read_text())
+    assert set(trainer.eos_token_ids) == eos_ids(engine_config, tok) == {im_end}
