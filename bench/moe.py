@@ -15,7 +15,8 @@ experts in the trainer's forward differ from the engine's (any MoE layer), and m
 the sampled tokens. `--router-noise` adds relative noise to the trainer's router weights only (a stand-in for
 kernels that disagree more than dtype alone). `--engine-moe-rounding fused|transformers` makes the engine's
 grouped expert kernels round once on store, or where transformers' experts do (`moe_triton.ROUND_AS_TRANSFORMERS`,
-the engine's default).
+the engine's default). `--gemm-split-reduction fp32` keeps cuBLAS from summing split-K partial products in bf16
+(torch's default allows it), on both sides.
 
     python bench/moe.py                                    # H200: 24 layers, 128 experts, top-8, bf16 engine
     python bench/moe.py --device cpu --layers 2 --hidden 64 --experts 8 --topk 2 --moe-intermediate 32 \\
@@ -226,6 +227,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "default, moe_triton.ROUND_AS_TRANSFORMERS) or once, on store (fused); refused where those kernels "
         "do not run (off CUDA without Triton's interpreter: the torch path there rounds as transformers does)",
     )
+    p.add_argument(
+        "--gemm-split-reduction",
+        choices=("torch", "fp32"),
+        default="torch",
+        help="how cuBLAS may sum a bf16 GEMM's split-K partial products, both sides: as torch allows by default "
+        "(in bf16, allow_bf16_reduced_precision_reduction) or in fp32 only; the engine's decode GEMMs (M = the "
+        "batch) split K where the trainer's (M = its tokens) do not, so a bf16 sum rounds on one side only",
+    )
     p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--skip-mismatch", action="store_true")
     p.add_argument("--train-micro-batch", type=int, default=32, help="sequences per trainer forward")
@@ -241,6 +250,12 @@ def run(a: argparse.Namespace) -> dict:
                 "(the engine's torch path rounds as transformers' experts do); drop the flag, or run on CUDA"
             )
         moe_triton.ROUND_AS_TRANSFORMERS = a.engine_moe_rounding == "transformers"
+    if a.gemm_split_reduction == "fp32":
+        if device.type != "cuda":
+            raise SystemExit(
+                f"--gemm-split-reduction fp32: cuBLAS's split-K sums only, none on {device}; drop the flag"
+            )
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     cfg = hf_config(a)
     weights = random_weights(cfg, device, a.seed, getattr(torch, a.engine_dtype))
     engine = engine_model(cfg, weights, device, getattr(torch, a.engine_dtype))
