@@ -26,7 +26,8 @@
 #                                               #   without prefix sharing (its hits through the fused extend);
 #                                               #   then the decode attention's launch settings at the 7B shape
 #   bash bench/gpu_checks.sh moe                # R3's gap at real proportions with the bf16 trainer's fp32 stream:
-#                                               #   the expert kernels' own rounding against transformers'
+#                                               #   cuBLAS's split-K partial sums as torch allows them (bf16)
+#                                               #   against fp32 only (--gemm-split-reduction)
 #   bash bench/gpu_checks.sh all                # every group above, one after the other (over half an hour)
 #
 # Each figure group prints the bench's lines and its closing JSON line; the results files that read them:
@@ -92,8 +93,8 @@ moe() {
     local shape=(--layers 24 --hidden 2048 --heads 32 --kv-heads 4 --experts 128 --topk 8 --moe-intermediate 768
         --batch 256 --context 512 --reps 3 --new-tokens 32 --skip-decode --train-micro-batch 32
         --trainer-dtype bfloat16 --trainer-residual-dtype float32)
-    python bench/moe.py "${shape[@]}" --engine-moe-rounding fused
-    python bench/moe.py "${shape[@]}" --engine-moe-rounding transformers
+    python bench/moe.py "${shape[@]}" --engine-moe-rounding transformers --gemm-split-reduction torch
+    python bench/moe.py "${shape[@]}" --engine-moe-rounding transformers --gemm-split-reduction fp32
 }
 
 run_group() {

@@ -48,10 +48,17 @@ def test_the_script_holds_the_figure_groups_commands():
 @pytest.mark.parametrize("name, argv", bench_commands(SCRIPT), ids=lambda v: v if isinstance(v, str) else None)
 def test_each_bench_command_parses(name, argv):
     args = getattr(load_bench(name), PARSERS[name])(argv)  # argparse exits on an unknown flag or a bad choice
-    if name == "moe":  # its device defaults to CUDA where there is one; the group compares the two roundings
-        assert args.engine_moe_rounding in ("fused", "transformers") and args.trainer_dtype == "bfloat16"
+    if name == "moe":  # its device defaults to CUDA where there is one; the group compares the split-K sums
+        assert args.engine_moe_rounding == "transformers" and args.trainer_dtype == "bfloat16"
     else:
         assert args.device == "cuda"
+
+
+def test_the_moe_group_compares_the_split_k_sums():
+    reductions = [
+        load_bench("moe").parse(argv).gemm_split_reduction for name, argv in bench_commands(SCRIPT) if name == "moe"
+    ]
+    assert sorted(reductions) == ["fp32", "torch"]
 
 
 def test_each_test_path_exists():
