@@ -62,6 +62,16 @@ def test_an_fp32_residual_stream_narrows_what_r3_leaves_of_a_bf16_engines_gap():
     assert gaps["float32"] < 0.8 * gaps["model"], gaps
 
 
+def test_the_benchs_split_k_sums_are_refused_off_cuda():
+    """--gemm-split-reduction fp32 changes cuBLAS's sums only: off CUDA it would change nothing, so it stops."""
+    bench = load_bench("moe")
+    args = bench.parse(
+        "--device cpu --layers 2 --hidden 64 --experts 8 --skip-decode --gemm-split-reduction fp32".split()
+    )
+    with pytest.raises(SystemExit, match="--gemm-split-reduction fp32: cuBLAS's split-K sums only, none on cpu"):
+        bench.run(args)
+
+
 def test_routing_replay_is_refused_for_a_dense_model(tmp_path):
     with pytest.raises(AssertionError) as e:
         run_train(tmp_path / "run", "--num-rollout", "1", "--use-rollout-routing-replay", "--eval-interval", "0")
