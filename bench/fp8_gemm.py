@@ -175,44 +175,30 @@ def _cublas_timings(
     }
 
 
-def _scale_layouts(wq: torch.Tensor, ws: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor) -> dict:
-    """Each block-scaled form of the same product that torch._scaled_mm offers on Hopper (fp8_forms: the engine's
-    "block", "rows" and "swapped"), as the list of its candidate scale layouts, each a call giving [M, N] in bf16;
-    the first that torch takes and that computes right is timed."""
-    xs = xs.t().contiguous().t()  # [M, L], outer-dim-major, as the engine passes it
-
-    def run(form: str, layout: int):
-        return lambda: fp8_forms.mm(form, layout, xq, xs, wq, ws, torch.bfloat16)
-
-    return {form: [run(form, i) for i in range(fp8_forms.LAYOUTS[form])] for form in fp8_forms.FORMS}
-
-
 def _cublas_layout_timings(
     weight: fp8.Fp8Weight, xq: torch.Tensor, xs: torch.Tensor, want: torch.Tensor, scale: float, reps: int
 ) -> dict:
-    """Each of `_scale_layouts`' products from the activation's codes (the quantization not timed): microseconds
-    and largest difference from `want` relative to `scale`, or why none of its layouts ran."""
+    """Each block-scaled form of the same product that torch._scaled_mm offers on Hopper (fp8_forms: the engine's
+    "block", "rows" and "swapped") from the activation's codes (the quantization not timed), at the first of its
+    scale layouts that computes `want` (fp8_forms.first_layout): microseconds and largest difference from `want`
+    relative to `scale`, or why none of its layouts did."""
     K = weight.q.shape[1]
     if (K // fp8.BLOCK) % 4:  # cuBLASLt's padded scale rows (fp8.pad_k_blocks): the 7B layer's K are whole fours
         return {}
+    xs = xs.t().contiguous().t()  # [M, L], outer-dim-major, as the engine passes it
     rows = want.shape[0]
     timings = {}
-    for label, candidates in _scale_layouts(weight.q, weight.scale_inv, xq, xs).items():
-        errors = []
-        for i, run in enumerate(candidates):
-            try:
-                out = run()[:rows]
-            except (RuntimeError, ValueError, NotImplementedError) as e:
-                errors.append(f"{i}: {type(e).__name__}: {str(e)[:160]}")
-                continue
-            rel = (out.float() - want).abs().max().item() / scale
-            if rel > 1e-2:  # taken, but read the scales another way: wrong
-                errors.append(f"{i}: rel_diff {rel:.3g}")
-                continue
-            timings[label] = {"layout": i, "us": round(_time_us(run, reps, True), 2), "rel_diff": rel}
-            break
-        else:
-            timings[label] = {"errors": errors}
+    for form in fp8_forms.FORMS:
+        layout, why = fp8_forms.first_layout(form, xq, xs, weight.q, weight.scale_inv, want)
+        if layout is None:
+            timings[form] = {"errors": why}
+            continue
+
+        def run(form=form, layout=layout):
+            return fp8_forms.mm(form, layout, xq, xs, weight.q, weight.scale_inv, torch.bfloat16)
+
+        rel = (run()[:rows].float() - want).abs().max().item() / scale
+        timings[form] = {"layout": layout, "us": round(_time_us(run, reps, True), 2), "rel_diff": rel}
     return {"cublas_layouts": timings}
 
 

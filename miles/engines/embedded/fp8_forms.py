@@ -134,20 +134,30 @@ def probed(form: str) -> dict[str, int | None]:
     return {str(device): layout for (device, f), layout in _chosen.items() if f == form}
 
 
-def _probe(device: torch.device, form: str, sample: Sample) -> int | None:
-    xq, xs, wq, ws, want = sample(device)
+def first_layout(
+    form: str, xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, want: torch.Tensor
+) -> tuple[int | None, list[str]]:
+    """The first candidate layout of `form` whose product (fp32, its first want.shape[0] rows) is within 1% of
+    `want`'s largest value, or None; and why each layout tried before it was not taken."""
     why = []
     for layout in range(LAYOUTS[form]):
         try:
-            got = mm(form, layout, xq, xs, wq, ws, torch.float32)
+            got = mm(form, layout, xq, xs, wq, ws, torch.float32)[: want.shape[0]]
         except (RuntimeError, ValueError, NotImplementedError) as e:
             why.append(f"layout {layout}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
             continue
         rel = ((got - want).abs().max() / want.abs().max()).item()
         if rel < 1e-2:
-            logger.info("MILES_FP8_GEMM_FORM=%s: torch._scaled_mm computes it with scale layout %d", form, layout)
-            return layout
+            return layout, why
         why.append(f"layout {layout}: off by {rel:.3g} of the product's largest value")
+    return None, why
+
+
+def _probe(device: torch.device, form: str, sample: Sample) -> int | None:
+    layout, why = first_layout(form, *sample(device))
+    if layout is not None:
+        logger.info("MILES_FP8_GEMM_FORM=%s: torch._scaled_mm computes it with scale layout %d", form, layout)
+        return layout
     logger.warning(
         "MILES_FP8_GEMM_FORM=%s: torch._scaled_mm computed none of its scale layouts right on %s (%s); the block "
         "form serves",
