@@ -96,7 +96,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="float32",
         help="the engine's residual stream in a bf16 model: fp32 (its default) or bf16 (what it cost, side by side)",
     )
-    p.add_argument("--hbm-gbps", type=float, default=4800.0, help="HBM bandwidth for the roofline (H200: 4800)")
+    p.add_argument(
+        "--hbm-gbps",
+        type=float,
+        default=None,
+        help="HBM bandwidth (GB/s) for the roofline; default: the device's own, from its name (H200 4800, H100 SXM "
+        "3350, ...), refused for a device not in the table",
+    )
     p.add_argument("--skip-hf", action="store_true", help="engine only (ratio reported as null)")
     args = p.parse_args(argv)
     if args.profile_step and args.device == "cpu":
@@ -195,6 +201,26 @@ def measure(sides: dict, new_tokens: int, reps: int) -> tuple[dict[str, float], 
     return {name: statistics.median(values) for name, values in rates.items()}, timelines
 
 
+# HBM bandwidth by device name (GB/s, the makers' figures), longest match first
+HBM_GBPS = (
+    ("H200", 4800.0),
+    ("H100 NVL", 3900.0),
+    ("H100 PCIe", 2000.0),
+    ("H100", 3350.0),  # SXM, HBM3
+    ("A100-SXM4-80GB", 2039.0),
+    ("A100 80GB PCIe", 1935.0),
+    ("A100", 1555.0),  # 40 GB
+)
+
+
+def device_hbm_gbps(name: str) -> float:
+    """The HBM bandwidth of a device by its name (torch.cuda.get_device_name); ValueError if not known."""
+    for key, gbps in HBM_GBPS:
+        if key in name:
+            return gbps
+    raise ValueError(f"no HBM bandwidth known for {name!r}: pass --hbm-gbps (GB/s) for its roofline")
+
+
 def decode_roofline(engine: EmbeddedEngine, batch: int, prompt_len: int, new_tokens: int, hbm_gbps: float) -> float:
     """Tokens/s if each decode step only had to read every weight once plus the batch's KV from HBM."""
     s = engine.model.spec
@@ -241,7 +267,9 @@ def measure_sides(
     """Every figure of a call: both sides' tok/s, the decode phase's, the roofline, and the optional
     profiles; the engine side is closed at the end."""
     prompts = make_prompts(args.batch, args.prompt_len, engine.model.spec.vocab_size)
-    roofline = decode_roofline(engine, args.batch, args.prompt_len, args.new_tokens, args.hbm_gbps)
+    roofline = None
+    if device.type == "cuda":
+        roofline = decode_roofline(engine, args.batch, args.prompt_len, args.new_tokens, args.hbm_gbps)
     sides = {"engine": EngineSide(engine, prompts)}
     if not args.skip_hf:
         sides["hf"] = HFSide(model_path, device, getattr(torch, dtype_name), prompts)
@@ -305,6 +333,7 @@ def result_line(args: argparse.Namespace, device: torch.device, engine: Embedded
         result |= {
             "cuda_graphs": args.cuda_graphs,
             "fused_kernels": engine.runner.fused_kernels,
+            "hbm_gbps": args.hbm_gbps,
             "roofline_tok_s": round(roofline),
             "decode_tok_s": round(decode_tok_s, 1),
             "roofline_fraction": round(decode_tok_s / roofline, 3),  # decode phase against the decode roofline
@@ -326,6 +355,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    if device.type == "cuda" and args.hbm_gbps is None:
+        try:
+            args.hbm_gbps = device_hbm_gbps(torch.cuda.get_device_name(device))
+        except ValueError as e:
+            raise SystemExit(f"engine_throughput: {e}") from None
     dtype_name = "bfloat16" if device.type == "cuda" else "float32"
     with tempfile.TemporaryDirectory() as tmp:
         model_path, engine = build_engine(args, tmp, dtype_name)
