@@ -6,9 +6,9 @@ GEMM of a layer (qkv, o, gate/up, down) at `--batch` rows, the bf16 `F.linear`, 
 `torch._scaled_mm` after the activation quantization kernel (the engine's path on Hopper, MILES_FP8_CUDA_KERNELS on by default)
 and `fp8_triton.quantized_linear`, which quantizes the activation inside the GEMM (the path with
 MILES_FP8_GEMM=triton too), at every setting of a small grid (rows and columns a tile, warps, pipeline stages,
-and `--triton-splits`, the K chunks the kernel sums apart). `--triton-input prequant` times the Triton kernel
-after the activation quantization kernel instead (`block_scaled_mm`, as cuBLASLt's path): inside, every
-column tile quantizes its rows' activation again.
+`--triton-splits`, the K chunks the kernel sums apart; every setting's time in `triton_sweep`). `--triton-input prequant` times the Triton kernel after the activation
+quantization kernel instead (`block_scaled_mm`, as cuBLASLt's path): inside, every column tile quantizes its
+rows' activation again.
 Both FP8 timings start from the bf16 activation; each output is checked against the fp32 product of the
 activation kernel's codes. It prints one line per GEMM, then the layer's totals: bf16, cuBLASLt, the Triton
 kernel at its default settings and at each GEMM's best, and the ratios. On Hopper it also times cuBLASLt's GEMM
@@ -232,7 +232,7 @@ def _summary(rows: list[dict], batch: int, device_name: str, cuda: bool) -> dict
         "triton_best_over_bf16": ratio(layer["triton_best"], layer["bf16"]),
         "best_settings": {r["gemm"]: r["triton_best"]["settings"] if r["triton_best"] else None for r in rows},
         "worst_rel_diff": max(
-            (s["rel_diff"] for r in rows for s in [r["triton_default"], r["triton_best"]] if s), default=None
+            (r["triton_worst_rel_diff"] for r in rows if r["triton_worst_rel_diff"] is not None), default=None
         ),
         "refused": sum(len(r["refused"]) for r in rows),
         "timed_on_cpu": not cuda,  # the interpreter: checks only, the times mean nothing
@@ -273,6 +273,8 @@ def main(argv: list[str] | None = None) -> dict:
         timed = [s for s in settings if "us" in s]
         line["triton_default"] = timed[0] if timed and timed[0]["settings"] == list(default_settings) else None
         line["triton_best"] = min(timed, key=lambda s: s["us"]) if timed else None
+        line["triton_sweep"] = {",".join(map(str, s["settings"])): s["us"] for s in timed}  # every setting's time
+        line["triton_worst_rel_diff"] = max((s["rel_diff"] for s in timed), default=None)  # every setting checked
         line["refused"] = [s for s in settings if "error" in s]
         print(json.dumps(line), flush=True)
         rows.append(line)

@@ -149,3 +149,5 @@ def test_fp8_gemm_bench_checks_every_setting_against_the_dequantized_product(tri
     assert summary["triton_input"] == triton_input and summary["refused"] == 0
     swept = [s["settings"] for g in gemms for s in [g["triton_default"], g["triton_best"]]]
     assert all(len(s) == 5 for s in swept) and gemms[0]["triton_default"]["settings"][4] == 1
+    # the default, then 2 column widths x 2 K chunkings, each timed and checked
+    assert all(len(g["triton_sweep"]) == 5 and g["triton_worst_rel_diff"] < 1e-5 for g in gemms)

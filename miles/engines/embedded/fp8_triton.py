@@ -88,19 +88,30 @@ if triton is not None:
         x_ptrs = x_ptr + rows[:, None] * K + first_kb * GROUP + ks[None, :]
         w_ptrs = w_ptr + cols[:, None] * K + first_kb * GROUP + ks[None, :]
         ws_row = ws_ptr + ((pid_n * BLOCK_N) // GROUP).to(tl.int64) * stride_ws_n
+        xs_rows = xs_ptr + rows * stride_xs_m
+        # the scales of slice i + 1 are loaded while slice i multiplies: Triton's pipeliner stages only the tiles
+        # that feed the MMA, so a scale loaded where it is used would stall every slice on a global load
+        if QUANT_X:  # the scales come from each slice's own quantization
+            next_xs = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        else:
+            next_xs = tl.load(xs_rows + first_kb * stride_xs_k, mask=row_ok & (first_kb < KB), other=0.0)
+        next_ws = tl.load(ws_row + first_kb, mask=first_kb < KB, other=0.0)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for i in range(0, KB_PER):
             kb = first_kb + i
             k_ok = ks[None, :] < K - kb * GROUP
+            x_scale, w_scale = next_xs, next_ws
+            ahead = (kb + 1 < KB) & (i + 1 < KB_PER)
+            if not QUANT_X:
+                next_xs = tl.load(xs_rows + (kb + 1) * stride_xs_k, mask=row_ok & ahead, other=0.0)
+            next_ws = tl.load(ws_row + kb + 1, mask=ahead, other=0.0)
             if QUANT_X:
                 xf = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok, other=0.0).to(tl.float32)
                 x, x_scale = scaled_groups(xf)
                 x = x.to(w_ptr.dtype.element_ty)
             else:
                 x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok, other=0.0)
-                x_scale = tl.load(xs_ptr + rows * stride_xs_m + kb * stride_xs_k, mask=row_ok & (kb < KB), other=0.0)
             w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok, other=0.0)
-            w_scale = tl.load(ws_row + kb, mask=kb < KB, other=0.0)
             acc += tl.dot(x, tl.trans(w)) * (x_scale[:, None] * w_scale)
             x_ptrs += GROUP
             w_ptrs += GROUP
