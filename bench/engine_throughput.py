@@ -104,6 +104,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "3350, ...), refused for a device not in the table",
     )
     p.add_argument("--skip-hf", action="store_true", help="engine only (ratio reported as null)")
+    p.add_argument(
+        "--hf-cache-implementation",
+        choices=("dynamic", "static"),
+        default="dynamic",
+        help="the KV cache of the transformers side's generate: dynamic (its default) or static, with which "
+        "transformers compiles the decode step on a GPU (TRL's cache_implementation='static')",
+    )
     args = p.parse_args(argv)
     if args.profile_step and args.device == "cpu":
         p.error("--profile-step profiles the CUDA-graphed decode step; run it with --device cuda")
@@ -152,11 +159,21 @@ class EngineSide:
 
 
 class HFSide:
-    def __init__(self, model_path: str, device: torch.device, dtype: torch.dtype, prompts: list[list[int]]):
+    def __init__(
+        self,
+        model_path: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        prompts: list[list[int]],
+        cache_implementation: str = "dynamic",
+    ):
         from transformers import AutoModelForCausalLM
 
         self.hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
         self.device = device
+        # "static": a fixed-shape KV cache, with which transformers compiles the decode step on a GPU (what TRL's
+        # GRPOConfig(cache_implementation="static") hands its generate); "dynamic" is generate's default
+        self.cache = {} if cache_implementation == "dynamic" else {"cache_implementation": cache_implementation}
         self.ids = torch.tensor(prompts, device=device)
         self.mask = torch.ones_like(self.ids)
 
@@ -174,6 +191,7 @@ class HFSide:
             top_k=0,
             eos_token_id=None,
             pad_token_id=0,
+            **self.cache,
         )
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -272,7 +290,7 @@ def measure_sides(
         roofline = decode_roofline(engine, args.batch, args.prompt_len, args.new_tokens, args.hbm_gbps)
     sides = {"engine": EngineSide(engine, prompts)}
     if not args.skip_hf:
-        sides["hf"] = HFSide(model_path, device, getattr(torch, dtype_name), prompts)
+        sides["hf"] = HFSide(model_path, device, getattr(torch, dtype_name), prompts, args.hf_cache_implementation)
     try:
         medians, timelines = measure(sides, args.new_tokens, args.reps)
         prefix = engine.prefix_cache_stats()  # over the warm-up and timed rounds
@@ -307,6 +325,7 @@ def result_line(args: argparse.Namespace, device: torch.device, engine: Embedded
     result = {
         "engine_tok_s": round(engine_tok_s, 1),
         "hf_tok_s": None if hf_tok_s is None else round(hf_tok_s, 1),
+        "hf_cache_implementation": None if hf_tok_s is None else args.hf_cache_implementation,
         "ratio": None if hf_tok_s is None else round(engine_tok_s / hf_tok_s, 2),
         "batch": args.batch,
         "device": str(device),

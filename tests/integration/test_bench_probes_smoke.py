@@ -71,6 +71,18 @@ def test_engine_throughput_bench_reads_its_decode_steps_from_the_scheduler():
     assert refused.returncode == 2 and "--sync-debug counts host waits for a CUDA device" in refused.stderr
 
 
+def test_engine_throughput_bench_times_transformers_generate_with_a_static_cache():
+    """The transformers side with `--hf-cache-implementation static` (TRL's cache_implementation='static'): its
+    rounds generate the asked length through a static cache, and the line says which cache it timed."""
+    cmd = [sys.executable, "bench/engine_throughput.py", "--batch", "4", "--prompt-len", "8", "--new-tokens", "6",
+           "--reps", "1", "--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--intermediate", "128",
+           "--vocab", "512", "--threads", "1", "--hf-cache-implementation", "static"]  # fmt: skip
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = json.loads(out.stdout.strip().splitlines()[-1])
+    assert line["hf_tok_s"] > 0 and line["hf_cache_implementation"] == "static"
+
+
 def test_packed_rows_bench_counts_the_padded_layouts_extra_work():
     cmd = [sys.executable, "bench/packed_rows.py", "--samples", "12", "--max-tokens-per-gpu", "2048", "--reps", "1"]
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
