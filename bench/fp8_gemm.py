@@ -6,9 +6,9 @@ GEMM of a layer (qkv, o, gate/up, down) at `--batch` rows, the bf16 `F.linear`, 
 `torch._scaled_mm` after the activation quantization kernel (the engine's path on Hopper, MILES_FP8_CUDA_KERNELS on by default)
 and `fp8_triton.quantized_linear`, which quantizes the activation inside the GEMM (the path with
 MILES_FP8_GEMM=triton too), at every setting of a small grid (rows and columns a tile, warps, pipeline stages,
-`--triton-splits`, the K chunks the kernel sums apart; every setting's time in `triton_sweep`). `--triton-input prequant` times the Triton kernel after the activation
-quantization kernel instead (`block_scaled_mm`, as cuBLASLt's path): inside, every column tile quantizes its
-rows' activation again.
+`--triton-splits`, the K chunks the kernel sums apart; every setting's time in `triton_sweep`).
+`--triton-input prequant` times the Triton kernel after the activation quantization kernel instead
+(`block_scaled_mm`, as cuBLASLt's path): inside, every column tile quantizes its rows' activation again.
 Both FP8 timings start from the bf16 activation; each output is checked against the fp32 product of the
 activation kernel's codes. It prints one line per GEMM, then the layer's totals: bf16, cuBLASLt, the Triton
 kernel at its default settings and at each GEMM's best, and the ratios. On Hopper it also times cuBLASLt's GEMM
