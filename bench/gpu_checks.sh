@@ -25,6 +25,8 @@
 #   bash bench/gpu_checks.sh kv                 # the 0.5B shape at batch 256: bf16 KV against fp8_e4m3 KV, and
 #                                               #   without prefix sharing (its hits through the fused extend);
 #                                               #   then the decode attention's launch settings at the 7B shape
+#   bash bench/gpu_checks.sh lt_workspace       # a 7B layer's FP8 GEMMs with cuBLASLt's workspace at torch's default
+#                                               #   (1 MiB) and at 32 MiB, then FP8 / BF16 tokens/s with 32 MiB
 #   bash bench/gpu_checks.sh moe                # R3's gap at real proportions with the bf16 trainer's fp32 stream:
 #                                               #   cuBLAS's split-K partial sums as torch allows them (bf16)
 #                                               #   against fp32 only (--gemm-split-reduction)
@@ -100,6 +102,19 @@ kv() {
     python bench/decode_attention.py --device cuda --heads 28 --kv-heads 4 --head-dim 128 --context 384
 }
 
+# cuBLASLt's workspace: in the torch source read (CublasHandlePool.cpp) cuBLASLt, the block-scaled FP8 GEMMs'
+# library, gets CUBLASLT_WORKSPACE_SIZE KiB, 1,024 unless set, where cuBLAS's own workspace is 32 MiB on Hopper; a
+# split-K algorithm needs workspace, and the FP8 GEMMs with few output tiles (qkv, o, down at batch 256) run none.
+# The layer's GEMMs with torch's default and with 32 MiB, then FP8 / BF16 tokens/s on the 7B shape with 32 MiB
+# (both sides). Not yet run.
+lt_workspace() {
+    local shape=(--device cuda --batch 256 --prompt-len 128 --new-tokens 512 --reps 2 --install-reps 1
+        --kv-cache-dtype fp8_e4m3)
+    python bench/fp8_gemm.py --device cuda --block-m 64 --block-n 128 --num-warps 4 --num-stages 3
+    CUBLASLT_WORKSPACE_SIZE=32768 python bench/fp8_gemm.py --device cuda --block-m 64 --block-n 128 --num-warps 4 --num-stages 3
+    CUBLASLT_WORKSPACE_SIZE=32768 python bench/fp8.py "${shape[@]}"
+}
+
 moe() {
     local shape=(--layers 24 --hidden 2048 --heads 32 --kv-heads 4 --experts 128 --topk 8 --moe-intermediate 768
         --batch 256 --context 512 --reps 3 --new-tokens 32 --skip-decode --train-micro-batch 32
@@ -115,14 +130,14 @@ run_group() {
 }
 
 case "${1:-}" in
-    kernels | trainer | stream | contract | forms | fp8 | kv | moe) run_group "$1" ;;
+    kernels | trainer | stream | contract | forms | fp8 | kv | lt_workspace | moe) run_group "$1" ;;
     all)
         status=0
-        for group in kernels trainer stream contract forms fp8 kv moe; do run_group "$group" || status=1; done
+        for group in kernels trainer stream contract forms fp8 kv lt_workspace moe; do run_group "$group" || status=1; done
         exit "$status"
         ;;
     *)
-        echo "usage: bash bench/gpu_checks.sh kernels|trainer|stream|contract|forms|fp8|kv|moe|all (see the comment at the top)" >&2
+        echo "usage: bash bench/gpu_checks.sh kernels|trainer|stream|contract|forms|fp8|kv|lt_workspace|moe|all (see the comment at the top)" >&2
         exit 2
         ;;
 esac

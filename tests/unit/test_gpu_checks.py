@@ -39,8 +39,8 @@ def bench_commands(script: str) -> list[tuple[str, list[str]]]:
 def test_the_script_holds_the_figure_groups_commands():
     names = [name for name, _ in bench_commands(SCRIPT)]
     assert (
-        names.count("fp8") == 6
-        and names.count("fp8_gemm") == 3
+        names.count("fp8") == 7
+        and names.count("fp8_gemm") == 5
         and names.count("engine_throughput") == 3
         and names.count("moe") == 2
     )
