@@ -102,9 +102,10 @@ kv() {
     python bench/decode_attention.py --device cuda --heads 28 --kv-heads 4 --head-dim 128 --context 384
 }
 
-# cuBLASLt's workspace: in the torch source read (CublasHandlePool.cpp) cuBLASLt, the block-scaled FP8 GEMMs'
-# library, gets CUBLASLT_WORKSPACE_SIZE KiB, 1,024 unless set, where cuBLAS's own workspace is 32 MiB on Hopper; a
-# split-K algorithm needs workspace, and the FP8 GEMMs with few output tiles (qkv, o, down at batch 256) run none.
+# cuBLASLt's workspace: torch gives cuBLASLt, the block-scaled FP8 GEMMs' library, CUBLASLT_WORKSPACE_SIZE KiB; unset,
+# 1,024 in one version of its source read (CublasHandlePool.cpp), 32,768 on Hopper in another: which one torch 2.11
+# takes is what this group finds out. A split-K algorithm needs workspace, and the FP8 GEMMs with few output tiles
+# (qkv, o, down at batch 256) run none.
 # The layer's GEMMs with torch's default and with 32 MiB, then FP8 / BF16 tokens/s on the 7B shape with 32 MiB
 # (both sides). Not yet run.
 lt_workspace() {
