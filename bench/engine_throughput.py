@@ -116,6 +116,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--profile-step profiles the CUDA-graphed decode step; run it with --device cuda")
     if args.sync_debug and args.device == "cpu":
         p.error("--sync-debug counts host waits for a CUDA device; run it with --device cuda")
+    if args.hbm_gbps is not None and args.device == "cpu":
+        p.error(
+            "--hbm-gbps sets the decode roofline, which is reported on CUDA only; drop it or run with --device cuda"
+        )
+    if args.hf_cache_implementation != "dynamic" and args.skip_hf:
+        p.error("--hf-cache-implementation sets the transformers side's cache, which --skip-hf leaves out; drop one")
     return args
 
 

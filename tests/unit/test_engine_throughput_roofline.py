@@ -29,4 +29,17 @@ def test_an_unknown_device_is_refused_with_the_flag_to_pass():
 
 def test_the_flag_defaults_to_the_device_and_overrides_it():
     assert bench.parse_args([]).hbm_gbps is None
-    assert bench.parse_args(["--hbm-gbps", "3000"]).hbm_gbps == 3000.0
+    assert bench.parse_args(["--device", "cuda", "--hbm-gbps", "3000"]).hbm_gbps == 3000.0
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--hbm-gbps", "3000"], "--hbm-gbps sets the decode roofline"),
+        (["--skip-hf", "--hf-cache-implementation", "static"], "--hf-cache-implementation sets the transformers side"),
+    ],
+)
+def test_flags_with_nothing_to_act_on_are_refused(argv, says, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(argv)  # on CPU, the bench's default device
+    assert says in capsys.readouterr().err

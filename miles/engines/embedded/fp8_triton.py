@@ -91,19 +91,15 @@ if triton is not None:
         xs_rows = xs_ptr + rows * stride_xs_m
         # the scales of slice i + 1 are loaded while slice i multiplies: Triton's pipeliner stages only the tiles
         # that feed the MMA, so a scale loaded where it is used would stall every slice on a global load
-        if QUANT_X:  # the scales come from each slice's own quantization
-            next_xs = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        else:
+        if not QUANT_X:  # with QUANT_X the row scales come from each slice's own quantization
             next_xs = tl.load(xs_rows + first_kb * stride_xs_k, mask=row_ok & (first_kb < KB), other=0.0)
         next_ws = tl.load(ws_row + first_kb, mask=first_kb < KB, other=0.0)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for i in range(0, KB_PER):
             kb = first_kb + i
             k_ok = ks[None, :] < K - kb * GROUP
-            x_scale, w_scale = next_xs, next_ws
             ahead = (kb + 1 < KB) & (i + 1 < KB_PER)
-            if not QUANT_X:
-                next_xs = tl.load(xs_rows + (kb + 1) * stride_xs_k, mask=row_ok & ahead, other=0.0)
+            w_scale = next_ws
             next_ws = tl.load(ws_row + kb + 1, mask=ahead, other=0.0)
             if QUANT_X:
                 xf = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok, other=0.0).to(tl.float32)
@@ -111,6 +107,8 @@ if triton is not None:
                 x = x.to(w_ptr.dtype.element_ty)
             else:
                 x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok, other=0.0)
+                x_scale = next_xs
+                next_xs = tl.load(xs_rows + (kb + 1) * stride_xs_k, mask=row_ok & ahead, other=0.0)
             w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok, other=0.0)
             acc += tl.dot(x, tl.trans(w)) * (x_scale[:, None] * w_scale)
             x_ptrs += GROUP
