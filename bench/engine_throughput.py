@@ -112,6 +112,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "transformers compiles the decode step on a GPU (TRL's cache_implementation='static')",
     )
     args = p.parse_args(argv)
+    refuse_idle_flags(p, args)
+    return args
+
+
+def refuse_idle_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit with one line for a flag that would have nothing to act on in this call."""
     if args.profile_step and args.device == "cpu":
         p.error("--profile-step profiles the CUDA-graphed decode step; run it with --device cuda")
     if args.sync_debug and args.device == "cpu":
@@ -122,7 +128,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     if args.hf_cache_implementation != "dynamic" and args.skip_hf:
         p.error("--hf-cache-implementation sets the transformers side's cache, which --skip-hf leaves out; drop one")
-    return args
 
 
 def make_prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
