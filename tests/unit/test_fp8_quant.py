@@ -249,15 +249,20 @@ def fake_hopper(monkeypatch):
     monkeypatch.setattr(fp8, "FUSED_INPUT_QUANT", True)
     monkeypatch.setattr(fp8, "_scaled_mm_ok", {})
     fp8._hopper.cache_clear()
+    fp8._triton_gemm.cache_clear()
     yield
     fp8._hopper.cache_clear()
+    fp8._triton_gemm.cache_clear()
 
 
 NO_QUANTIZED_INPUT = {  # each takes one condition away
     "on_the_cpu": lambda mp: mp.setattr(fp8.Fp8Weight, "device", property(lambda self: self.q.device)),
     "kernels_off": lambda mp: mp.setattr(fp8, "CUDA_KERNELS", False),
     "not_hopper": lambda mp: mp.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9)),
-    "triton_gemm": lambda mp: mp.setattr(fp8, "GEMM", "triton"),
+    "triton_gemm_without_e4m3_cores": lambda mp: (
+        mp.setattr(fp8, "GEMM", "triton"),
+        mp.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0)),
+    ),
     "refused_before": lambda mp: mp.setitem(fp8._scaled_mm_ok, fp8._mm_key(CUDA0, 384), False),
     "switched_off": lambda mp: mp.setattr(fp8, "FUSED_INPUT_QUANT", False),
 }
@@ -269,7 +274,19 @@ def test_a_quantized_input_is_asked_for_only_where_cublaslt_runs_the_gemm(fake_h
     assert fp8.takes_quantized_input(weight)
     NO_QUANTIZED_INPUT[condition](monkeypatch)
     fp8._hopper.cache_clear()
+    fp8._triton_gemm.cache_clear()
     assert not fp8.takes_quantized_input(weight)
+
+
+@pytest.mark.parametrize(("n", "k", "takes"), [(256, 384, True), (200, 256, True), (256, 320, False)])
+def test_the_triton_gemm_asks_for_a_quantized_input_where_k_is_whole_blocks(fake_hopper, monkeypatch, n, k, takes):
+    """MILES_FP8_GEMM=triton on a device it serves: its GEMM reads the activation kernel's codes, so a norm or
+    SiLU kernel may hand them over; any N, but K in whole 128-blocks (what the activation kernel quantizes)."""
+    monkeypatch.setattr(fp8, "GEMM", "triton")
+    monkeypatch.setattr(fp8.fp8_triton, "runs_on", lambda device: True)  # Triton's CUDA backend, on this CPU
+    assert fp8.takes_quantized_input(fp8.Fp8Weight(*fp8.quantize_weight(torch.randn(n, k)))) is takes
+    monkeypatch.setattr(fp8, "FUSED_INPUT_QUANT", False)
+    assert not fp8.takes_quantized_input(fp8.Fp8Weight(*fp8.quantize_weight(torch.randn(n, k))))
 
 
 @pytest.mark.parametrize(("n", "k"), [(256, 320), (200, 256)])  # K, or N, not whole 128-blocks

@@ -498,3 +498,27 @@ def test_fp8_gemm_quantizing_its_activation_inside_equals_the_two_kernels(m, k):
         want = fp8._emulated(x.cpu(), fp8.Fp8Weight(wq.cpu(), ws.cpu()), torch.float32)
         bound = 1e-4 if DEVICE.type == "cuda" else 0.05  # the interpreter's e4m3 rounding (see above): 0.039
         assert ((got.cpu() - want).norm() / want.norm()).item() < bound
+
+
+@needs_kernels
+@pytest.mark.parametrize(("m", "k"), [(37, 384), (5, 300)])  # K whole slices, and a last slice of 44
+def test_fp8_triton_path_quantizes_its_input_once_with_the_same_codes(m, k):
+    """MILES_FP8_GEMM=triton's GEMM (`fp8._triton_mm`) on the activation kernel's codes, or on a norm kernel's
+    quantized output, gives the product the GEMM quantizing inside gives (the same codes); a K that is not whole
+    slices is quantized inside."""
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(DEVICE)
+    weight = fp8.Fp8Weight(*(t.to(DEVICE) for t in fp8.quantize_weight(torch.randn(200, k, generator=g) * 0.05)))
+    want = fp8_triton.quantized_linear(x, weight.q, weight.scale_inv)
+    got = fp8._triton_mm(x, weight)
+    assert got.shape == (m, 200) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    if k % 128:
+        return
+    norm = (torch.rand(k, generator=g) + 0.5).to(torch.bfloat16).to(DEVICE)
+    normed = triton_ops.add_rms_norm(x, None, norm, 1e-6)
+    quantized = triton_ops.add_rms_norm(x, None, norm, 1e-6, quantize=True)
+    assert isinstance(quantized, fp8.QuantizedInput) and quantized.q.shape[0] > m  # rows padded to 4
+    got = fp8._triton_mm(quantized, weight)
+    assert got.shape == (m, 200)
+    torch.testing.assert_close(got, fp8_triton.quantized_linear(normed, weight.q, weight.scale_inv), rtol=0, atol=0)

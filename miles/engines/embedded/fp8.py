@@ -12,7 +12,7 @@ is not a multiple of 128 ends in a shorter group).
 On Hopper (CUDA capability 9.x) `torch._scaled_mm` takes the 1x128 activation and 128x128 weight scales
 directly (cuBLASLt's block-scaled path, CUDA >= 12.9); elsewhere, and wherever that call is refused,
 the same W8A8 product is computed by dequantizing both operands (the CPU path CI runs; also every GEMM whose
-K or padded N is not whole blocks). Where cuBLASLt serves a GEMM (`takes_quantized_input`) its input may come
+K or padded N is not whole blocks). Where cuBLASLt (or the Triton GEMM) serves a GEMM (`takes_quantized_input`) its input may come
 already quantized (a QuantizedInput, written by the engine's norm or SiLU kernel in place of its model-dtype
 output; the same codes), and MILES_FP8_SPLIT_K cuts the K range of a GEMM with few output tiles into chunks
 on parallel streams (fp8_split_k.py); MILES_FP8_GEMM_FORM hands cuBLASLt the same product in another of its
@@ -49,10 +49,10 @@ if _KERNELS_ENV not in ("0", "1"):
         f"MILES_FP8_CUDA_KERNELS={_KERNELS_ENV!r}: use 1 (the default: the CUDA kernels) or 0 (dequantize)"
     )
 CUDA_KERNELS = _KERNELS_ENV == "1"
-# Which GEMM the kernels use: "cublas" (torch._scaled_mm's block-scaled cuBLASLt path, measured on an H200: it
-# reads half bf16's bytes and takes about as long) or "triton" (fp8_triton.quantized_linear: the activation
-# quantized inside the GEMM, any K and N, no padding; checked against the emulation on CPU under Triton's
-# interpreter and on an H200, where bench/fp8_gemm.py timed it at 3-4x cuBLASLt's on a 7B layer's large GEMMs).
+# Which GEMM the kernels use: "cublas" (torch._scaled_mm's block-scaled cuBLASLt path, Hopper only) or "triton"
+# (fp8_triton.block_scaled_mm on the activation kernel's codes, any N, no padding; any device with e4m3 tensor
+# cores; checked against the emulation on CPU under Triton's interpreter and on an H100 / H200, where
+# bench/fp8_gemm.py timed it at 1.37x cuBLASLt's time on a 7B layer's GEMMs at batch 256: off by default).
 GEMM = os.environ.get("MILES_FP8_GEMM", "cublas")
 if GEMM not in ("cublas", "triton"):
     raise ValueError(f"MILES_FP8_GEMM={GEMM!r}: use cublas or triton")
@@ -177,7 +177,7 @@ def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclass(slots=True)
 class QuantizedInput:
-    """A linear's input [rows, K] already quantized as cuBLASLt's block-scaled GEMM takes it (what `linear` would
+    """A linear's input [rows, K] already quantized as the block-scaled GEMMs (cuBLASLt's, Triton's) take it (what `linear` would
     otherwise compute with fp8_triton.quantize_activation(x, pad_to=ROWS_MULTIPLE)): `q` [M_pad, K] e4m3 (rows
     past `rows` zero), `scales` [M_pad, K/128] fp32 with stride (1, M_pad), M_pad = rows rounded up to
     ROWS_MULTIPLE; `dtype`: the model dtype the unquantized input had, the GEMM's output dtype. The engine's
@@ -296,8 +296,8 @@ def linear(x: torch.Tensor | QuantizedInput, w: Fp8Weight, bias: torch.Tensor | 
     flat = x if isinstance(x, QuantizedInput) else x.reshape(-1, shape[-1])
     N, K = w.q.shape
     out = None
-    if not isinstance(x, QuantizedInput) and _triton_gemm(x.device):  # the activation quantized inside, slice by slice
-        out = fp8_triton.quantized_linear(flat, w.q, w.scale_inv)
+    if _triton_gemm(x.device):
+        out = _triton_mm(flat, w)
     elif _cublas_serves(x.device, N, K):
         out = _block_scaled_mm(flat, w, x.dtype)
     if out is None:
@@ -309,15 +309,32 @@ def linear(x: torch.Tensor | QuantizedInput, w: Fp8Weight, bias: torch.Tensor | 
     return out.view(*shape[:-1], out.shape[-1])
 
 
+def _triton_mm(x: torch.Tensor | QuantizedInput, w: Fp8Weight) -> torch.Tensor:
+    """The Triton block-scaled GEMM (MILES_FP8_GEMM=triton). Its input quantized once, by the activation kernel
+    (or already, by the norm or SiLU kernel before it), rather than inside the GEMM, where every column tile would
+    quantize its rows again: on an H100 the layer took 1.37x cuBLASLt's time so and 4.3x quantized inside
+    (bench/results/fp8.md). The same codes either way, so the same product. A K that is not whole 128-blocks,
+    which the activation kernel does not take, is quantized inside."""
+    if not isinstance(x, QuantizedInput):
+        if x.shape[1] % BLOCK:
+            return fp8_triton.quantized_linear(x, w.q, w.scale_inv)
+        x = QuantizedInput(*fp8_triton.quantize_activation(x), x.shape[0], x.dtype)
+    out = fp8_triton.block_scaled_mm(x.q, x.scales, w.q, w.scale_inv, x.dtype)
+    return out[: x.rows] if out.shape[0] != x.rows else out
+
+
 def takes_quantized_input(w: Fp8Weight | torch.Tensor) -> bool:
-    """Whether `linear` would run this weight's GEMM on cuBLASLt's block-scaled path, which reads a pre-quantized
-    input as is: then the kernel that produces the input may hand it over as a QuantizedInput. False for a
-    plain (bf16) weight, off Hopper or with MILES_FP8_CUDA_KERNELS=0, with MILES_FP8_GEMM=triton (its GEMM
-    quantizes inside), for K or N not whole 128-blocks, once torch refused the call, and with FUSED_INPUT_QUANT
-    off; a refusal after this said True still gives the right product (`linear` dequantizes the input)."""
-    if not FUSED_INPUT_QUANT or GEMM != "cublas" or not isinstance(w, Fp8Weight):
+    """Whether `linear` would run this weight's GEMM on a path that reads a pre-quantized input as is (cuBLASLt's
+    block-scaled GEMM, or the Triton one with MILES_FP8_GEMM=triton): then the kernel that produces the input may
+    hand it over as a QuantizedInput. False for a plain (bf16) weight, with MILES_FP8_CUDA_KERNELS=0, on a device
+    neither GEMM serves (cuBLASLt's: Hopper; Triton's: e4m3 tensor cores), for K (and for cuBLASLt N) not whole
+    128-blocks, once torch refused cuBLASLt's call, and with FUSED_INPUT_QUANT off; a refusal after this said
+    True still gives the right product (`linear` dequantizes the input)."""
+    if not FUSED_INPUT_QUANT or not isinstance(w, Fp8Weight):
         return False
     N, K = w.q.shape
+    if GEMM == "triton":
+        return K % BLOCK == 0 and _triton_gemm(w.device)
     return _cublas_serves(w.device, N, K)
 
 
