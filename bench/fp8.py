@@ -215,6 +215,7 @@ def main(argv: list[str] | None = None) -> dict:
         "fp8_split_k": fp8_split_k.SPLIT_K,  # MILES_FP8_SPLIT_K
         "split_k_refused": not all(fp8._split_ok.values()),
         "fp8_gemm_form": fp8_forms.FORM,  # MILES_FP8_GEMM_FORM
+        "cublaslt_workspace_kib": fp8.CUBLASLT_WORKSPACE_KIB,  # CUBLASLT_WORKSPACE_SIZE, the engine's default unless set
         # the scale layout its probe kept on the device (None: torch took none, the block form served)
         "fp8_gemm_form_layout": fp8_forms.probed(fp8_forms.FORM),
         "shape": {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab")},

@@ -281,6 +281,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     result = _summary(rows, a.batch, torch.cuda.get_device_name(device) if cuda else "cpu", cuda)
     result["triton_input"] = a.triton_input
+    result["cublaslt_workspace_kib"] = (
+        fp8.CUBLASLT_WORKSPACE_KIB
+    )  # CUBLASLT_WORKSPACE_SIZE (the engine's default unless set)
     if a.scale_layouts:  # each form's GEMMs summed over the layer, where every GEMM ran it
         forms = {label for r in rows for label in r.get("cublas_layouts", {})}
         result["layouts_us"] = {

@@ -67,6 +67,15 @@ if fp8_forms.FORM != "block" and (not CUDA_KERNELS or GEMM != "cublas" or fp8_sp
         "kernels (MILES_FP8_CUDA_KERNELS, on unless 0), MILES_FP8_GEMM=cublas and no MILES_FP8_SPLIT_K: set those, "
         "or unset MILES_FP8_GEMM_FORM"
     )
+# cuBLASLt's workspace (KiB), which torch reads once, at the process's first cuBLASLt call: unset, torch 2.11 gives
+# it 1 MiB, and with that cuBLASLt runs the block-scaled GEMMs of few output tiles whole. With 32 MiB it splits K
+# where that pays: on an H100 the 7B layer's down projection took 49.9 us instead of 58.9 at batch 256 (the layer's
+# four GEMMs 148.6 against 157.6 us), and FP8 served 1.46x BF16's tokens/s against 1.36x (bench/results/fp8.md).
+# Set here, when the engine's model code is imported (before its first GEMM); a value the user set is kept.
+_WORKSPACE_ENV = os.environ.setdefault("CUBLASLT_WORKSPACE_SIZE", str(32 * 1024))
+if not _WORKSPACE_ENV.isdigit():
+    raise ValueError(f"CUBLASLT_WORKSPACE_SIZE={_WORKSPACE_ENV!r}: KiB as a whole number (unset: 32768, the engine's)")
+CUBLASLT_WORKSPACE_KIB = int(_WORKSPACE_ENV)
 # Where cuBLASLt's GEMM serves a linear whose input comes from the engine's own norm or SiLU kernel, that kernel
 # quantizes its output itself (a QuantizedInput: the same codes, no separate quantization launch; an H200 profile
 # of the 7B decode step had those launches at 4% of it). A switch for tests and benchmarks to compare against.
