@@ -31,6 +31,9 @@
 #   bash bench/gpu_checks.sh moe                # R3's gap at real proportions with the bf16 trainer's fp32 stream:
 #                                               #   cuBLAS's split-K partial sums as torch allows them (bf16)
 #                                               #   against fp32 only (--gemm-split-reduction)
+#   bash bench/gpu_checks.sh offload_memory     # a colocated run with offload on (the engine releases its weights
+#                                               #   and KV every step) at 12 x 2048 (0.9 GB of bf16 weights): each
+#                                               #   process's device memory step by step against the push's bytes
 #   bash bench/gpu_checks.sh all                # every group above, one after the other (over half an hour)
 #
 # Each figure group prints the bench's lines and its closing JSON line; the results files that read them:
@@ -126,6 +129,15 @@ moe() {
     python bench/moe.py "${shape[@]}" --engine-moe-rounding transformers --gemm-split-reduction fp32
 }
 
+# an 0.5B colocated run with offload on an H100 grew the engine's process by one weight push a step (1.17 GiB) until
+# the trainer ran out of memory at step 16; tiny models (KB of weights) cannot show such a leak, this size can
+offload_memory() {
+    miles train --config launch/configs/demo_cpu.yaml --hf-checkpoint tiny:qwen2:12x2048 --colocate \
+        --offload-train --offload-rollout --num-rollout 8 --eval-interval 100 --output-dir "$out/offload_memory" \
+        --no-progress-bar
+    python bench/memory_by_step.py "$out/offload_memory"
+}
+
 run_group() {
     echo "== $1 ($(date -u +%H:%M:%S))"
     "$1" 2>&1 | tee "$out/$1.log"
@@ -133,14 +145,14 @@ run_group() {
 }
 
 case "${1:-}" in
-    kernels | trainer | stream | contract | forms | fp8 | kv | lt_workspace | moe) run_group "$1" ;;
+    kernels | trainer | stream | contract | forms | fp8 | kv | lt_workspace | moe | offload_memory) run_group "$1" ;;
     all)
         status=0
-        for group in kernels trainer stream contract forms fp8 kv lt_workspace moe; do run_group "$group" || status=1; done
+        for group in kernels trainer stream contract forms fp8 kv lt_workspace moe offload_memory; do run_group "$group" || status=1; done
         exit "$status"
         ;;
     *)
-        echo "usage: bash bench/gpu_checks.sh kernels|trainer|stream|contract|forms|fp8|kv|lt_workspace|moe|all (see the comment at the top)" >&2
+        echo "usage: bash bench/gpu_checks.sh kernels|trainer|stream|contract|forms|fp8|kv|lt_workspace|moe|offload_memory|all (see the comment at the top)" >&2
         exit 2
         ;;
 esac

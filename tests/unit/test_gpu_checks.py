@@ -19,6 +19,7 @@ PARSERS = {
     "decode_attention": "parse_args",
     "engine_throughput": "parse_args",
     "moe": "parse",
+    "memory_by_step": "parse_args",
 }
 
 
@@ -51,6 +52,8 @@ def test_each_bench_command_parses(name, argv):
     args = getattr(load_bench(name), PARSERS[name])(argv)  # argparse exits on an unknown flag or a bad choice
     if name == "moe":  # its device defaults to CUDA where there is one; the group compares the split-K sums
         assert args.engine_moe_rounding == "transformers" and args.trainer_dtype == "bfloat16"
+    elif name == "memory_by_step":  # reads the run the group's `miles train` wrote
+        assert str(args.run_dir).endswith("/offload_memory")
     else:
         assert args.device == "cuda"
 
@@ -76,3 +79,14 @@ def test_each_fp8_setting_it_exports_is_one_the_engine_takes():
     assert load_bench("fp8_gemm").fp8_forms.FORMS == fp8_forms.FORMS
     assert all(fp8_forms.parse(f) == f for f in fp8_forms.FORMS)
     assert all(fp8_split_k.parse(v) for v in re.findall(r"MILES_FP8_SPLIT_K=(\S+)", SCRIPT))
+
+
+def test_the_offload_memory_run_is_one_miles_takes():
+    """The group's `miles train` line: its flags load (a model big enough that one push a step would show)."""
+    from miles.config.load import load_config
+
+    line = re.search(r"miles train (.*?)\n\s*python", SCRIPT, re.S).group(1)
+    argv = shlex.split(line.replace("\\\n", " ").replace('"$out/offload_memory"', "/tmp/offload_memory"))
+    cfg = load_config(argv)
+    assert cfg.model.hf_checkpoint == "tiny:qwen2:12x2048"
+    assert cfg.engine.colocate and cfg.train.offload_train and cfg.train.offload_rollout
