@@ -163,3 +163,25 @@ def test_fp8_gemm_bench_checks_every_setting_against_the_dequantized_product(tri
     assert all(len(s) == 5 for s in swept) and gemms[0]["triton_default"]["settings"][4] == 1
     # the default, then 2 column widths x 2 K chunkings, each timed and checked
     assert all(len(g["triton_sweep"]) == 5 and g["triton_worst_rel_diff"] < 1e-5 for g in gemms)
+
+
+def test_ipc_cycles_runs_the_release_cycle_across_two_processes():
+    """On CPU the buffer is a shared-memory segment (no CUDA count): the cycle itself, written and read back."""
+    for mapping in ("close", "keep"):
+        cmd = [
+            sys.executable,
+            "bench/ipc_cycles.py",
+            "--device",
+            "cpu",
+            "--mib",
+            "4",
+            "--cycles",
+            "3",
+            "--mapping",
+            mapping,
+        ]
+        out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        line = json.loads(out.stdout.strip().splitlines()[-1])
+        assert [c["cycle"] for c in line["cycles"]] == [0, 1, 2] and all(c["written"] for c in line["cycles"])
+        assert line["growth_in_buffers_per_cycle"] is None  # no device memory to read on CPU

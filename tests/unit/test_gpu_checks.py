@@ -20,6 +20,7 @@ PARSERS = {
     "engine_throughput": "parse_args",
     "moe": "parse",
     "memory_by_step": "parse_args",
+    "ipc_cycles": "parse_args",
 }
 
 
