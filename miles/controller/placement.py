@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field, fields, is_dataclass
 
 from miles.config import EMBEDDED_MAX_RUNNING_REQUESTS, EngineConfig, MilesConfig, engine_dtype, is_sft
 from miles.true_on_policy import CUBLAS_WORKSPACE_CONFIG
+from miles.utils.cublaslt import workspace_env
 from miles.wire.ports import free_port
 from miles.wire.specs import WorkerSpec
 
@@ -254,6 +255,7 @@ def _trainer_spec(
     if device == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = str(local)
         env["LOCAL_RANK"] = "0"
+    env.update(_cublaslt_env(device))  # the engines' size: a true-on-policy forward computes alike on both sides
     if t.true_on_policy_mode:
         env.update(true_on_policy_env(device))
     return WorkerSpec(
@@ -277,7 +279,7 @@ def _engine_spec(
     model_path: str | None = None,
 ) -> WorkerSpec:
     engine = cfg.engine
-    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))} if device == "cuda" else {}
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus)), **_cublaslt_env(device)} if device == "cuda" else {}
     true_on_policy = cfg.train.true_on_policy_mode and role == "rollout"
     dtype = engine_dtype(cfg.model.dtype, engine.sglang_args)
     if true_on_policy:
@@ -308,6 +310,14 @@ def _engine_spec(
             "true_on_policy": true_on_policy,
         },
     )
+
+
+def _cublaslt_env(device: str) -> dict[str, str]:
+    """cuBLASLt's workspace for a worker (miles/utils/cublaslt.py); a bad value is refused before any worker starts."""
+    try:
+        return workspace_env(device)
+    except ValueError as e:
+        raise PlacementError(str(e)) from None
 
 
 def true_on_policy_env(device: str) -> dict[str, str]:

@@ -64,14 +64,15 @@ def test_one_rank_may_keep_dynamic_micro_batches():
 
 
 @pytest.mark.parametrize(("device", "dtype"), [("cpu", "float32"), ("cuda", "bfloat16")])
-def test_workers_of_both_sides_get_the_mode(device, dtype):
+def test_workers_of_both_sides_get_the_mode(device, dtype, monkeypatch):
+    monkeypatch.delenv("CUBLASLT_WORKSPACE_SIZE", raising=False)  # the default, as a controller that set none
     cfg = load_config(BASE)
     gpus = {"num_nodes": 1, "gpus_per_node": 2} if device == "cuda" else {}
     plan = plan_placement(cfg, device=device, master_port=29500, **gpus)
     (trainer,), (engine,) = plan.trainer_specs, plan.rollout_specs
     assert engine.init_kwargs["true_on_policy"] and engine.init_kwargs["dtype"] == dtype
-    cublas = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"} if device == "cuda" else {}
-    for spec in (trainer, engine):
-        assert {k: v for k, v in spec.env.items() if k == "CUBLAS_WORKSPACE_CONFIG"} == cublas
+    cublas = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "CUBLASLT_WORKSPACE_SIZE": "32768"} if device == "cuda" else {}
+    for spec in (trainer, engine):  # cuBLAS deterministic, and cuBLASLt choosing within the same workspace
+        assert {k: v for k, v in spec.env.items() if k.startswith("CUBLAS")} == cublas
     explicit = plan_placement(load_config([*BASE, "--dtype", "float16"]), device=device, master_port=29500, **gpus)
     assert explicit.rollout_specs[0].init_kwargs["dtype"] == "float16"

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from miles.engines.embedded import fp8_forms, fp8_split_k, fp8_triton
+from miles.utils import cublaslt
 
 # The CUDA kernels of this module (Triton quantization, cuBLASLt's block-scaled GEMM) on Hopper: on by default,
 # MILES_FP8_CUDA_KERNELS=0 takes the dequantizing path CPU tests check (correct, and slower than bf16). History:
@@ -71,10 +72,11 @@ if fp8_forms.FORM != "block" and (not CUDA_KERNELS or GEMM != "cublas" or fp8_sp
 # it 1 MiB, and with that cuBLASLt runs the block-scaled GEMMs of few output tiles whole. With 32 MiB it splits K
 # where that pays: on an H100 the 7B layer's down projection took 49.9 us instead of 58.9 at batch 256 (the layer's
 # four GEMMs 148.6 against 157.6 us), and FP8 served 1.46x BF16's tokens/s against 1.36x (bench/results/fp8.md).
-# Set here, when the engine's model code is imported (before its first GEMM); a value the user set is kept.
-_WORKSPACE_ENV = os.environ.setdefault("CUBLASLT_WORKSPACE_SIZE", str(32 * 1024))
+# Set here, when the engine's model code is imported (before its first GEMM), for an engine in any process; a value
+# the user set is kept, and the controller gives every worker of a run the same (miles/utils/cublaslt.py).
+_WORKSPACE_ENV = os.environ.setdefault(cublaslt.ENV, str(cublaslt.DEFAULT_KIB))
 if not _WORKSPACE_ENV.isdigit():
-    raise ValueError(f"CUBLASLT_WORKSPACE_SIZE={_WORKSPACE_ENV!r}: KiB as a whole number (unset: 32768, the engine's)")
+    raise ValueError(f"{cublaslt.ENV}={_WORKSPACE_ENV!r}: KiB as a whole number (unset: {cublaslt.DEFAULT_KIB})")
 CUBLASLT_WORKSPACE_KIB = int(_WORKSPACE_ENV)
 # Where cuBLASLt's GEMM serves a linear whose input comes from the engine's own norm or SiLU kernel, that kernel
 # quantizes its output itself (a QuantizedInput: the same codes, no separate quantization launch; an H200 profile
