@@ -34,7 +34,7 @@
 #   bash bench/gpu_checks.sh offload_memory     # the direct weight path's release cycle across two processes at
 #                                               #   1 GiB (bench/ipc_cycles.py), then a colocated run with offload on
 #                                               #   (the engine releases its weights and KV every step) at 12 x 2048
-#                                               #   (0.9 GB of bf16 weights): each process's device memory step by
+#                                               #   (1.2 GB of bf16 weights): each process's device memory step by
 #                                               #   step against the push's bytes
 #   bash bench/gpu_checks.sh all                # every group above, one after the other (over half an hour)
 #
@@ -132,15 +132,19 @@ moe() {
 }
 
 # an 0.5B colocated run with offload on an H100 grew the engine's process by one weight push a step (1.17 GiB) until
-# the trainer ran out of memory at step 16; tiny models (KB of weights) cannot show such a leak, this size can
+# the trainer ran out of memory at step 15; tiny models (KB of weights) cannot show such a leak, this size can
 offload_memory() {
     # the release cycle alone, two processes, 1 GiB: the engine dropping torch's share count at once (its way), then
     # keeping it (the trainer's close gives it back)
     python bench/ipc_cycles.py --device cuda --mib 1024 --cycles 6
     python bench/ipc_cycles.py --device cuda --mib 1024 --cycles 6 --engine-keeps-count
-    miles train --config launch/configs/demo_cpu.yaml --hf-checkpoint tiny:qwen2:12x2048 --colocate \
+    # 12 layers of hidden 2048 (16 heads of 128, 2 KV heads), 1.2 GB of bf16 weights, drawn on the GPU; the demo
+    # recipe with a learning rate for a model of that size
+    miles tiny-model "$out/offload_model" --layers 12 --hidden 2048 --heads 16 --kv-heads 2 --intermediate 5504 \
+        --vocab 32768 --device cuda
+    miles train --config launch/configs/demo_cpu.yaml --hf-checkpoint "$out/offload_model" --colocate \
         --offload-train --offload-rollout --num-rollout 8 --eval-interval 100 --output-dir "$out/offload_memory" \
-        --no-progress-bar
+        --lr 1e-6 --no-progress-bar
     python bench/memory_by_step.py "$out/offload_memory"
 }
 

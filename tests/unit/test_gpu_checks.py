@@ -87,7 +87,8 @@ def test_the_offload_memory_run_is_one_miles_takes():
     from miles.config.load import load_config
 
     line = re.search(r"miles train (.*?)\n\s*python", SCRIPT, re.S).group(1)
-    argv = shlex.split(line.replace("\\\n", " ").replace('"$out/offload_memory"', "/tmp/offload_memory"))
-    cfg = load_config(argv)
-    assert cfg.model.hf_checkpoint == "tiny:qwen2:12x2048"
+    line = line.replace('"$out/offload_memory"', "/tmp/offload_memory").replace('"$out/offload_model"', "/tmp/m")
+    cfg = load_config(shlex.split(line.replace("\\\n", " ")))
+    assert cfg.model.hf_checkpoint == "/tmp/m"  # the model the group's `miles tiny-model` line writes first
+    assert '"$out/offload_model" --layers 12 --hidden 2048' in SCRIPT
     assert cfg.engine.colocate and cfg.train.offload_train and cfg.train.offload_rollout
