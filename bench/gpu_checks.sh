@@ -28,6 +28,8 @@
 #   bash bench/gpu_checks.sh lt_workspace       # a 7B layer's FP8 GEMMs with cuBLASLt's workspace at torch's default
 #                                               #   (1 MiB) and at the engine's (32 MiB), then FP8 / BF16 tokens/s
 #                                               #   with torch's
+#   bash bench/gpu_checks.sh elementwise        # the norm and SiLU kernels' launch settings (quantizing and not) at
+#                                               #   the 7B and the 0.5B shapes, batch 256 (under a minute)
 #   bash bench/gpu_checks.sh moe                # R3's gap at real proportions with the bf16 trainer's fp32 stream:
 #                                               #   cuBLAS's split-K partial sums as torch allows them (bf16)
 #                                               #   against fp32 only (--gemm-split-reduction)
@@ -123,6 +125,11 @@ lt_workspace() {
     CUBLASLT_WORKSPACE_SIZE=1024 python bench/fp8.py "${shape[@]}"
 }
 
+elementwise() {
+    python bench/elementwise_kernels.py --device cuda
+    python bench/elementwise_kernels.py --device cuda --hidden 896 --intermediate 4864 --layers 24
+}
+
 moe() {
     local shape=(--layers 24 --hidden 2048 --heads 32 --kv-heads 4 --experts 128 --topk 8 --moe-intermediate 768
         --batch 256 --context 512 --reps 3 --new-tokens 32 --skip-decode --train-micro-batch 32
@@ -155,14 +162,14 @@ run_group() {
 }
 
 case "${1:-}" in
-    kernels | trainer | stream | contract | forms | fp8 | kv | lt_workspace | moe | offload_memory) run_group "$1" ;;
+    kernels | trainer | stream | contract | forms | fp8 | kv | lt_workspace | elementwise | moe | offload_memory) run_group "$1" ;;
     all)
         status=0
-        for group in kernels trainer stream contract forms fp8 kv lt_workspace moe offload_memory; do run_group "$group" || status=1; done
+        for group in kernels trainer stream contract forms fp8 kv lt_workspace elementwise moe offload_memory; do run_group "$group" || status=1; done
         exit "$status"
         ;;
     *)
-        echo "usage: bash bench/gpu_checks.sh kernels|trainer|stream|contract|forms|fp8|kv|lt_workspace|moe|offload_memory|all (see the comment at the top)" >&2
+        echo "usage: bash bench/gpu_checks.sh kernels|trainer|stream|contract|forms|fp8|kv|lt_workspace|elementwise|moe|offload_memory|all (see the comment at the top)" >&2
         exit 2
         ;;
 esac

@@ -1,5 +1,6 @@
 """bench/sampling_fidelity.py, bench/import_cost.py, bench/fp8.py, bench/packed_rows.py,
-bench/engine_throughput.py, bench/residual_stream.py, bench/decode_attention.py and bench/forward_alignment.py on CPU with a tiny
+bench/engine_throughput.py, bench/residual_stream.py, bench/decode_attention.py, bench/elementwise_kernels.py,
+bench/ipc_cycles.py and bench/forward_alignment.py on CPU with a tiny
 model: every side samples and scores, every phase is timed.
 
 The rewards of a random tiny model mean nothing; GPU figures: bench/results/e2e_vs_trl.md.
@@ -185,3 +186,25 @@ def test_ipc_cycles_runs_the_release_cycle_across_two_processes():
         line = json.loads(out.stdout.strip().splitlines()[-1])
         assert [c["cycle"] for c in line["cycles"]] == [0, 1, 2] and all(c["written"] for c in line["cycles"])
         assert line["growth_in_buffers_per_cycle"] is None  # no device memory to read on CPU
+
+
+def test_elementwise_kernels_sweep_checks_every_setting_against_the_default():
+    """Under Triton's interpreter: the norm's and SiLU's settings all run, quantizing or not, each output equal to
+    the default setting's (the norm adds into its residual: every setting scores the same fresh inputs)."""
+    pytest.importorskip("triton")
+    cmd = [sys.executable, "bench/elementwise_kernels.py", "--device", "cpu", "--batch", "3", "--hidden", "256",
+           "--intermediate", "384", "--layers", "2", "--replays", "1", "--norm-warps", "2,4",
+           "--silu-block", "128,1024", "--silu-warps", "4"]  # fmt: skip
+    env = dict(os.environ, TRITON_INTERPRET="1", MILES_TORCH_THREADS="1")
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [json.loads(x) for x in out.stdout.strip().splitlines()]
+    settings, summary = lines[:-1], lines[-1]
+    assert len(settings) == 2 * (2 + 2)  # quantized and not: the norm's two, SiLU's default and block 128
+    assert all(s["max_diff"] == 0.0 for s in settings)
+    for kernel in ("norm_quantized", "silu_quantized", "norm_model_dtype", "silu_model_dtype"):
+        assert not summary[kernel]["refused"] and summary[kernel]["best"]["us"] <= summary[kernel]["default"]["us"]
+    assert (
+        summary["norm_quantized"]["default"]["num_warps"] == 4
+        and summary["silu_quantized"]["default"]["block"] == 1024
+    )

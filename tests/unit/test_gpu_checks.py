@@ -21,6 +21,7 @@ PARSERS = {
     "moe": "parse",
     "memory_by_step": "parse_args",
     "ipc_cycles": "parse_args",
+    "elementwise_kernels": "parse_args",
 }
 
 

@@ -80,6 +80,11 @@ def _check_dense(**tensors: torch.Tensor | None) -> None:
             )
 
 
+# The norm's and SiLU's launch settings (Triton's defaults: 4 warps; a SiLU program takes 1024 columns)
+NORM_WARPS = 4
+SILU_BLOCK, SILU_WARPS = 1024, 4
+
+
 def add_rms_norm(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -87,10 +92,12 @@ def add_rms_norm(
     eps: float,
     out: torch.Tensor | None = None,
     quantize: bool = False,
+    num_warps: int = NORM_WARPS,
 ) -> torch.Tensor | fp8.QuantizedInput:
     """RMSNorm(x + residual) * weight over the last dim, in the weight's dtype; `residual` (if given) becomes
     x + residual, kept in its own dtype (an fp32 stream under bf16 GEMM outputs, or `x` itself fp32).
-    quantize: return the output as the FP8 GEMM's quantized input instead (`_quantized_output`)."""
+    quantize: return the output as the FP8 GEMM's quantized input instead (`_quantized_output`). num_warps: one
+    row's program (`bench/elementwise_kernels.py` sweeps it)."""
     n = x.shape[-1]
     rows = x.numel() // n
     (x, weight) = _dense(x, weight)
@@ -103,7 +110,7 @@ def add_rms_norm(
         grid_rows, q, scales = rows, out, out
     kernels.add_rms_norm_kernel[(grid_rows,)](
         x, residual if residual is not None else x, weight, out, q, scales, rows, n, eps,
-        HAS_RES=residual is not None, QUANT=quantize, BLOCK=_next_pow2(n), GROUP=fp8.BLOCK,
+        HAS_RES=residual is not None, QUANT=quantize, BLOCK=_next_pow2(n), GROUP=fp8.BLOCK, num_warps=num_warps,
     )  # fmt: skip
     return qi if quantize else out
 
@@ -282,14 +289,22 @@ class DecodeAttention:
 
 
 def silu_mul(
-    gate_up: torch.Tensor, out: torch.Tensor | None = None, quantize: bool = False
+    gate_up: torch.Tensor,
+    out: torch.Tensor | None = None,
+    quantize: bool = False,
+    block: int = SILU_BLOCK,
+    num_warps: int = SILU_WARPS,
 ) -> torch.Tensor | fp8.QuantizedInput:
-    """silu(gate) * up of gate_up [B, 2N] -> [B, N]; quantize: as the FP8 GEMM's input (`_quantized_output`)."""
+    """silu(gate) * up of gate_up [B, 2N] -> [B, N]; quantize: as the FP8 GEMM's input (`_quantized_output`).
+    block (a power of two, at least 128), num_warps: a program's columns and warps (`bench/elementwise_kernels.py`
+    sweeps them)."""
     b, n2 = gate_up.shape
     n = n2 // 2
     (gate_up,) = _dense(gate_up)
     _check_dense(out=out)
-    block = min(1024, _next_pow2(n))  # quantizing, n is whole 128-groups: so are a program's columns
+    if block < fp8.BLOCK or block & (block - 1):
+        raise ValueError(f"silu_mul: block={block}; use a power of two of at least {fp8.BLOCK}")
+    block = min(block, _next_pow2(n))  # quantizing, n is whole 128-groups: so are a program's columns
     if quantize:
         qi = _quantized_output(b, n, gate_up.dtype, gate_up.device, out)
         grid_rows, out, q, scales = qi.q.shape[0], gate_up, qi.q, qi.scales  # out: gate_up names the dtype alone
@@ -297,7 +312,7 @@ def silu_mul(
         out = torch.empty((b, n), dtype=gate_up.dtype, device=gate_up.device) if out is None else out
         grid_rows, q, scales = b, out, out
     kernels.silu_mul_kernel[(grid_rows, triton.cdiv(n, block))](
-        gate_up, out, q, scales, b, n, QUANT=quantize, BLOCK=block, GROUP=fp8.BLOCK
+        gate_up, out, q, scales, b, n, QUANT=quantize, BLOCK=block, GROUP=fp8.BLOCK, num_warps=num_warps
     )
     return qi if quantize else out
 
