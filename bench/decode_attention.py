@@ -138,23 +138,24 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
-def _time_us(call, caches, replays: int, cuda: bool) -> float:
-    """Microseconds per call(k, v): CUDA graphs of one call per cache (as a decode step's layers), replayed."""
+def _time_us(call, buffers, replays: int, cuda: bool) -> float:
+    """Microseconds per call(*args), one call per tuple of `buffers` (its caches: one per layer, as a decode step
+    runs them): CUDA graphs of those calls, replayed; on CPU the calls once, timed by the host's clock."""
     if not cuda:
         start = time.perf_counter()
-        for k, v in caches:
-            call(k, v)
-        return (time.perf_counter() - start) / len(caches) * 1e6
+        for args in buffers:
+            call(*args)
+        return (time.perf_counter() - start) / len(buffers) * 1e6
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for k, v in caches:  # warm the allocator's pool outside the capture
-            call(k, v)
+        for args in buffers:  # warm the allocator's pool outside the capture
+            call(*args)
     torch.cuda.current_stream().wait_stream(stream)
     with torch.cuda.graph(graph):
-        for k, v in caches:
-            call(k, v)
+        for args in buffers:
+            call(*args)
     graph.replay()
     torch.cuda.synchronize()
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -163,7 +164,7 @@ def _time_us(call, caches, replays: int, cuda: bool) -> float:
         graph.replay()
     end.record()
     torch.cuda.synchronize()
-    return begin.elapsed_time(end) * 1e3 / (replays * len(caches))
+    return begin.elapsed_time(end) * 1e3 / (replays * len(buffers))
 
 
 if __name__ == "__main__":

@@ -21,10 +21,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import time
 
 import torch
-from decode_attention import _ints, kernel_device
+from decode_attention import _ints, _time_us, kernel_device
 
 from miles.engines.embedded import fp8, triton_ops
 
@@ -66,33 +65,6 @@ def sweep(name: str, settings: list[dict], call, buffers: list[tuple], nbytes: i
     best = min(timed, key=lambda r: r["us"])
     return {"default": timed[0], "best": best, "default_over_best": round(timed[0]["us"] / best["us"], 3),
             "refused": [r for r in rows if "error" in r], "mb_per_call": round(nbytes / 2**20, 2)}  # fmt: skip
-
-
-def _time_us(call, buffers: list[tuple], replays: int, cuda: bool) -> float:
-    """Microseconds per call(*args): a CUDA graph of one call per set of buffers (as a decode step's layers)."""
-    if not cuda:
-        start = time.perf_counter()
-        for args in buffers:
-            call(*args)
-        return (time.perf_counter() - start) / len(buffers) * 1e6
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for args in buffers:  # warm the allocator's pool outside the capture
-            call(*args)
-    torch.cuda.current_stream().wait_stream(stream)
-    with torch.cuda.graph(graph):
-        for args in buffers:
-            call(*args)
-    graph.replay()
-    torch.cuda.synchronize()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return begin.elapsed_time(end) * 1e3 / (replays * len(buffers))
 
 
 def main(argv: list[str] | None = None) -> dict:
