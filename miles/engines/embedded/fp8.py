@@ -12,8 +12,8 @@ is not a multiple of 128 ends in a shorter group).
 On Hopper (CUDA capability 9.x) `torch._scaled_mm` takes the 1x128 activation and 128x128 weight scales
 directly (cuBLASLt's block-scaled path, CUDA >= 12.9); elsewhere, and wherever that call is refused,
 the same W8A8 product is computed by dequantizing both operands (the CPU path CI runs; also every GEMM whose
-K or padded N is not whole blocks). Where cuBLASLt (or the Triton GEMM) serves a GEMM (`takes_quantized_input`) its input may come
-already quantized (a QuantizedInput, written by the engine's norm or SiLU kernel in place of its model-dtype
+K or padded N is not whole blocks). Where cuBLASLt (or the Triton GEMM) serves a GEMM (`takes_quantized_input`)
+its input may come already quantized (a QuantizedInput, written by the engine's norm or SiLU kernel in place of its model-dtype
 output; the same codes), and MILES_FP8_SPLIT_K cuts the K range of a GEMM with few output tiles into chunks
 on parallel streams (fp8_split_k.py); MILES_FP8_GEMM_FORM hands cuBLASLt the same product in another of its
 block-scaled forms (fp8_forms.py). MILES_FP8_GEMM=triton swaps cuBLASLt for fp8_triton.block_scaled_mm (see
@@ -53,7 +53,7 @@ CUDA_KERNELS = _KERNELS_ENV == "1"
 # Which GEMM the kernels use: "cublas" (torch._scaled_mm's block-scaled cuBLASLt path, Hopper only) or "triton"
 # (fp8_triton.block_scaled_mm on the activation kernel's codes, any N, no padding; any device with e4m3 tensor
 # cores; checked against the emulation on CPU under Triton's interpreter and on an H100 / H200, where
-# bench/fp8_gemm.py timed it at 1.37x cuBLASLt's time on a 7B layer's GEMMs at batch 256: off by default).
+# bench/fp8_gemm.py timed it at 1.37-1.46x cuBLASLt's time on a 7B layer's GEMMs at batch 256: off by default).
 GEMM = os.environ.get("MILES_FP8_GEMM", "cublas")
 if GEMM not in ("cublas", "triton"):
     raise ValueError(f"MILES_FP8_GEMM={GEMM!r}: use cublas or triton")
@@ -188,8 +188,8 @@ def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclass(slots=True)
 class QuantizedInput:
-    """A linear's input [rows, K] already quantized as the block-scaled GEMMs (cuBLASLt's, Triton's) take it (what `linear` would
-    otherwise compute with fp8_triton.quantize_activation(x, pad_to=ROWS_MULTIPLE)): `q` [M_pad, K] e4m3 (rows
+    """A linear's input [rows, K] already quantized as the block-scaled GEMMs (cuBLASLt's, Triton's) take it (what
+    `linear` would otherwise compute with fp8_triton.quantize_activation(x, pad_to=ROWS_MULTIPLE)): `q` [M_pad, K] e4m3 (rows
     past `rows` zero), `scales` [M_pad, K/128] fp32 with stride (1, M_pad), M_pad = rows rounded up to
     ROWS_MULTIPLE; `dtype`: the model dtype the unquantized input had, the GEMM's output dtype. The engine's
     norm and SiLU kernels write one (triton_ops, `quantize=True`) for a weight that `takes_quantized_input`."""
@@ -323,8 +323,8 @@ def linear(x: torch.Tensor | QuantizedInput, w: Fp8Weight, bias: torch.Tensor | 
 def _triton_mm(x: torch.Tensor | QuantizedInput, w: Fp8Weight) -> torch.Tensor:
     """The Triton block-scaled GEMM (MILES_FP8_GEMM=triton). Its input quantized once, by the activation kernel
     (or already, by the norm or SiLU kernel before it), rather than inside the GEMM, where every column tile would
-    quantize its rows again: on an H100 the layer took 1.37x cuBLASLt's time so and 4.3x quantized inside
-    (bench/results/fp8.md). The same codes either way, so the same product. A K that is not whole 128-blocks,
+    quantize its rows again: on an H100 a 7B layer took 1.37-1.46x cuBLASLt's time this way, against 4.3x quantizing
+    inside (bench/results/fp8.md). The same codes either way, so the same product. A K that is not whole 128-blocks,
     which the activation kernel does not take, is quantized inside."""
     if not isinstance(x, QuantizedInput):
         if x.shape[1] % BLOCK:

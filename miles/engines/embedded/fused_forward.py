@@ -126,8 +126,9 @@ def prefill_fused(
     return x
 
 
-# The fused paths' norms and SiLU hand an FP8 GEMM on cuBLASLt (or Triton's) its input already quantized (fp8.QuantizedInput:
-# the codes the GEMM's own quantization would give, one launch fewer per GEMM); everywhere else model dtype.
+# The fused paths' norms and SiLU hand an FP8 GEMM on cuBLASLt (or Triton's) its input already quantized
+# (fp8.QuantizedInput: the codes the GEMM's own quantization would give, one launch fewer per GEMM); everywhere else
+# model dtype.
 def _fused_norm(
     model: CausalLM, x: torch.Tensor, residual: torch.Tensor | None, norm: str, feeds: str | None
 ) -> torch.Tensor | fp8.QuantizedInput:

@@ -120,8 +120,9 @@ def _quantized_output(
 ) -> fp8.QuantizedInput:
     """Room for a kernel's [rows, width] output (model dtype `dtype`) stored as its e4m3 quantization, in the
     layout `fp8_triton.quantize_activation(output, pad_to=fp8.ROWS_MULTIPLE)` writes and with its codes: rows
-    padded to fp8.ROWS_MULTIPLE (pad rows: zero codes), scales outer-dim-major. What an FP8 GEMM on cuBLASLt (or Triton's) takes
-    as is (fp8.takes_quantized_input); the kernel quantizes the value it would have stored, rounded to `dtype`."""
+    padded to fp8.ROWS_MULTIPLE (pad rows: zero codes), scales outer-dim-major. What an FP8 GEMM on cuBLASLt (or
+    Triton's) takes as is (fp8.takes_quantized_input); the kernel quantizes the value it would have stored, rounded
+    to `dtype`."""
     if out is not None:
         raise ValueError("quantize=True returns its own codes and scales; pass out=None")
     if width % fp8.BLOCK:
