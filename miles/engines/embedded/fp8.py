@@ -53,7 +53,7 @@ CUDA_KERNELS = _KERNELS_ENV == "1"
 # Which GEMM the kernels use: "cublas" (torch._scaled_mm's block-scaled cuBLASLt path, Hopper only) or "triton"
 # (fp8_triton.block_scaled_mm on the activation kernel's codes, any N, no padding; any device with e4m3 tensor
 # cores; checked against the emulation on CPU under Triton's interpreter and on an H100 / H200, where
-# bench/fp8_gemm.py timed it at 1.37-1.46x cuBLASLt's time on a 7B layer's GEMMs at batch 256: off by default).
+# bench/fp8_gemm.py timed it at 1.37-1.51x cuBLASLt's time on a 7B layer's GEMMs at batch 256: off by default).
 GEMM = os.environ.get("MILES_FP8_GEMM", "cublas")
 if GEMM not in ("cublas", "triton"):
     raise ValueError(f"MILES_FP8_GEMM={GEMM!r}: use cublas or triton")
@@ -323,7 +323,7 @@ def linear(x: torch.Tensor | QuantizedInput, w: Fp8Weight, bias: torch.Tensor | 
 def _triton_mm(x: torch.Tensor | QuantizedInput, w: Fp8Weight) -> torch.Tensor:
     """The Triton block-scaled GEMM (MILES_FP8_GEMM=triton). Its input quantized once, by the activation kernel
     (or already, by the norm or SiLU kernel before it), rather than inside the GEMM, where every column tile would
-    quantize its rows again: on an H100 a 7B layer took 1.37-1.46x cuBLASLt's time this way, against 4.3x quantizing
+    quantize its rows again: on an H100 a 7B layer took 1.37-1.51x cuBLASLt's time this way, against 4.3x quantizing
     inside (bench/results/fp8.md). The same codes either way, so the same product. A K that is not whole 128-blocks,
     which the activation kernel does not take, is quantized inside."""
     if not isinstance(x, QuantizedInput):
