@@ -141,10 +141,10 @@ moe() {
 # an 0.5B colocated run with offload on an H100 grew the engine's process by one weight push a step (1.17 GiB) until
 # the trainer ran out of memory at step 15; tiny models (KB of weights) cannot show such a leak, this size can
 offload_memory() {
-    # the release cycle alone, two processes, 1 GiB: the engine dropping torch's share count at once (its way), then
-    # keeping it (the trainer's close gives it back)
+    # the release cycle alone, two processes, 1 GiB: one share's count for each mapping (the engine's way), then the
+    # count dropped at once after sharing (its way before, which an offloading 0.5B run showed growing)
     python bench/ipc_cycles.py --device cuda --mib 1024 --cycles 6
-    python bench/ipc_cycles.py --device cuda --mib 1024 --cycles 6 --engine-keeps-count
+    python bench/ipc_cycles.py --device cuda --mib 1024 --cycles 6 --drop-count
     # 12 layers of hidden 2048 (16 heads of 128, 2 KV heads), 1.2 GB of bf16 weights, drawn on the GPU; the demo
     # recipe with a learning rate for a model of that size
     miles tiny-model "$out/offload_model" --layers 12 --hidden 2048 --heads 16 --kv-heads 2 --intermediate 5504 \

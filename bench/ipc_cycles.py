@@ -10,10 +10,12 @@ CUDA, torch's cross-process reference count of the export (its slot in the engin
 signed 64-bit integer) after the trainer closed its mapping. An
 0.5B colocated run with offload on an H100 grew its engine by one weight push a step (bench/results/gsm.md, Run E).
 
-`--engine-keeps-count` keeps the count torch gives the share (the engine normally drops it at once, so that its
-release frees the buffer while no trainer maps it): the side by side for whether that count is what stays.
+The engine shares the buffer once per export for a mapping, and the trainer's close gives that count back
+(miles/weights/arena.py). `--drop-count` makes the engine drop the count right after sharing, as it did before:
+the side by side for what that did (the trainer's close took torch's unsigned counter below zero, and every buffer
+released after one stayed in torch's IPC limbo).
 
-    python bench/ipc_cycles.py --device cuda --mib 1024 --cycles 6 [--mapping keep] [--engine-keeps-count]
+    python bench/ipc_cycles.py --device cuda --mib 1024 --cycles 6 [--mapping keep] [--drop-count]
     python bench/ipc_cycles.py --device cpu --mib 8 --cycles 2     # the CPU smoke (shared memory, no count)
 
 Ends with one JSON line: per cycle, the engine's allocated bytes, the device's used bytes and the count.
@@ -30,17 +32,21 @@ import numpy as np
 import torch
 
 
-def _engine(conn, device: str, nbytes: int, cycles: int, keeps_count: bool) -> None:
+def _engine(conn, device: str, nbytes: int, cycles: int, drop_count: bool) -> None:
     """The engine's side: pack, export, (the trainer writes), drop and give memory back; report after each."""
     from miles.utils.cuda_cache import give_back_cached_memory
     from miles.weights.arena import SharedWeights
+    from miles.weights.tensor_ipc import unb64
 
-    if keeps_count and device == "cuda":
-        torch.UntypedStorage._release_ipc_counter_cuda = staticmethod(lambda *a, **k: None)  # noqa: SLF001
     shared = SharedWeights(device)
     for cycle in range(cycles):
         views = shared.pack({"w": torch.full((nbytes,), cycle % 251, dtype=torch.uint8)})
-        conn.send(shared.export({"w": views["w"]}, None, None))
+        export = shared.export({"w": views["w"]}, None, None, for_mapping=True)
+        if drop_count and export["buffer"]["kind"] == "cuda_ipc":  # the engine's protocol before
+            torch.UntypedStorage._release_ipc_counter_cuda(  # noqa: SLF001
+                unb64(export["buffer"]["ref_counter_handle"]), export["buffer"]["ref_counter_offset"]
+            )
+        conn.send(export)
         conn.recv()  # the trainer wrote (and closed its mapping, or kept it)
         written = bool((views["w"][:: max(1, nbytes // 4096)] == (cycle + 1) % 251).all())
         del views
@@ -82,7 +88,7 @@ def run(a: argparse.Namespace) -> list[dict]:
 
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
-    proc = ctx.Process(target=_engine, args=(there, a.device, a.mib << 20, a.cycles, a.engine_keeps_count))
+    proc = ctx.Process(target=_engine, args=(there, a.device, a.mib << 20, a.cycles, a.drop_count))
     proc.start()
     rows, kept = [], None
     try:
@@ -135,7 +141,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mib", type=int, default=1024, help="the weight buffer's size")
     p.add_argument("--cycles", type=int, default=6)
     p.add_argument("--mapping", choices=("close", "keep"), default="close")
-    p.add_argument("--engine-keeps-count", action="store_true")
+    p.add_argument("--drop-count", action="store_true", help="the engine drops its share's count at once (as before)")
     return p.parse_args(argv)
 
 

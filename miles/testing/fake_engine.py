@@ -48,12 +48,12 @@ class FakeEngine:
         self._shared = SharedWeights(device)  # the shared weight buffer, once a direct update asked for it
 
     # direct colocated updates: the tensors become views of one shared buffer on first export
-    def export_weight_buffer(self, generation: int | None = None) -> dict:
+    def export_weight_buffer(self, generation: int | None = None, for_mapping: bool = False) -> dict:
         if self._shared.arena is None:
             self.repack()
         if self._shared.device.type == "cuda":
             torch.cuda.synchronize(self._shared.device)
-        return self._shared.export(self.tensors, None, generation)
+        return self._shared.export(self.tensors, None, generation, for_mapping=for_mapping)
 
     def install_weight_buffer(self, generation: int, weight_version: int, ready_event: str | None = None) -> None:
         wait_for_writer(ready_event, self.device)

@@ -65,7 +65,6 @@ class WeightArena:
             self.views[key] = view
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self._handle: dict | None = None
 
     def export(
         self,
@@ -74,8 +73,12 @@ class WeightArena:
         known_generation: int | None = None,
         generation_word: str | None = None,
         quantized_format: str | None = None,
+        for_mapping: bool = False,
     ) -> dict:
         """The JSON-able export: buffer handle, generation, and every HF name's place in the buffer.
+
+        On CUDA the buffer handle comes only `for_mapping` (a caller that will open it: see `_buffer_handle`);
+        otherwise `buffer` is None there (the names and places alone).
 
         A quantized weight (an object with `q` and `scale_inv` tensors, as the FP8 engine keeps them) is
         exported the way an FP8 checkpoint names it: `name` for its e4m3 values and `name + "_scale_inv"` for
@@ -98,7 +101,7 @@ class WeightArena:
         out = {
             "generation": self.generation,
             "nbytes": self.nbytes,
-            "buffer": self._buffer_handle(),
+            "buffer": self._buffer_handle(for_mapping),
             "tensors": entries,
             "aliases": dict(aliases or {}),
             "generation_word": generation_word,
@@ -113,19 +116,23 @@ class WeightArena:
             raise ValueError(f"engine weight {name!r} is not inside the shared weight buffer; repack it")
         return {"offset": offset, "shape": list(t.shape), "stride": list(t.stride()), "dtype": dtype_name(t.dtype)}
 
-    def _buffer_handle(self) -> dict:
-        if self._handle is None:
-            if self._shm is not None:
-                self._handle = {"kind": "shm", "segment": self._shm.name}
-            else:
-                self._handle = {"kind": "cuda_ipc", **share_cuda_buffer(self.flat)}
-                # torch counts consumers in a shared counter and keeps a shared block alive while it is
-                # positive; trainers map this buffer only inside an update, so the engine's release
-                # must free it at once: drop the count now (the trainer's unmaps take it below zero).
-                torch.UntypedStorage._release_ipc_counter_cuda(  # noqa: SLF001
-                    unb64(self._handle["ref_counter_handle"]), self._handle["ref_counter_offset"]
-                )
-        return self._handle
+    def _buffer_handle(self, for_mapping: bool) -> dict | None:
+        """The buffer's handle for one export. On CUDA every export for a mapping shares the buffer anew: torch
+        gives each share a reference count of one (an unsigned counter in shared memory), which the mapping made
+        from it gives back when it closes (or at once, where that process still maps the buffer), and at the
+        engine's release keeps the block in its IPC "limbo" while any count is positive. One count per mapping is
+        that protocol: a trainer that closes its mapping before the engine releases (colocated_direct.py) lets the
+        release free the buffer at once, and one that still maps it frees it when it closes (the engine collects
+        the limbo at its next release or export). An export for no mapping shares nothing (`buffer` None), so it
+        leaves no count behind. (Sharing once per buffer and dropping the count at once, as this did before, took
+        the counter below zero at a trainer's close: it wrapped around, and every buffer released after one
+        stayed in limbo, one weight push's worth of device memory a step: bench/results/gsm.md, Run E.)"""
+        if self._shm is not None:
+            return {"kind": "shm", "segment": self._shm.name}
+        if not for_mapping:
+            return None
+        torch.cuda.ipc_collect()  # earlier buffers whose last mapping has closed since their release go now
+        return {"kind": "cuda_ipc", **share_cuda_buffer(self.flat)}
 
     def close(self) -> None:
         """Drop the buffer (on CPU: unlink the segment's name; its memory stays mapped while any view of
@@ -219,9 +226,10 @@ class SharedWeights:
         aliases: Mapping[str, str] | None,
         known_generation: int | None,
         quantized_format: str | None = None,
+        for_mapping: bool = False,
     ) -> dict:
         assert self.arena is not None and self._word is not None, "pack() before export()"
-        return self.arena.export(params, aliases, known_generation, self._word.name, quantized_format)
+        return self.arena.export(params, aliases, known_generation, self._word.name, quantized_format, for_mapping)
 
     def check_install(self, generation: int) -> None:
         current = self.arena.generation if self.arena is not None else None

@@ -209,6 +209,11 @@ class MappedBuffer:
 
     def __init__(self, export: dict) -> None:
         handle = export["buffer"]
+        if handle is None:
+            raise ValueError(
+                "this weight buffer export carries no handle: ask the engine for it with for_mapping=true "
+                "(on CUDA each mapping's export carries the count its close gives back)"
+            )
         self.generation = int(export["generation"])
         self._mmap: np.memmap | None = None
         if handle["kind"] == "shm":

@@ -22,8 +22,10 @@ An update (`DirectColocatedUpdater`) per engine:
 The controller pauses the engines around an update; the engine refuses an export or install while
 it is generating.
 
-Mapping lifetime: the engine shares its buffer once per generation and drops torch's cross-process
-reference count right away, so its own release frees the memory at once. With `keep_mapping`
+Mapping lifetime: the trainer asks for the buffer `for_mapping`, and on CUDA the engine shares it anew for
+each such export: torch counts each share once, and the trainer's mapping gives that count back when it
+closes. At the engine's release a buffer no mapping counts is freed at once; one a mapping still counts waits
+in torch's IPC limbo until that mapping closes (arena.py). With `keep_mapping`
 (the default) the trainer keeps its mapping and views between updates and never writes into them
 unless step 1 found the generation still current (the engine publishes 0 before it frees a buffer;
 the controller never releases engine memory during an update); a run whose engines
@@ -92,7 +94,7 @@ class DirectColocatedUpdater(ColocatedUpdater):
             export = {"generation": self._mapped.generation, "unchanged": True}
         else:
             known = {} if self._mapped is None else {"generation": self._mapped.generation}
-            export = self._call_engine("export_weight_buffer", known)
+            export = self._call_engine("export_weight_buffer", {**known, "for_mapping": True})
         if export is None:
             logger.info(
                 "engine %d has no %s; using the per-bucket colocated handoff", self.trainer_rank, EXPORT_ENDPOINT

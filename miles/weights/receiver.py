@@ -267,10 +267,12 @@ class WeightReceiver:
 
     # -- direct colocated updates (miles-only endpoints; see colocated_direct.py) ---------------
 
-    async def export_weight_buffer(self, generation: int | None = None, **_: Any) -> dict:
-        """The engine's shared weight buffer: handle, generation, and each HF name's offset/shape/stride/dtype
-        (only `{generation, unchanged: true}` when the caller already maps the current `generation`)."""
-        return self._direct("export_weight_buffer")(None if generation is None else int(generation))
+    async def export_weight_buffer(self, generation: int | None = None, for_mapping: bool = False, **_: Any) -> dict:
+        """The engine's shared weight buffer: handle (on CUDA only `for_mapping`: the caller will open it),
+        generation, and each HF name's offset/shape/stride/dtype (only `{generation, unchanged: true}` when the
+        caller already maps the current `generation`)."""
+        known = None if generation is None else int(generation)
+        return self._direct("export_weight_buffer")(known, for_mapping=bool(for_mapping))
 
     async def install_weight_buffer(
         self, generation: int, weight_version: str | None = None, ready_event: str | None = None, **_: Any

@@ -121,6 +121,7 @@ class _RecordingControl(HTTPEngineControl):
         self.exports: list[str] = []
 
     async def export_weight_buffer(self, **kw) -> dict:
+        assert kw.get("for_mapping") is True  # the updater maps what it asks for: on CUDA the handle comes only so
         export = await super().export_weight_buffer(**kw)
         self.exports.append("unchanged" if export.get("unchanged") else "full")
         return export

@@ -4,6 +4,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 from miles.weights.arena import SharedWeights
@@ -41,3 +42,36 @@ def test_a_repack_keeps_the_previous_generations_views_readable():
         assert first["a"].sum().item() == 48.0  # two buffers, not one
     finally:
         shared.drop()
+
+
+def test_a_cuda_export_shares_the_buffer_once_for_each_mapping_and_drops_no_count(monkeypatch):
+    """torch counts each CUDA IPC share once (an unsigned counter) and the mapping made from it gives that count back
+    when it closes; a block freed while its count is positive stays in torch's IPC limbo. Sharing once per buffer
+    and dropping the count at once took the counter below zero at a trainer's close: it wrapped, and every
+    buffer released after one stayed in limbo (an offloading 0.5B run grew by one weight push a step on an H100).
+    So: a fresh share for every export that will be mapped, none for an export of names alone or an "unchanged"
+    answer, and no count dropped here (on CPU, a stand-in for the CUDA share)."""
+    from miles.weights import arena as arena_module
+    from miles.weights.arena import WeightArena
+    from miles.weights.buffer_writer import MappedBuffer
+
+    shares, dropped = [], []
+    monkeypatch.setattr(arena_module, "share_cuda_buffer", lambda flat: shares.append(flat) or {"handle": "h"})
+    monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: None)
+    monkeypatch.setattr(torch.UntypedStorage, "_release_ipc_counter_cuda", lambda *a: dropped.append(a), raising=False)
+    arena = WeightArena({"w": torch.ones(8)}, "cpu", 7)
+    shm, arena._shm = arena._shm, None  # the buffer as a device allocation exports it
+    try:
+        params = {"w": arena.views["w"]}
+        names_only = arena.export(params)
+        assert names_only["buffer"] is None and names_only["tensors"]["w"]["shape"] == [8] and shares == []
+        with pytest.raises(ValueError, match="for_mapping=true"):
+            MappedBuffer(names_only)
+        assert arena.export(params, for_mapping=True)["buffer"] == {"kind": "cuda_ipc", "handle": "h"}
+        assert arena.export(params, known_generation=7, for_mapping=True) == {"generation": 7, "unchanged": True}
+        arena.export(params, known_generation=6, for_mapping=True)  # a trainer that mapped an older generation
+        assert len(shares) == 2 and all(flat is arena.flat for flat in shares)
+        assert dropped == []
+    finally:
+        arena._shm = shm
+        arena.close()

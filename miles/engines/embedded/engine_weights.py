@@ -108,10 +108,12 @@ class EngineWeights:
                 yield name, t.float(), None
 
     # ---- direct colocated updates (miles-only) ---------------------------------------------------------------
-    def export_weight_buffer(self, generation: int | None = None) -> dict:
+    def export_weight_buffer(self, generation: int | None = None, for_mapping: bool = False) -> dict:
         """Where every HF-named weight lives in the shared weight buffer (packed on first use); see
         colocated_direct.py. A caller that maps `generation` already gets `{generation, unchanged}` if
-        it is current. Refused while generating: the trainer writes without any engine lock."""
+        it is current; one that will open the buffer asks `for_mapping` (on CUDA the handle comes only then,
+        with the count its mapping gives back: arena.py). Refused while generating: the trainer writes without
+        any engine lock."""
         self._require_quiet("export_weight_buffer")
         with self.runner.lock:
             self._require_full_weights("export_weight_buffer")
@@ -120,7 +122,8 @@ class EngineWeights:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # no engine kernel still touches the weights
             aliases = {"lm_head.weight": "model.embed_tokens.weight"} if self.model.spec.tie_word_embeddings else {}
-            return self._shared.export(self.model.params, aliases, generation, FP8_BLOCK128 if self.fp8 else None)
+            quantized = FP8_BLOCK128 if self.fp8 else None
+            return self._shared.export(self.model.params, aliases, generation, quantized, for_mapping)
 
     def install_weight_buffer(
         self, generation: int, weight_version: str | int, ready_event: str | None = None
