@@ -1,7 +1,8 @@
 """Generated tokens/s: embedded engine vs `transformers` generate, same model, prompts, lengths, batch.
 
 Both sides sample (temperature 1, no truncation), ignore eos and generate exactly --new-tokens per
-request; each round is timed end to end (prefill included); after one warm-up each, engine and HF rounds
+request; each round is timed end to end (prefill included); after one warm-up each (the engine's also a
+one-token round of the same prompts, which with prefix sharing builds the extend path's kernels), engine and HF rounds
 alternate for --reps repetitions (both see the same machine load) and the medians are compared. On CUDA
 it also reports the decode roofline: HBM bandwidth / bytes read per decode step (all weights once + the
 batch's KV at the mean context length) x batch, and the fraction of it the decode phase reaches (decode
@@ -216,6 +217,8 @@ def measure(sides: dict, new_tokens: int, reps: int) -> tuple[dict[str, float], 
     for side in sides.values():
         side.round(new_tokens)  # a full-length round each: allocations, graph capture, GEMM heuristics
     engines = {name: side for name, side in sides.items() if isinstance(side, EngineSide)}
+    for side in engines.values():  # the same prompts again, one token: with prefix sharing they hit the cache, so
+        side.seconds(1)  # the extend path builds its kernels here, not in the first timed round
     for side in engines.values():
         side.timeline = []
     rates: dict[str, list[float]] = {name: [] for name in sides}
