@@ -16,11 +16,18 @@ ENV = "CUBLASLT_WORKSPACE_SIZE"
 DEFAULT_KIB = 32 * 1024
 
 
-def workspace_env(device: str) -> dict[str, str]:
-    """The variable for a worker on `device` ({} off CUDA): the controller's own value, else the default."""
-    if device != "cuda":
-        return {}
-    value = os.environ.get(ENV, str(DEFAULT_KIB))
+def _checked(value: str) -> str:
     if not value.isdigit():
         raise ValueError(f"{ENV}={value!r}: KiB as a whole number (unset: {DEFAULT_KIB}); fix or unset it")
-    return {ENV: value}
+    return value
+
+
+def workspace_env(device: str) -> dict[str, str]:
+    """The variable for a worker on `device` ({} off CUDA): the controller's own value, else the default."""
+    return {ENV: _checked(os.environ.get(ENV, str(DEFAULT_KIB)))} if device == "cuda" else {}
+
+
+def set_default() -> int:
+    """This process's size in KiB, the default put in its environment where none is set (call it before the
+    process's first GEMM: torch reads the variable once)."""
+    return int(_checked(os.environ.setdefault(ENV, str(DEFAULT_KIB))))

@@ -74,10 +74,7 @@ if fp8_forms.FORM != "block" and (not CUDA_KERNELS or GEMM != "cublas" or fp8_sp
 # four GEMMs 148.6 against 157.6 us), and FP8 served 1.46x BF16's tokens/s against 1.36x (bench/results/fp8.md).
 # Set here, when the engine's model code is imported (before its first GEMM), for an engine in any process; a value
 # the user set is kept, and the controller gives every worker of a run the same (miles/utils/cublaslt.py).
-_WORKSPACE_ENV = os.environ.setdefault(cublaslt.ENV, str(cublaslt.DEFAULT_KIB))
-if not _WORKSPACE_ENV.isdigit():
-    raise ValueError(f"{cublaslt.ENV}={_WORKSPACE_ENV!r}: KiB as a whole number (unset: {cublaslt.DEFAULT_KIB})")
-CUBLASLT_WORKSPACE_KIB = int(_WORKSPACE_ENV)
+CUBLASLT_WORKSPACE_KIB = cublaslt.set_default()
 # Where cuBLASLt's GEMM serves a linear whose input comes from the engine's own norm or SiLU kernel, that kernel
 # quantizes its output itself (a QuantizedInput: the same codes, no separate quantization launch; an H200 profile
 # of the 7B decode step had those launches at 4% of it). A switch for tests and benchmarks to compare against.
