@@ -23,9 +23,9 @@ import argparse
 import functools
 import itertools
 import json
-import time
 
 import torch
+from kernel_timing import ints, kernel_device, time_us
 
 from miles.config.sections.engine import EMBEDDED_KV_CACHE_DTYPES
 from miles.engines.embedded import triton_ops
@@ -33,10 +33,6 @@ from miles.engines.embedded.kv_cache import storage_dtype
 
 DEFAULT = {"num_warps": 4, "num_stages": 2, "block_n": 64, "programs_per_sm": 2, "blocks_per_split": 4}
 SWEPT = tuple(DEFAULT)
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,11 +49,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="what the caches store, as the engine's flag: auto (the model's dtype) or an FP8 format",
     )
     p.add_argument("--bias", action="store_true", help="the kernel adds a q/k/v bias (as an FP8 qkv GEMM's)")
-    p.add_argument("--num-warps", type=_ints, default=[2, 4, 8])
-    p.add_argument("--num-stages", type=_ints, default=[2, 3])
-    p.add_argument("--block-n", type=_ints, default=[32, 64, 128])
-    p.add_argument("--programs-per-sm", type=_ints, default=[1, 2, 4])
-    p.add_argument("--blocks-per-split", type=_ints, default=[4])
+    p.add_argument("--num-warps", type=ints, default=[2, 4, 8])
+    p.add_argument("--num-stages", type=ints, default=[2, 3])
+    p.add_argument("--block-n", type=ints, default=[32, 64, 128])
+    p.add_argument("--programs-per-sm", type=ints, default=[1, 2, 4])
+    p.add_argument("--blocks-per-split", type=ints, default=[4])
     return p.parse_args(argv)
 
 
@@ -68,16 +64,6 @@ def settings_grid(a: argparse.Namespace) -> list[dict[str, int]]:
         for values in itertools.product(a.num_warps, a.num_stages, a.block_n, a.programs_per_sm, a.blocks_per_split)
     ]
     return [DEFAULT, *(s for s in grid if s != DEFAULT)]
-
-
-def kernel_device(name: str) -> tuple[torch.device, bool, torch.dtype]:
-    """The device a kernel bench runs on, whether it is CUDA, and the dtype to time in (bf16 there, fp32 under
-    the interpreter); exits with one line where the Triton kernels do not run."""
-    device = torch.device(name)
-    if not triton_ops.available(device):
-        raise SystemExit(f"the Triton kernels do not run on {device} here (CUDA, or TRITON_INTERPRET=1 on CPU)")
-    cuda = device.type == "cuda"
-    return device, cuda, torch.bfloat16 if cuda else torch.float32
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -110,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
         attn = triton_ops.DecodeAttention(H, KVH, HD, cap, sms, **setting)
         try:
             out = call(attn, *caches[0])  # compiles
-            us = _time_us(functools.partial(call, attn), caches, a.replays, cuda)
+            us = time_us(functools.partial(call, attn), caches, a.replays, cuda)
         except Exception as e:  # noqa: BLE001 - a setting the compiler or the device refuses is reported, not fatal
             rows.append({**setting, "error": f"{type(e).__name__}: {str(e)[:200]}"})
             continue
@@ -136,35 +122,6 @@ def main(argv: list[str] | None = None) -> dict:
     }
     print(json.dumps(result))
     return result
-
-
-def _time_us(call, buffers, replays: int, cuda: bool) -> float:
-    """Microseconds per call(*args), one call per tuple of `buffers` (its caches: one per layer, as a decode step
-    runs them): CUDA graphs of those calls, replayed; on CPU the calls once, timed by the host's clock."""
-    if not cuda:
-        start = time.perf_counter()
-        for args in buffers:
-            call(*args)
-        return (time.perf_counter() - start) / len(buffers) * 1e6
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for args in buffers:  # warm the allocator's pool outside the capture
-            call(*args)
-    torch.cuda.current_stream().wait_stream(stream)
-    with torch.cuda.graph(graph):
-        for args in buffers:
-            call(*args)
-    graph.replay()
-    torch.cuda.synchronize()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return begin.elapsed_time(end) * 1e3 / (replays * len(buffers))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import itertools
 import json
 
 import torch
-from decode_attention import _ints, _time_us, kernel_device
+from kernel_timing import ints, kernel_device, time_us
 
 from miles.engines.embedded import fp8, triton_ops
 
@@ -34,9 +34,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name, default in (("batch", 256), ("hidden", 3584), ("intermediate", 18944), ("layers", 28),
                           ("replays", 20), ("seed", 0)):  # fmt: skip
         p.add_argument(f"--{name}", type=int, default=default)
-    p.add_argument("--norm-warps", type=_ints, default=[1, 2, 4, 8, 16])
-    p.add_argument("--silu-block", type=_ints, default=[512, 1024, 2048, 4096])
-    p.add_argument("--silu-warps", type=_ints, default=[2, 4, 8])
+    p.add_argument("--norm-warps", type=ints, default=[1, 2, 4, 8, 16])
+    p.add_argument("--silu-block", type=ints, default=[512, 1024, 2048, 4096])
+    p.add_argument("--silu-warps", type=ints, default=[2, 4, 8])
     return p.parse_args(argv)
 
 
@@ -51,7 +51,7 @@ def sweep(name: str, settings: list[dict], call, buffers: list[tuple], nbytes: i
     for setting in settings:
         try:
             out = _values(call(*(b.clone() for b in pristine), **setting))  # compiles
-            us = _time_us(lambda *bufs, s=setting: call(*bufs, **s), buffers, a.replays, cuda)
+            us = time_us(lambda *bufs, s=setting: call(*bufs, **s), buffers, a.replays, cuda)
         except Exception as e:  # noqa: BLE001 - a setting the compiler or the device refuses is reported
             rows.append({**setting, "error": f"{type(e).__name__}: {str(e)[:200]}"})
             continue

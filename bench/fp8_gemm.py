@@ -34,13 +34,9 @@ import time
 
 import torch
 import torch.nn.functional as F
-from decode_attention import kernel_device
+from kernel_timing import ints, kernel_device
 
 from miles.engines.embedded import fp8, fp8_forms, fp8_split_k, fp8_triton
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,12 +45,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name, default in (("batch", 256), ("hidden", 3584), ("intermediate", 18944), ("heads", 28),
                           ("kv-heads", 4), ("head-dim", 128), ("reps", 50), ("seed", 0)):  # fmt: skip
         p.add_argument(f"--{name}", type=int, default=default)
-    p.add_argument("--block-m", type=_ints, default=[32, 64, 128])
-    p.add_argument("--block-n", type=_ints, default=[64, 128])
-    p.add_argument("--num-warps", type=_ints, default=[4, 8])
-    p.add_argument("--num-stages", type=_ints, default=[3, 4])
-    p.add_argument("--splits", type=_ints, default=[2, 3, 4], help="K chunk counts of cuBLASLt's split GEMM")
-    p.add_argument("--triton-splits", type=_ints, default=[1], help="K chunk counts of the Triton kernel's grid")
+    p.add_argument("--block-m", type=ints, default=[32, 64, 128])
+    p.add_argument("--block-n", type=ints, default=[64, 128])
+    p.add_argument("--num-warps", type=ints, default=[4, 8])
+    p.add_argument("--num-stages", type=ints, default=[3, 4])
+    p.add_argument("--splits", type=ints, default=[2, 3, 4], help="K chunk counts of cuBLASLt's split GEMM")
+    p.add_argument("--triton-splits", type=ints, default=[1], help="K chunk counts of the Triton kernel's grid")
     p.add_argument(
         "--triton-input",
         choices=("inside", "prequant"),
