@@ -208,3 +208,22 @@ def test_elementwise_kernels_sweep_checks_every_setting_against_the_default():
         summary["norm_quantized"]["default"]["num_warps"] == 4
         and summary["silu_quantized"]["default"]["block"] == 1024
     )
+
+
+def test_engine_throughput_warm_up_builds_the_extend_path_then_empties_the_cache(tmp_path):
+    # the extend path's kernels are built by a round whose prompts hit the cache; the timed rounds must then start
+    # from an empty cache, not from one a one-token round filled (which made them evict and replace pages)
+    bench = load_bench("engine_throughput")
+    args = bench.parse_args(
+        ["--device", "cpu", "--batch", "4", "--prompt-len", "40", "--new-tokens", "4", "--skip-hf"]
+    )
+    _, engine = bench.build_engine(args, str(tmp_path), "float32")
+    side = bench.EngineSide(engine, bench.make_prompts(args.batch, args.prompt_len, engine.model.spec.vocab_size))
+    try:
+        side.warm_extend()
+        stats = engine.prefix_cache_stats()
+    finally:
+        side.close()
+    assert stats["prefill_tokens_requested"] == 2 * 4 * 40
+    assert stats["prefill_tokens_computed"] < stats["prefill_tokens_requested"]  # the second round hit the first's
+    assert stats["cached_pages"] == 0
