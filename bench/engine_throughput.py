@@ -171,7 +171,7 @@ class EngineSide:
         its kernels before any timed round; then the cache is emptied, so the full warm-up round and the timed
         rounds share pages as they would without these. (One such round after the full warm-up, its pages
         kept, left the timed rounds evicting 1,100 pages and at 110K tok/s against 142K before it, on an H100
-        at the 0.5B shape.)"""
+        at the 0.5B shape; in this order they are at 140-141K again: bench/results/engine_throughput.md.)"""
         for _ in range(2):
             self.seconds(1)
         self.engine.flush_cache()
