@@ -16,7 +16,9 @@ the sampled tokens. `--router-noise` adds relative noise to the trainer's router
 kernels that disagree more than dtype alone). `--engine-moe-rounding fused|transformers` makes the engine's
 grouped expert kernels round once on store, or where transformers' experts do (`moe_triton.ROUND_AS_TRANSFORMERS`,
 the engine's default). `--gemm-split-reduction fp32` keeps cuBLAS from summing split-K partial products in bf16
-(torch's default allows it), on both sides.
+(torch's default allows it), on both sides. `--engine-rescore` also scores the sampled sequences with the
+engine's own prefill: its decode against that prefill, and the trainer (R3 off / on) against it, which splits
+what R3 leaves into the engine's two paths and the trainer's distance from the engine.
 
     python bench/moe.py                                    # H200: 24 layers, 128 experts, top-8, bf16 engine
     python bench/moe.py --device cpu --layers 2 --hidden 64 --experts 8 --topk 2 --moe-intermediate 32 \\
@@ -126,6 +128,42 @@ def rollout(model: CausalLM, a: argparse.Namespace, seed: int) -> tuple[list[lis
         rows.append(routing.stacked().unsqueeze(1).cpu())
     routed = torch.cat(rows, dim=1).numpy()  # [B, len - 1, layers, k]
     return seqs, torch.stack(lps, dim=1).numpy(), routed
+
+
+@torch.no_grad()
+def rescore(model: CausalLM, seqs: list[list[int]], a: argparse.Namespace) -> tuple[np.ndarray, np.ndarray]:
+    """The engine's own prefill over the sampled sequences (`--train-micro-batch` at a time, as the trainer scores
+    them): each sampled token's log-prob [B, new] and the experts of every token but the last [B, len - 1, ...],
+    the arrays `rollout` returns from decoding, so the two can be compared (and the trainer against either)."""
+    chunk = a.train_micro_batch
+    width = a.prompt_len + a.new_tokens  # the whole sequence, as the trainer scores it
+    runner = ModelRunner(model, max_running_requests=chunk, max_seq_len=width + 1, use_cuda_graphs=False)
+    runner.kv.allocate()
+    lps, rows = [], []
+    for lo in range(0, len(seqs), chunk):
+        part = [s[:width] for s in seqs[lo : lo + chunk]]
+        routing = Routing()
+        res = runner.prefill(part, 0, [True] * len(part), routing=routing)
+        for i, logits in enumerate(res.all_logits):
+            logp = torch.log_softmax(logits[a.prompt_len - 1 : -1].float(), dim=-1)
+            sampled = torch.as_tensor(seqs[lo + i][a.prompt_len :], device=logp.device)
+            lps.append(logp.gather(1, sampled[:, None]).squeeze(1).cpu())
+        stacked = routing.stacked()
+        rows.append(stacked.view(len(part), width, *stacked.shape[1:])[:, :-1].cpu())
+    runner.kv.release()
+    return torch.stack(lps).numpy(), torch.cat(rows).numpy()
+
+
+def self_mismatch(routed: np.ndarray, lps: np.ndarray, rescored_routed: np.ndarray, rescored_lps: np.ndarray) -> dict:
+    """The engine's decode against its own prefill: the share of tokens whose experts differ in any MoE layer (as
+    sets: the order of a top-k is not a routing difference), and mean / max |Δ log-prob| of the sampled tokens."""
+    differ = (np.sort(routed, axis=-1) != np.sort(rescored_routed, axis=-1)).any(axis=(-1, -2))
+    diff = np.abs(lps - rescored_lps)
+    return {
+        "routing_mismatch": float(differ.mean()),
+        "logprob_abs_diff_mean": float(diff.mean()),
+        "logprob_abs_diff_max": float(diff.max()),
+    }
 
 
 def train_batch(seqs, routed: np.ndarray, new_tokens: int, num_experts: int) -> TrainBatch:
@@ -238,6 +276,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--skip-mismatch", action="store_true")
     p.add_argument("--train-micro-batch", type=int, default=32, help="sequences per trainer forward")
+    p.add_argument(
+        "--engine-rescore",
+        action="store_true",
+        help="also score the sampled sequences with the engine's own prefill: its decode against its prefill "
+        "(routing and log-probs), and the trainer (R3 off / on) against that prefill, what R3 cannot remove "
+        "split into the engine's two paths and the trainer's distance from them",
+    )
     return p.parse_args(argv)
 
 
@@ -272,6 +317,7 @@ def run(a: argparse.Namespace) -> dict:
         )  # before the mismatch half, which needs the most memory
     if not a.skip_mismatch:
         seqs, lps, routed = rollout(engine, a, a.seed)
+        rescored = rescore(engine, seqs, a) if a.engine_rescore else None
         del engine  # free the engine's weights and KV before the trainer's copy is built
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -279,6 +325,9 @@ def run(a: argparse.Namespace) -> dict:
         if a.trainer_residual_dtype == "float32":
             keep_fp32_residual(hf, getattr(torch, a.trainer_dtype))
         figures["mismatch"] = mismatch(hf, seqs, routed, lps, a, device)
+        if rescored is not None:
+            figures["engine_decode_vs_prefill"] = self_mismatch(routed, lps, rescored[1], rescored[0])
+            figures["mismatch_vs_engine_prefill"] = mismatch(hf, seqs, rescored[1], rescored[0], a, device)
     return figures
 
 
@@ -287,6 +336,13 @@ def main(argv: list[str] | None = None) -> None:
     for mode, m in figures.get("mismatch", {}).items():
         print(f"R3 {mode}: routing mismatch {m['routing_mismatch']:.4%}, |dlogp| mean {m['logprob_abs_diff_mean']:.3e} "
               f"max {m['logprob_abs_diff_max']:.3e}")  # fmt: skip
+    if "engine_decode_vs_prefill" in figures:
+        m = figures["engine_decode_vs_prefill"]
+        print(f"engine decode vs its prefill: routing mismatch {m['routing_mismatch']:.4%}, |dlogp| mean "
+              f"{m['logprob_abs_diff_mean']:.3e} max {m['logprob_abs_diff_max']:.3e}")  # fmt: skip
+        for mode, m in figures["mismatch_vs_engine_prefill"].items():
+            print(f"against the engine's prefill, R3 {mode}: routing mismatch {m['routing_mismatch']:.4%}, |dlogp| "
+                  f"mean {m['logprob_abs_diff_mean']:.3e} max {m['logprob_abs_diff_max']:.3e}")  # fmt: skip
     print(
         f"routing bytes/token: {figures['routing_bytes_per_token']} (int32 layout: {figures['int32_bytes_per_token']})"
     )

@@ -62,6 +62,26 @@ def test_an_fp32_residual_stream_narrows_what_r3_leaves_of_a_bf16_engines_gap():
     assert gaps["float32"] < 0.8 * gaps["model"], gaps
 
 
+def test_what_r3_leaves_on_cpu_is_the_engines_decode_against_its_own_prefill():
+    """A bf16 trainer with the fp32 stream scores the sampled sequences exactly as the engine's own prefill of them
+    does, so its whole gap to the rollout, R3 off, is the engine's decode against that prefill (attention's sums
+    depend on how many tokens a call holds): `--engine-rescore`'s split (bench/results/moe.md)."""
+    bench = load_bench("moe")
+    args = bench.parse(
+        "--device cpu --layers 6 --hidden 128 --heads 4 --kv-heads 2 --experts 16 --topk 4 --moe-intermediate 64 "
+        "--vocab 1024 --batch 8 --prompt-len 16 --new-tokens 16 --train-micro-batch 8 --skip-decode "
+        "--trainer-dtype bfloat16 --trainer-residual-dtype float32 --engine-rescore".split()
+    )
+    figures = bench.run(args)
+    for mode in ("off", "on"):
+        vs_prefill = figures["mismatch_vs_engine_prefill"][mode]
+        assert vs_prefill["routing_mismatch"] == 0.0 and vs_prefill["logprob_abs_diff_max"] == 0.0, mode
+    engine_self, off = figures["engine_decode_vs_prefill"], figures["mismatch"]["off"]
+    assert engine_self["logprob_abs_diff_mean"] > 0.0
+    assert engine_self["logprob_abs_diff_mean"] == pytest.approx(off["logprob_abs_diff_mean"], rel=1e-6)
+    assert engine_self["routing_mismatch"] == pytest.approx(off["routing_mismatch"])
+
+
 def test_the_benchs_split_k_sums_are_refused_off_cuda():
     """--gemm-split-reduction fp32 changes cuBLAS's sums only: off CUDA it would change nothing, so it stops."""
     bench = load_bench("moe")
