@@ -295,6 +295,8 @@ def run(a: argparse.Namespace) -> dict:
                 "(the engine's torch path rounds as transformers' experts do); drop the flag, or run on CUDA"
             )
         moe_triton.ROUND_AS_TRANSFORMERS = a.engine_moe_rounding == "transformers"
+    if a.engine_rescore and a.skip_mismatch:
+        raise SystemExit("--engine-rescore splits the mismatch that --skip-mismatch skips; drop one of them")
     if a.gemm_split_reduction == "fp32":
         if device.type != "cuda":
             raise SystemExit(

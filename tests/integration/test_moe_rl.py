@@ -92,6 +92,13 @@ def test_the_benchs_split_k_sums_are_refused_off_cuda():
         bench.run(args)
 
 
+def test_the_benchs_rescore_is_refused_without_the_mismatch():
+    bench = load_bench("moe")
+    args = bench.parse("--device cpu --layers 2 --hidden 64 --experts 8 --engine-rescore --skip-mismatch".split())
+    with pytest.raises(SystemExit, match="--engine-rescore splits the mismatch that --skip-mismatch skips"):
+        bench.run(args)
+
+
 def test_routing_replay_is_refused_for_a_dense_model(tmp_path):
     with pytest.raises(AssertionError) as e:
         run_train(tmp_path / "run", "--num-rollout", "1", "--use-rollout-routing-replay", "--eval-interval", "0")
