@@ -32,7 +32,8 @@
 #                                               #   the 7B and the 0.5B shapes, batch 256 (under a minute)
 #   bash bench/gpu_checks.sh moe                # R3's gap at real proportions with the bf16 trainer's fp32 stream,
 #                                               #   split into the engine's decode against its own prefill and
-#                                               #   the trainer against that prefill (--engine-rescore)
+#                                               #   the trainer against that prefill (--engine-rescore), then
+#                                               #   where in one forward the two first differ (stream_diff.py)
 #   bash bench/gpu_checks.sh offload_memory     # the direct weight path's release cycle across two processes at
 #                                               #   1 GiB (bench/ipc_cycles.py), then a colocated run with offload on
 #                                               #   (the engine releases its weights and KV every step) at 12 x 2048
@@ -137,6 +138,8 @@ moe() {
     # what R3 leaves, split: the engine's decode against its own prefill of the same sequences, and the trainer
     # against that prefill (cuBLAS's split-K sums in fp32 changed no digit here: bench/results/moe.md)
     python bench/moe.py "${shape[@]}" --engine-moe-rounding transformers --engine-rescore
+    # where, inside one teacher-forced forward, the trainer first leaves the engine's prefill (routing replayed)
+    python bench/stream_diff.py --device cuda --trainer-residual-dtype float32 --replay --engine-moe-rounding transformers
 }
 
 # an 0.5B colocated run with offload on an H100 grew the engine's process by one weight push a step (1.17 GiB) until

@@ -1,6 +1,7 @@
 """MoE RL end to end on CPU: a short GRPO run on a tiny qwen3_moe whose weight pushes pass the equality check,
-with R3 on; R3's effect measured by bench/moe.py's mismatch (bf16 engine, fp32 trainer, noisy trainer router);
-the flag refused for a dense model at start-up."""
+with R3 on; R3's effect measured by bench/moe.py's mismatch (bf16 engine, fp32 trainer, noisy trainer router)
+and located by its --engine-rescore split and bench/stream_diff.py; the flag refused for a dense model at
+start-up."""
 
 from __future__ import annotations
 
@@ -90,6 +91,24 @@ def test_the_benchs_split_k_sums_are_refused_off_cuda():
     )
     with pytest.raises(SystemExit, match="--gemm-split-reduction fp32: cuBLAS's split-K sums only, none on cpu"):
         bench.run(args)
+
+
+def test_the_stream_diff_finds_no_difference_in_the_aligned_trainer_and_the_first_one_otherwise():
+    """bench/stream_diff.py reads the residual stream at every norm on both sides: the bf16 trainer with the fp32
+    stream equals the engine's prefill at every point; with transformers' bf16 stream the first difference is the
+    first residual add, after layer 0's attention."""
+    bench = load_bench("stream_diff")
+    base = (
+        "--device cpu --layers 4 --hidden 128 --heads 4 --kv-heads 2 --experts 16 --topk 4 --moe-intermediate 64 "
+        "--vocab 1024 --batch 4 --seq-len 32 --trainer-dtype bfloat16"
+    ).split()
+    aligned = bench.run(bench.parse([*base, "--trainer-residual-dtype", "float32"]))
+    assert len(aligned["points"]) == 2 * 4 + 1
+    assert aligned["first_difference"] is None and aligned["logprob_abs_diff_max"] == 0.0
+    assert aligned["routing_mismatch"] == 0.0
+    bf16_stream = bench.run(bench.parse([*base, "--trainer-residual-dtype", "model", "--replay"]))
+    assert bf16_stream["first_difference"] == "layer 0 after attention"
+    assert bf16_stream["routing_mismatch"] == 0.0 and bf16_stream["logprob_abs_diff_mean"] > 0.0
 
 
 def test_the_benchs_rescore_is_refused_without_the_mismatch():

@@ -22,6 +22,7 @@ PARSERS = {
     "memory_by_step": "parse_args",
     "ipc_cycles": "parse_args",
     "elementwise_kernels": "parse_args",
+    "stream_diff": "parse",
 }
 
 
