@@ -286,15 +286,22 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def set_engine_moe_rounding(rounding: str | None, device: torch.device) -> None:
+    """`--engine-moe-rounding`: where the grouped expert kernels round (None: the engine's default); refused where
+    those kernels do not run."""
+    if rounding is None:
+        return
+    if not moe_triton.usable(torch.empty(0, device=device)):
+        raise SystemExit(
+            f"--engine-moe-rounding {rounding}: the grouped expert kernels do not run on {device} "
+            "(the engine's torch path rounds as transformers' experts do); drop the flag, or run on CUDA"
+        )
+    moe_triton.ROUND_AS_TRANSFORMERS = rounding == "transformers"
+
+
 def run(a: argparse.Namespace) -> dict:
     device = torch.device(a.device)
-    if a.engine_moe_rounding is not None:
-        if not moe_triton.usable(torch.empty(0, device=device)):
-            raise SystemExit(
-                f"--engine-moe-rounding {a.engine_moe_rounding}: the grouped expert kernels do not run on {device} "
-                "(the engine's torch path rounds as transformers' experts do); drop the flag, or run on CUDA"
-            )
-        moe_triton.ROUND_AS_TRANSFORMERS = a.engine_moe_rounding == "transformers"
+    set_engine_moe_rounding(a.engine_moe_rounding, device)
     if a.engine_rescore and a.skip_mismatch:
         raise SystemExit("--engine-rescore splits the mismatch that --skip-mismatch skips; drop one of them")
     if a.gemm_split_reduction == "fp32":

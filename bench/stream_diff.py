@@ -29,7 +29,6 @@ import numpy as np
 import torch
 
 import miles.engines.embedded.model as engine_model_module
-from miles.engines.embedded import moe_triton
 from miles.engines.embedded.moe import Routing
 from miles.engines.embedded.runner import ModelRunner
 from miles.rollout.train_data import TrainBatch
@@ -130,12 +129,7 @@ def trainer_pass(hf, seqs, routed: np.ndarray, engine_stream: list[torch.Tensor]
 
 def run(a: argparse.Namespace) -> dict:
     device = torch.device(a.device)
-    if a.engine_moe_rounding is not None:
-        if not moe_triton.usable(torch.empty(0, device=device)):
-            raise SystemExit(
-                f"--engine-moe-rounding: the grouped expert kernels do not run on {device}; drop the flag"
-            )
-        moe_triton.ROUND_AS_TRANSFORMERS = a.engine_moe_rounding == "transformers"
+    moe.set_engine_moe_rounding(a.engine_moe_rounding, device)
     cfg = moe.hf_config(a)
     weights = moe.random_weights(cfg, device, a.seed, getattr(torch, a.engine_dtype))
     engine = moe.engine_model(cfg, weights, device, getattr(torch, a.engine_dtype))
