@@ -227,3 +227,23 @@ def test_engine_throughput_warm_up_builds_the_extend_path_then_empties_the_cache
     assert stats["prefill_tokens_requested"] == 2 * 4 * 40
     assert stats["prefill_tokens_computed"] < stats["prefill_tokens_requested"]  # the second round hit the first's
     assert stats["cached_pages"] == 0
+
+
+def test_engine_throughput_times_its_rounds_once_the_prefix_cache_has_settled(tmp_path):
+    # 64 prompts of 64 tokens over a pool that holds fewer of their pages: from an empty pool the rounds evict and
+    # replace pages for a few rounds; the timed rounds must start once a round evicts nothing
+    bench = load_bench("engine_throughput")
+    argv = ["--device", "cpu", "--batch", "64", "--prompt-len", "64", "--new-tokens", "8", "--skip-hf"]
+    args = bench.parse_args([*argv, "--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2"])
+    _, engine = bench.build_engine(args, str(tmp_path), "float32")
+    side = bench.EngineSide(engine, bench.make_prompts(args.batch, args.prompt_len, engine.model.spec.vocab_size))
+    try:
+        side.warm_extend()
+        side.round(args.new_tokens)
+        assert side.evicted() > 0  # the case settling is for
+        rounds = side.settle_cache(args.new_tokens)
+        before = side.evicted()
+        side.round(args.new_tokens)
+    finally:
+        side.close()
+    assert rounds < bench.SETTLE_ROUNDS and side.evicted() == before  # settled before the cap
