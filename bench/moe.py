@@ -131,22 +131,22 @@ def rollout(model: CausalLM, a: argparse.Namespace, seed: int) -> tuple[list[lis
 
 
 @torch.no_grad()
-def rescore(model: CausalLM, seqs: list[list[int]], a: argparse.Namespace) -> tuple[np.ndarray, np.ndarray]:
-    """The engine's own prefill over the sampled sequences (`--train-micro-batch` at a time, as the trainer scores
-    them): each sampled token's log-prob [B, new] and the experts of every token but the last [B, len - 1, ...],
-    the arrays `rollout` returns from decoding, so the two can be compared (and the trainer against either)."""
-    chunk = a.train_micro_batch
-    width = a.prompt_len + a.new_tokens  # the whole sequence, as the trainer scores it
+def rescore(model: CausalLM, seqs: list[list[int]], prompt_len: int, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+    """The engine's own prefill over the sampled sequences (`chunk` at a time, as the trainer scores them): the
+    log-prob of each token after the first `prompt_len` [B, len - prompt_len] and the experts of every token but
+    the last [B, len - 1, ...], the arrays `rollout` returns from decoding, so the two can be compared (and the
+    trainer against either)."""
+    width = len(seqs[0])  # the whole sequence, as the trainer scores it
     runner = ModelRunner(model, max_running_requests=chunk, max_seq_len=width + 1, use_cuda_graphs=False)
     runner.kv.allocate()
     lps, rows = [], []
     for lo in range(0, len(seqs), chunk):
-        part = [s[:width] for s in seqs[lo : lo + chunk]]
+        part = seqs[lo : lo + chunk]
         routing = Routing()
         res = runner.prefill(part, 0, [True] * len(part), routing=routing)
-        for i, logits in enumerate(res.all_logits):
-            logp = torch.log_softmax(logits[a.prompt_len - 1 : -1].float(), dim=-1)
-            sampled = torch.as_tensor(seqs[lo + i][a.prompt_len :], device=logp.device)
+        for logits, s in zip(res.all_logits, part, strict=True):
+            logp = torch.log_softmax(logits[prompt_len - 1 : -1].float(), dim=-1)
+            sampled = torch.as_tensor(s[prompt_len:], device=logp.device)
             lps.append(logp.gather(1, sampled[:, None]).squeeze(1).cpu())
         stacked = routing.stacked()
         rows.append(stacked.view(len(part), width, *stacked.shape[1:])[:, :-1].cpu())
@@ -326,7 +326,7 @@ def run(a: argparse.Namespace) -> dict:
         )  # before the mismatch half, which needs the most memory
     if not a.skip_mismatch:
         seqs, lps, routed = rollout(engine, a, a.seed)
-        rescored = rescore(engine, seqs, a) if a.engine_rescore else None
+        rescored = rescore(engine, seqs, a.prompt_len, a.train_micro_batch) if a.engine_rescore else None
         del engine  # free the engine's weights and KV before the trainer's copy is built
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -29,8 +29,6 @@ import numpy as np
 import torch
 
 import miles.engines.embedded.model as engine_model_module
-from miles.engines.embedded.moe import Routing
-from miles.engines.embedded.runner import ModelRunner
 from miles.rollout.train_data import TrainBatch
 from miles.trainer.forward import forward_micro_batch, model_layout
 from miles.trainer.residual_stream import keep_fp32_residual
@@ -69,24 +67,13 @@ def reading_the_engines_stream(hidden: int, into: list[torch.Tensor]):
         engine_model_module.rms_norm = original
 
 
-@torch.no_grad()
 def engine_pass(model, seqs: list[list[int]], hidden: int) -> tuple[list[torch.Tensor], np.ndarray, np.ndarray]:
-    """The engine's prefill of `seqs`: its stream at every norm, the log-prob of each next token [B, T - 1] and
-    the experts of every token but the last [B, T - 1, layers, k]."""
-    width = len(seqs[0])
-    runner = ModelRunner(model, max_running_requests=len(seqs), max_seq_len=width + 1, use_cuda_graphs=False)
-    runner.kv.allocate()
+    """The engine's prefill of `seqs` (bench/moe.py's `rescore`, in one call): its stream at every norm, the
+    log-prob of each next token [B, T - 1] and the experts of every token but the last [B, T - 1, layers, k]."""
     stream: list[torch.Tensor] = []
-    routing = Routing()
     with reading_the_engines_stream(hidden, stream):
-        res = runner.prefill(seqs, 0, [True] * len(seqs), routing=routing)
-    runner.kv.release()
-    lps = [
-        torch.log_softmax(logits[:-1].float(), -1).gather(1, torch.as_tensor(s[1:], device=logits.device)[:, None])
-        for logits, s in zip(res.all_logits, seqs, strict=True)
-    ]
-    routed = routing.stacked().view(len(seqs), width, -1, routing.layers[0].shape[-1])[:, :-1]
-    return stream, torch.cat(lps).squeeze(1).view(len(seqs), -1).cpu().numpy(), routed.cpu().numpy()
+        lps, routed = moe.rescore(model, seqs, 1, len(seqs))
+    return stream, lps, routed
 
 
 def point_names(layers: int) -> list[str]:
